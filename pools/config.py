@@ -1,0 +1,608 @@
+"""gpupool's configuration: the YAML schema (pydantic, validated once at the edge) and the
+frozen dataclasses the rest of the program reads.
+
+Every field carries its unit in its name (`_s`, `_ms`, `_tokens`, `_frac`, `_bytes`) and its
+default beside it. `load_config` returns a `Config`; `ConfigError` carries messages that name
+the offending field. `contract_problems` is the consistency check behind `gpupool check-config`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ClassConfig",
+    "Config",
+    "ConfigError",
+    "EnginesConfig",
+    "LocalEnginesConfig",
+    "ModelConfig",
+    "PoolConfig",
+    "RouterConfig",
+    "ShareConfig",
+    "SloConfig",
+    "StaticEnginesConfig",
+    "TenantConfig",
+    "contract_problems",
+    "default_config",
+    "load_config",
+]
+
+
+class ConfigError(Exception):
+    """The configuration is invalid. `problems` lists one message per offending field."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        self.source = source
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# The external schema (pydantic). Unknown keys are errors: a typo must not pass silently.
+# ---------------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSchema(_Strict):
+    name: str = "tiny"  # served model name clients send as "model"
+    path: str = "./.gpupool/models/tiny"  # HF-style folder: config.json, tokenizer
+    max_model_len_tokens: int | None = Field(default=None, gt=0)  # None: the engine's default
+    load_format: Literal["auto", "dummy"] = "dummy"  # dummy: random weights (dev model)
+    dtype: str = "bfloat16"
+
+
+class LocalEnginesSchema(_Strict):
+    count: int = Field(default=3, ge=1, le=64)
+    gpus_per_instance: int = Field(default=1, ge=1, le=16)
+    host: str = "127.0.0.1"
+    base_port: int = Field(default=8100, ge=1024, le=65000)  # instance i listens on base_port + i
+    kv_cache_bytes: int | None = Field(default=None, gt=0)  # None: engine default
+    vllm_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    cpu_affinity: list[list[int]] | None = None  # per instance, e.g. [[0], [1], [1]]; CPU only
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    restart_backoff_s: float = Field(default=2.0, gt=0)  # doubles per consecutive crash
+    restart_backoff_max_s: float = Field(default=60.0, gt=0)
+    stop_grace_s: float = Field(default=15.0, gt=0)
+    run_dir: str = "./.gpupool/run"
+
+
+class StaticEnginesSchema(_Strict):
+    urls: list[str] = Field(default_factory=list)
+    gpus_per_instance: int = Field(default=1, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _urls_are_http(self) -> StaticEnginesSchema:
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"url {url!r} must start with http:// or https://")
+        return self
+
+
+class EnginesSchema(_Strict):
+    launcher: Literal["local", "static", "ray"] = "local"
+    local: LocalEnginesSchema = Field(default_factory=LocalEnginesSchema)
+    static: StaticEnginesSchema = Field(default_factory=StaticEnginesSchema)
+
+    @model_validator(mode="after")
+    def _static_has_urls(self) -> EnginesSchema:
+        if self.launcher == "static" and not self.static.urls:
+            raise ValueError("launcher 'static' needs at least one URL in engines.static.urls")
+        return self
+
+
+class ShareSchema(_Strict):
+    initial_frac: float = Field(ge=0.0, le=1.0)
+    floor_frac: float = Field(default=0.0, ge=0.0, le=1.0)
+    ceiling_frac: float = Field(default=1.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ShareSchema:
+        if not self.floor_frac <= self.initial_frac <= self.ceiling_frac:
+            raise ValueError(
+                f"needs floor_frac <= initial_frac <= ceiling_frac, got {self.floor_frac} / "
+                f"{self.initial_frac} / {self.ceiling_frac}"
+            )
+        return self
+
+
+class SloSchema(_Strict):
+    ttft_p95_ms: float = Field(default=2000.0, gt=0)
+    tpot_p95_ms: float = Field(default=100.0, gt=0)
+
+
+class QueueSchema(_Strict):
+    max_depth: int = Field(default=256, ge=0)
+    max_wait_s: float = Field(default=10.0, ge=0)
+
+
+class PoolSchema(_Strict):
+    classes: list[str] = Field(min_length=1)
+    share: ShareSchema
+    slo: SloSchema = Field(default_factory=SloSchema)
+    queue: QueueSchema = Field(default_factory=QueueSchema)
+
+
+class ClassSchema(_Strict):
+    timeout_s: float = Field(default=300.0, gt=0)  # whole request, queue wait included
+    expected_output_tokens: int = Field(default=256, gt=0)  # used before p95 is observed
+    default_priority: int = 0
+
+
+class TenantSchema(_Strict):
+    name: str = Field(min_length=1)
+    api_key_env: str | None = None  # name of the env var holding the key
+    api_key: str | None = None  # literal key (tests, local use); prefer api_key_env
+    weight: float = Field(default=1.0, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+    max_concurrent_runs: int | None = Field(default=None, gt=0)
+    default_class: str | None = None
+    may_set_class: bool = True
+
+
+class RouterSchema(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    scrape_interval_s: float = Field(default=1.0, gt=0)
+    scrape_timeout_s: float = Field(default=2.0, gt=0)
+    stale_after_s: float = Field(default=5.0, gt=0)  # older telemetry counts as full
+    unhealthy_after_failures: int = Field(default=2, ge=1)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    max_connect_retries: int = Field(default=2, ge=0)
+    ledger_path: str = "./.gpupool/ledger.sqlite"
+    ledger_flush_interval_s: float = Field(default=0.5, gt=0)
+    ledger_retention_days: float = Field(default=30.0, gt=0)
+    state_path: str = "./.gpupool/state.json"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class ConfigSchema(_Strict):
+    model: ModelSchema = Field(default_factory=ModelSchema)
+    engines: EnginesSchema = Field(default_factory=EnginesSchema)
+    pools: dict[str, PoolSchema]
+    classes: dict[str, ClassSchema] = Field(default_factory=dict)
+    tenants: list[TenantSchema] = Field(default_factory=list)
+    router: RouterSchema = Field(default_factory=RouterSchema)
+
+    @model_validator(mode="after")
+    def _references(self) -> ConfigSchema:
+        if not self.pools:
+            raise ValueError("at least one pool is needed")
+        owners: dict[str, str] = {}
+        for pool_name, pool in self.pools.items():
+            for cls in pool.classes:
+                if cls in owners:
+                    raise ValueError(
+                        f"class {cls!r} is served by two pools ({owners[cls]!r} and {pool_name!r})"
+                    )
+                owners[cls] = pool_name
+        for cls in self.classes:
+            if cls not in owners:
+                raise ValueError(f"classes.{cls} is not served by any pool")
+        seen: set[str] = set()
+        for tenant in self.tenants:
+            if tenant.name in seen:
+                raise ValueError(f"tenant {tenant.name!r} appears twice")
+            seen.add(tenant.name)
+            if tenant.default_class is not None and tenant.default_class not in owners:
+                raise ValueError(
+                    f"tenant {tenant.name!r}: default_class {tenant.default_class!r} is not served"
+                    " by any pool"
+                )
+        if "normal" not in owners:
+            raise ValueError("some pool must serve class 'normal' (the default class)")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# The internal, frozen view the program reads.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    path: Path
+    max_model_len_tokens: int | None
+    load_format: str
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class LocalEnginesConfig:
+    count: int
+    gpus_per_instance: int
+    host: str
+    base_port: int
+    kv_cache_bytes: int | None
+    vllm_args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    cpu_affinity: tuple[tuple[int, ...], ...] | None
+    startup_timeout_s: float
+    restart_backoff_s: float
+    restart_backoff_max_s: float
+    stop_grace_s: float
+    run_dir: Path
+
+
+@dataclass(frozen=True, slots=True)
+class StaticEnginesConfig:
+    urls: tuple[str, ...]
+    gpus_per_instance: int
+
+
+@dataclass(frozen=True, slots=True)
+class EnginesConfig:
+    launcher: str
+    local: LocalEnginesConfig
+    static: StaticEnginesConfig
+
+    @property
+    def instance_count(self) -> int:
+        return len(self.static.urls) if self.launcher == "static" else self.local.count
+
+    @property
+    def gpus_per_instance(self) -> int:
+        if self.launcher == "static":
+            return self.static.gpus_per_instance
+        return self.local.gpus_per_instance
+
+
+@dataclass(frozen=True, slots=True)
+class ShareConfig:
+    initial_frac: float
+    floor_frac: float
+    ceiling_frac: float
+
+
+@dataclass(frozen=True, slots=True)
+class SloConfig:
+    ttft_p95_ms: float
+    tpot_p95_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    max_depth: int
+    max_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    name: str
+    classes: tuple[str, ...]
+    share: ShareConfig
+    slo: SloConfig
+    queue: QueueConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ClassConfig:
+    name: str
+    timeout_s: float
+    expected_output_tokens: int
+    default_priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    name: str
+    api_key: str | None
+    weight: float
+    tokens_per_minute: int | None
+    max_concurrent_runs: int | None
+    default_class: str | None
+    may_set_class: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str
+    port: int
+    scrape_interval_s: float
+    scrape_timeout_s: float
+    stale_after_s: float
+    unhealthy_after_failures: int
+    connect_timeout_s: float
+    upstream_timeout_s: float
+    max_connect_retries: int
+    ledger_path: Path
+    ledger_flush_interval_s: float
+    ledger_retention_days: float
+    state_path: Path
+    log_level: str
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    model: ModelConfig
+    engines: EnginesConfig
+    pools: tuple[PoolConfig, ...]
+    classes: tuple[ClassConfig, ...]
+    tenants: tuple[TenantConfig, ...]
+    router: RouterConfig
+    source: str = field(default="<default>")
+
+    def pool(self, name: str) -> PoolConfig:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(name)
+
+    def pool_for_class(self, class_name: str) -> PoolConfig | None:
+        for pool in self.pools:
+            if class_name in pool.classes:
+                return pool
+        return None
+
+    def class_config(self, name: str) -> ClassConfig:
+        for cls in self.classes:
+            if cls.name == name:
+                return cls
+        return ClassConfig(name=name, timeout_s=300.0, expected_output_tokens=256, default_priority=0)
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return tuple(c for pool in self.pools for c in pool.classes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    problems = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling)"
+        elif message.startswith("Value error, "):
+            message = message[len("Value error, ") :]
+        problems.append(f"{where}: {message}")
+    return problems
+
+
+def _resolve(base: Path, value: str) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (base / path)
+
+
+def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
+    problems: list[str] = []
+    tenants = []
+    for t in schema.tenants:
+        key = t.api_key
+        if t.api_key_env is not None:
+            key = os.environ.get(t.api_key_env)
+            if not key:
+                problems.append(
+                    f"tenants.{t.name}.api_key_env: environment variable {t.api_key_env!r} is not"
+                    " set or empty"
+                )
+        tenants.append(
+            TenantConfig(
+                name=t.name,
+                api_key=key,
+                weight=t.weight,
+                tokens_per_minute=t.tokens_per_minute,
+                max_concurrent_runs=t.max_concurrent_runs,
+                default_class=t.default_class,
+                may_set_class=t.may_set_class,
+            )
+        )
+    if problems:
+        raise ConfigError(problems, source)
+    local = schema.engines.local
+    pools = tuple(
+        PoolConfig(
+            name=name,
+            classes=tuple(p.classes),
+            share=ShareConfig(p.share.initial_frac, p.share.floor_frac, p.share.ceiling_frac),
+            slo=SloConfig(p.slo.ttft_p95_ms, p.slo.tpot_p95_ms),
+            queue=QueueConfig(p.queue.max_depth, p.queue.max_wait_s),
+        )
+        for name, p in schema.pools.items()
+    )
+    class_names = [c for p in pools for c in p.classes]
+    classes = tuple(
+        ClassConfig(
+            name=c,
+            timeout_s=schema.classes[c].timeout_s if c in schema.classes else 300.0,
+            expected_output_tokens=(
+                schema.classes[c].expected_output_tokens if c in schema.classes else 256
+            ),
+            default_priority=schema.classes[c].default_priority if c in schema.classes else 0,
+        )
+        for c in class_names
+    )
+    r = schema.router
+    return Config(
+        model=ModelConfig(
+            name=schema.model.name,
+            path=_resolve(base, schema.model.path),
+            max_model_len_tokens=schema.model.max_model_len_tokens,
+            load_format=schema.model.load_format,
+            dtype=schema.model.dtype,
+        ),
+        engines=EnginesConfig(
+            launcher=schema.engines.launcher,
+            local=LocalEnginesConfig(
+                count=local.count,
+                gpus_per_instance=local.gpus_per_instance,
+                host=local.host,
+                base_port=local.base_port,
+                kv_cache_bytes=local.kv_cache_bytes,
+                vllm_args=tuple(local.vllm_args),
+                env=tuple(sorted(local.env.items())),
+                cpu_affinity=(
+                    tuple(tuple(c) for c in local.cpu_affinity) if local.cpu_affinity else None
+                ),
+                startup_timeout_s=local.startup_timeout_s,
+                restart_backoff_s=local.restart_backoff_s,
+                restart_backoff_max_s=local.restart_backoff_max_s,
+                stop_grace_s=local.stop_grace_s,
+                run_dir=_resolve(base, local.run_dir),
+            ),
+            static=StaticEnginesConfig(
+                urls=tuple(u.rstrip("/") for u in schema.engines.static.urls),
+                gpus_per_instance=schema.engines.static.gpus_per_instance,
+            ),
+        ),
+        pools=pools,
+        classes=classes,
+        tenants=tuple(tenants),
+        router=RouterConfig(
+            host=r.host,
+            port=r.port,
+            scrape_interval_s=r.scrape_interval_s,
+            scrape_timeout_s=r.scrape_timeout_s,
+            stale_after_s=r.stale_after_s,
+            unhealthy_after_failures=r.unhealthy_after_failures,
+            connect_timeout_s=r.connect_timeout_s,
+            upstream_timeout_s=r.upstream_timeout_s,
+            max_connect_retries=r.max_connect_retries,
+            ledger_path=_resolve(base, r.ledger_path),
+            ledger_flush_interval_s=r.ledger_flush_interval_s,
+            ledger_retention_days=r.ledger_retention_days,
+            state_path=_resolve(base, r.state_path),
+            log_level=r.log_level,
+        ),
+        source=source,
+    )
+
+
+def parse_config(data: Any, *, base_dir: Path | None = None, source: str = "config") -> Config:
+    """Validate a parsed YAML document and freeze it. Raises `ConfigError`."""
+    if not isinstance(data, dict):
+        raise ConfigError(["(top level): expected a mapping of sections"], source)
+    try:
+        schema = ConfigSchema.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err), source) from None
+    return _freeze(schema, base_dir or Path.cwd(), source)
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """Load `path`, or the built-in default when `path` is None. Raises `ConfigError`.
+
+    Relative paths inside the file resolve against the current directory, as the CLI runs
+    from the repository root.
+    """
+    if path is None:
+        return default_config()
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError([f"cannot read the file: {err.strerror}"], str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError([f"not valid YAML: {err}"], str(path)) from None
+    return parse_config(data, base_dir=Path.cwd(), source=str(path))
+
+
+DEFAULT_CPU_CONFIG: dict[str, Any] = {
+    "model": {"name": "tiny", "path": "./.gpupool/models/tiny", "max_model_len_tokens": 4096},
+    "engines": {
+        "launcher": "local",
+        "local": {
+            "count": 3,
+            "gpus_per_instance": 1,
+            # 64 MiB of KV: with the tiny model that is a few thousand blocks' worth of tokens,
+            # small enough that admission matters and an engine fits in ~2.5 GiB of RAM.
+            "kv_cache_bytes": 64 * 1024 * 1024,
+            "vllm_args": ["--max-num-seqs", "64"],
+        },
+    },
+    "pools": {
+        "agent": {
+            "classes": ["agent"],
+            "share": {"initial_frac": 0.34, "floor_frac": 0.2, "ceiling_frac": 0.67},
+            "slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 150},
+            "queue": {"max_depth": 256, "max_wait_s": 30},
+        },
+        "normal": {
+            "classes": ["normal"],
+            "share": {"initial_frac": 0.66, "floor_frac": 0.33, "ceiling_frac": 0.8},
+            "slo": {"ttft_p95_ms": 800, "tpot_p95_ms": 80},
+            "queue": {"max_depth": 256, "max_wait_s": 5},
+        },
+    },
+    "classes": {
+        "agent": {"timeout_s": 600, "expected_output_tokens": 256},
+        "normal": {"timeout_s": 120, "expected_output_tokens": 128},
+    },
+}
+
+
+def default_config() -> Config:
+    """The embedded default: three local engines serving the tiny dev model, one for the agent
+    pool and two for the normal pool."""
+    return parse_config(DEFAULT_CPU_CONFIG, base_dir=Path.cwd(), source="<built-in default>")
+
+
+# ---------------------------------------------------------------------------------------------
+# Contract consistency (gpupool check-config)
+# ---------------------------------------------------------------------------------------------
+
+
+def contract_problems(config: Config) -> list[str]:
+    """Checks the numbers fit together. Returns human-readable problems; empty means consistent.
+
+    - pool floors sum to at most 1 and ceilings to at least 1, initial shares sum to 1;
+    - for every class: its pool's max queue wait + expected execution (TTFT target plus the
+      expected output tokens at the TPOT target) fits the class timeout;
+    - each pool can hold at least one instance's worth of capacity (ceiling >= 1/instances)
+      when there is more than one instance.
+    """
+    problems: list[str] = []
+    eps = 1e-6
+    floors = sum(p.share.floor_frac for p in config.pools)
+    ceilings = sum(p.share.ceiling_frac for p in config.pools)
+    initial = sum(p.share.initial_frac for p in config.pools)
+    if floors > 1 + eps:
+        problems.append(f"pools: floor_frac values sum to {floors:.3f}, more than 1")
+    if ceilings < 1 - eps:
+        problems.append(f"pools: ceiling_frac values sum to {ceilings:.3f}, less than 1")
+    if abs(initial - 1) > 0.02:
+        problems.append(f"pools: initial_frac values sum to {initial:.3f}, must sum to 1")
+    for pool in config.pools:
+        for cls_name in pool.classes:
+            cls = config.class_config(cls_name)
+            exec_s = (pool.slo.ttft_p95_ms + cls.expected_output_tokens * pool.slo.tpot_p95_ms) / 1e3
+            need_s = pool.queue.max_wait_s + exec_s
+            if need_s > cls.timeout_s + eps:
+                problems.append(
+                    f"classes.{cls_name}: queue wait {pool.queue.max_wait_s:g} s + expected "
+                    f"execution {exec_s:.1f} s (ttft {pool.slo.ttft_p95_ms:g} ms + "
+                    f"{cls.expected_output_tokens} tokens x {pool.slo.tpot_p95_ms:g} ms) = "
+                    f"{need_s:.1f} s exceeds timeout_s {cls.timeout_s:g}"
+                )
+    n = config.engines.instance_count
+    if n > 1:
+        for pool in config.pools:
+            if pool.share.ceiling_frac * n < 1 - eps:
+                problems.append(
+                    f"pools.{pool.name}.share.ceiling_frac: {pool.share.ceiling_frac:g} of {n}"
+                    f" instances is less than one instance ({1 / n:.3f})"
+                )
+    affinity = config.engines.local.cpu_affinity
+    if config.engines.launcher == "local" and affinity is not None and len(affinity) != n:
+        problems.append(
+            f"engines.local.cpu_affinity: has {len(affinity)} entries for {n} instances"
+        )
+    return problems

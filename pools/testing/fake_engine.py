@@ -1,0 +1,355 @@
+"""A fast fake vLLM engine: a raw ASGI app that speaks the OpenAI API and exposes vLLM's metric
+names, for unit tests and for measuring the router's own overhead. Never a stand-in for the
+integration tests, which run real engines.
+
+What it does, in vLLM 0.32's shapes:
+- `POST /v1/chat/completions`, `POST /v1/completions`: streaming (SSE, optional usage chunk with
+  `stream_options.include_usage`) and not; `max_tokens` output tokens of one word each;
+  prompt tokens counted as whitespace-separated words; a prompt over `max_model_len_tokens`
+  gets vLLM's 400; an unknown model gets vLLM's 404.
+- `GET /v1/models`, `GET /health`, `GET /metrics` (`vllm:kv_cache_usage_perc`,
+  `vllm:num_requests_running|waiting`, `vllm:cache_config_info`, `vllm:num_preemptions_total`,
+  TTFT and inter-token histograms).
+- Behaviour is scripted through `FakeEngineState`: latencies, a failure mode for the next
+  requests, and live counters tests can read (running, aborted, served).
+
+Run standalone: `python -m pools.testing.fake_engine --port 9000 [--ttft-ms 0 --itl-ms 0]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+__all__ = ["FakeEngineState", "make_fake_engine", "main"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class _Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(_BUCKETS_S) + 1))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value_s: float) -> None:
+        self.n += 1
+        self.total += value_s
+        for i, bound in enumerate(_BUCKETS_S):
+            if value_s <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    def render(self, name: str, labels: str) -> str:
+        lines = [f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, count in zip(_BUCKETS_S, self.counts, strict=False):
+            cumulative += count
+            lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {float(cumulative)}')
+        lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(self.n)}')
+        lines.append(f"{name}_count{{{labels}}} {float(self.n)}")
+        lines.append(f"{name}_sum{{{labels}}} {self.total}")
+        return "\n".join(lines)
+
+
+@dataclass
+class FakeEngineState:
+    """Scripted behaviour and live counters of one fake engine."""
+
+    model: str = "tiny"
+    max_model_len_tokens: int = 4096
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    ttft_s: float = 0.0
+    itl_s: float = 0.0
+    default_max_tokens: int = 16
+    # failure scripting: "http500" answers 500; "drop_midstream" closes after the first chunk;
+    # "hang" never answers. Applies to the next `fail_next` requests (-1: all).
+    failure: str | None = None
+    fail_next: int = 0
+    metrics_fail: bool = False
+    health_fail: bool = False
+    legacy_metric_names: bool = False  # vllm:gpu_cache_usage_perc, time_per_output_token
+    # live counters
+    running: int = 0
+    waiting: int = 0
+    served: int = 0
+    aborted: int = 0
+    preemptions: int = 0
+    requests_seen: list[dict[str, Any]] = field(default_factory=list)
+    keep_requests: bool = True
+    used_blocks: int = 0
+    ttft_hist: _Histogram = field(default_factory=_Histogram)
+    itl_hist: _Histogram = field(default_factory=_Histogram)
+
+    def take_failure(self) -> str | None:
+        if self.failure is None or self.fail_next == 0:
+            return None
+        if self.fail_next > 0:
+            self.fail_next -= 1
+        return self.failure
+
+    def metrics_text(self) -> str:
+        labels = f'engine="0",model_name="{self.model}"'
+        usage = min(1.0, self.used_blocks / self.num_gpu_blocks) if self.num_gpu_blocks else 0.0
+        usage_name = "vllm:gpu_cache_usage_perc" if self.legacy_metric_names else (
+            "vllm:kv_cache_usage_perc"
+        )
+        itl_name = "vllm:time_per_output_token_seconds" if self.legacy_metric_names else (
+            "vllm:inter_token_latency_seconds"
+        )
+        parts = [
+            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{labels}}} "
+            f"{float(self.running)}",
+            f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{labels}}} "
+            f"{float(self.waiting)}",
+            f"# TYPE {usage_name} gauge\n{usage_name}{{{labels}}} {usage}",
+            f"# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{{{labels}}} "
+            f"{float(self.preemptions)}",
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",'
+            f'engine="0",enable_prefix_caching="True",gpu_memory_utilization="0.9",'
+            f'num_gpu_blocks="{self.num_gpu_blocks}",num_cpu_blocks="None"}} 1.0',
+            self.ttft_hist.render("vllm:time_to_first_token_seconds", labels),
+            self.itl_hist.render(itl_name, labels),
+        ]
+        return "\n".join(parts) + "\n"
+
+
+def _error_body(message: str, type_: str, code: int, param: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
+    if chat:
+        text = " ".join(
+            m.get("content") if isinstance(m.get("content"), str) else ""
+            for m in body.get("messages") or []
+            if isinstance(m, dict)
+        )
+        return len(text.split()) + 4 * len(body.get("messages") or [])
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        prompt = " ".join(str(p) for p in prompt)
+    return len(str(prompt).split()) + 1
+
+
+def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awaitable[None]]:
+    """Build the ASGI app. Pass a `FakeEngineState` to script it and read its counters."""
+    st = state or FakeEngineState()
+
+    async def respond(send: Send, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def read_body(receive: Receive) -> bytes:
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ConnectionError("client went away")
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+    async def generate(scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        try:
+            raw = await read_body(receive)
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            await respond(send, 400, _error_body("invalid JSON", "BadRequestError", 400))
+            return
+        if st.keep_requests:
+            st.requests_seen.append(body)
+        if body.get("model") != st.model:
+            msg = f"The model `{body.get('model')}` does not exist. Valid aliases: {st.model}."
+            await respond(send, 404, _error_body(msg, "NotFoundError", 404, "model"))
+            return
+        prompt_tokens = _prompt_tokens(body, chat)
+        if prompt_tokens > st.max_model_len_tokens:
+            msg = (
+                f"This model's maximum context length is {st.max_model_len_tokens} tokens. However,"
+                f" your prompt contains at least {prompt_tokens} input tokens, which exceeds this "
+                "limit even without any output tokens. Please reduce the length of the input prompt."
+            )
+            await respond(send, 400, _error_body(msg, "BadRequestError", 400, "input_tokens"))
+            return
+        failure = st.take_failure()
+        if failure == "http500":
+            await respond(send, 500, _error_body("EngineCore died", "InternalServerError", 500))
+            return
+        if failure == "hang":
+            await asyncio.sleep(3600)
+            return
+        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or
+                         st.default_max_tokens)
+        blocks = math.ceil((prompt_tokens + max_tokens) / st.block_size)
+        st.running += 1
+        st.used_blocks += blocks
+        started = time.perf_counter()
+        try:
+            if body.get("stream"):
+                await _stream(send, receive, body, chat, prompt_tokens, max_tokens, failure)
+            else:
+                await _complete(send, body, chat, prompt_tokens, max_tokens)
+            st.served += 1
+            st.ttft_hist.observe(st.ttft_s)
+            if max_tokens > 1:
+                st.itl_hist.observe(st.itl_s)
+        except (ConnectionError, asyncio.CancelledError):
+            st.aborted += 1
+            raise
+        finally:
+            st.running -= 1
+            st.used_blocks -= blocks
+            del started
+
+    async def _complete(
+        send: Send, body: dict[str, Any], chat: bool, prompt_tokens: int, max_tokens: int
+    ) -> None:
+        delay = st.ttft_s + st.itl_s * max(0, max_tokens - 1)
+        if delay:
+            await asyncio.sleep(delay)
+        text = " tok" * max_tokens
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": max_tokens,
+            "total_tokens": prompt_tokens + max_tokens,
+        }
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "length",
+            }
+            out = {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0,
+                   "model": st.model, "choices": [choice], "usage": usage}
+        else:
+            out = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": st.model,
+                   "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                   "usage": usage}
+        await respond(send, 200, orjson.dumps(out))
+
+    async def _stream(
+        send: Send,
+        receive: Receive,
+        body: dict[str, Any],
+        chat: bool,
+        prompt_tokens: int,
+        max_tokens: int,
+        failure: str | None,
+    ) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        cid = "chatcmpl-fake" if chat else "cmpl-fake"
+
+        def chunk(i: int, last: bool) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {"content": " tok"}
+                if i == 0:
+                    delta["role"] = "assistant"
+                choice: dict[str, Any] = {"index": 0, "delta": delta,
+                                          "finish_reason": "length" if last else None}
+            else:
+                choice = {"index": 0, "text": " tok", "finish_reason": "length" if last else None}
+            data = {"id": cid, "object": obj, "created": 0, "model": st.model, "choices": [choice]}
+            return b"data: " + orjson.dumps(data) + b"\n\n"
+
+        if st.ttft_s:
+            await asyncio.sleep(st.ttft_s)
+        for i in range(max_tokens):
+            if i and st.itl_s:
+                await asyncio.sleep(st.itl_s)
+            await send({"type": "http.response.body", "body": chunk(i, i == max_tokens - 1),
+                        "more_body": True})
+            if failure == "drop_midstream":
+                raise ConnectionError("scripted mid-stream failure")
+        opts = body.get("stream_options") or {}
+        if opts.get("include_usage"):
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                     "total_tokens": prompt_tokens + max_tokens}
+            data = {"id": cid, "object": obj, "created": 0, "model": st.model, "choices": [],
+                    "usage": usage}
+            await send({"type": "http.response.body",
+                        "body": b"data: " + orjson.dumps(data) + b"\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope["path"]
+        method = scope["method"]
+        if method == "POST" and path == "/v1/chat/completions":
+            await generate(scope, receive, send, chat=True)
+        elif method == "POST" and path == "/v1/completions":
+            await generate(scope, receive, send, chat=False)
+        elif path == "/health":
+            await respond(send, 503 if st.health_fail else 200, b"")
+        elif path == "/metrics":
+            if st.metrics_fail:
+                await respond(send, 500, b"metrics unavailable", b"text/plain")
+            else:
+                await respond(send, 200, st.metrics_text().encode(), b"text/plain; version=0.0.4")
+        elif path == "/v1/models":
+            models = {"object": "list", "data": [
+                {"id": st.model, "object": "model", "owned_by": "vllm",
+                 "max_model_len": st.max_model_len_tokens}]}
+            await respond(send, 200, orjson.dumps(models))
+        else:
+            await respond(send, 404, _error_body("Not Found", "NotFoundError", 404))
+
+    app.state = st  # type: ignore[attr-defined]
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve a fake engine over HTTP (uvicorn with httptools and uvloop)."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--ttft-ms", type=float, default=0.0)
+    parser.add_argument("--itl-ms", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=16, help="default when a request has none")
+    args = parser.parse_args(argv)
+    state = FakeEngineState(model=args.model, ttft_s=args.ttft_ms / 1e3, itl_s=args.itl_ms / 1e3,
+                            default_max_tokens=args.max_tokens, keep_requests=False)
+    uvicorn.run(make_fake_engine(state), host=args.host, port=args.port, log_level="warning",
+                access_log=False, http="httptools", loop="uvloop", lifespan="on")
+
+
+if __name__ == "__main__":
+    main()

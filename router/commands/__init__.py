@@ -1,0 +1,1 @@
+"""One module per `gpupool` subcommand; each exposes `register(subparsers)`."""

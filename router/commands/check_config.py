@@ -1,0 +1,41 @@
+"""`gpupool check-config FILE`: validate a config file and check its contract is consistent.
+
+Exit 0 when valid and consistent, 2 otherwise, with one line per problem naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pools.config import ConfigError, contract_problems, load_config
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("check-config", help="validate a config file and its contract")
+    p.add_argument("file", nargs="?", help="YAML config (default: the built-in default)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except ConfigError as err:
+        print(f"gpupool: invalid config {err.source}:", file=sys.stderr)
+        for problem in err.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    problems = contract_problems(config)
+    if problems:
+        print(f"gpupool: config {config.source} is valid but inconsistent:", file=sys.stderr)
+        for problem in problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    pools = ", ".join(
+        f"{p.name} ({'/'.join(p.classes)}: {p.share.initial_frac:.0%} in "
+        f"[{p.share.floor_frac:.0%}, {p.share.ceiling_frac:.0%}])"
+        for p in config.pools
+    )
+    print(f"{config.source}: ok; {config.engines.instance_count} instances "
+          f"({config.engines.launcher}); pools: {pools}")
+    return 0
