@@ -1,0 +1,66 @@
+"""Prometheus counters for GPU-seconds accounting, on a registry the caller passes in.
+
+- `gpupool_gpu_seconds_total{pool,class,tenant}`: GPU-seconds charged to finished requests;
+  incremented once per request by `observe_request`.
+- `gpupool_idle_gpu_seconds_total{pool}`, `gpupool_capacity_gpu_seconds_total`: fed by
+  `update(report)` with the accountant's cumulative totals; they grow by the difference since
+  the last update (poll it at scrape time or on a timer).
+- `gpupool_accounting_conservation_error_ratio`: |attributed + idle - capacity| / capacity
+  from the last update; anything above ~1e-9 means a bug.
+
+Labels are bounded (pools, classes and tenants come from config); never a run or request id.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from router.accounting import ConservationReport
+
+__all__ = ["AccountingMetrics"]
+
+
+class AccountingMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._gpu_seconds = Counter(
+            "gpupool_gpu_seconds",
+            "GPU-seconds charged to finished requests (processor sharing per instance).",
+            ["pool", "class", "tenant"],
+            registry=registry,
+        )
+        self._idle = Counter(
+            "gpupool_idle_gpu_seconds",
+            "GPU-seconds of instances with no sequence in flight, split by pool shares.",
+            ["pool"],
+            registry=registry,
+        )
+        self._capacity = Counter(
+            "gpupool_capacity_gpu_seconds",
+            "GPU-seconds of capacity: GPUs x wall time of every instance accounted.",
+            registry=registry,
+        )
+        self._error = Gauge(
+            "gpupool_accounting_conservation_error_ratio",
+            "|attributed + idle - capacity| / capacity at the last accounting update.",
+            registry=registry,
+        )
+        self._last_idle_gpu_s: dict[str, float] = {}
+        self._last_capacity_gpu_s = 0.0
+
+    def observe_request(self, pool: str, class_name: str, tenant: str, gpu_seconds: float) -> None:
+        """Add one finished request's GPU-seconds (negative values are ignored)."""
+        if gpu_seconds > 0.0:
+            self._gpu_seconds.labels(pool, class_name, tenant).inc(gpu_seconds)
+
+    def update(self, report: ConservationReport) -> None:
+        """Advance the idle and capacity counters to the report's cumulative totals."""
+        for pool, total in report.idle_by_pool_gpu_seconds.items():
+            delta = total - self._last_idle_gpu_s.get(pool, 0.0)
+            if delta > 0.0:
+                self._idle.labels(pool).inc(delta)
+                self._last_idle_gpu_s[pool] = total
+        delta = report.capacity_gpu_seconds - self._last_capacity_gpu_s
+        if delta > 0.0:
+            self._capacity.inc(delta)
+            self._last_capacity_gpu_s = report.capacity_gpu_seconds
+        self._error.set(report.rel_error)
