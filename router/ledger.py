@@ -1,0 +1,734 @@
+"""The durable GPU-seconds ledger: one SQLite file (WAL) of finished requests, rolled up per run,
+tenant, class and pool, plus hourly idle/capacity totals so idle time survives a restart.
+
+`Ledger.submit(record)` is O(1) and never touches disk: it appends a row to an in-memory buffer.
+A background task (`start()`/`aclose()`) writes the buffer every `flush_interval_s` in one
+transaction via `asyncio.to_thread`; `aclose()` writes everything left, so a graceful shutdown
+loses nothing and a hard kill loses at most one flush interval. Rows whose request ended more
+than `retention_days` ago are deleted at start and every `maintenance_interval_s`.
+
+Queries exist twice: sync functions over a `sqlite3.Connection` (the CLI reads the file with
+them) and async methods on `Ledger` (the HTTP layer), which first write the buffer, so a run's
+latest requests are always visible. All of them return JSON-ready dicts; see docs/accounting.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import operator
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pools.config import RouterConfig
+from router.accounting import ConservationReport
+
+__all__ = [
+    "OUTCOMES",
+    "SCHEMA_VERSION",
+    "Ledger",
+    "LedgerError",
+    "RequestRecord",
+    "connect",
+    "list_runs",
+    "open_readonly",
+    "run_summary",
+    "top_runs_report",
+    "totals",
+]
+
+logger = logging.getLogger(__name__)
+
+JsonDict = dict[str, Any]
+RunOrder = Literal["last_seen", "gpu_seconds"]
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1  # PRAGMA user_version of the file
+HOUR_S = 3600
+DAY_S = 86_400.0
+# The outcomes the router records; `outcome` is free text, these are the documented values.
+OUTCOMES = ("ok", "client_error", "engine_error", "aborted", "rejected", "timeout")
+
+
+class LedgerError(Exception):
+    """The ledger file cannot be used (unreadable, or written by a newer gpupool)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestRecord:
+    """One finished (or rejected) request. Times are unix seconds; durations seconds.
+
+    `started_at_s` is the request's arrival at the router, `ended_at_s` its last byte out;
+    `queue_s` the wait before dispatch. `step_index` None: the ledger numbers the run's
+    requests 0, 1, 2, ... in submit order (see `Ledger.next_step_index`).
+    """
+
+    request_id: str
+    run_id: str | None
+    step_index: int | None
+    tenant: str
+    class_name: str
+    pool: str
+    instance: str | None  # None when never dispatched (rejected)
+    model: str
+    started_at_s: float
+    ended_at_s: float
+    queue_s: float
+    ttft_s: float | None
+    tpot_s: float | None
+    prompt_tokens: int
+    completion_tokens: int
+    gpu_seconds: float
+    outcome: str  # one of OUTCOMES
+    status_code: int
+
+
+_COLUMNS = tuple(f.name for f in fields(RequestRecord))  # also the table's columns
+_Row = tuple[Any, ...]
+# A row to insert is the record's fields in this order, then the step index.
+_FIELDS_BUT_STEP = tuple(c for c in _COLUMNS if c != "step_index")
+_record_fields = operator.attrgetter(*_FIELDS_BUT_STEP)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    request_id TEXT PRIMARY KEY,
+    run_id TEXT,
+    step_index INTEGER,
+    tenant TEXT NOT NULL,
+    class_name TEXT NOT NULL,
+    pool TEXT NOT NULL,
+    instance TEXT,
+    model TEXT NOT NULL,
+    started_at_s REAL NOT NULL,
+    ended_at_s REAL NOT NULL,
+    queue_s REAL NOT NULL,
+    ttft_s REAL,
+    tpot_s REAL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    gpu_seconds REAL NOT NULL,
+    outcome TEXT NOT NULL,
+    status_code INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS requests_run ON requests (run_id, tenant) WHERE run_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS requests_ended ON requests (ended_at_s);
+CREATE TABLE IF NOT EXISTS idle_hourly (
+    hour_start_s INTEGER NOT NULL,
+    pool TEXT NOT NULL,
+    idle_gpu_seconds REAL NOT NULL,
+    PRIMARY KEY (hour_start_s, pool)
+);
+CREATE TABLE IF NOT EXISTS capacity_hourly (
+    hour_start_s INTEGER PRIMARY KEY,
+    capacity_gpu_seconds REAL NOT NULL
+);
+"""
+
+_INSERT = (
+    f"INSERT OR REPLACE INTO requests ({', '.join(_FIELDS_BUT_STEP)}, step_index) "
+    f"VALUES ({', '.join('?' for _ in _COLUMNS)})"
+)
+_ADD_IDLE = (
+    "INSERT INTO idle_hourly (hour_start_s, pool, idle_gpu_seconds) VALUES (?, ?, ?) "
+    "ON CONFLICT (hour_start_s, pool) DO UPDATE SET "
+    "idle_gpu_seconds = idle_gpu_seconds + excluded.idle_gpu_seconds"
+)
+_ADD_CAPACITY = (
+    "INSERT INTO capacity_hourly (hour_start_s, capacity_gpu_seconds) VALUES (?, ?) "
+    "ON CONFLICT (hour_start_s) DO UPDATE SET "
+    "capacity_gpu_seconds = capacity_gpu_seconds + excluded.capacity_gpu_seconds"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening the file
+# ---------------------------------------------------------------------------------------------
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """Open (creating if missing) a ledger for writing: WAL, schema ensured, version checked.
+
+    The connection is in autocommit mode and may be used from any one thread at a time.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+    try:
+        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise LedgerError(
+                f"{path}: ledger schema version {version} is newer than this gpupool's "
+                f"({SCHEMA_VERSION})"
+            )
+        conn.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a committed batch survives a process kill; an OS crash may lose
+        # the last batches, never corrupt the file.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.executescript(_SCHEMA)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    except sqlite3.DatabaseError as err:
+        conn.close()
+        raise LedgerError(f"{path}: cannot open the ledger: {err}") from err
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def open_readonly(path: Path) -> sqlite3.Connection:
+    """Open an existing ledger to read (the CLI). Raises `LedgerError` if missing or foreign."""
+    if not path.is_file():
+        raise LedgerError(f"{path}: no ledger file there")
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        conn.execute("SELECT 1 FROM requests LIMIT 1").fetchall()
+    except sqlite3.DatabaseError as err:
+        raise LedgerError(f"{path}: not a gpupool ledger: {err}") from err
+    if version > SCHEMA_VERSION:
+        conn.close()
+        raise LedgerError(f"{path}: ledger schema version {version} is newer than supported")
+    return conn
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing (run in a worker thread)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    rows: Sequence[_Row]
+    idle_by_pool_gpu_s: Mapping[str, float]  # deltas since the last batch
+    capacity_gpu_s: float  # delta since the last batch
+    hour_start_s: int
+
+
+def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if batch.rows:
+            conn.executemany(_INSERT, batch.rows)
+        for pool, idle_gpu_s in batch.idle_by_pool_gpu_s.items():
+            conn.execute(_ADD_IDLE, (batch.hour_start_s, pool, idle_gpu_s))
+        if batch.capacity_gpu_s > 0.0:
+            conn.execute(_ADD_CAPACITY, (batch.hour_start_s, batch.capacity_gpu_s))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _delete_older_than(conn: sqlite3.Connection, cutoff_s: float) -> int:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        deleted = conn.execute("DELETE FROM requests WHERE ended_at_s < ?", (cutoff_s,)).rowcount
+        hour = math.floor(cutoff_s / HOUR_S) * HOUR_S
+        conn.execute("DELETE FROM idle_hourly WHERE hour_start_s < ?", (hour,))
+        conn.execute("DELETE FROM capacity_hourly WHERE hour_start_s < ?", (hour,))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return int(deleted)
+
+
+def _recent_steps(conn: sqlite3.Connection, since_s: float) -> list[tuple[str, str, int, float]]:
+    cur = conn.execute(
+        "SELECT tenant, run_id, MAX(step_index), MAX(ended_at_s) FROM requests "
+        "WHERE run_id IS NOT NULL AND ended_at_s >= ? GROUP BY tenant, run_id",
+        (since_s,),
+    )
+    return [(t, r, -1 if s is None else int(s), float(e)) for t, r, s, e in cur]
+
+
+# ---------------------------------------------------------------------------------------------
+# Queries (sync; the CLI calls them directly, `Ledger` through a worker thread)
+# ---------------------------------------------------------------------------------------------
+
+
+def _dicts(cur: sqlite3.Cursor) -> list[JsonDict]:
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur]
+
+
+_ROLLUP_KEYS = ("requests", "runs", "prompt_tokens", "completion_tokens", "gpu_seconds")
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 1]."""
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _distribution(values: Iterable[float | None]) -> JsonDict:
+    present = sorted(v for v in values if v is not None)
+    if not present:
+        return {"count": 0, "p50": None, "p95": None, "max": None}
+    return {
+        "count": len(present),
+        "p50": _percentile(present, 0.5),
+        "p95": _percentile(present, 0.95),
+        "max": present[-1],
+    }
+
+
+def run_summary(conn: sqlite3.Connection, run_id: str, tenant: str | None) -> JsonDict | None:
+    """One run: totals, TTFT/TPOT distributions and every request, in step order.
+
+    `tenant` scopes the answer: None when that tenant has no request in the run (so a run id
+    of another tenant looks like an unknown one). `tenant=None` (admin, CLI) sees all tenants.
+    """
+    where = "run_id = ?" + ("" if tenant is None else " AND tenant = ?")
+    params: tuple[str, ...] = (run_id,) if tenant is None else (run_id, tenant)
+    cur = conn.execute(
+        f"SELECT {', '.join(_COLUMNS)} FROM requests WHERE {where} "
+        "ORDER BY step_index IS NULL, step_index, started_at_s",
+        params,
+    )
+    requests = _dicts(cur)
+    if not requests:
+        return None
+    first_s = min(r["started_at_s"] for r in requests)
+    last_s = max(r["ended_at_s"] for r in requests)
+    outcomes: dict[str, int] = {}
+    for r in requests:
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    return {
+        "object": "gpupool.run",
+        "run_id": run_id,
+        "tenants": sorted({r["tenant"] for r in requests}),
+        "classes": sorted({r["class_name"] for r in requests}),
+        "pools": sorted({r["pool"] for r in requests}),
+        "first_seen_s": first_s,
+        "last_seen_s": last_s,
+        "totals": {
+            "requests": len(requests),
+            "outcomes": outcomes,
+            "prompt_tokens": sum(r["prompt_tokens"] for r in requests),
+            "completion_tokens": sum(r["completion_tokens"] for r in requests),
+            "gpu_seconds": math.fsum(r["gpu_seconds"] for r in requests),
+            "wall_s": last_s - first_s,
+            "queue_s": math.fsum(r["queue_s"] for r in requests),
+        },
+        "ttft_s": _distribution(r["ttft_s"] for r in requests),
+        "tpot_s": _distribution(r["tpot_s"] for r in requests),
+        "requests": requests,
+    }
+
+
+def list_runs(
+    conn: sqlite3.Connection,
+    tenant: str | None,
+    *,
+    since_s: float | None = None,
+    limit: int = 50,
+    class_name: str | None = None,
+    order_by: RunOrder = "last_seen",
+) -> list[JsonDict]:
+    """Runs (one per tenant and run id) with their totals, newest first or costliest first.
+
+    `since_s`: only runs with a request ending at or after it (their totals stay whole);
+    `class_name`: only runs with at least one request of that class; `tenant=None`: all.
+    """
+    if limit <= 0:
+        return []
+    where = ["run_id IS NOT NULL"]
+    params: list[Any] = []
+    if tenant is not None:
+        where.append("tenant = ?")
+        params.append(tenant)
+    having = ["1"]
+    if since_s is not None:
+        having.append("MAX(ended_at_s) >= ?")
+        params.append(since_s)
+    if class_name is not None:
+        having.append("SUM(class_name = ?) > 0")
+        params.append(class_name)
+    order = "gpu_seconds DESC" if order_by == "gpu_seconds" else "last_seen_s DESC"
+    params.append(limit)
+    cur = conn.execute(
+        "SELECT run_id, tenant, COUNT(*) AS requests, SUM(outcome != 'ok') AS errors, "
+        "SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens, "
+        "TOTAL(gpu_seconds) AS gpu_seconds, TOTAL(queue_s) AS queue_s, "
+        "MIN(started_at_s) AS first_seen_s, MAX(ended_at_s) AS last_seen_s, "
+        "MAX(ended_at_s) - MIN(started_at_s) AS wall_s, "
+        "GROUP_CONCAT(DISTINCT class_name) AS classes "
+        f"FROM requests WHERE {' AND '.join(where)} GROUP BY run_id, tenant "
+        f"HAVING {' AND '.join(having)} ORDER BY {order}, run_id LIMIT ?",
+        params,
+    )
+    runs = _dicts(cur)
+    for run in runs:
+        run["classes"] = sorted(run["classes"].split(","))
+    return runs
+
+
+def _rollup(conn: sqlite3.Connection, column: str, since_s: float) -> dict[str, JsonDict]:
+    cur = conn.execute(
+        f"SELECT {column} AS key, COUNT(*) AS requests, COUNT(DISTINCT run_id) AS runs, "
+        "SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens, "
+        "TOTAL(gpu_seconds) AS gpu_seconds "
+        f"FROM requests WHERE ended_at_s >= ? GROUP BY {column} ORDER BY {column}",
+        (since_s,),
+    )
+    return {row.pop("key"): row for row in _dicts(cur)}
+
+
+def totals(conn: sqlite3.Connection, since_s: float | None = None) -> JsonDict:
+    """Everything in the ledger (or since `since_s`): requests, tokens and GPU-seconds per
+    pool, class and tenant; idle GPU-seconds per pool and fleet capacity (hourly buckets, so
+    `since_s` is rounded down to the hour for those)."""
+    since = -math.inf if since_s is None else since_s
+    hour = -(2**62) if since_s is None else math.floor(since_s / HOUR_S) * HOUR_S
+    n, prompt, completion, gpu_s, first_s, last_s = conn.execute(
+        "SELECT COUNT(*), TOTAL(prompt_tokens), TOTAL(completion_tokens), TOTAL(gpu_seconds), "
+        "MIN(started_at_s), MAX(ended_at_s) FROM requests WHERE ended_at_s >= ?",
+        (since,),
+    ).fetchone()
+    outcomes = dict(
+        conn.execute(
+            "SELECT outcome, COUNT(*) FROM requests WHERE ended_at_s >= ? GROUP BY outcome",
+            (since,),
+        ).fetchall()
+    )
+    idle = dict(
+        conn.execute(
+            "SELECT pool, TOTAL(idle_gpu_seconds) FROM idle_hourly WHERE hour_start_s >= ? "
+            "GROUP BY pool ORDER BY pool",
+            (hour,),
+        ).fetchall()
+    )
+    (capacity,) = conn.execute(
+        "SELECT TOTAL(capacity_gpu_seconds) FROM capacity_hourly WHERE hour_start_s >= ?",
+        (hour,),
+    ).fetchone()
+    by_pool = _rollup(conn, "pool", since)
+    for pool in set(by_pool) | set(idle):
+        entry = by_pool.setdefault(
+            pool,
+            {
+                "requests": 0,
+                "runs": 0,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "gpu_seconds": 0.0,
+            },
+        )
+        entry["idle_gpu_seconds"] = idle.get(pool, 0.0)
+    return {
+        "object": "gpupool.accounting_totals",
+        "since_s": since_s,
+        "first_seen_s": first_s,
+        "last_seen_s": last_s,
+        "requests": n,
+        "outcomes": outcomes,
+        "prompt_tokens": int(prompt),
+        "completion_tokens": int(completion),
+        "gpu_seconds": gpu_s,
+        "idle_gpu_seconds": math.fsum(idle.values()),
+        "capacity_gpu_seconds": capacity,
+        "by_pool": dict(sorted(by_pool.items())),
+        "by_class": _rollup(conn, "class_name", since),
+        "by_tenant": _rollup(conn, "tenant", since),
+    }
+
+
+def top_runs_report(
+    conn: sqlite3.Connection,
+    *,
+    top_n: int = 10,
+    tenant: str | None = None,
+    since_s: float | None = None,
+    live: ConservationReport | None = None,
+) -> JsonDict:
+    """The body of `GET /admin/accounting`: ledger totals, the `top_n` costliest runs, and
+    (from the router's accountant) the live conservation report of this process."""
+    return {
+        "object": "gpupool.accounting",
+        "ledger": totals(conn, since_s),
+        "top_runs": list_runs(conn, tenant, since_s=since_s, limit=top_n, order_by="gpu_seconds"),
+        "live": None if live is None else live.as_dict(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The component
+# ---------------------------------------------------------------------------------------------
+
+
+class Ledger:
+    """Buffers request records in memory and writes them to SQLite in batches.
+
+    `clock` is wall time (unix seconds): retention and hourly buckets. `snapshot_source`,
+    when given, is polled on the event loop at every flush (e.g.
+    `lambda: accountant.conservation(loop.time())`); the growth of its cumulative idle per pool
+    and capacity since the last poll is added to the hourly tables.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        flush_interval_s: float = 0.5,
+        retention_days: float = 30.0,
+        clock: Callable[[], float] = time.time,
+        snapshot_source: Callable[[], ConservationReport] | None = None,
+        maintenance_interval_s: float = 3600.0,
+        step_memory_s: float = DAY_S,
+        max_buffered_records: int = 200_000,
+    ) -> None:
+        if flush_interval_s <= 0 or retention_days <= 0:
+            raise ValueError("flush_interval_s and retention_days must be > 0")
+        self.path = path
+        self._flush_interval_s = flush_interval_s
+        self._retention_s = retention_days * DAY_S
+        self._clock = clock
+        self._snapshot_source = snapshot_source
+        self._maintenance_interval_s = maintenance_interval_s
+        self._step_memory_s = step_memory_s
+        self._max_buffered = max_buffered_records
+        self._buffer: list[_Row] = []
+        # (tenant, run_id) -> (next step index, last use, clock seconds)
+        self._steps: dict[tuple[str, str], tuple[int, float]] = {}
+        self._last_idle_gpu_s: dict[str, float] = {}
+        self._last_capacity_gpu_s = 0.0
+        self._conn: sqlite3.Connection | None = None
+        self._db_lock = asyncio.Lock()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._next_maintenance_s = math.inf
+        self.dropped_records = 0  # submitted while the buffer was full (disk stalled)
+        self.written_records = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        config: RouterConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        snapshot_source: Callable[[], ConservationReport] | None = None,
+    ) -> Ledger:
+        return cls(
+            config.ledger_path,
+            flush_interval_s=config.ledger_flush_interval_s,
+            retention_days=config.ledger_retention_days,
+            clock=clock,
+            snapshot_source=snapshot_source,
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open (or create) the file, apply retention, remember recent runs' step numbers and
+        start the flush task. Raises `LedgerError` when the file cannot be used."""
+        if self._conn is not None:
+            raise RuntimeError("ledger already started")
+        self._conn = await asyncio.to_thread(connect, self.path)
+        now_s = self._clock()
+        await self._maintain(now_s)
+        for tenant, run_id, step, _ in await self._in_db(
+            _recent_steps, now_s - self._step_memory_s
+        ):
+            key = (tenant, run_id)
+            if step + 1 > self._steps.get(key, (0, 0.0))[0]:
+                self._steps[key] = (step + 1, now_s)
+        self._stop.clear()
+        self._task = asyncio.create_task(self._run(), name="gpupool-ledger-flush")
+
+    async def aclose(self) -> None:
+        """Stop the flush task, write everything buffered, close the file. Idempotent."""
+        if self._task is not None:
+            self._stop.set()
+            await self._task
+            self._task = None
+        if self._conn is not None:
+            try:
+                await self.flush()
+            finally:
+                conn, self._conn = self._conn, None
+                async with self._db_lock:
+                    await asyncio.to_thread(conn.close)
+
+    # -- the request path (sync, O(1)) -----------------------------------------------------------
+
+    def next_step_index(self, tenant: str, run_id: str) -> int:
+        """Reserve the run's next step index (0, 1, 2, ... per tenant and run id, continuing
+        after a restart for runs active in the last `step_memory_s`). O(1), no I/O. Call it at
+        arrival to number steps in arrival order; `submit` calls it when `step_index` is None.
+        """
+        key = (tenant, run_id)
+        step, _ = self._steps.get(key, (0, 0.0))
+        self._steps[key] = (step + 1, self._clock())
+        return step
+
+    def submit(self, record: RequestRecord) -> None:
+        """Queue the record for the next flush. O(1); never blocks, never awaits."""
+        if len(self._buffer) >= self._max_buffered:
+            self.dropped_records += 1
+            if self.dropped_records == 1 or self.dropped_records % 10_000 == 0:
+                logger.error(
+                    "ledger buffer full (%d records): dropped %d records so far",
+                    self._max_buffered,
+                    self.dropped_records,
+                )
+            return
+        step = record.step_index
+        if step is None and record.run_id is not None:
+            step = self.next_step_index(record.tenant, record.run_id)
+        self._buffer.append((*_record_fields(record), step))
+
+    @property
+    def buffered(self) -> int:
+        """Records submitted and not yet written."""
+        return len(self._buffer)
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    async def flush(self) -> int:
+        """Write the buffer (and idle/capacity growth) in one transaction now. Returns the number
+        of records written. On a write error the records go back to the buffer."""
+        async with self._db_lock:
+            return await self._flush_locked()
+
+    async def _flush_locked(self) -> int:
+        if self._conn is None:
+            raise RuntimeError("ledger not started")
+        rows, self._buffer = self._buffer, []
+        idle, capacity = self._snapshot_deltas()
+        if not rows and not idle and capacity <= 0.0:
+            return 0
+        hour = math.floor(self._clock() / HOUR_S) * HOUR_S
+        try:
+            await self._shielded(_write_batch, self._conn, _Batch(rows, idle, capacity, hour))
+        except sqlite3.Error:
+            self._buffer[:0] = rows
+            self._unsnapshot(idle, capacity)
+            raise
+        self.written_records += len(rows)
+        return len(rows)
+
+    def _snapshot_deltas(self) -> tuple[dict[str, float], float]:
+        if self._snapshot_source is None:
+            return {}, 0.0
+        snap = self._snapshot_source()
+        idle: dict[str, float] = {}
+        for pool, total in snap.idle_by_pool_gpu_seconds.items():
+            delta = total - self._last_idle_gpu_s.get(pool, 0.0)
+            if delta < 0.0:  # a new accountant started from zero
+                delta = total
+            if delta > 0.0:
+                idle[pool] = delta
+            self._last_idle_gpu_s[pool] = total
+        capacity = snap.capacity_gpu_seconds - self._last_capacity_gpu_s
+        if capacity < 0.0:
+            capacity = snap.capacity_gpu_seconds
+        self._last_capacity_gpu_s = snap.capacity_gpu_seconds
+        return idle, capacity
+
+    def _unsnapshot(self, idle: Mapping[str, float], capacity: float) -> None:
+        for pool, delta in idle.items():
+            self._last_idle_gpu_s[pool] -= delta
+        self._last_capacity_gpu_s -= capacity
+
+    async def _maintain(self, now_s: float) -> None:
+        deleted = await self._in_db(_delete_older_than, now_s - self._retention_s)
+        if deleted:
+            logger.info("ledger retention: deleted %d requests older than the window", deleted)
+        stale_s = now_s - self._step_memory_s
+        self._steps = {k: v for k, v in self._steps.items() if v[1] >= stale_s}
+        self._next_maintenance_s = now_s + self._maintenance_interval_s
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self._flush_interval_s)
+            if self._stop.is_set():
+                return  # aclose writes the rest
+            try:
+                await self.flush()
+                now_s = self._clock()
+                if now_s >= self._next_maintenance_s:
+                    await self._maintain(now_s)
+            except (sqlite3.Error, OSError) as err:
+                logger.error("ledger write failed (will retry): %s", err)
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    async def run_summary(self, run_id: str, tenant: str | None) -> JsonDict | None:
+        """`GET /v1/runs/{run_id}` for `tenant` (None: any tenant). See `run_summary`."""
+        return await self._query(run_summary, run_id, tenant)
+
+    async def list_runs(
+        self,
+        tenant: str | None,
+        *,
+        since_s: float | None = None,
+        limit: int = 50,
+        class_name: str | None = None,
+        order_by: RunOrder = "last_seen",
+    ) -> list[JsonDict]:
+        """`GET /v1/runs` for `tenant`. See `list_runs`."""
+
+        def query(conn: sqlite3.Connection) -> list[JsonDict]:
+            return list_runs(
+                conn,
+                tenant,
+                since_s=since_s,
+                limit=limit,
+                class_name=class_name,
+                order_by=order_by,
+            )
+
+        return await self._query(query)
+
+    async def totals(self, since_s: float | None = None) -> JsonDict:
+        return await self._query(totals, since_s)
+
+    async def admin_report(
+        self,
+        *,
+        top_n: int = 10,
+        tenant: str | None = None,
+        since_s: float | None = None,
+        live: ConservationReport | None = None,
+    ) -> JsonDict:
+        """`GET /admin/accounting`. See `top_runs_report`."""
+
+        def query(conn: sqlite3.Connection) -> JsonDict:
+            return top_runs_report(conn, top_n=top_n, tenant=tenant, since_s=since_s, live=live)
+
+        return await self._query(query)
+
+    async def _query(self, fn: Callable[..., T], *args: Any) -> T:
+        """Flush first (so buffered requests are visible), then run `fn(conn, *args)`."""
+        async with self._db_lock:
+            try:
+                await self._flush_locked()
+            except sqlite3.Error as err:
+                logger.error("ledger write before a query failed: %s", err)
+            return await self._shielded(fn, self._conn, *args)
+
+    async def _in_db(self, fn: Callable[..., T], *args: Any) -> T:
+        async with self._db_lock:
+            if self._conn is None:
+                raise RuntimeError("ledger not started")
+            return await self._shielded(fn, self._conn, *args)
+
+    @staticmethod
+    async def _shielded(fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` in a worker thread. If the caller is cancelled, wait for the thread to
+        finish before letting go of the lock: one connection is never used by two threads."""
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            await asyncio.wait([work])
+            raise
