@@ -86,7 +86,7 @@ def estimate_overhead_bytes(
     if tensor_parallel_size <= 0 or max_num_batched_tokens <= 0 or max_num_seqs <= 0:
         raise InvalidInputError("tensor_parallel_size, max_num_batched_tokens, max_num_seqs > 0")
     act_bytes = 2  # activations run in the 16-bit model dtype
-    per_token = (2 * geometry.intermediate_size // tensor_parallel_size + 4 * geometry.hidden_size)
+    per_token = 2 * geometry.intermediate_size // tensor_parallel_size + 4 * geometry.hidden_size
     activations = max_num_batched_tokens * per_token * act_bytes
     logits = max_num_seqs * geometry.vocab_size * _LOGITS_BYTES_PER_ELEMENT // tensor_parallel_size
     return _FIXED_OVERHEAD_BYTES + activations + logits
@@ -178,4 +178,3 @@ def plan_capacity(
         overhead_bytes_per_gpu=overhead,
         usable_bytes_per_gpu=usable,
     )
-

@@ -175,7 +175,9 @@ class ModelGeometry:
         elements = self.kv_elements_per_token_per_layer(tensor_parallel_size)
         return elements * kv_cache_dtype_bytes(kv_cache_dtype, self.dtype)
 
-    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> int:
+    def kv_bytes_per_token(
+        self, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1
+    ) -> int:
         """Bytes one token's KV occupies across all layers (on one rank when tp > 1).
 
         `kv_cache_dtype` is vLLM's `--kv-cache-dtype`: `auto` (the model dtype) or `fp8`.

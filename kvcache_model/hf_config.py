@@ -140,7 +140,8 @@ def _layer_kinds(
                 )
         if "sliding" in kinds and window is None:
             raise ModelConfigError(
-                "sliding layers without a window", model_type=model_type,
+                "sliding layers without a window",
+                model_type=model_type,
                 missing_fields=["sliding_window"],
             )
         return tuple(kinds), window if "sliding" in kinds else None
@@ -162,7 +163,6 @@ def _layer_kinds(
 
 
 def _moe_shape(reader: _Reader, model_type: str, num_layers: int) -> MoeShape | None:
-    hidden = reader.int("hidden_size")
     if model_type == "mixtral":
         experts = reader.int("num_local_experts")
         return MoeShape(
@@ -175,7 +175,9 @@ def _moe_shape(reader: _Reader, model_type: str, num_layers: int) -> MoeShape | 
     if model_type in ("qwen2_moe", "qwen3_moe"):
         step = reader.int("decoder_sparse_step", 1) or 1
         dense_only = set(reader.get("mlp_only_layers", []) or [])
-        shared = reader.int("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+        shared = (
+            reader.int("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+        )
         return MoeShape(
             num_experts=reader.int("num_experts"),
             experts_per_token=reader.int("num_experts_per_tok"),
@@ -200,7 +202,6 @@ def _moe_shape(reader: _Reader, model_type: str, num_layers: int) -> MoeShape | 
             shared_intermediate_size=reader.int("n_shared_experts", 0) * expert_i,
             sparse_layers=tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
         )
-    del hidden
     return None
 
 
