@@ -209,11 +209,20 @@ class _Batch:
     hour_start_s: int
 
 
-def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> None:
+def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> int:
+    """One transaction. Returns how many rows were malformed and skipped (they would otherwise
+    fail every retry); disk and lock errors roll everything back and raise."""
+    skipped = 0
     conn.execute("BEGIN IMMEDIATE")
     try:
-        if batch.rows:
+        try:
             conn.executemany(_INSERT, batch.rows)
+        except (sqlite3.InterfaceError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
+            for row in batch.rows:  # find the bad rows; OR REPLACE makes the re-insert idempotent
+                try:
+                    conn.execute(_INSERT, row)
+                except (sqlite3.InterfaceError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
+                    skipped += 1
         for pool, idle_gpu_s in batch.idle_by_pool_gpu_s.items():
             conn.execute(_ADD_IDLE, (batch.hour_start_s, pool, idle_gpu_s))
         if batch.capacity_gpu_s > 0.0:
@@ -222,6 +231,7 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+    return skipped
 
 
 def _delete_older_than(conn: sqlite3.Connection, cutoff_s: float) -> int:
@@ -505,7 +515,7 @@ class Ledger:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._next_maintenance_s = math.inf
-        self.dropped_records = 0  # submitted while the buffer was full (disk stalled)
+        self.dropped_records = 0  # lost: buffer full (disk stalled) or malformed
         self.written_records = 0
 
     @classmethod
@@ -533,10 +543,14 @@ class Ledger:
             raise RuntimeError("ledger already started")
         self._conn = await asyncio.to_thread(connect, self.path)
         now_s = self._clock()
-        await self._maintain(now_s)
-        for tenant, run_id, step, _ in await self._in_db(
-            _recent_steps, now_s - self._step_memory_s
-        ):
+        try:
+            await self._maintain(now_s)
+            recent = await self._in_db(_recent_steps, now_s - self._step_memory_s)
+        except BaseException:
+            conn, self._conn = self._conn, None
+            await asyncio.to_thread(conn.close)
+            raise
+        for tenant, run_id, step, _ in recent:
             key = (tenant, run_id)
             if step + 1 > self._steps.get(key, (0, 0.0))[0]:
                 self._steps[key] = (step + 1, now_s)
@@ -549,13 +563,16 @@ class Ledger:
             self._stop.set()
             await self._task
             self._task = None
-        if self._conn is not None:
-            try:
-                await self.flush()
-            finally:
-                conn, self._conn = self._conn, None
-                async with self._db_lock:
-                    await asyncio.to_thread(conn.close)
+        if self._conn is None:
+            if self._buffer:
+                logger.warning("ledger closed before start: %d records not written", self.buffered)
+            return
+        try:
+            await self.flush()
+        finally:
+            conn, self._conn = self._conn, None
+            async with self._db_lock:
+                await asyncio.to_thread(conn.close)
 
     # -- the request path (sync, O(1)) -----------------------------------------------------------
 
@@ -601,19 +618,23 @@ class Ledger:
     async def _flush_locked(self) -> int:
         if self._conn is None:
             raise RuntimeError("ledger not started")
-        rows, self._buffer = self._buffer, []
         idle, capacity = self._snapshot_deltas()
+        rows, self._buffer = self._buffer, []
         if not rows and not idle and capacity <= 0.0:
             return 0
-        hour = math.floor(self._clock() / HOUR_S) * HOUR_S
+        batch = _Batch(rows, idle, capacity, math.floor(self._clock() / HOUR_S) * HOUR_S)
+        work = asyncio.ensure_future(asyncio.to_thread(_write_batch, self._conn, batch))
         try:
-            await self._shielded(_write_batch, self._conn, _Batch(rows, idle, capacity, hour))
-        except sqlite3.Error:
-            self._buffer[:0] = rows
-            self._unsnapshot(idle, capacity)
-            raise
-        self.written_records += len(rows)
-        return len(rows)
+            skipped = await _finish(work)
+        finally:
+            if work.done() and (work.cancelled() or work.exception() is not None):
+                self._buffer[:0] = rows  # the transaction rolled back: try again next time
+                self._unsnapshot(idle, capacity)
+        if skipped:
+            logger.error("ledger: skipped %d malformed records", skipped)
+            self.dropped_records += skipped
+        self.written_records += len(rows) - skipped
+        return len(rows) - skipped
 
     def _snapshot_deltas(self) -> tuple[dict[str, float], float]:
         if self._snapshot_source is None:
@@ -657,8 +678,8 @@ class Ledger:
                 now_s = self._clock()
                 if now_s >= self._next_maintenance_s:
                     await self._maintain(now_s)
-            except (sqlite3.Error, OSError) as err:
-                logger.error("ledger write failed (will retry): %s", err)
+            except Exception:  # the task must outlive a bad disk; the rows stay buffered
+                logger.exception("ledger write failed (will retry next interval)")
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -712,23 +733,22 @@ class Ledger:
         async with self._db_lock:
             try:
                 await self._flush_locked()
-            except sqlite3.Error as err:
-                logger.error("ledger write before a query failed: %s", err)
-            return await self._shielded(fn, self._conn, *args)
+            except Exception:  # answer from what is on disk; the rows stay buffered
+                logger.exception("ledger write before a query failed")
+            return await _finish(asyncio.ensure_future(asyncio.to_thread(fn, self._conn, *args)))
 
     async def _in_db(self, fn: Callable[..., T], *args: Any) -> T:
         async with self._db_lock:
             if self._conn is None:
                 raise RuntimeError("ledger not started")
-            return await self._shielded(fn, self._conn, *args)
+            return await _finish(asyncio.ensure_future(asyncio.to_thread(fn, self._conn, *args)))
 
-    @staticmethod
-    async def _shielded(fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn` in a worker thread. If the caller is cancelled, wait for the thread to
-        finish before letting go of the lock: one connection is never used by two threads."""
-        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            await asyncio.wait([work])
-            raise
+
+async def _finish(work: asyncio.Future[T]) -> T:
+    """Await worker-thread `work`. If the caller is cancelled, still wait for the thread to end
+    before the caller lets go of the lock: one connection is never used by two threads."""
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise

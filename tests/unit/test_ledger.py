@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from router.accounting import Accountant
+from router.accounting import Accountant, ConservationReport
 from router.ledger import (
     SCHEMA_VERSION,
     Ledger,
@@ -210,6 +210,42 @@ async def test_full_buffer_drops_and_counts(tmp_path: Path) -> None:
     for _ in range(5):
         ledger.submit(rec())
     assert (ledger.buffered, ledger.dropped_records) == (2, 3)
+
+
+async def test_a_malformed_record_is_skipped_not_retried_forever(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    ledger.submit(rec(request_id="good-1"))
+    ledger.submit(rec(request_id="bad", prompt_tokens=object()))
+    ledger.submit(rec(request_id="good-2"))
+    assert await ledger.flush() == 2
+    assert ledger.dropped_records == 1
+    assert count_rows(db) == 2
+
+
+async def test_a_failed_flush_keeps_the_rows_and_the_task_retries(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    calls = 0
+
+    def flaky_snapshot() -> ConservationReport:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise RuntimeError("accountant hiccup")
+        return Accountant().conservation(0.0)
+
+    ledger: Ledger = await make_ledger(flush_interval_s=0.01, snapshot_source=flaky_snapshot)
+    ledger.submit(rec())
+    with pytest.raises(RuntimeError):
+        await ledger.flush()
+    assert ledger.buffered == 1
+    for _ in range(40):
+        await asyncio.sleep(0.01)
+        if count_rows(db) == 1:
+            break
+    assert count_rows(db) == 1 and calls >= 3
 
 
 async def test_newer_schema_is_refused(db: Path) -> None:
