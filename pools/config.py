@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 __all__ = [
     "ClassConfig",
+    "ClassificationConfig",
     "Config",
     "ConfigError",
     "EnginesConfig",
@@ -75,6 +76,17 @@ class LocalEnginesSchema(_Strict):
     restart_backoff_max_s: float = Field(default=60.0, gt=0)
     stop_grace_s: float = Field(default=15.0, gt=0)
     run_dir: str = "./.gpupool/run"
+
+    @model_validator(mode="after")
+    def _no_forbidden_flags(self) -> LocalEnginesSchema:
+        if "--disable-log-stats" in self.vllm_args:
+            raise ValueError(
+                "vllm_args: --disable-log-stats removes every vllm:* metric gpupool's telemetry"
+                " and admission need; remove it"
+            )
+        if self.cpu_affinity is not None and any(not cpus for cpus in self.cpu_affinity):
+            raise ValueError("cpu_affinity: every instance needs at least one CPU")
+        return self
 
 
 class StaticEnginesSchema(_Strict):
@@ -150,6 +162,19 @@ class TenantSchema(_Strict):
     may_set_class: bool = True
 
 
+RULES = ("header", "tenant_default", "tools", "run_id")
+
+
+class ClassificationSchema(_Strict):
+    # Rules tried in order, first match wins; the default class applies when none matches.
+    rules: list[Literal["header", "tenant_default", "tools", "run_id"]] = Field(
+        default_factory=lambda: list(RULES)
+    )
+    tools_class: str = "agent"  # class of a request whose body has `tools`
+    run_class: str = "agent"  # class of a request that carries a run identity
+    default_class: str = "normal"
+
+
 class RouterSchema(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -173,6 +198,7 @@ class ConfigSchema(_Strict):
     pools: dict[str, PoolSchema]
     classes: dict[str, ClassSchema] = Field(default_factory=dict)
     tenants: list[TenantSchema] = Field(default_factory=list)
+    classification: ClassificationSchema = Field(default_factory=ClassificationSchema)
     router: RouterSchema = Field(default_factory=RouterSchema)
 
     @model_validator(mode="after")
@@ -200,8 +226,17 @@ class ConfigSchema(_Strict):
                     f"tenant {tenant.name!r}: default_class {tenant.default_class!r} is not served"
                     " by any pool"
                 )
-        if "normal" not in owners:
-            raise ValueError("some pool must serve class 'normal' (the default class)")
+        c = self.classification
+        for what, cls in (
+            ("tools_class", c.tools_class),
+            ("run_class", c.run_class),
+            ("default_class", c.default_class),
+        ):
+            if cls not in owners:
+                raise ValueError(
+                    f"classification.{what}: class {cls!r} is not served by any pool (pools serve"
+                    f" {', '.join(sorted(owners))})"
+                )
         return self
 
 
@@ -307,6 +342,14 @@ class TenantConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClassificationConfig:
+    rules: tuple[str, ...]
+    tools_class: str
+    run_class: str
+    default_class: str
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     host: str
     port: int
@@ -331,6 +374,7 @@ class Config:
     pools: tuple[PoolConfig, ...]
     classes: tuple[ClassConfig, ...]
     tenants: tuple[TenantConfig, ...]
+    classification: ClassificationConfig
     router: RouterConfig
     source: str = field(default="<default>")
 
@@ -464,6 +508,12 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
         pools=pools,
         classes=classes,
         tenants=tuple(tenants),
+        classification=ClassificationConfig(
+            rules=tuple(schema.classification.rules),
+            tools_class=schema.classification.tools_class,
+            run_class=schema.classification.run_class,
+            default_class=schema.classification.default_class,
+        ),
         router=RouterConfig(
             host=r.host,
             port=r.port,

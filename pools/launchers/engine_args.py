@@ -1,0 +1,176 @@
+"""The vLLM command line and environment for one local engine, as a pure function of the config,
+the instance's index, its GPU ids and the flags the installed vLLM accepts.
+
+Rules:
+- stats stay on (never `--disable-log-stats`: it removes every `vllm:*` metric gpupool reads);
+- the served model name is the config's, so clients and the router agree on it;
+- the KV cache is sized by `--kv-cache-memory-bytes` when the installed vLLM has it, else by
+  `VLLM_CPU_KVCACHE_SPACE` (GiB) on CPU; left to vLLM's default when the config has none;
+- version-dependent flags are passed only when `--help` lists them;
+- on CPU: `OMP_NUM_THREADS=1`, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, `--distributed-executor-backend
+  uni` and `--enforce-eager` (otherwise one idle engine spins ~1.7 cores);
+- on GPU: `CUDA_VISIBLE_DEVICES` lists the instance's GPUs and `--tensor-parallel-size` their
+  count.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pools.config import LocalEnginesConfig, ModelConfig
+
+__all__ = [
+    "EngineCommand",
+    "FORBIDDEN_FLAGS",
+    "build_engine_command",
+    "installed_vllm_version",
+    "supported_vllm_flags",
+]
+
+log = logging.getLogger(__name__)
+
+FORBIDDEN_FLAGS = {
+    "--disable-log-stats": "it removes every vllm:* metric gpupool's telemetry needs",
+}
+
+# Used when `--help` cannot be read; these flags exist in every vLLM gpupool supports.
+_BASELINE_FLAGS = frozenset(
+    {
+        "--model",
+        "--served-model-name",
+        "--host",
+        "--port",
+        "--dtype",
+        "--load-format",
+        "--max-model-len",
+        "--tensor-parallel-size",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCommand:
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    port: int
+
+
+def installed_vllm_version() -> str | None:
+    """Version of the installed vLLM distribution (`vllm` or `vllm-cpu`), or None."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def supported_vllm_flags(cache_dir: Path, python: str = sys.executable) -> frozenset[str]:
+    """Flags the installed vLLM's OpenAI server accepts, from its `--help`, cached per version
+    in `cache_dir` (reading `--help` imports vLLM: ~10 s)."""
+    version = installed_vllm_version()
+    if version is None:
+        return _BASELINE_FLAGS
+    cache = cache_dir / f"vllm-{version}-flags.txt"
+    if cache.is_file():
+        return frozenset(cache.read_text().split())
+    try:
+        out = subprocess.run(
+            [python, "-m", "vllm.entrypoints.openai.api_server", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.warning("could not read vLLM's --help (%s); passing only baseline flags", err)
+        return _BASELINE_FLAGS
+    flags = frozenset(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", out))
+    if "--model" not in flags and "--port" not in flags:
+        log.warning("vLLM's --help listed no flags; passing only baseline flags")
+        return _BASELINE_FLAGS
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    cache.write_text("\n".join(sorted(flags)) + "\n")
+    return flags
+
+
+def build_engine_command(
+    *,
+    model: ModelConfig,
+    local: LocalEnginesConfig,
+    index: int,
+    gpu_ids: list[int] | None,
+    flags: frozenset[str],
+    python: str = sys.executable,
+    base_env: dict[str, str] | None = None,
+) -> EngineCommand:
+    """The argv and env for engine `index`. `gpu_ids` None means a CPU engine."""
+    port = local.base_port + index
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model.path),
+        "--served-model-name",
+        model.name,
+        "--host",
+        local.host,
+        "--port",
+        str(port),
+        "--dtype",
+        model.dtype,
+    ]
+    env = dict(base_env or {})
+
+    def add(flag: str, *values: str) -> None:
+        if flag in flags:
+            argv.extend([flag, *values])
+        else:
+            log.debug("installed vLLM has no %s; not passing it", flag)
+
+    if model.load_format != "auto":
+        add("--load-format", model.load_format)
+    if model.max_model_len_tokens is not None:
+        add("--max-model-len", str(model.max_model_len_tokens))
+    if local.kv_cache_bytes is not None:
+        if "--kv-cache-memory-bytes" in flags:
+            argv.extend(["--kv-cache-memory-bytes", str(local.kv_cache_bytes)])
+        elif gpu_ids is None:
+            gib = max(1, round(local.kv_cache_bytes / 2**30))
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+        else:
+            log.warning("installed vLLM has no --kv-cache-memory-bytes; using its default size")
+    if gpu_ids is None:
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        add("--distributed-executor-backend", "uni")
+        add("--enforce-eager")
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+        if len(gpu_ids) > 1:
+            add("--tensor-parallel-size", str(len(gpu_ids)))
+    user_args = list(local.vllm_args)
+    # The dev model's tokenizer has hermes-style <tool_call> tokens; agents send `tools`, which
+    # vLLM refuses without a tool parser. Real models choose their parser in vllm_args.
+    if (
+        "--enable-auto-tool-choice" not in user_args
+        and (model.path / "config.json").is_file()
+        and "gpupool_dev_model_shape" in (model.path / "config.json").read_text()
+    ):
+        add("--enable-auto-tool-choice")
+        add("--tool-call-parser", "hermes")
+    if "--disable-uvicorn-access-log" in flags:
+        argv.append("--disable-uvicorn-access-log")
+    argv.extend(user_args)
+    for key, value in local.env:
+        env[key] = value
+    return EngineCommand(argv=tuple(argv), env=env, port=port)

@@ -1,0 +1,329 @@
+"""The `local` launcher: N vLLM OpenAI servers as child processes of this one.
+
+Each engine gets its own port (`base_port + i`), its own log file under the run directory,
+its GPUs (`CUDA_VISIBLE_DEVICES`, `gpus_per_instance` each) on a GPU machine, and optionally a
+CPU affinity. `start()` waits for every `/health` with progress lines and a timeout. A
+supervisor restarts an engine that dies, with exponential backoff, and says so in the log.
+`aclose()` stops every engine it started: SIGTERM to the engine's process group, SIGKILL after
+the grace period.
+
+No orphans, also when gpupool itself is killed: each engine runs in its own session with
+`PR_SET_PDEATHSIG=SIGTERM` (Linux), so it is told when its parent dies; and a pid file per
+engine lets the next start kill engines left behind by a parent that died anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from gpu_probe.detect import visible_gpu_count
+from pools.config import LocalEnginesConfig, ModelConfig
+from pools.launchers.base import InstanceSpec, LauncherError, ProgressFn
+from pools.launchers.engine_args import EngineCommand, build_engine_command, supported_vllm_flags
+from pools.launchers.health import wait_healthy
+
+__all__ = ["EngineProcess", "LocalLauncher"]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
+    """Runs in the child between fork and exec: parent-death signal and CPU affinity."""
+
+    def setup() -> None:
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                libc = ctypes.CDLL("libc.so.6", use_errno=True)
+                libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if cpus:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(0, set(cpus))
+
+    return setup
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    for proc in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error):
+            if os.getpgid(proc.info["pid"]) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+    return False
+
+
+class EngineProcess:
+    """One supervised vLLM server process (and whatever it spawns, in its process group)."""
+
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        command: EngineCommand,
+        *,
+        log_path: Path,
+        pid_path: Path,
+        cpus: tuple[int, ...] | None,
+        backoff_s: float,
+        backoff_max_s: float,
+        grace_s: float,
+    ) -> None:
+        self.spec = spec
+        self.command = command
+        self.log_path = log_path
+        self.pid_path = pid_path
+        self.cpus = cpus
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.grace_s = grace_s
+        self.restarts = 0
+        self.exit_reason: str | None = None  # set while the process is down
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._supervisor: asyncio.Task[None] | None = None
+        self._restarted = asyncio.Event()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def spawn(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.command.env}
+        with self.log_path.open("ab") as logfile:
+            logfile.write(
+                f"\n=== gpupool: starting {self.spec.instance_id} at {time.ctime()}: "
+                f"{' '.join(self.command.argv)}\n".encode()
+            )
+            logfile.flush()
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.command.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_child_setup(self.cpus),
+            )
+        self.pid_path.write_text(f"{self._proc.pid} {self.command.port}\n")
+        self.exit_reason = None
+        if self._supervisor is None:
+            self._supervisor = asyncio.create_task(
+                self._supervise(), name=f"supervise-{self.spec.instance_id}"
+            )
+
+    def down_reason(self) -> str | None:
+        """Why this engine cannot become healthy right now (None while it is running)."""
+        return self.exit_reason
+
+    async def _supervise(self) -> None:
+        consecutive = 0
+        while not self._stopping:
+            proc = self._proc
+            assert proc is not None
+            started = time.monotonic()
+            code = await proc.wait()
+            # The engine's children (EngineCore) share its process group; take them down too.
+            _kill_group(proc.pid, signal.SIGKILL)
+            if self._stopping:
+                return
+            consecutive = 1 if time.monotonic() - started > 120 else consecutive + 1
+            delay = min(self.backoff_max_s, self.backoff_s * 2 ** (consecutive - 1))
+            self.exit_reason = f"exited with code {code}"
+            log.warning(
+                "%s %s; restarting in %.1f s (restart #%d); log: %s",
+                self.spec.instance_id,
+                self.exit_reason,
+                delay,
+                self.restarts + 1,
+                self.log_path,
+            )
+            await asyncio.sleep(delay)
+            if self._stopping:
+                return
+            self.restarts += 1
+            await self.spawn()
+            self._restarted.set()
+
+    async def wait_restarted(self) -> None:
+        self._restarted.clear()
+        await self._restarted.wait()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        proc = self._proc
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+            self._supervisor = None
+        if proc is None:
+            return
+        if proc.returncode is None:
+            _kill_group(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=self.grace_s)
+            except TimeoutError:
+                log.warning("%s did not stop within %.0f s; killing", self.spec.instance_id,
+                            self.grace_s)
+        _kill_group(proc.pid, signal.SIGKILL)
+        if proc.returncode is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), timeout=5)
+        # Children that outlived the leader still carry its process group id.
+        deadline = time.monotonic() + 5
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            _kill_group(proc.pid, signal.SIGKILL)
+            await asyncio.sleep(0.1)
+        self.pid_path.unlink(missing_ok=True)
+
+
+def kill_leftover_engines(run_dir: Path) -> list[int]:
+    """Kill engines recorded in pid files of `run_dir` whose parent died without stopping them.
+
+    A pid is only killed if it still runs a vLLM server; returns the pids killed.
+    """
+    killed = []
+    for pid_file in run_dir.glob("engine-*.pid"):
+        try:
+            pid = int(pid_file.read_text().split()[0])
+            proc = psutil.Process(pid)
+            if "vllm.entrypoints" in " ".join(proc.cmdline()):
+                _kill_group(pid, signal.SIGKILL)
+                killed.append(pid)
+                log.warning("killed engine pid %d left behind by an earlier run", pid)
+        except (ValueError, IndexError, psutil.Error, OSError):
+            pass
+        pid_file.unlink(missing_ok=True)
+    return killed
+
+
+class LocalLauncher:
+    """Starts, supervises and stops `count` local vLLM engines."""
+
+    def __init__(
+        self,
+        local: LocalEnginesConfig,
+        model: ModelConfig,
+        *,
+        progress: ProgressFn | None = None,
+        gpu_count: int | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        self._local = local
+        self._model = model
+        self._progress = progress
+        self._gpu_count = gpu_count
+        self._python = python
+        self._engines: list[EngineProcess] = []
+
+    @property
+    def engines(self) -> list[EngineProcess]:
+        return list(self._engines)
+
+    @property
+    def instances(self) -> list[InstanceSpec]:
+        return [e.spec for e in self._engines]
+
+    def _gpu_assignment(self) -> list[list[int] | None]:
+        gpus = visible_gpu_count() if self._gpu_count is None else self._gpu_count
+        n, per = self._local.count, self._local.gpus_per_instance
+        if gpus == 0:
+            return [None] * n
+        if gpus < n * per:
+            raise LauncherError(
+                f"{n} engines x {per} GPUs need {n * per} GPUs; this machine has {gpus}"
+            )
+        return [list(range(i * per, (i + 1) * per)) for i in range(n)]
+
+    async def start(self) -> list[InstanceSpec]:
+        local = self._local
+        if not (self._model.path / "config.json").is_file():
+            raise LauncherError(
+                f"model folder {self._model.path} has no config.json (run `gpupool dev-model`)"
+            )
+        run_dir = local.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        kill_leftover_engines(run_dir)
+        assignment = self._gpu_assignment()
+        flags = await asyncio.to_thread(supported_vllm_flags, run_dir, self._python)
+        for i, gpu_ids in enumerate(assignment):
+            command = build_engine_command(
+                model=self._model, local=local, index=i, gpu_ids=gpu_ids, flags=flags,
+                python=self._python,
+            )
+            spec = InstanceSpec(
+                instance_id=f"engine-{i}",
+                url=f"http://{local.host}:{command.port}",
+                gpus=local.gpus_per_instance,
+            )
+            cpus = local.cpu_affinity[i] if local.cpu_affinity else None
+            self._engines.append(
+                EngineProcess(
+                    spec,
+                    command,
+                    log_path=run_dir / f"engine-{i}.log",
+                    pid_path=run_dir / f"engine-{i}.pid",
+                    cpus=cpus,
+                    backoff_s=local.restart_backoff_s,
+                    backoff_max_s=local.restart_backoff_max_s,
+                    grace_s=local.stop_grace_s,
+                )
+            )
+        kind = "GPU" if assignment[0] is not None else "CPU"
+        self._say(f"starting {len(self._engines)} {kind} vLLM engine(s); logs in {run_dir}")
+        try:
+            for engine in self._engines:
+                await engine.spawn()
+            by_id = {e.spec.instance_id: e for e in self._engines}
+            missing = await wait_healthy(
+                {e.spec.instance_id: e.spec.url for e in self._engines},
+                time.monotonic() + local.startup_timeout_s,
+                self._progress,
+                alive=lambda iid: by_id[iid].down_reason(),
+            )
+            if missing:
+                details = "; ".join(
+                    f"{iid}: {by_id[iid].down_reason() or 'no /health answer'}, log tail:\n"
+                    + _tail(by_id[iid].log_path)
+                    for iid in missing
+                )
+                raise LauncherError(
+                    f"{len(missing)} engine(s) did not become healthy within "
+                    f"{local.startup_timeout_s:.0f} s: {details}"
+                )
+        except BaseException:
+            await self.aclose()
+            raise
+        return self.instances
+
+    def _say(self, message: str) -> None:
+        log.info("%s", message)
+        if self._progress:
+            self._progress(message)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(e.stop() for e in self._engines), return_exceptions=True)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text[-lines:])

@@ -1,0 +1,180 @@
+"""Engine telemetry: parsing vLLM's `/metrics` and scraping every instance on an interval.
+
+`parse_vllm_metrics(text, taken_at_s)` is pure and fast (it reads only the lines it needs). It
+accepts the names the installed vLLM exports and the older ones: `vllm:gpu_cache_usage_perc`
+(before 0.12) for `vllm:kv_cache_usage_perc`, `vllm:time_per_output_token_seconds` for
+`vllm:inter_token_latency_seconds`; `vllm:cache_config_info`'s labels are read by name
+(`block_size`, `num_gpu_blocks`) and the rest ignored, since the set changes between versions.
+Series with several `engine` labels (data parallel) are summed; KV usage is averaged.
+
+`TelemetryScraper` is the component that scrapes (start()/aclose(), injected clock); every
+reading carries the time it was taken, and `Fleet` decides staleness and health from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from pools.fleet import Fleet
+
+__all__ = ["InstanceReading", "TelemetryScraper", "parse_vllm_metrics"]
+
+log = logging.getLogger(__name__)
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+_GAUGES = {
+    "vllm:kv_cache_usage_perc": "kv",
+    "vllm:gpu_cache_usage_perc": "kv",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:num_preemptions": "preemptions",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+    "vllm:time_to_first_token_seconds_count": "ttft_count",
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+    "vllm:time_per_output_token_seconds_sum": "itl_sum_legacy",
+    "vllm:time_per_output_token_seconds_count": "itl_count_legacy",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceReading:
+    """One scrape of one engine. Counters are cumulative since the engine started."""
+
+    taken_at_s: float  # the scraper's clock when the reading arrived
+    kv_usage_frac: float  # 0..1
+    running: int
+    waiting: int
+    num_gpu_blocks: int | None
+    block_size: int | None
+    preemptions_total: float
+    prefix_cache_hits_total: float
+    prefix_cache_queries_total: float
+    ttft_sum_s: float
+    ttft_count: float
+    itl_sum_s: float
+    itl_count: float
+
+
+def parse_vllm_metrics(text: str, taken_at_s: float) -> InstanceReading:
+    """Parse the Prometheus text of a vLLM engine. Raises ValueError if it has no vLLM gauges."""
+    totals: dict[str, float] = {}
+    kv_values: list[float] = []
+    num_blocks: int | None = None
+    block_size: int | None = None
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        space = line.rfind(" ")
+        if space < 0:
+            continue
+        name = line[:brace] if 0 <= brace < space else line[:space]
+        if name == "vllm:cache_config_info":
+            labels = dict(_LABEL.findall(line[brace:space]))
+            with contextlib.suppress(KeyError, ValueError):
+                num_blocks = (num_blocks or 0) + int(labels["num_gpu_blocks"])
+            with contextlib.suppress(KeyError, ValueError):
+                block_size = int(labels["block_size"])
+            continue
+        key = _GAUGES.get(name)
+        if key is None:
+            continue
+        try:
+            value = float(line[space + 1 :])
+        except ValueError:
+            continue
+        if key == "kv":
+            kv_values.append(value)
+        else:
+            totals[key] = totals.get(key, 0.0) + value
+    if not kv_values and "running" not in totals:
+        raise ValueError("no vLLM metrics found (is this a vLLM engine with stats enabled?)")
+    return InstanceReading(
+        taken_at_s=taken_at_s,
+        kv_usage_frac=min(1.0, max(0.0, sum(kv_values) / len(kv_values))) if kv_values else 1.0,
+        running=int(totals.get("running", 0)),
+        waiting=int(totals.get("waiting", 0)),
+        num_gpu_blocks=num_blocks,
+        block_size=block_size,
+        preemptions_total=totals.get("preemptions", 0.0),
+        prefix_cache_hits_total=totals.get("prefix_hits", 0.0),
+        prefix_cache_queries_total=totals.get("prefix_queries", 0.0),
+        ttft_sum_s=totals.get("ttft_sum", 0.0),
+        ttft_count=totals.get("ttft_count", 0.0),
+        itl_sum_s=totals.get("itl_sum", totals.get("itl_sum_legacy", 0.0)),
+        itl_count=totals.get("itl_count", totals.get("itl_count_legacy", 0.0)),
+    )
+
+
+class TelemetryScraper:
+    """Scrapes every instance of `fleet` each `interval_s`, each with `timeout_s`; a failed or
+    unparsable scrape counts against the instance's health, a good one restores it."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        session: aiohttp.ClientSession,
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fleet = fleet
+        self._session = session
+        self._interval_s = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.scrape_all()
+        self._task = asyncio.create_task(self._loop(), name="telemetry-scraper")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            started = self._clock()
+            try:
+                await self.scrape_all()
+            except Exception:  # a bug here must not stop telemetry for good
+                log.exception("telemetry scrape round failed")
+            await asyncio.sleep(max(0.0, self._interval_s - (self._clock() - started)))
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape(i) for i in self._fleet.instance_ids()))
+
+    async def scrape(self, instance_id: str) -> None:
+        state = self._fleet.get(instance_id)
+        if state is None:
+            return
+        try:
+            async with self._session.get(
+                f"{state.spec.url}/metrics", timeout=self._timeout
+            ) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"/metrics answered {resp.status}")
+                text = await resp.text()
+            reading = parse_vllm_metrics(text, self._clock())
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as err:
+            self._fleet.record_failure(instance_id, str(err) or type(err).__name__)
+            return
+        self._fleet.record_reading(instance_id, reading)

@@ -1,0 +1,260 @@
+"""`create_app(config, instances)`: every router component built in one place and passed in.
+
+The returned `Gateway` is the ASGI app. The two generation endpoints go straight to the
+`CompletionsHandler` (raw ASGI, the hot path); everything else (`/v1/models`, `/health`,
+`/ready`, `/metrics`, `/admin/...`) is a small FastAPI app. Lifecycle is explicit:
+`await gateway.start()` opens the upstream session and starts telemetry, `await
+gateway.aclose()` stops them; the ASGI lifespan calls both, and tests may call them directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pools.allocation import PoolMap, plan_allocation
+from pools.config import Config
+from pools.fleet import Fleet
+from pools.launchers.base import InstanceSpec
+from pools.telemetry import TelemetryScraper
+from router.errors import GpupoolError, NotFound
+from router.identity import Tenants
+from router.metrics import RouterMetrics
+from router.picking import RunAffinity, default_picker
+from router.proxy import Admission, CompletionsHandler, Message, Receive, RequestObserver, Scope, Send
+
+__all__ = ["Gateway", "create_app"]
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    """The router: an ASGI app with an explicit start/aclose lifecycle."""
+
+    def __init__(
+        self,
+        config: Config,
+        instances: list[InstanceSpec],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        admission: Admission | None = None,
+        observers: list[RequestObserver] | None = None,
+        scrape: bool = True,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.metrics = RouterMetrics()
+        self.tenants = Tenants.from_config(config.tenants)
+        rc = config.router
+        self.fleet = Fleet(
+            instances,
+            stale_after_s=rc.stale_after_s,
+            unhealthy_after=rc.unhealthy_after_failures,
+            clock=clock,
+        )
+        self.fleet.on_health_change(
+            lambda iid, ok: self.metrics.healthy.labels(iid).set(1 if ok else 0)
+        )
+        shares = {p.name: p.share.initial_frac for p in config.pools}
+        self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares))
+        self.affinity = RunAffinity()
+        self.picker = default_picker(self.fleet, self.affinity, rng or random.Random())
+        self._admission = admission
+        self._observers = observers or []
+        self._scrape = scrape
+        self.session: aiohttp.ClientSession | None = None
+        self.scraper: TelemetryScraper | None = None
+        self.handler: CompletionsHandler | None = None
+        self.max_model_len_tokens: int | None = config.model.max_model_len_tokens
+        self.api = self._build_api()
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        rc = self.config.router
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
+        self.scraper = TelemetryScraper(
+            self.fleet,
+            self.session,
+            interval_s=rc.scrape_interval_s,
+            timeout_s=rc.scrape_timeout_s,
+            clock=self.clock,
+        )
+        if self._scrape:
+            await self.scraper.start()
+        self.handler = CompletionsHandler(
+            config=self.config,
+            tenants=self.tenants,
+            fleet=self.fleet,
+            pool_map=self.pool_map,
+            picker=self.picker,
+            affinity=self.affinity,
+            session=self.session,
+            metrics=self.metrics,
+            admission=self._admission,
+            observers=self._observers,
+            clock=self.clock,
+        )
+        if self.tenants.open:
+            log.warning("no API keys configured: the router is open to anyone who can reach it")
+        self._started = True
+
+    async def aclose(self) -> None:
+        if self.scraper is not None:
+            await self.scraper.aclose()
+        if self.session is not None:
+            await self.session.close()
+        self._started = False
+
+    # ------------------------------------------------------------------ ASGI
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and self.handler is not None:
+            path = scope["path"]
+            if path == "/v1/chat/completions":
+                await self.handler(scope, receive, send, chat=True)
+                return
+            if path == "/v1/completions":
+                await self.handler(scope, receive, send, chat=False)
+                return
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        await self.api(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message: Message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.start()
+                except Exception as err:
+                    await send({"type": "lifespan.startup.failed", "message": str(err)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ------------------------------------------------------------------ the rest of the API
+
+    def pools_view(self) -> dict[str, Any]:
+        allocation = self.pool_map.current
+        capacity = self.fleet.capacity_gpus()
+        pools = {}
+        for pool in self.config.pools:
+            ids = allocation.instances_for(pool.name)
+            pools[pool.name] = {
+                "classes": list(pool.classes),
+                "share_frac": round(allocation.share_of(pool.name, capacity), 4),
+                "floor_frac": pool.share.floor_frac,
+                "ceiling_frac": pool.share.ceiling_frac,
+                "instances": {i: round(allocation.frac(i, pool.name), 4) for i in ids},
+                "healthy_instances": sum(
+                    1 for i in ids if (s := self.fleet.get(i)) is not None and s.healthy
+                ),
+            }
+        instances = {}
+        for state in self.fleet:
+            r = state.reading
+            instances[state.spec.instance_id] = {
+                "url": state.spec.url,
+                "gpus": state.spec.gpus,
+                "healthy": state.healthy,
+                "last_error": state.last_error,
+                "inflight": state.inflight,
+                "pools": dict(allocation.pools_of(state.spec.instance_id)),
+                "telemetry_age_s": None if r is None else round(self.fleet.age_s(state) or 0, 3),
+                "kv_usage_frac": None if r is None else r.kv_usage_frac,
+                "running": None if r is None else r.running,
+                "waiting": None if r is None else r.waiting,
+                "num_gpu_blocks": None if r is None else r.num_gpu_blocks,
+                "block_size": None if r is None else r.block_size,
+            }
+        return {"allocation_version": allocation.version, "pools": pools, "instances": instances}
+
+    def _refresh_gauges(self) -> None:
+        m = self.metrics
+        allocation = self.pool_map.current
+        capacity = self.fleet.capacity_gpus()
+        for pool in self.config.pools:
+            m.pool_share.labels(pool.name).set(allocation.share_of(pool.name, capacity))
+        for state in self.fleet:
+            iid = state.spec.instance_id
+            m.healthy.labels(iid).set(1 if state.healthy else 0)
+            m.set_inflight(iid, state.inflight)
+            if state.reading is not None:
+                m.kv_usage.labels(iid).set(state.reading.kv_usage_frac)
+                m.engine_running.labels(iid).set(state.reading.running)
+                m.engine_waiting.labels(iid).set(state.reading.waiting)
+                m.telemetry_age.labels(iid).set(self.fleet.age_s(state) or 0.0)
+
+    def _build_api(self) -> FastAPI:
+        api = FastAPI(title="gpupool", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @api.exception_handler(GpupoolError)
+        async def _gpupool_error(request: Request, err: GpupoolError) -> Response:
+            return Response(err.body(), status_code=err.status, media_type="application/json",
+                            headers={k.decode(): v.decode() for k, v in err.headers()})
+
+        @api.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @api.get("/ready")
+        async def ready() -> Response:
+            view = self.pools_view()
+            not_ready = [p for p, v in view["pools"].items() if v["healthy_instances"] == 0]
+            body = {"ready": not not_ready, "pools_without_healthy_instance": not_ready}
+            return JSONResponse(body, status_code=503 if not_ready else 200)
+
+        @api.get("/v1/models")
+        async def models(request: Request) -> dict[str, Any]:
+            self.tenants.authenticate(request.headers.get("authorization"))
+            entry: dict[str, Any] = {"id": self.config.model.name, "object": "model",
+                                     "created": 0, "owned_by": "gpupool"}
+            if self.max_model_len_tokens is not None:
+                entry["max_model_len"] = self.max_model_len_tokens
+            return {"object": "list", "data": [entry]}
+
+        @api.get("/metrics")
+        async def metrics() -> Response:
+            self._refresh_gauges()
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @api.get("/admin/pools")
+        async def admin_pools(request: Request) -> dict[str, Any]:
+            self.tenants.authenticate(request.headers.get("authorization"))
+            return self.pools_view()
+
+        @api.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
+        async def unknown_v1(rest: str) -> Response:
+            raise NotFound(f"/v1/{rest} is not served by gpupool", "unknown_endpoint")
+
+        return api
+
+
+def create_app(
+    config: Config,
+    instances: list[InstanceSpec],
+    **kwargs: Any,
+) -> Gateway:
+    """Build the router for `config` over `instances` (from a launcher)."""
+    return Gateway(config, instances, **kwargs)

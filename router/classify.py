@@ -1,0 +1,176 @@
+"""Classification: which class (and so which pool) a request belongs to, and what else the
+router must know about it (tenant, priority, deadline, run id, request id).
+
+Rules come from config and are tried in order, first match wins; each rule is a small function
+`(headers, body, tenant, config) -> class name | None`:
+- `header`: an explicit `x-gpupool-class` (only if the tenant may set it; unknown class: 400);
+- `tenant_default`: the tenant's default class;
+- `tools`: a body with a non-empty `tools` list;
+- `run_id`: a run identity is present;
+and the configured default class (`normal`) when none matches.
+
+Run identity, so agent clients work with gpupool as with other routers: `x-gpupool-run-id`,
+`x-dynamo-trajectory-id`, `x-claude-code-session-id`, Codex's `session-id` / `thread-id`,
+`x-session-id`, or vllm-project/router's `vllm_xargs.agentic_context` in the body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pools.config import Config, TenantConfig
+from router.errors import BadRequest, ClassNotAllowed
+
+__all__ = ["RUN_ID_HEADERS", "RequestContext", "classify", "run_identity"]
+
+RUN_ID_HEADERS = (
+    "x-gpupool-run-id",
+    "x-dynamo-trajectory-id",
+    "x-claude-code-session-id",
+    "session-id",
+    "thread-id",
+    "x-session-id",
+)
+
+Headers = Mapping[str, str]
+Rule = Callable[[Headers, dict[str, Any], TenantConfig, Config, str | None], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """Everything the router decided about one request before picking an instance."""
+
+    request_id: str
+    tenant: str
+    class_name: str
+    pool: str
+    priority: int  # higher first; below 0 means sheddable
+    deadline_s: float  # absolute, on the router's monotonic clock
+    run_id: str | None
+    model: str
+    stream: bool
+    client_wants_usage: bool  # the client asked for the streaming usage chunk
+    received_at_s: float
+
+
+def run_identity(headers: Headers, body: dict[str, Any]) -> str | None:
+    for name in RUN_ID_HEADERS:
+        value = headers.get(name)
+        if value:
+            return value[:256]
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        ctx = xargs.get("agentic_context")
+        if isinstance(ctx, str) and ctx:
+            return ctx[:256]
+        if isinstance(ctx, dict):
+            for key in ("id", "program_id", "session_id", "trajectory_id"):
+                value = ctx.get(key)
+                if isinstance(value, str | int) and str(value):
+                    return str(value)[:256]
+    return None
+
+
+def _rule_header(
+    headers: Headers, body: dict[str, Any], tenant: TenantConfig, config: Config, run: str | None
+) -> str | None:
+    wanted = headers.get("x-gpupool-class")
+    if not wanted:
+        return None
+    if wanted not in config.class_names:
+        raise BadRequest(
+            f"x-gpupool-class {wanted!r} is not a known class (known: "
+            f"{', '.join(config.class_names)})",
+            "unknown_class",
+            param="x-gpupool-class",
+        )
+    if not tenant.may_set_class:
+        raise ClassNotAllowed(
+            f"tenant {tenant.name!r} may not choose its class with x-gpupool-class",
+            "class_not_allowed",
+        )
+    return wanted
+
+
+def _rule_tenant_default(
+    headers: Headers, body: dict[str, Any], tenant: TenantConfig, config: Config, run: str | None
+) -> str | None:
+    return tenant.default_class
+
+
+def _rule_tools(
+    headers: Headers, body: dict[str, Any], tenant: TenantConfig, config: Config, run: str | None
+) -> str | None:
+    tools = body.get("tools")
+    return config.classification.tools_class if isinstance(tools, list) and tools else None
+
+
+def _rule_run_id(
+    headers: Headers, body: dict[str, Any], tenant: TenantConfig, config: Config, run: str | None
+) -> str | None:
+    return config.classification.run_class if run else None
+
+
+RULES: dict[str, Rule] = {
+    "header": _rule_header,
+    "tenant_default": _rule_tenant_default,
+    "tools": _rule_tools,
+    "run_id": _rule_run_id,
+}
+
+
+def _int_header(headers: Headers, name: str) -> int | None:
+    raw = headers.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise BadRequest(f"{name} must be an integer, got {raw!r}", "invalid_header",
+                         param=name) from None
+
+
+def classify(
+    headers: Headers,
+    body: dict[str, Any],
+    tenant: TenantConfig,
+    config: Config,
+    *,
+    request_id: str,
+    now_s: float,
+) -> RequestContext:
+    """Decide class, pool, priority, deadline and run id. Raises `BadRequest`/`ClassNotAllowed`."""
+    run = run_identity(headers, body)
+    class_name: str | None = None
+    for rule_name in config.classification.rules:
+        class_name = RULES[rule_name](headers, body, tenant, config, run)
+        if class_name is not None:
+            break
+    if class_name is None:
+        class_name = config.classification.default_class
+    pool = config.pool_for_class(class_name)
+    assert pool is not None, "config validation guarantees every class has a pool"
+    cls = config.class_config(class_name)
+    priority = _int_header(headers, "x-gpupool-priority")
+    deadline_ms = _int_header(headers, "x-gpupool-deadline-ms")
+    if deadline_ms is not None and deadline_ms <= 0:
+        raise BadRequest("x-gpupool-deadline-ms must be positive", "invalid_header",
+                         param="x-gpupool-deadline-ms")
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    return RequestContext(
+        request_id=request_id,
+        tenant=tenant.name,
+        class_name=class_name,
+        pool=pool.name,
+        priority=cls.default_priority if priority is None else priority,
+        deadline_s=now_s + (deadline_ms / 1e3 if deadline_ms is not None else cls.timeout_s),
+        run_id=run,
+        model=str(body.get("model")),
+        stream=stream,
+        client_wants_usage=stream and isinstance(options, dict) and bool(
+            options.get("include_usage")),
+        received_at_s=now_s,
+    )

@@ -1,0 +1,25 @@
+"""`gpupool serve --config FILE`: run only the router, against engines already running
+(`engines.static.urls`, or the local launcher's host and ports)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from router.commands.up import load_or_report, with_port
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("serve", help="run only the router against running engines")
+    p.add_argument("--config", help="YAML config (default: the built-in default)")
+    p.add_argument("--port", type=int, help="router port (overrides router.port)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_or_report(args.config)
+    if config is None:
+        return 2
+    from router.stack import run_stack
+
+    return asyncio.run(run_stack(with_port(config, args.port), launch=False))

@@ -1,0 +1,49 @@
+"""`gpupool up [--config FILE]`: start the engines and the router; Ctrl-C stops everything."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from pools.config import Config, ConfigError, load_config
+from pools.devmodel import SHAPES, is_dev_model, make_dev_model
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("up", help="start engines and the router (default: 3 CPU engines)")
+    p.add_argument("--config", help="YAML config (default: the built-in default)")
+    p.add_argument("--port", type=int, help="router port (overrides router.port)")
+    p.set_defaults(func=run)
+
+
+def load_or_report(path: str | None) -> Config | None:
+    try:
+        return load_config(path)
+    except ConfigError as err:
+        print(f"gpupool: invalid config {err.source}:", file=sys.stderr)
+        for problem in err.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return None
+
+
+def with_port(config: Config, port: int | None) -> Config:
+    if port is None:
+        return config
+    import dataclasses
+
+    return dataclasses.replace(config, router=dataclasses.replace(config.router, port=port))
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_or_report(args.config)
+    if config is None:
+        return 2
+    config = with_port(config, args.port)
+    model = config.model
+    if model.load_format == "dummy" and not is_dev_model(model.path) and model.path.name in SHAPES:
+        make_dev_model(model.path, model.path.name)
+        print(f"gpupool: made the dev model {model.path.name!r} in {model.path}", file=sys.stderr)
+    from router.stack import run_stack
+
+    return asyncio.run(run_stack(config, launch=True))

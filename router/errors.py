@@ -1,0 +1,108 @@
+"""gpupool's one error hierarchy, and the one place HTTP status codes are chosen.
+
+Every error a client can see derives from `GpupoolError` and renders as OpenAI's shape:
+`{"error": {"message", "type", "code", "param"}}` (plus `retryable` / `retry_after_seconds`
+for capacity errors). Nothing else in the router picks a status code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import orjson
+
+__all__ = [
+    "BadRequest",
+    "CapacityExceeded",
+    "DeadlineExceeded",
+    "ClassNotAllowed",
+    "EngineFailure",
+    "GpupoolError",
+    "ModelNotFound",
+    "NoHealthyInstance",
+    "NotFound",
+    "Unauthorized",
+]
+
+
+class GpupoolError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, code: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def payload(self) -> dict[str, Any]:
+        return {"message": self.message, "type": self.type, "code": self.code, "param": self.param}
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": self.payload()})
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return []
+
+
+class BadRequest(GpupoolError):
+    """Malformed JSON, a missing or mistyped field, an unknown class."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(GpupoolError):
+    status = 401
+    type = "authentication_error"
+
+
+class ClassNotAllowed(GpupoolError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(GpupoolError):
+    status = 404
+    type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    pass
+
+
+class CapacityExceeded(GpupoolError):
+    """Admission refused: queue full or the deadline cannot be met. Retryable."""
+
+    status = 429
+    type = "capacity_exceeded"
+
+    def __init__(self, message: str, code: str, *, retry_after_s: float) -> None:
+        super().__init__(message, code)
+        self.retry_after_s = retry_after_s
+
+    def payload(self) -> dict[str, Any]:
+        seconds = max(1, round(self.retry_after_s))
+        return {**super().payload(), "retryable": True, "retry_after_seconds": seconds}
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", str(max(1, round(self.retry_after_s))).encode())]
+
+
+class EngineFailure(GpupoolError):
+    """The engine failed (refused after retries, died mid-request, answered 5xx)."""
+
+    status = 502
+    type = "engine_error"
+
+
+class NoHealthyInstance(GpupoolError):
+    status = 503
+    type = "service_unavailable"
+
+
+class DeadlineExceeded(GpupoolError):
+    """The request's deadline (x-gpupool-deadline-ms or the class timeout) passed upstream."""
+
+    status = 504
+    type = "timeout_error"

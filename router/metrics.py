@@ -1,0 +1,110 @@
+"""The router's Prometheus metrics, on a registry of its own (never the global one).
+
+Labels are bounded: pool, class, tenant, instance, outcome, reason; never a run or request id.
+Label children are cached so the request path pays one dict lookup, not `.labels()`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["RouterMetrics"]
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
+_OVERHEAD_BUCKETS_S = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "gpupool_requests_total",
+            "Requests by pool, class, outcome (ok, client_error, engine_error, rejected,"
+            " aborted) and reason (HTTP status or error code)",
+            ["pool", "class", "outcome", "reason"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "gpupool_request_duration_seconds", "End-to-end request latency at the router",
+            ["pool", "class"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.ttft = Histogram(
+            "gpupool_ttft_seconds", "Time to first token, measured at the router",
+            ["class"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.tpot = Histogram(
+            "gpupool_tpot_seconds", "Time per output token after the first, at the router",
+            ["class"], buckets=_TPOT_BUCKETS_S, registry=r,
+        )
+        self.overhead = Histogram(
+            "gpupool_router_overhead_seconds",
+            "Router time before the upstream request is sent (parse, classify, admit, pick)",
+            buckets=_OVERHEAD_BUCKETS_S, registry=r,
+        )
+        self.inflight = Gauge(
+            "gpupool_inflight_requests", "Sequences in flight per instance (router view)",
+            ["instance"], registry=r,
+        )
+        self.healthy = Gauge(
+            "gpupool_instance_healthy", "1 if the instance takes traffic", ["instance"], registry=r
+        )
+        self.kv_usage = Gauge(
+            "gpupool_instance_kv_usage_frac", "Measured KV-cache use (vLLM), 0..1",
+            ["instance"], registry=r,
+        )
+        self.engine_running = Gauge(
+            "gpupool_instance_running_requests", "Running requests reported by the engine",
+            ["instance"], registry=r,
+        )
+        self.engine_waiting = Gauge(
+            "gpupool_instance_waiting_requests", "Waiting requests reported by the engine",
+            ["instance"], registry=r,
+        )
+        self.telemetry_age = Gauge(
+            "gpupool_instance_telemetry_age_seconds", "Age of the newest engine reading",
+            ["instance"], registry=r,
+        )
+        self.pool_share = Gauge(
+            "gpupool_pool_share_frac", "Each pool's share of total GPU capacity", ["pool"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "gpupool_upstream_retries_total", "Connect failures retried on another instance",
+            ["pool"], registry=r,
+        )
+        self._children: dict[tuple[str, ...], object] = {}
+
+    def request_done(self, pool: str, cls: str, outcome: str, reason: str, latency_s: float) -> None:
+        key = ("r", pool, cls, outcome, reason)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(pool, cls, outcome, reason)
+        child.inc()  # type: ignore[attr-defined]
+        key = ("l", pool, cls)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.latency.labels(pool, cls)
+        child.observe(latency_s)  # type: ignore[attr-defined]
+
+    def observe_ttft(self, cls: str, ttft_s: float) -> None:
+        key = ("ttft", cls)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.ttft.labels(cls)
+        child.observe(ttft_s)  # type: ignore[attr-defined]
+
+    def observe_tpot(self, cls: str, tpot_s: float) -> None:
+        key = ("tpot", cls)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.tpot.labels(cls)
+        child.observe(tpot_s)  # type: ignore[attr-defined]
+
+    def set_inflight(self, instance: str, value: int) -> None:
+        key = ("inflight", instance)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.inflight.labels(instance)
+        child.set(value)  # type: ignore[attr-defined]

@@ -1,0 +1,159 @@
+"""Picking an instance inside a pool: filter -> score -> pick.
+
+Each step is a small function with one contract, in the manner of llm-d's endpoint picker:
+- a `Filter` keeps the candidates that may take the request;
+- a `Scorer` gives every candidate a score in [0, 1] (the picker clamps and weights);
+- the `Picker` sums weighted scores and takes the best, ties broken at random (injected rng).
+New policies are new functions, not new branches.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pools.allocation import Allocation
+from pools.fleet import Fleet, InstanceState
+
+__all__ = [
+    "Candidate",
+    "PickRequest",
+    "Picker",
+    "RunAffinity",
+    "default_picker",
+    "score_kv_headroom",
+    "score_load",
+    "score_run_affinity",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PickRequest:
+    pool: str
+    run_id: str | None
+    exclude: frozenset[str] = frozenset()  # instances already tried for this request
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    state: InstanceState
+    frac: float  # the pool's allocation of this instance, (0, 1]
+
+    @property
+    def instance_id(self) -> str:
+        return self.state.spec.instance_id
+
+
+Filter = Callable[[PickRequest, list[Candidate]], list[Candidate]]
+Scorer = Callable[[PickRequest, Sequence[Candidate]], list[float]]
+
+
+class RunAffinity:
+    """Where each run's last step went (bounded LRU), so later steps find their prefix cache."""
+
+    def __init__(self, max_runs: int = 100_000) -> None:
+        self._last: OrderedDict[str, str] = OrderedDict()
+        self._max_runs = max_runs
+
+    def get(self, run_id: str | None) -> str | None:
+        return self._last.get(run_id) if run_id else None
+
+    def record(self, run_id: str | None, instance_id: str) -> None:
+        if not run_id:
+            return
+        self._last[run_id] = instance_id
+        self._last.move_to_end(run_id)
+        if len(self._last) > self._max_runs:
+            self._last.popitem(last=False)
+
+
+def filter_healthy(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
+    return [c for c in cands if c.state.healthy]
+
+
+def filter_not_tried(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
+    if not req.exclude:
+        return cands
+    return [c for c in cands if c.instance_id not in req.exclude]
+
+
+def score_kv_headroom(fleet: Fleet) -> Scorer:
+    """1 - measured KV use; stale telemetry counts as full (score 0)."""
+
+    def score(req: PickRequest, cands: Sequence[Candidate]) -> list[float]:
+        return [1.0 - fleet.kv_usage_frac(c.state) for c in cands]
+
+    return score
+
+
+def score_load(req: PickRequest, cands: Sequence[Candidate]) -> list[float]:
+    """1 / (1 + in flight here, scaled by the pool's share of the instance); 1 when idle."""
+    out = []
+    for c in cands:
+        waiting = c.state.reading.waiting if c.state.reading is not None else 0
+        out.append(1.0 / (1.0 + (c.state.inflight + waiting) / max(c.frac, 1e-3)))
+    return out
+
+
+def score_run_affinity(affinity: RunAffinity) -> Scorer:
+    """1 for the instance that served the run's previous step, 0 elsewhere."""
+
+    def score(req: PickRequest, cands: Sequence[Candidate]) -> list[float]:
+        last = affinity.get(req.run_id)
+        return [1.0 if last is not None and c.instance_id == last else 0.0 for c in cands]
+
+    return score
+
+
+class Picker:
+    def __init__(
+        self,
+        fleet: Fleet,
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[float, Scorer]],
+        rng: random.Random,
+    ) -> None:
+        self._fleet = fleet
+        self._filters = list(filters)
+        self._scorers = list(scorers)
+        self._rng = rng
+
+    def candidates(self, allocation: Allocation, pool: str) -> list[Candidate]:
+        out = []
+        for instance_id in allocation.instances_for(pool):
+            state = self._fleet.get(instance_id)
+            if state is not None:
+                out.append(Candidate(state, allocation.frac(instance_id, pool)))
+        return out
+
+    def pick(self, req: PickRequest, cands: list[Candidate]) -> Candidate | None:
+        for f in self._filters:
+            cands = f(req, cands)
+            if not cands:
+                return None
+        if len(cands) == 1:
+            return cands[0]
+        totals = [0.0] * len(cands)
+        for weight, scorer in self._scorers:
+            for i, s in enumerate(scorer(req, cands)):
+                totals[i] += weight * min(1.0, max(0.0, s))
+        best = max(totals)
+        tied = [c for c, t in zip(cands, totals, strict=True) if best - t <= 1e-9]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+
+def default_picker(fleet: Fleet, affinity: RunAffinity, rng: random.Random) -> Picker:
+    """Healthy and untried instances of the pool; scored by run affinity (weight 2), KV
+    headroom (1) and load (1)."""
+    return Picker(
+        fleet,
+        filters=[filter_healthy, filter_not_tried],
+        scorers=[
+            (2.0, score_run_affinity(affinity)),
+            (1.0, score_kv_headroom(fleet)),
+            (1.0, score_load),
+        ],
+        rng=rng,
+    )

@@ -1,0 +1,554 @@
+"""The request path for `/v1/chat/completions` and `/v1/completions`, as a raw ASGI handler.
+
+classify -> admit -> pick -> proxy -> account (DESIGN.md, "The request path"). It runs outside
+FastAPI's routing and middleware on purpose: it sits on every token of every request, and the
+ASGI stack is most of what a Python proxy costs (benchmarks/results/router_overhead.md).
+
+Proxy rules:
+- bytes pass through; the router parses the request body once, the first content event (for
+  TTFT) and the usage event (tokens); nothing else of the stream;
+- a streaming request always asks vLLM for `stream_options.include_usage`; the usage event is
+  stripped again when the client did not ask for it;
+- a client that disconnects aborts the upstream request (the connection to the engine is
+  closed, and vLLM aborts the sequence);
+- a connect failure before any byte was sent marks the instance unhealthy and retries another
+  instance of the same pool; a failure mid-stream ends the stream with an OpenAI-shaped error
+  event; an engine 5xx becomes a 502; an engine 4xx (prompt too long, ...) passes through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+
+from pools.allocation import PoolMap
+from pools.config import Config
+from pools.fleet import Fleet
+from router.classify import RequestContext, classify
+from router.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    EngineFailure,
+    GpupoolError,
+    ModelNotFound,
+    NoHealthyInstance,
+)
+from router.identity import Tenants
+from router.metrics import RouterMetrics
+from router.picking import Candidate, Picker, PickRequest, RunAffinity
+
+__all__ = ["Admission", "AdmitAll", "CompletionsHandler", "RequestOutcome", "RequestObserver"]
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+_SSE_SEP = b"\n\n"
+
+
+class Admission(Protocol):
+    """Step 3 of the request path. `admit` returns when the request may be dispatched to one
+    of the candidates (which it may narrow), or raises `CapacityExceeded`."""
+
+    async def admit(self, ctx: RequestContext, candidates: list[Candidate]) -> list[Candidate]: ...
+
+    def release(self, ctx: RequestContext, instance_id: str) -> None: ...
+
+
+class AdmitAll:
+    """No admission control: every request goes straight to picking."""
+
+    async def admit(self, ctx: RequestContext, candidates: list[Candidate]) -> list[Candidate]:
+        return candidates
+
+    def release(self, ctx: RequestContext, instance_id: str) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """What happened to one request, handed to observers (accounting, ledger) at the end."""
+
+    ctx: RequestContext
+    instance_id: str | None = None
+    status: int = 0
+    outcome: str = "ok"  # ok | client_error | engine_error | rejected | aborted
+    reason: str = "200"
+    dispatched_at_s: float | None = None
+    first_token_at_s: float | None = None
+    ended_at_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_at_s is None:
+            return None
+        return self.first_token_at_s - self.ctx.received_at_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_token_at_s is None or self.completion_tokens < 2:
+            return None
+        return (self.ended_at_s - self.first_token_at_s) / (self.completion_tokens - 1)
+
+
+class RequestObserver(Protocol):
+    """Hooks around the upstream call: accounting and the ledger implement these."""
+
+    def dispatched(self, outcome: RequestOutcome) -> None: ...
+
+    def finished(self, outcome: RequestOutcome) -> None: ...
+
+    def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]: ...
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def _is_first_token(event: bytes) -> bool:
+    """True for an event carrying output (not vLLM's role-only opening event)."""
+    if event.startswith(b"data: [DONE]"):
+        return False
+    if b'"content":""' in event or b'"choices":[]' in event:
+        return b'"tool_calls"' in event
+    return b'"content":' in event or b'"text":' in event or b'"tool_calls"' in event
+
+
+class CompletionsHandler:
+    """Serves one OpenAI generation endpoint (`chat` or `completions`) through the pools."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        tenants: Tenants,
+        fleet: Fleet,
+        pool_map: PoolMap,
+        picker: Picker,
+        affinity: RunAffinity,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        admission: Admission | None = None,
+        observers: list[RequestObserver] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.tenants = tenants
+        self.fleet = fleet
+        self.pool_map = pool_map
+        self.picker = picker
+        self.affinity = affinity
+        self.session = session
+        self.metrics = metrics
+        self.admission: Admission = admission or AdmitAll()
+        self.observers = observers or []
+        self.clock = clock
+        rc = config.router
+        self._connect_timeout_s = rc.connect_timeout_s
+        self._upstream_timeout_s = rc.upstream_timeout_s
+        self._max_retries = rc.max_connect_retries
+
+    # ----------------------------------------------------------------------------- entry
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
+        now = self.clock()
+        request_id = "gp-" + os.urandom(8).hex()
+        headers = _headers(scope)
+        try:
+            body_bytes = await _read_body(receive)
+            tenant = self.tenants.authenticate(headers.get("authorization"))
+            body = self._parse(body_bytes, chat)
+            ctx = classify(headers, body, tenant, self.config, request_id=request_id, now_s=now)
+        except GpupoolError as err:
+            await _send_error(send, err, [(b"x-gpupool-request-id", request_id.encode())])
+            self.metrics.request_done("none", "none", _outcome_of(err.status), err.code,
+                                      self.clock() - now)
+            return
+        except ConnectionError:
+            return  # the client left while sending its body
+        outcome = RequestOutcome(ctx=ctx)
+        task = asyncio.ensure_future(self._serve(ctx, body, body_bytes, chat, send, outcome))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                outcome.outcome, outcome.reason = "aborted", "client_disconnect"
+                outcome.status = 499
+            else:
+                task.result()
+        finally:
+            watcher.cancel()
+            outcome.ended_at_s = self.clock()
+            self._finish(outcome)
+
+    def _parse(self, raw: bytes, chat: bool) -> dict[str, Any]:
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as err:
+            raise BadRequest(f"request body is not valid JSON: {err}", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object", "invalid_body")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("missing required field 'model'", "missing_field", param="model")
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest("'messages' must be a non-empty list", "missing_field",
+                                 param="messages")
+        elif "prompt" not in body:
+            raise BadRequest("missing required field 'prompt'", "missing_field", param="prompt")
+        if model != self.config.model.name:
+            raise ModelNotFound(
+                f"The model `{model}` does not exist. Served models: {self.config.model.name}.",
+                "model_not_found",
+                param="model",
+            )
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise BadRequest("'stream' must be a boolean", "invalid_field", param="stream")
+        return body
+
+    # ----------------------------------------------------------------------------- serving
+
+    async def _serve(
+        self,
+        ctx: RequestContext,
+        body: dict[str, Any],
+        body_bytes: bytes,
+        chat: bool,
+        send: Send,
+        outcome: RequestOutcome,
+    ) -> None:
+        gp_headers = [
+            (b"x-gpupool-request-id", ctx.request_id.encode()),
+            (b"x-gpupool-pool", ctx.pool.encode()),
+            (b"x-gpupool-class", ctx.class_name.encode()),
+        ]
+        if ctx.stream:
+            options = body.get("stream_options")
+            if not isinstance(options, dict) or not options.get("include_usage"):
+                body["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                          "include_usage": True}
+                body_bytes = orjson.dumps(body)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        tried: set[str] = set()
+        try:
+            while True:
+                cand = await self._choose(ctx, tried)
+                instance = cand.state
+                instance_id = instance.spec.instance_id
+                outcome.instance_id = instance_id
+                tried.add(instance_id)
+                headers = [*gp_headers, (b"x-gpupool-instance", instance_id.encode())]
+                remaining_s = ctx.deadline_s - self.clock()
+                if remaining_s <= 0:
+                    raise DeadlineExceeded("the request's deadline passed before dispatch",
+                                           "deadline_exceeded")
+                timeout = aiohttp.ClientTimeout(
+                    total=min(remaining_s, self._upstream_timeout_s),
+                    sock_connect=self._connect_timeout_s,
+                )
+                instance.inflight += 1
+                instance.dispatched_total += 1
+                self.metrics.set_inflight(instance_id, instance.inflight)
+                outcome.dispatched_at_s = self.clock()
+                self.metrics.overhead.observe(outcome.dispatched_at_s - ctx.received_at_s)
+                for obs in self.observers:
+                    obs.dispatched(outcome)
+                try:
+                    resp = await self.session.post(
+                        instance.spec.url + path,
+                        data=body_bytes,
+                        headers={"content-type": "application/json",
+                                 "x-request-id": ctx.request_id},
+                        timeout=timeout,
+                    )
+                except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as err:
+                    self._release(ctx, instance_id)
+                    outcome.dispatched_at_s = None
+                    self.fleet.record_failure(instance_id, f"connect failed: {err}",
+                                              immediate=True)
+                    if len(tried) > self._max_retries:
+                        raise EngineFailure(
+                            f"could not reach an engine in pool {ctx.pool!r} after "
+                            f"{len(tried)} attempt(s): {err}", "engine_unreachable") from None
+                    self.metrics.retries.labels(ctx.pool).inc()
+                    log.info("%s: %s refused the connection; retrying elsewhere",
+                             ctx.request_id, instance_id)
+                    continue
+                except TimeoutError:
+                    self._release(ctx, instance_id)
+                    raise DeadlineExceeded("the engine did not answer before the deadline",
+                                           "deadline_exceeded") from None
+                try:
+                    self.affinity.record(ctx.run_id, instance_id)
+                    await self._relay(ctx, resp, send, headers, outcome)
+                except BaseException:
+                    resp.close()  # drop the connection: vLLM aborts the sequence
+                    raise
+                else:
+                    resp.release()  # fully read: the connection goes back to the pool
+                finally:
+                    self._release(ctx, instance_id)
+                return
+        except GpupoolError as err:
+            outcome.status = err.status
+            outcome.outcome = _outcome_of(err.status)
+            outcome.reason = err.code
+            await _send_error(send, err, gp_headers + (
+                [(b"x-gpupool-instance", outcome.instance_id.encode())]
+                if outcome.instance_id else []))
+
+    async def _choose(self, ctx: RequestContext, tried: set[str]) -> Candidate:
+        allocation = self.pool_map.current
+        cands = self.picker.candidates(allocation, ctx.pool)
+        cands = await self.admission.admit(ctx, cands)
+        chosen = self.picker.pick(PickRequest(ctx.pool, ctx.run_id, frozenset(tried)), cands)
+        if chosen is None:
+            total = len(allocation.instances_for(ctx.pool))
+            raise NoHealthyInstance(
+                f"no healthy instance in pool {ctx.pool!r} ({total} allocated"
+                f"{', all tried' if tried else ''})",
+                "no_healthy_instance",
+            )
+        return chosen
+
+    def _release(self, ctx: RequestContext, instance_id: str) -> None:
+        state = self.fleet.get(instance_id)
+        if state is not None:
+            state.inflight -= 1
+            self.metrics.set_inflight(instance_id, state.inflight)
+        self.admission.release(ctx, instance_id)
+
+    async def _relay(
+        self,
+        ctx: RequestContext,
+        resp: aiohttp.ClientResponse,
+        send: Send,
+        headers: list[tuple[bytes, bytes]],
+        outcome: RequestOutcome,
+    ) -> None:
+        status = resp.status
+        outcome.status = status
+        if status != 200:
+            raw = await _read_upstream(resp)
+            if status >= 500:
+                detail = _engine_message(raw)
+                self.fleet.record_failure(outcome.instance_id or "", f"engine answered {status}")
+                raise EngineFailure(
+                    f"engine {outcome.instance_id} failed: {detail}", "engine_error"
+                )
+            outcome.outcome, outcome.reason = "client_error", str(status)
+            ctype = resp.headers.get("content-type", "application/json").encode()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", ctype), *headers]})
+            await send({"type": "http.response.body", "body": raw})
+            return
+        if ctx.stream:
+            await self._relay_stream(ctx, resp, send, headers, outcome)
+        else:
+            await self._relay_body(ctx, resp, send, headers, outcome)
+
+    async def _relay_body(
+        self,
+        ctx: RequestContext,
+        resp: aiohttp.ClientResponse,
+        send: Send,
+        headers: list[tuple[bytes, bytes]],
+        outcome: RequestOutcome,
+    ) -> None:
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, OSError) as err:
+            raise EngineFailure(f"engine {outcome.instance_id} failed mid-response: {err}",
+                                "engine_error") from None
+        except TimeoutError:
+            raise DeadlineExceeded("the engine did not finish before the deadline",
+                                   "deadline_exceeded") from None
+        now = self.clock()
+        outcome.first_token_at_s = now
+        outcome.ended_at_s = now
+        extra_headers: list[tuple[bytes, bytes]] = []
+        try:
+            usage = orjson.loads(raw).get("usage") or {}
+            outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
+        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+            pass
+        for obs in self.observers:
+            for key, value in obs.usage_extra(outcome).items():
+                extra_headers.append((f"x-gpupool-{key.replace('_', '-')}".encode(),
+                                      str(value).encode()))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), *headers,
+                                *extra_headers]})
+        await send({"type": "http.response.body", "body": raw})
+
+    async def _relay_stream(
+        self,
+        ctx: RequestContext,
+        resp: aiohttp.ClientResponse,
+        send: Send,
+        headers: list[tuple[bytes, bytes]],
+        outcome: RequestOutcome,
+    ) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"),
+                                (b"cache-control", b"no-cache"), *headers]})
+        buf = b""
+        first_token_seen = False
+        try:
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                out: list[bytes] = []
+                start = 0
+                while (end := buf.find(_SSE_SEP, start)) >= 0:
+                    event = buf[start : end + 2]
+                    start = end + 2
+                    if not first_token_seen and _is_first_token(event):
+                        first_token_seen = True
+                        outcome.first_token_at_s = self.clock()
+                    if b'"usage"' in event:
+                        event = self._usage_event(ctx, event, outcome)
+                    if event:
+                        out.append(event)
+                if start:
+                    buf = buf[start:]
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out),
+                                "more_body": True})
+        except (aiohttp.ClientError, OSError, TimeoutError) as err:
+            outcome.outcome, outcome.reason, outcome.status = "engine_error", "midstream", 502
+            message = (
+                "the request's deadline passed mid-stream"
+                if isinstance(err, TimeoutError)
+                else f"engine {outcome.instance_id} failed mid-stream: {err or type(err).__name__}"
+            )
+            error = EngineFailure(message, "engine_error")
+            await send({"type": "http.response.body",
+                        "body": b"data: " + error.body() + b"\n\ndata: [DONE]\n\n",
+                        "more_body": False})
+            return
+        await send({"type": "http.response.body", "body": buf, "more_body": False})
+
+    def _usage_event(self, ctx: RequestContext, event: bytes, outcome: RequestOutcome) -> bytes:
+        """Record the usage; drop the usage-only event unless the client asked for it."""
+        try:
+            data = orjson.loads(event[5:].strip()) if event.startswith(b"data:") else None
+        except orjson.JSONDecodeError:
+            return event
+        if not isinstance(data, dict) or not isinstance(data.get("usage"), dict):
+            return event
+        usage = data["usage"]
+        outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
+        if data.get("choices"):
+            return event  # continuous usage stats on a content event: keep it
+        if not ctx.client_wants_usage:
+            return b""
+        outcome.ended_at_s = self.clock()
+        extra: dict[str, Any] = {}
+        for obs in self.observers:
+            extra.update(obs.usage_extra(outcome))
+        if not extra:
+            return event
+        usage.update(extra)
+        return b"data: " + orjson.dumps(data) + b"\n\n"
+
+    def _finish(self, outcome: RequestOutcome) -> None:
+        ctx = outcome.ctx
+        if outcome.outcome == "ok" and outcome.status != 200:
+            outcome.outcome = _outcome_of(outcome.status)
+            outcome.reason = str(outcome.status)
+        self.metrics.request_done(ctx.pool, ctx.class_name, outcome.outcome, outcome.reason,
+                                  outcome.ended_at_s - ctx.received_at_s)
+        if outcome.outcome == "ok":
+            if (ttft := outcome.ttft_s) is not None:
+                self.metrics.observe_ttft(ctx.class_name, ttft)
+            if (tpot := outcome.tpot_s) is not None:
+                self.metrics.observe_tpot(ctx.class_name, tpot)
+        for obs in self.observers:
+            try:
+                obs.finished(outcome)
+            except Exception:
+                log.exception("request observer failed for %s", ctx.request_id)
+
+
+def _outcome_of(status: int) -> str:
+    if status == 429:
+        return "rejected"
+    if status == 499:
+        return "aborted"
+    if 400 <= status < 500:
+        return "client_error"
+    if status >= 500:
+        return "engine_error"
+    return "ok"
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionError("client disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes", "body_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _read_upstream(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return b""
+
+
+def _engine_message(raw: bytes) -> str:
+    try:
+        data = orjson.loads(raw)
+        message = data.get("error", {}).get("message") or data.get("message")
+        if isinstance(message, str):
+            return message[:500]
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    return raw[:200].decode("utf-8", "replace") or "empty response"
+
+
+async def _send_error(send: Send, err: GpupoolError, headers: list[tuple[bytes, bytes]]) -> None:
+    body = err.body()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), *headers, *err.headers()]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,136 @@
+"""Running the stack in one process: engines (optional), the router behind uvicorn, and a
+clean shutdown on Ctrl-C or SIGTERM that stops every engine this process started.
+
+uvicorn's own signal handling is replaced by ours (its `capture_signals` re-raises the signal
+after shutdown, which would skip stopping the engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Generator
+
+import uvicorn
+
+from pools.config import Config
+from pools.launchers import InstanceSpec, LauncherError, make_launcher
+from router.app import create_app
+
+__all__ = ["instances_without_launching", "run_stack"]
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def _say(message: str) -> None:
+    print(f"gpupool: {message}", file=sys.stderr, flush=True)
+
+
+def instances_without_launching(config: Config) -> list[InstanceSpec]:
+    """The engines `gpupool serve` expects to find already running."""
+    engines = config.engines
+    if engines.launcher == "static":
+        urls = list(engines.static.urls)
+    else:
+        local = engines.local
+        urls = [f"http://{local.host}:{local.base_port + i}" for i in range(local.count)]
+    return [
+        InstanceSpec(instance_id=f"engine-{i}", url=url, gpus=engines.gpus_per_instance)
+        for i, url in enumerate(urls)
+    ]
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise LauncherError(
+            f"cannot listen on {host}:{port}: {err.strerror} (set router.port in the config)"
+        ) from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _banner(config: Config, gateway_view: dict[str, object], host: str, port: int) -> None:
+    _say(f"OpenAI base URL: http://{host}:{port}/v1   (model {config.model.name!r})")
+    pools = gateway_view.get("pools", {})
+    assert isinstance(pools, dict)
+    for name, view in pools.items():
+        share = view["share_frac"]
+        instances = ", ".join(f"{i} ({f:.0%})" if f < 1 else i for i, f in view["instances"].items())
+        _say(f"pool {name!r} (classes {', '.join(view['classes'])}): {share:.0%} of capacity on "
+             f"{instances or 'no instance'}")
+    _say("press Ctrl-C to stop")
+
+
+async def run_stack(config: Config, *, launch: bool) -> int:
+    """Run until SIGINT/SIGTERM. Returns the exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    rc = config.router
+    try:
+        sock = _bind(rc.host, rc.port)
+    except LauncherError as err:
+        _say(str(err))
+        return 1
+    launcher = make_launcher(config, progress=_say) if launch else None
+    try:
+        if launcher is not None:
+            start = asyncio.ensure_future(launcher.start())
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():
+                _say("interrupted while engines were starting; stopping them")
+                start.cancel()
+                with contextlib.suppress(asyncio.CancelledError, LauncherError):
+                    await start
+                return 130
+            stopper.cancel()
+            instances = start.result()
+        else:
+            instances = instances_without_launching(config)
+        gateway = create_app(config, instances)
+        server = _Server(
+            uvicorn.Config(
+                gateway, log_level="warning", access_log=False, lifespan="on",
+                http="httptools", timeout_graceful_shutdown=10,
+            )
+        )
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if serving.done():
+            _say("the router failed to start")
+            return 1
+        _banner(config, gateway.pools_view(), rc.host, rc.port)
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        _say("shutting down")
+        server.should_exit = True
+        await serving
+        stopper.cancel()
+        return 0
+    except LauncherError as err:
+        _say(f"error: {err}")
+        return 1
+    finally:
+        if launcher is not None:
+            await launcher.aclose()
+            _say("engines stopped")
+        sock.close()
