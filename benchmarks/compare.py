@@ -1,0 +1,160 @@
+"""Compare mode: one scenario, one seed, several targets in turn, one report.
+
+`run_compare` checks every target answers `GET /v1/models`, sizes prompts (the model's
+tokenizer when one is found, else tokens-per-word calibrated once from the first target's
+`usage.prompt_tokens`), draws the plan once, runs it against each target with a pause
+between, and writes `report.json`, `report.md`, the plots and the per-target records into
+`out_dir`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from benchmarks.metrics import summarize_target
+from benchmarks.plots import write_plots
+from benchmarks.prompts import VOCABULARY, PromptMaker, content_tokens_for
+from benchmarks.records import TargetResult
+from benchmarks.report import (
+    build_report,
+    describe_machine,
+    safe_name,
+    write_records,
+    write_report,
+)
+from benchmarks.runner import Runner, Target
+from benchmarks.scenario import Scenario
+from benchmarks.workload import build_plan
+
+__all__ = ["BenchError", "calibrate_tokens_per_word", "check_target", "run_compare"]
+
+log = logging.getLogger(__name__)
+
+_CHECK_TIMEOUT_S = 15.0
+
+
+class BenchError(Exception):
+    """The benchmark cannot run (a target is unreachable, a calibration failed)."""
+
+
+async def check_target(session: aiohttp.ClientSession, target: Target) -> str | None:
+    """None when the target lists models; otherwise a one-line problem."""
+    try:
+        async with (
+            asyncio.timeout(_CHECK_TIMEOUT_S),
+            session.get(f"{target.base_url}/v1/models", headers=target.request_headers()) as resp,
+        ):
+            if resp.status != 200:
+                return f"GET /v1/models answered {resp.status}"
+            data = orjson.loads(await resp.read())
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as err:
+        return f"GET /v1/models failed: {type(err).__name__}: {err}"
+    models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+    if models and target.model not in models:
+        return f"model {target.model!r} not served (it serves {', '.join(map(str, models))})"
+    return None
+
+
+async def calibrate_tokens_per_word(
+    session: aiohttp.ClientSession, target: Target, words: int = 400
+) -> float:
+    """Send one random-words prompt with max_tokens 1 and divide its usage by the words."""
+    text = " ".join(VOCABULARY[(i * 7919) % len(VOCABULARY)] for i in range(words))
+    body = {"model": target.model, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    async with (
+        asyncio.timeout(60),
+        session.post(
+            target.chat_url, data=orjson.dumps(body), headers=target.request_headers()
+        ) as resp,
+    ):
+        if resp.status != 200:
+            raise BenchError(f"{target.name}: calibration request answered {resp.status}")
+        data = orjson.loads(await resp.read())
+    prompt_tokens = int(data["usage"]["prompt_tokens"])
+    overhead = words - content_tokens_for(words)  # template tokens around one message
+    return max(0.1, (prompt_tokens - overhead) / words)
+
+
+async def _prepare(targets: Sequence[Target], tokenizer_path: str | None) -> PromptMaker:
+    async with aiohttp.ClientSession() as session:
+        problems = [(t, p) for t in targets if (p := await check_target(session, t))]
+        if problems:
+            raise BenchError("; ".join(f"{t.name} ({t.url}): {p}" for t, p in problems))
+        if tokenizer_path:
+            return await asyncio.to_thread(PromptMaker, tokenizer_path)
+        tpw = await calibrate_tokens_per_word(session, targets[0])
+        log.info("no tokenizer: calibrated %.3f tokens/word against %s", tpw, targets[0].name)
+        return PromptMaker(None, tokens_per_word=tpw)
+
+
+async def run_compare(
+    scenario: Scenario,
+    targets: Sequence[Target],
+    out_dir: Path,
+    *,
+    seed: int | None = None,
+    tokenizer_path: str | None = None,
+    progress: bool = True,
+    pause_s: float = 0.0,
+    wall_clock: Callable[[], float] = time.time,
+    notes: str = "",
+) -> dict[str, Any]:
+    """Run `scenario` against each target in turn; write and return the report."""
+    if not targets:
+        raise BenchError("no targets")
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        raise BenchError(f"target names must be unique: {names}")
+    seed = scenario.seed if seed is None else seed
+    prompts = await _prepare(targets, tokenizer_path)
+    plan = await asyncio.to_thread(build_plan, scenario, prompts, seed)
+    log.info(
+        "plan: %d chat requests, %d agent runs (%d steps at most), over %.0f s",
+        len(plan.chat),
+        len(plan.runs),
+        plan.total_requests - len(plan.chat),
+        scenario.duration_s,
+    )
+    await asyncio.to_thread(out_dir.mkdir, parents=True, exist_ok=True)
+    stamp = int(wall_clock())
+    results: list[TargetResult] = []
+    summaries = []
+    for i, target in enumerate(targets):
+        if i and pause_s > 0:
+            await asyncio.sleep(pause_s)
+        prefix = f"bench-{safe_name(scenario.name)}-{seed}-{safe_name(target.name)}-{stamp}"
+        result = await Runner(plan, target, run_id_prefix=prefix, progress=progress).run()
+        results.append(result)
+        await asyncio.to_thread(write_records, out_dir, result)
+        summary = summarize_target(result, scenario)
+        summaries.append(summary)
+        log.info(
+            "%s: %d requests, goodput %.2f req/s, SLO attainment %s",
+            target.name,
+            summary["requests"],
+            summary["goodput_rps"],
+            "–"
+            if summary["slo_attainment_frac"] is None
+            else f"{100 * summary['slo_attainment_frac']:.1f} %",
+        )
+    created = datetime.fromtimestamp(wall_clock(), UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    report = build_report(
+        scenario, summaries, seed=seed, machine=describe_machine(), created_at=created, notes=notes
+    )
+    report["plots"] = await asyncio.to_thread(write_plots, out_dir, scenario, results)
+    report["prompt_sizing"] = (
+        "tokenizer " + tokenizer_path
+        if tokenizer_path
+        else f"{prompts.tokens_per_word:.3f} tokens/word, calibrated"
+    )
+    await asyncio.to_thread(write_report, out_dir, report)
+    return report
