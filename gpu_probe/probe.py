@@ -22,7 +22,7 @@ from gpu_probe.nvml import (
     to_text,
 )
 from gpu_probe.readings import GpuDevice, GpuProcess, GpuReading, GpuSnapshot
-from kvcache_model import gpu_spec_for_device_name
+from kvcache_model.gpus import gpu_spec_for_device_name
 
 __all__ = ["open_nvml", "probe_gpus", "read_devices", "read_readings", "read_snapshot"]
 
