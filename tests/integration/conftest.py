@@ -1,0 +1,207 @@
+"""Real CPU vLLM engines for the integration tests, started once per session.
+
+`real_engines` yields the `InstanceSpec`s (`.url`, `.instance_id`, `.gpus`) of three engines
+serving the tiny dev model, started by gpupool's own `LocalLauncher` (so the launcher is under
+test too) with a 64 MiB KV cache each and `max_model_len` 4096. `engine_fleet` gives the
+handle that can kill an engine and wait for the launcher to restart it. The launcher runs on
+an event loop in a background thread, so its supervisor keeps working between tests.
+
+`router_url` runs `gpupool serve` as a subprocess in front of those engines (agent pool: one
+engine, normal pool: two), the same way a user runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import yaml
+
+from pools.config import parse_config
+from pools.devmodel import is_dev_model, make_dev_model
+from pools.launchers import InstanceSpec, LocalLauncher
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_DIR = REPO / ".gpupool" / "models" / "tiny"
+ENGINE_BASE_PORT = 8150
+ENGINE_COUNT = 3
+KV_CACHE_BYTES = 64 * 1024 * 1024
+MAX_MODEL_LEN = 4096
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class EngineFleet:
+    """Real engines under a `LocalLauncher`, driven from synchronous tests."""
+
+    def __init__(self, run_dir: Path) -> None:
+        if not is_dev_model(MODEL_DIR):
+            make_dev_model(MODEL_DIR, "tiny")
+        self.config = parse_config(
+            {
+                "model": {"name": "tiny", "path": str(MODEL_DIR),
+                          "max_model_len_tokens": MAX_MODEL_LEN},
+                "engines": {
+                    "launcher": "local",
+                    "local": {
+                        "count": ENGINE_COUNT,
+                        "base_port": ENGINE_BASE_PORT,
+                        "kv_cache_bytes": KV_CACHE_BYTES,
+                        "run_dir": str(run_dir),
+                        "restart_backoff_s": 1.0,
+                        "stop_grace_s": 10.0,
+                        "startup_timeout_s": 300,
+                        "vllm_args": ["--max-num-seqs", "32"],
+                    },
+                },
+                "pools": {
+                    "agent": {"classes": ["agent"], "share": {"initial_frac": 0.34}},
+                    "normal": {"classes": ["normal"], "share": {"initial_frac": 0.66}},
+                },
+            }
+        )
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="engine-fleet-loop")
+        self._thread.start()
+        self.launcher = LocalLauncher(
+            self.config.engines.local, self.config.model,
+            progress=lambda m: print(f"[engines] {m}", file=sys.stderr, flush=True),
+            gpu_count=0,
+        )
+        self.instances: list[InstanceSpec] = []
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 600) -> T:
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout=timeout_s)
+
+    def start(self) -> list[InstanceSpec]:
+        self.instances = self.run(self.launcher.start())
+        return self.instances
+
+    def pid(self, index: int) -> int:
+        pid = self.launcher.engines[index].pid
+        assert pid is not None
+        return pid
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> int:
+        pid = self.pid(index)
+        os.killpg(pid, sig)
+        return pid
+
+    def wait_healthy(self, index: int, timeout_s: float = 180) -> None:
+        url = self.instances[index].url
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"engine {index} ({url}) not healthy after {timeout_s} s")
+
+    def close(self) -> None:
+        self.run(self.launcher.aclose(), timeout_s=120)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def engine_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFleet]:
+    fleet = EngineFleet(tmp_path_factory.mktemp("engines"))
+    try:
+        fleet.start()
+        yield fleet
+    finally:
+        fleet.close()
+
+
+@pytest.fixture(scope="session")
+def real_engines(engine_fleet: EngineFleet) -> list[InstanceSpec]:
+    return engine_fleet.instances
+
+
+def write_router_config(path: Path, urls: list[str], **extra: Any) -> Path:
+    config: dict[str, Any] = {
+        "model": {"name": "tiny", "path": str(MODEL_DIR), "max_model_len_tokens": MAX_MODEL_LEN},
+        "engines": {"launcher": "static", "static": {"urls": urls}},
+        "pools": {
+            "agent": {"classes": ["agent"], "share": {"initial_frac": 0.34}},
+            "normal": {"classes": ["normal"], "share": {"initial_frac": 0.66}},
+        },
+        "router": {"scrape_interval_s": 0.5, "ledger_path": str(path.parent / "ledger.sqlite"),
+                   "state_path": str(path.parent / "state.json")},
+    }
+    for key, value in extra.items():
+        config.setdefault(key, {})
+        if isinstance(value, dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class RouterProcess:
+    def __init__(self, config_path: Path, port: int, log_path: Path) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "gpupool"), "serve", "--config", str(config_path),
+             "--port", str(port)],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited: {log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"router not ready: {log_path.read_text()}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def router_url(
+    real_engines: list[InstanceSpec], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    d = tmp_path_factory.mktemp("router")
+    config = write_router_config(d / "gpupool.yaml", [e.url for e in real_engines])
+    router = RouterProcess(config, free_port(), d / "router.log")
+    try:
+        yield router.url
+    finally:
+        router.stop()
