@@ -51,6 +51,7 @@ _SPECS = (
     GpuSpec("A100-40GB", 312e12, 1.555e12, 40960 * _MIB, 300e9),
     GpuSpec("H100", 989.4e12, 3.35e12, 81559 * _MIB, 450e9),  # SXM5 80GB
     GpuSpec("H100-PCIE", 756.5e12, 2.0e12, 81559 * _MIB, 32e9, allreduce_latency_s=30e-6),
+    GpuSpec("H100-NVL", 835.5e12, 3.9e12, 95830 * _MIB, 300e9),  # 94GB PCIe with NVLink bridge
     GpuSpec("H200", 989.4e12, 4.8e12, 143771 * _MIB, 450e9),  # SXM 141GB
     GpuSpec("L40S", 362.05e12, 0.864e12, 46068 * _MIB, 32e9, allreduce_latency_s=30e-6),
     GpuSpec("B200", 2250e12, 8.0e12, 183359 * _MIB, 900e9, compute_efficiency_frac=0.50),
@@ -64,7 +65,6 @@ _ALIASES = {
     "a100-40": "A100-40GB",
     "h100-sxm": "H100",
     "h100-80gb": "H100",
-    "h100-pcie": "H100-PCIE",
     "h200-sxm": "H200",
     "b200-sxm": "B200",
 }
@@ -92,6 +92,8 @@ def gpu_spec_for_device_name(device_name: str) -> GpuSpec | None:
     if re.search(r"\bH200\b", n):
         return GPU_SPECS["H200"]
     if re.search(r"\bH100\b", n):
+        if "NVL" in n:
+            return GPU_SPECS["H100-NVL"]
         return GPU_SPECS["H100-PCIE" if "PCIE" in n else "H100"]
     if re.search(r"\bA100\b", n):
         return GPU_SPECS["A100-40GB" if "40GB" in n else "A100"]

@@ -40,7 +40,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"model folder, config.json, or a known model ({', '.join(known_model_names())})",
     )
     p.add_argument(
-        "--gpu", required=True, help="GPU model: A100, A100-40GB, H100, H200, L40S, B200"
+        "--gpu",
+        required=True,
+        help="GPU model: A100, A100-40GB, H100, H100-PCIE, H100-NVL, H200, L40S, B200",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")

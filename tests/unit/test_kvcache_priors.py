@@ -127,6 +127,8 @@ def test_gpu_specs_and_names() -> None:
     assert gpu_spec("NVIDIA A100-SXM4-40GB").name == "A100-40GB"
     assert gpu_spec_for_device_name("NVIDIA H100 80GB HBM3") is GPU_SPECS["H100"]
     assert gpu_spec_for_device_name("NVIDIA H100 PCIe") is GPU_SPECS["H100-PCIE"]
+    assert gpu_spec_for_device_name("NVIDIA H100 NVL") is GPU_SPECS["H100-NVL"]
+    assert gpu_spec_for_device_name("NVIDIA GH200 480GB") is None
     assert gpu_spec_for_device_name("NVIDIA GeForce RTX 4090") is None
     with pytest.raises(UnknownGPUError, match="H100"):
         gpu_spec("TPU v5e")
