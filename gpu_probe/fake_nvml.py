@@ -68,7 +68,8 @@ class _Process:
 @dataclass
 class FakeGpu:
     """One scripted device; mutate its fields between samples. `unsupported` names the NVML
-    calls (e.g. "nvmlDeviceGetPowerUsage") that raise NOT_SUPPORTED on it."""
+    calls (e.g. "nvmlDeviceGetPowerUsage") that raise NOT_SUPPORTED on it; `errors` maps a call
+    to the NVML return code it raises (e.g. GPU_IS_LOST) until removed."""
 
     name: str = "NVIDIA H100 80GB HBM3"
     uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
@@ -82,6 +83,7 @@ class FakeGpu:
     compute_capability: tuple[int, int] = (9, 0)
     processes: list[tuple[int, int | None]] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)
+    errors: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def h100(cls, index: int = 0, **overrides: Any) -> FakeGpu:
@@ -139,6 +141,8 @@ class FakeNvml:
         gpu = self.gpus[int(handle)]
         if call in gpu.unsupported:
             raise FakeNvmlError(NVML_ERROR_NOT_SUPPORTED)
+        if call in gpu.errors:
+            raise FakeNvmlError(gpu.errors[call])
         return gpu
 
     def nvmlInit(self) -> None:

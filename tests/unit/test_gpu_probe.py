@@ -99,11 +99,7 @@ def test_zero_devices_reason() -> None:
 
 
 def test_lost_gpu_mid_read_becomes_no_gpu_answer() -> None:
-    class LosingNvml(FakeNvml):
-        def nvmlDeviceGetMemoryInfo(self, handle: object) -> object:  # type: ignore[override]
-            raise FakeNvmlError(NVML_ERROR_GPU_IS_LOST)
-
-    nvml = LosingNvml([FakeGpu.h100()])
+    nvml = FakeNvml([FakeGpu.h100(errors={"nvmlDeviceGetMemoryInfo": NVML_ERROR_GPU_IS_LOST})])
     snap = read_snapshot(nvml)
     assert snap.no_gpu_reason is not None and "fell off the bus" in snap.no_gpu_reason
     assert not nvml.initialised

@@ -9,7 +9,7 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gpu_probe.fake_nvml import FakeGpu, FakeNvml, FakeNvmlError
+from gpu_probe.fake_nvml import FakeGpu, FakeNvml
 from gpu_probe.nvml import NVML_ERROR_GPU_IS_LOST
 from gpu_probe.sampler import GpuSampler
 
@@ -120,22 +120,14 @@ async def test_machine_with_zero_gpus(sim: SimTime) -> None:
 async def test_failed_sample_keeps_last_snapshot_and_recovers(
     sim: SimTime, caplog: pytest.LogCaptureFixture
 ) -> None:
-    class FlakyNvml(FakeNvml):
-        failing = False
-
-        def nvmlDeviceGetMemoryInfo(self, handle: object) -> object:  # type: ignore[override]
-            if self.failing:
-                raise FakeNvmlError(NVML_ERROR_GPU_IS_LOST)
-            return super().nvmlDeviceGetMemoryInfo(handle)
-
-    nvml = FlakyNvml([FakeGpu.h100()])
+    nvml = FakeNvml([FakeGpu.h100()])
     registry = CollectorRegistry()
     sampler = GpuSampler(
         registry=registry, nvml=nvml, interval_s=1.0, clock=sim.clock, sleep=sim.sleep
     )
     await sampler.start()
     try:
-        nvml.failing = True
+        nvml.gpus[0].errors["nvmlDeviceGetMemoryInfo"] = NVML_ERROR_GPU_IS_LOST
         with caplog.at_level(logging.WARNING, logger="gpu_probe.sampler"):
             await sim.step()
             await sim.step()
@@ -143,7 +135,7 @@ async def test_failed_sample_keeps_last_snapshot_and_recovers(
         assert len(warnings) == 1  # once per distinct error, not once per tick
         snap = sampler.latest
         assert snap is not None and snap.taken_at_s == 1000.0  # stale, visibly
-        nvml.failing = False
+        del nvml.gpus[0].errors["nvmlDeviceGetMemoryInfo"]
         nvml.gpus[0].memory_used_bytes = 5 * GIB
         await sim.step()
         snap = sampler.latest
