@@ -8,7 +8,7 @@ frozen snapshot that the router reads on every request and the rebalancer swaps 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -91,11 +91,18 @@ class PoolMap:
 
     def __init__(self, allocation: Allocation) -> None:
         self._current = allocation
+        self._listeners: list[Callable[[Allocation], None]] = []
 
     @property
     def current(self) -> Allocation:
         return self._current
 
+    def on_change(self, listener: Callable[[Allocation], None]) -> None:
+        """Call `listener(new_allocation)` after every `replace` (accounting follows shares)."""
+        self._listeners.append(listener)
+
     def replace(self, allocation: Allocation) -> Allocation:
         self._current = Allocation(allocation.fracs, self._current.version + 1)
+        for listener in self._listeners:
+            listener(self._current)
         return self._current

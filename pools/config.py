@@ -160,14 +160,16 @@ class TenantSchema(_Strict):
     max_concurrent_runs: int | None = Field(default=None, gt=0)
     default_class: str | None = None
     may_set_class: bool = True
+    admin: bool = False  # may read /admin/* (every caller may when no key is configured)
 
 
-RULES = ("header", "tenant_default", "tools", "run_id")
+RuleName = Literal["header", "tenant_default", "tools", "run_id"]
+RULES: tuple[RuleName, ...] = ("header", "tenant_default", "tools", "run_id")
 
 
 class ClassificationSchema(_Strict):
     # Rules tried in order, first match wins; the default class applies when none matches.
-    rules: list[Literal["header", "tenant_default", "tools", "run_id"]] = Field(
+    rules: list[RuleName] = Field(
         default_factory=lambda: list(RULES)
     )
     tools_class: str = "agent"  # class of a request whose body has `tools`
@@ -339,6 +341,7 @@ class TenantConfig:
     max_concurrent_runs: int | None
     default_class: str | None
     may_set_class: bool
+    admin: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,6 +448,7 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
                 max_concurrent_runs=t.max_concurrent_runs,
                 default_class=t.default_class,
                 may_set_class=t.may_set_class,
+                admin=t.admin,
             )
         )
     if problems:

@@ -26,8 +26,12 @@ from pools.config import Config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import TelemetryScraper
-from router.errors import GpupoolError, NotFound
+from router.accounting import Accountant
+from router.accounting_metrics import AccountingMetrics
+from router.accounting_observer import AccountingObserver
+from router.errors import BadRequest, GpupoolError, NotFound
 from router.identity import Tenants
+from router.ledger import Ledger
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity, default_picker
 from router.proxy import Admission, CompletionsHandler, Message, Receive, RequestObserver, Scope, Send
@@ -70,7 +74,15 @@ class Gateway:
         self.affinity = RunAffinity()
         self.picker = default_picker(self.fleet, self.affinity, rng or random.Random())
         self._admission = admission
-        self._observers = observers or []
+        self.accountant = Accountant()
+        self.accounting_metrics = AccountingMetrics(self.metrics.registry)
+        self.ledger = Ledger.from_config(
+            rc, snapshot_source=lambda: self.accountant.conservation(self.clock())
+        )
+        self._observers = [
+            AccountingObserver(self.accountant, self.ledger, self.accounting_metrics, clock=clock),
+            *(observers or []),
+        ]
         self._scrape = scrape
         self.session: aiohttp.ClientSession | None = None
         self.scraper: TelemetryScraper | None = None
@@ -85,6 +97,14 @@ class Gateway:
         if self._started:
             return
         rc = self.config.router
+        now = self.clock()
+        allocation = self.pool_map.current
+        for state in self.fleet:
+            iid = state.spec.instance_id
+            self.accountant.add_instance(iid, float(state.spec.gpus),
+                                         dict(allocation.pools_of(iid)), now)
+        self.pool_map.on_change(self._shares_changed)
+        await self.ledger.start()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
@@ -120,7 +140,14 @@ class Gateway:
             await self.scraper.aclose()
         if self.session is not None:
             await self.session.close()
+        await self.ledger.aclose()
         self._started = False
+
+    def _shares_changed(self, allocation: Any) -> None:
+        now = self.clock()
+        for state in self.fleet:
+            iid = state.spec.instance_id
+            self.accountant.set_shares(iid, dict(allocation.pools_of(iid)), now)
 
     # ------------------------------------------------------------------ ASGI
 
@@ -237,18 +264,64 @@ class Gateway:
         @api.get("/metrics")
         async def metrics() -> Response:
             self._refresh_gauges()
+            self.accounting_metrics.update(self.accountant.conservation(self.clock()))
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         @api.get("/admin/pools")
         async def admin_pools(request: Request) -> dict[str, Any]:
-            self.tenants.authenticate(request.headers.get("authorization"))
+            self.tenants.authenticate_admin(request.headers.get("authorization"))
             return self.pools_view()
+
+        @api.get("/v1/runs/{run_id}")
+        async def run_detail(run_id: str, request: Request) -> dict[str, Any]:
+            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            summary = await self.ledger.run_summary(run_id, tenant.name)
+            if summary is None:
+                raise NotFound(f"no run {run_id!r} for tenant {tenant.name!r}", "run_not_found")
+            return summary
+
+        @api.get("/v1/runs")
+        async def runs(request: Request) -> dict[str, Any]:
+            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            q = request.query_params
+            since_s = _float_param(q.get("since_s", q.get("since")), "since_s")
+            limit = int(_float_param(q.get("limit"), "limit") or 50)
+            if not 1 <= limit <= 1000:
+                raise BadRequest("limit must be between 1 and 1000", "invalid_param",
+                                 param="limit")
+            data = await self.ledger.list_runs(
+                tenant.name, since_s=since_s, limit=limit, class_name=q.get("class")
+            )
+            return {"object": "list", "data": data}
+
+        @api.get("/admin/accounting")
+        async def admin_accounting(request: Request) -> dict[str, Any]:
+            self.tenants.authenticate_admin(request.headers.get("authorization"))
+            q = request.query_params
+            top = int(_float_param(q.get("top"), "top") or 10)
+            report: dict[str, Any] = await self.ledger.admin_report(
+                top_n=max(1, min(top, 1000)),
+                tenant=q.get("tenant"),
+                since_s=_float_param(q.get("since_s"), "since_s"),
+                live=self.accountant.conservation(self.clock()),
+            )
+            return report
 
         @api.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
         async def unknown_v1(rest: str) -> Response:
             raise NotFound(f"/v1/{rest} is not served by gpupool", "unknown_endpoint")
 
         return api
+
+
+def _float_param(raw: str | None, name: str) -> float | None:
+    if raw is None or raw == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise BadRequest(f"query parameter {name} must be a number, got {raw!r}",
+                         "invalid_param", param=name) from None
 
 
 def create_app(

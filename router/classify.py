@@ -53,6 +53,7 @@ class RequestContext:
     stream: bool
     client_wants_usage: bool  # the client asked for the streaming usage chunk
     received_at_s: float
+    want_gpu_usage: bool = False  # x-gpupool-usage: 1 -> usage gains gpu_seconds
 
 
 def run_identity(headers: Headers, body: dict[str, Any]) -> str | None:
@@ -173,4 +174,5 @@ def classify(
         client_wants_usage=stream and isinstance(options, dict) and bool(
             options.get("include_usage")),
         received_at_s=now_s,
+        want_gpu_usage=headers.get("x-gpupool-usage", "").lower() in ("1", "true", "yes"),
     )

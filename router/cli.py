@@ -19,6 +19,10 @@ COMMAND_MODULES = (
     "router.commands.serve",
     "router.commands.check_config",
     "router.commands.dev_model",
+    "router.commands.plan",
+    "router.commands.probe",
+    "router.commands.runs",
+    "router.commands.bench",
 )
 
 

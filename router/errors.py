@@ -17,6 +17,7 @@ __all__ = [
     "DeadlineExceeded",
     "ClassNotAllowed",
     "EngineFailure",
+    "Forbidden",
     "GpupoolError",
     "ModelNotFound",
     "NoHealthyInstance",
@@ -57,9 +58,13 @@ class Unauthorized(GpupoolError):
     type = "authentication_error"
 
 
-class ClassNotAllowed(GpupoolError):
+class Forbidden(GpupoolError):
     status = 403
     type = "permission_error"
+
+
+class ClassNotAllowed(Forbidden):
+    pass
 
 
 class NotFound(GpupoolError):

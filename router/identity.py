@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pools.config import TenantConfig
-from router.errors import Unauthorized
+from router.errors import Forbidden, Unauthorized
 
 __all__ = ["ANONYMOUS", "Tenants"]
 
@@ -20,6 +20,7 @@ ANONYMOUS = TenantConfig(
     max_concurrent_runs=None,
     default_class=None,
     may_set_class=True,
+    admin=True,
 )
 
 
@@ -59,4 +60,11 @@ class Tenants:
         tenant = self.by_key.get(key.strip())
         if tenant is None:
             raise Unauthorized("invalid API key", "invalid_api_key")
+        return tenant
+
+    def authenticate_admin(self, authorization: str | None) -> TenantConfig:
+        """Like `authenticate`, and the tenant must be an admin (anyone, when open)."""
+        tenant = self.authenticate(authorization)
+        if not self.open and not tenant.admin:
+            raise Forbidden(f"tenant {tenant.name!r} is not an admin", "admin_only")
         return tenant

@@ -82,10 +82,10 @@ class RouterMetrics:
         if child is None:
             child = self._children[key] = self.requests.labels(pool, cls, outcome, reason)
         child.inc()  # type: ignore[attr-defined]
-        key = ("l", pool, cls)
-        child = self._children.get(key)
+        lkey = ("l", pool, cls)
+        child = self._children.get(lkey)
         if child is None:
-            child = self._children[key] = self.latency.labels(pool, cls)
+            child = self._children[lkey] = self.latency.labels(pool, cls)
         child.observe(latency_s)  # type: ignore[attr-defined]
 
     def observe_ttft(self, cls: str, ttft_s: float) -> None:

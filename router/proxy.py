@@ -395,10 +395,14 @@ class CompletionsHandler:
             outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
         except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
             pass
+        extra: dict[str, Any] = {}
         for obs in self.observers:
-            for key, value in obs.usage_extra(outcome).items():
-                extra_headers.append((f"x-gpupool-{key.replace('_', '-')}".encode(),
-                                      str(value).encode()))
+            extra.update(obs.usage_extra(outcome))
+        for key, value in extra.items():
+            extra_headers.append((f"x-gpupool-{key.replace('_', '-')}".encode(),
+                                  str(value).encode()))
+        if ctx.want_gpu_usage and extra:
+            raw = _add_usage(raw, extra)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"), *headers,
                                 *extra_headers]})
@@ -464,9 +468,11 @@ class CompletionsHandler:
         outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
         if data.get("choices"):
             return event  # continuous usage stats on a content event: keep it
-        if not ctx.client_wants_usage:
+        if not (ctx.client_wants_usage or ctx.want_gpu_usage):
             return b""
         outcome.ended_at_s = self.clock()
+        if not ctx.want_gpu_usage:
+            return event
         extra: dict[str, Any] = {}
         for obs in self.observers:
             extra.update(obs.usage_extra(outcome))
@@ -494,9 +500,22 @@ class CompletionsHandler:
                 log.exception("request observer failed for %s", ctx.request_id)
 
 
+def _add_usage(raw: bytes, extra: dict[str, Any]) -> bytes:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw
+    if isinstance(data, dict) and isinstance(data.get("usage"), dict):
+        data["usage"].update(extra)
+        return orjson.dumps(data)
+    return raw
+
+
 def _outcome_of(status: int) -> str:
     if status == 429:
         return "rejected"
+    if status == 504:
+        return "timeout"
     if status == 499:
         return "aborted"
     if 400 <= status < 500:

@@ -136,7 +136,7 @@ def _error_body(message: str, type_: str, code: int, param: str | None = None) -
 def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
     if chat:
         text = " ".join(
-            m.get("content") if isinstance(m.get("content"), str) else ""
+            str(m.get("content")) if isinstance(m.get("content"), str) else ""
             for m in body.get("messages") or []
             if isinstance(m, dict)
         )

@@ -1,0 +1,95 @@
+"""Connects the request path to GPU-seconds accounting and the ledger.
+
+`AccountingObserver` is a `RequestObserver`: at dispatch it starts the request's processor-
+sharing clock on its instance (and numbers the run's step in arrival order); when the last
+usage is known it stops the clock, so the cost can go in the response (`x-gpupool-gpu-seconds`
+header, `usage.gpu_seconds` with `x-gpupool-usage: 1`); at the end it writes one
+`RequestRecord` to the ledger and counts the GPU-seconds in Prometheus. O(1) per event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from router.accounting import Accountant, SequenceToken
+from router.accounting_metrics import AccountingMetrics
+from router.ledger import Ledger, RequestRecord
+from router.proxy import RequestOutcome
+
+__all__ = ["AccountingObserver"]
+
+_TOKEN = "acct_token"
+_COST = "gpu_seconds"
+_STEP = "step_index"
+
+
+class AccountingObserver:
+    def __init__(
+        self,
+        accountant: Accountant,
+        ledger: Ledger,
+        metrics: AccountingMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.accountant = accountant
+        self.ledger = ledger
+        self.metrics = metrics
+        self._clock = clock
+        self._wall_clock = wall_clock
+
+    def dispatched(self, outcome: RequestOutcome) -> None:
+        now = self._clock()
+        extra = outcome.extra
+        previous = extra.pop(_TOKEN, None)
+        if isinstance(previous, SequenceToken):  # a retry after a refused connection
+            extra[_COST] = extra.get(_COST, 0.0) + self.accountant.end(previous, now)
+        ctx = outcome.ctx
+        if ctx.run_id is not None and _STEP not in extra:
+            extra[_STEP] = self.ledger.next_step_index(ctx.tenant, ctx.run_id)
+        if outcome.instance_id is not None and self.accountant.has_instance(outcome.instance_id):
+            extra[_TOKEN] = self.accountant.begin(outcome.instance_id, now)
+
+    def _settle(self, outcome: RequestOutcome) -> float:
+        extra = outcome.extra
+        token = extra.pop(_TOKEN, None)
+        if isinstance(token, SequenceToken):
+            extra[_COST] = extra.get(_COST, 0.0) + self.accountant.end(token, self._clock())
+        cost: float = extra.get(_COST, 0.0)
+        return cost
+
+    def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
+        return {"gpu_seconds": round(self._settle(outcome), 6)}
+
+    def finished(self, outcome: RequestOutcome) -> None:
+        gpu_s = self._settle(outcome)
+        ctx = outcome.ctx
+        offset = self._wall_clock() - self._clock()
+        dispatched = outcome.dispatched_at_s
+        queue_s = (dispatched if dispatched is not None else outcome.ended_at_s) - ctx.received_at_s
+        self.metrics.observe_request(ctx.pool, ctx.class_name, ctx.tenant, gpu_s)
+        self.ledger.submit(
+            RequestRecord(
+                request_id=ctx.request_id,
+                run_id=ctx.run_id,
+                step_index=outcome.extra.get(_STEP),
+                tenant=ctx.tenant,
+                class_name=ctx.class_name,
+                pool=ctx.pool,
+                instance=outcome.instance_id,
+                model=ctx.model,
+                started_at_s=ctx.received_at_s + offset,
+                ended_at_s=outcome.ended_at_s + offset,
+                queue_s=max(0.0, queue_s),
+                ttft_s=outcome.ttft_s,
+                tpot_s=outcome.tpot_s,
+                prompt_tokens=outcome.prompt_tokens,
+                completion_tokens=outcome.completion_tokens,
+                gpu_seconds=gpu_s,
+                outcome=outcome.outcome,
+                status_code=outcome.status,
+            )
+        )
