@@ -40,6 +40,10 @@ class ArrivalProcess(Protocol):
 
     def expected_count(self, duration_s: float) -> float: ...
 
+    def scaled(self, factor: float) -> ArrivalProcess:
+        """The same process with every rate multiplied by `factor` (schedule times kept)."""
+        ...
+
 
 @dataclass(frozen=True)
 class RateSegment:
@@ -57,6 +61,10 @@ class RenewalArrivals:
     @staticmethod
     def poisson(rate_per_s: float) -> RenewalArrivals:
         return RenewalArrivals((RateSegment(0.0, rate_per_s),), 1.0)
+
+    def scaled(self, factor: float) -> RenewalArrivals:
+        segs = tuple(RateSegment(s.start_s, s.rate_per_s * factor) for s in self.segments)
+        return RenewalArrivals(segs, self.cv)
 
     def _unit_gaps(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if self.cv == 0:
@@ -114,6 +122,9 @@ class TraceArrivals:
     speedup: float = 1.0  # 2.0 replays twice as fast
     offset_s: float = 0.0  # skip this much of the trace (trace time)
     length_scale: float = 1.0  # multiply the trace's token counts (fit a small model)
+
+    def scaled(self, factor: float) -> TraceArrivals:
+        return TraceArrivals(self.rows, self.speedup * factor, self.offset_s, self.length_scale)
 
     def _scaled(self, tokens: int) -> int:
         return max(1, math.floor(tokens * self.length_scale + 0.5))

@@ -3,7 +3,8 @@
 
     gpupool bench --scenario FILE --target URL [--target URL ...] [--target-name NAME ...]
                   [--model tiny] [--api-key K] [--tokenizer tokenizer.json] [--seed N]
-                  [--duration-s S] [--pause-s S] [--header K=V ...] [--no-progress] --out DIR
+                  [--duration-s S] [--rate-scale X] [--pause-s S] [--header K=V ...]
+                  [--no-progress] --out DIR
 
 Exit codes: 0 report written, 1 the benchmark could not run (a target unreachable), 2 bad
 input (the scenario is invalid, arguments do not match).
@@ -21,7 +22,7 @@ from pathlib import Path
 from benchmarks.compare import BenchError, run_compare
 from benchmarks.prompts import find_tokenizer
 from benchmarks.runner import Target
-from benchmarks.scenario import ScenarioError, load_scenario
+from benchmarks.scenario import ScenarioError, load_scenario, scale_rates
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -58,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--duration-s", type=float, default=None, help="override the scenario's arrival window"
     )
+    p.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="multiply every arrival rate (scenarios are sized for 3 CPU engines)",
+    )
     p.add_argument("--pause-s", type=float, default=5.0, help="pause between targets")
     p.add_argument(
         "--header", action="append", default=[], metavar="K=V", help="extra header on every request"
@@ -75,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
         for problem in err.problems:
             print(f"  - {problem}", file=sys.stderr)
         return 2
+    if args.rate_scale != 1.0:
+        try:
+            scenario = scale_rates(scenario, args.rate_scale)
+        except ScenarioError as err:
+            print(f"gpupool bench: {err}", file=sys.stderr)
+            return 2
     if args.duration_s is not None:
         scenario = dataclasses.replace(scenario, duration_s=args.duration_s)
     names = list(args.target_name)

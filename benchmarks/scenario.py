@@ -36,7 +36,7 @@ come from the trace.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -61,6 +61,7 @@ __all__ = [
     "Slo",
     "load_scenario",
     "parse_scenario",
+    "scale_rates",
 ]
 
 
@@ -406,3 +407,13 @@ def load_scenario(path: str | Path) -> Scenario:
     except yaml.YAMLError as err:
         raise ScenarioError([f"not valid YAML: {err}"], str(path)) from err
     return parse_scenario(data, str(path), path.parent)
+
+
+def scale_rates(scenario: Scenario, factor: float) -> Scenario:
+    """Every class's arrival rates multiplied by `factor` (a trace replays `factor` times
+    faster); sizes, SLOs and the schedule's phase times stay. For fleets bigger than the one a
+    scenario was sized for."""
+    if factor <= 0:
+        raise ScenarioError([f"rate scale must be > 0, got {factor}"], scenario.source)
+    classes = tuple(replace(c, arrivals=c.arrivals.scaled(factor)) for c in scenario.classes)
+    return replace(scenario, classes=classes)

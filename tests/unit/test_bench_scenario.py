@@ -46,7 +46,9 @@ def problems(data: dict[str, Any]) -> list[str]:
     return info.value.problems
 
 
-@pytest.mark.parametrize("name", ["smoke", "agent-flood", "day-night", "agreement", "trace-replay"])
+@pytest.mark.parametrize(
+    "name", ["smoke", "agent-flood", "agent-flood-gpu", "day-night", "agreement", "trace-replay"]
+)
 def test_shipped_scenarios_load(name: str) -> None:
     scenario = load_scenario(SCENARIOS / f"{name}.yaml")
     assert scenario.name == name
@@ -170,3 +172,20 @@ def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
     bad.write_text("- a list\n")
     with pytest.raises(ScenarioError, match="mapping"):
         load_scenario(bad)
+
+
+def test_scale_rates_multiplies_every_arrival_rate(tmp_path: Path) -> None:
+    from benchmarks.scenario import scale_rates
+
+    scenario = load_scenario(SCENARIOS / "agent-flood.yaml")
+    scaled = scale_rates(scenario, 10.0)
+    for before, after in zip(scenario.classes, scaled.classes, strict=True):
+        assert after.arrivals.expected_count(180) == pytest.approx(
+            10 * before.arrivals.expected_count(180)
+        )
+        assert after.slo == before.slo and after.prompt_tokens == before.prompt_tokens
+    replay = scale_rates(load_scenario(SCENARIOS / "trace-replay.yaml"), 2.0)
+    assert isinstance(replay.classes[0].arrivals, TraceArrivals)
+    assert replay.classes[0].arrivals.speedup == 4.0
+    with pytest.raises(ScenarioError):
+        scale_rates(scenario, 0)

@@ -1,0 +1,75 @@
+"""The benchmark harness end to end: smoke.yaml against a real CPU engine directly and through
+the gpupool router, in compare mode, through the same CLI entry a user runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.cli import main
+from pools.launchers import InstanceSpec
+
+pytestmark = pytest.mark.integration
+
+SMOKE = Path(__file__).resolve().parents[2] / "benchmarks" / "scenarios" / "smoke.yaml"
+
+
+def test_smoke_scenario_writes_a_comparison_report(
+    real_engines: list[InstanceSpec], router_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "smoke"
+    code = main(
+        [
+            "--scenario",
+            str(SMOKE),
+            "--target",
+            real_engines[0].url,
+            "--target-name",
+            "engine",
+            "--target",
+            router_url,
+            "--target-name",
+            "gpupool",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--pause-s",
+            "1",
+        ]
+    )
+    assert code == 0
+    for name in (
+        "report.json",
+        "report.md",
+        "records-engine.jsonl",
+        "records-gpupool.jsonl",
+        "cdf-normal.png",
+        "cdf-agent.png",
+        "ttft-over-time.png",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    report = json.loads((out / "report.json").read_text())
+    engine, router = report["targets"]
+    assert engine["requests"] == router["requests"] > 10  # the same workload for both
+    for target in (engine, router):
+        assert target["goodput_rps"] >= 0
+        for cls in ("normal", "agent"):
+            summary = target["classes"][cls]
+            assert summary["requests"] > 0
+            assert "goodput_rps" in summary and "slo_attainment_frac" in summary
+    # directly on an idle engine every request completes with exact output lengths
+    for cls in ("normal", "agent"):
+        summary = engine["classes"][cls]
+        assert summary["ok"] == summary["requests"]
+        assert summary["goodput_rps"] > 0
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert {"p50", "p90", "p95", "p99"} <= set(summary[metric])
+        assert summary["output_tokens_mean"] == 24
+    runs = engine["runs"]["agent"]
+    assert runs["runs"] > 0 and runs["completed"] == runs["runs"]
+    assert runs["gpu_seconds"] is None  # a bare engine has no /v1/runs
+    md = (out / "report.md").read_text()
+    assert "| class | metric | engine | gpupool |" in md
+    assert "TTFT p99" in md and "goodput" in md
