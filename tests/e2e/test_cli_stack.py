@@ -1,0 +1,153 @@
+"""The whole stack through the CLI, as a newcomer runs it: `gpupool up` on the embedded default
+(three real CPU engines), the official OpenAI client through it, Ctrl-C, and no engine left
+behind; also when gpupool itself is killed; and bad configs exiting 2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+import yaml
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+GPUPOOL = str(Path(sys.executable).parent / "gpupool")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _engines_on(ports: range) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "vllm.entrypoints" in cmd and any(f"--port {p}" in cmd for p in ports):
+            found.append(proc)
+    return found
+
+
+def _engine_children_alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p)
+            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"gpupool up exited {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"not ready after {timeout_s} s:\n{log.read_text()}")
+
+
+def _process_tree(pid: int) -> list[int]:
+    try:
+        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    except psutil.Error:
+        return [pid]
+
+
+def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
+    port = _free_port()
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([GPUPOOL, "up", "--port", str(port)], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, log, timeout_s=400)
+        deadline = time.monotonic() + 10
+        while "press Ctrl-C" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        text = log.read_text()
+        assert f"OpenAI base URL: {url}/v1" in text
+        assert "pool 'agent'" in text and "pool 'normal'" in text
+        engines = _engines_on(range(8100, 8103))
+        assert len(engines) == 3, "the default is three engines"
+        tree = [p for e in engines for p in _process_tree(e.pid)]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+            stream=True))
+        assert any(c.choices and c.choices[0].delta.content for c in chunks)
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {}}}}])
+        assert raw.headers["x-gpupool-pool"] == "agent"
+        plain = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert plain.headers["x-gpupool-pool"] == "normal"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=90)
+    assert code == 0, log.read_text()
+    assert "engines stopped" in log.read_text()
+    assert _engines_on(range(8100, 8103)) == []
+    assert _engine_children_alive(tree) == [], "an engine process outlived gpupool"
+
+
+def test_engines_die_with_a_killed_parent(tmp_path: Path) -> None:
+    config = {
+        "model": {"name": "tiny", "path": str(REPO / ".gpupool/models/tiny"),
+                  "max_model_len_tokens": 2048},
+        "engines": {"launcher": "local", "local": {
+            "count": 1, "base_port": 8175, "kv_cache_bytes": 32 * 2**20,
+            "run_dir": str(tmp_path / "run")}},
+        "pools": {"agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
+                  "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}}},
+        "router": {"port": _free_port(), "ledger_path": str(tmp_path / "ledger.sqlite")},
+    }
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([GPUPOOL, "up", "--config", str(path)], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)
+    _wait_ready(f"http://127.0.0.1:{config['router']['port']}", proc, log, timeout_s=300)
+    (engine,) = _engines_on(range(8175, 8176))
+    tree = _process_tree(engine.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _engine_children_alive(tree):
+        time.sleep(0.5)
+    survivors = _engine_children_alive(tree)
+    for pid in survivors:  # do not leave them behind for the rest of the suite
+        os.kill(pid, signal.SIGKILL)
+    assert survivors == [], "engines outlived a SIGKILLed gpupool"
+
+
+def test_bad_config_exits_2_with_a_clear_message(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"pools": {"normal": {"classes": ["normal"],
+                                                        "share": {"initial_frac": 2}}},
+                                   "engines": {"launcher": "static"}}))
+    for command in (["check-config", str(bad)], ["up", "--config", str(bad)],
+                    ["serve", "--config", str(bad)]):
+        result = subprocess.run([GPUPOOL, *command], cwd=REPO, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 2, (command, result.stderr)
+        assert "pools.normal.share.initial_frac" in result.stderr
+        assert "engines" in result.stderr and "Traceback" not in result.stderr
