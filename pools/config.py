@@ -169,9 +169,7 @@ RULES: tuple[RuleName, ...] = ("header", "tenant_default", "tools", "run_id")
 
 class ClassificationSchema(_Strict):
     # Rules tried in order, first match wins; the default class applies when none matches.
-    rules: list[RuleName] = Field(
-        default_factory=lambda: list(RULES)
-    )
+    rules: list[RuleName] = Field(default_factory=lambda: list(RULES))
     tools_class: str = "agent"  # class of a request whose body has `tools`
     run_class: str = "agent"  # class of a request that carries a run identity
     default_class: str = "normal"
@@ -397,7 +395,9 @@ class Config:
         for cls in self.classes:
             if cls.name == name:
                 return cls
-        return ClassConfig(name=name, timeout_s=300.0, expected_output_tokens=256, default_priority=0)
+        return ClassConfig(
+            name=name, timeout_s=300.0, expected_output_tokens=256, default_priority=0
+        )
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -637,7 +637,9 @@ def contract_problems(config: Config) -> list[str]:
     for pool in config.pools:
         for cls_name in pool.classes:
             cls = config.class_config(cls_name)
-            exec_s = (pool.slo.ttft_p95_ms + cls.expected_output_tokens * pool.slo.tpot_p95_ms) / 1e3
+            exec_s = (
+                pool.slo.ttft_p95_ms + cls.expected_output_tokens * pool.slo.tpot_p95_ms
+            ) / 1e3
             need_s = pool.queue.max_wait_s + exec_s
             if need_s > cls.timeout_s + eps:
                 problems.append(

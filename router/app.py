@@ -34,7 +34,15 @@ from router.identity import Tenants
 from router.ledger import Ledger
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity, default_picker
-from router.proxy import Admission, CompletionsHandler, Message, Receive, RequestObserver, Scope, Send
+from router.proxy import (
+    Admission,
+    CompletionsHandler,
+    Message,
+    Receive,
+    RequestObserver,
+    Scope,
+    Send,
+)
 
 __all__ = ["Gateway", "create_app"]
 
@@ -101,8 +109,9 @@ class Gateway:
         allocation = self.pool_map.current
         for state in self.fleet:
             iid = state.spec.instance_id
-            self.accountant.add_instance(iid, float(state.spec.gpus),
-                                         dict(allocation.pools_of(iid)), now)
+            self.accountant.add_instance(
+                iid, float(state.spec.gpus), dict(allocation.pools_of(iid)), now
+            )
         self.pool_map.on_change(self._shares_changed)
         await self.ledger.start()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
@@ -238,8 +247,12 @@ class Gateway:
 
         @api.exception_handler(GpupoolError)
         async def _gpupool_error(request: Request, err: GpupoolError) -> Response:
-            return Response(err.body(), status_code=err.status, media_type="application/json",
-                            headers={k.decode(): v.decode() for k, v in err.headers()})
+            return Response(
+                err.body(),
+                status_code=err.status,
+                media_type="application/json",
+                headers={k.decode(): v.decode() for k, v in err.headers()},
+            )
 
         @api.get("/health")
         async def health() -> dict[str, str]:
@@ -255,8 +268,12 @@ class Gateway:
         @api.get("/v1/models")
         async def models(request: Request) -> dict[str, Any]:
             self.tenants.authenticate(request.headers.get("authorization"))
-            entry: dict[str, Any] = {"id": self.config.model.name, "object": "model",
-                                     "created": 0, "owned_by": "gpupool"}
+            entry: dict[str, Any] = {
+                "id": self.config.model.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "gpupool",
+            }
             if self.max_model_len_tokens is not None:
                 entry["max_model_len"] = self.max_model_len_tokens
             return {"object": "list", "data": [entry]}
@@ -287,8 +304,7 @@ class Gateway:
             since_s = _float_param(q.get("since_s", q.get("since")), "since_s")
             limit = int(_float_param(q.get("limit"), "limit") or 50)
             if not 1 <= limit <= 1000:
-                raise BadRequest("limit must be between 1 and 1000", "invalid_param",
-                                 param="limit")
+                raise BadRequest("limit must be between 1 and 1000", "invalid_param", param="limit")
             data = await self.ledger.list_runs(
                 tenant.name, since_s=since_s, limit=limit, class_name=q.get("class")
             )
@@ -320,8 +336,9 @@ def _float_param(raw: str | None, name: str) -> float | None:
     try:
         return float(raw)
     except ValueError:
-        raise BadRequest(f"query parameter {name} must be a number, got {raw!r}",
-                         "invalid_param", param=name) from None
+        raise BadRequest(
+            f"query parameter {name} must be a number, got {raw!r}", "invalid_param", param=name
+        ) from None
 
 
 def create_app(

@@ -129,8 +129,9 @@ def _int_header(headers: Headers, name: str) -> int | None:
     try:
         return int(raw)
     except ValueError:
-        raise BadRequest(f"{name} must be an integer, got {raw!r}", "invalid_header",
-                         param=name) from None
+        raise BadRequest(
+            f"{name} must be an integer, got {raw!r}", "invalid_header", param=name
+        ) from None
 
 
 def classify(
@@ -157,8 +158,11 @@ def classify(
     priority = _int_header(headers, "x-gpupool-priority")
     deadline_ms = _int_header(headers, "x-gpupool-deadline-ms")
     if deadline_ms is not None and deadline_ms <= 0:
-        raise BadRequest("x-gpupool-deadline-ms must be positive", "invalid_header",
-                         param="x-gpupool-deadline-ms")
+        raise BadRequest(
+            "x-gpupool-deadline-ms must be positive",
+            "invalid_header",
+            param="x-gpupool-deadline-ms",
+        )
     stream = bool(body.get("stream"))
     options = body.get("stream_options")
     return RequestContext(
@@ -171,8 +175,9 @@ def classify(
         run_id=run,
         model=str(body.get("model")),
         stream=stream,
-        client_wants_usage=stream and isinstance(options, dict) and bool(
-            options.get("include_usage")),
+        client_wants_usage=stream
+        and isinstance(options, dict)
+        and bool(options.get("include_usage")),
         received_at_s=now_s,
         want_gpu_usage=headers.get("x-gpupool-usage", "").lower() in ("1", "true", "yes"),
     )

@@ -14,8 +14,8 @@ import orjson
 __all__ = [
     "BadRequest",
     "CapacityExceeded",
-    "DeadlineExceeded",
     "ClassNotAllowed",
+    "DeadlineExceeded",
     "EngineFailure",
     "Forbidden",
     "GpupoolError",

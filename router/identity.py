@@ -55,8 +55,9 @@ class Tenants:
             )
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise Unauthorized("malformed Authorization header: use `Bearer <key>`",
-                               "invalid_api_key")
+            raise Unauthorized(
+                "malformed Authorization header: use `Bearer <key>`", "invalid_api_key"
+            )
         tenant = self.by_key.get(key.strip())
         if tenant is None:
             raise Unauthorized("invalid API key", "invalid_api_key")

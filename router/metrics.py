@@ -27,56 +27,82 @@ class RouterMetrics:
             registry=r,
         )
         self.latency = Histogram(
-            "gpupool_request_duration_seconds", "End-to-end request latency at the router",
-            ["pool", "class"], buckets=_LATENCY_BUCKETS_S, registry=r,
+            "gpupool_request_duration_seconds",
+            "End-to-end request latency at the router",
+            ["pool", "class"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
         )
         self.ttft = Histogram(
-            "gpupool_ttft_seconds", "Time to first token, measured at the router",
-            ["class"], buckets=_LATENCY_BUCKETS_S, registry=r,
+            "gpupool_ttft_seconds",
+            "Time to first token, measured at the router",
+            ["class"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
         )
         self.tpot = Histogram(
-            "gpupool_tpot_seconds", "Time per output token after the first, at the router",
-            ["class"], buckets=_TPOT_BUCKETS_S, registry=r,
+            "gpupool_tpot_seconds",
+            "Time per output token after the first, at the router",
+            ["class"],
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
         )
         self.overhead = Histogram(
             "gpupool_router_overhead_seconds",
             "Router time before the upstream request is sent (parse, classify, admit, pick)",
-            buckets=_OVERHEAD_BUCKETS_S, registry=r,
+            buckets=_OVERHEAD_BUCKETS_S,
+            registry=r,
         )
         self.inflight = Gauge(
-            "gpupool_inflight_requests", "Sequences in flight per instance (router view)",
-            ["instance"], registry=r,
+            "gpupool_inflight_requests",
+            "Sequences in flight per instance (router view)",
+            ["instance"],
+            registry=r,
         )
         self.healthy = Gauge(
             "gpupool_instance_healthy", "1 if the instance takes traffic", ["instance"], registry=r
         )
         self.kv_usage = Gauge(
-            "gpupool_instance_kv_usage_frac", "Measured KV-cache use (vLLM), 0..1",
-            ["instance"], registry=r,
+            "gpupool_instance_kv_usage_frac",
+            "Measured KV-cache use (vLLM), 0..1",
+            ["instance"],
+            registry=r,
         )
         self.engine_running = Gauge(
-            "gpupool_instance_running_requests", "Running requests reported by the engine",
-            ["instance"], registry=r,
+            "gpupool_instance_running_requests",
+            "Running requests reported by the engine",
+            ["instance"],
+            registry=r,
         )
         self.engine_waiting = Gauge(
-            "gpupool_instance_waiting_requests", "Waiting requests reported by the engine",
-            ["instance"], registry=r,
+            "gpupool_instance_waiting_requests",
+            "Waiting requests reported by the engine",
+            ["instance"],
+            registry=r,
         )
         self.telemetry_age = Gauge(
-            "gpupool_instance_telemetry_age_seconds", "Age of the newest engine reading",
-            ["instance"], registry=r,
+            "gpupool_instance_telemetry_age_seconds",
+            "Age of the newest engine reading",
+            ["instance"],
+            registry=r,
         )
         self.pool_share = Gauge(
-            "gpupool_pool_share_frac", "Each pool's share of total GPU capacity", ["pool"],
+            "gpupool_pool_share_frac",
+            "Each pool's share of total GPU capacity",
+            ["pool"],
             registry=r,
         )
         self.retries = Counter(
-            "gpupool_upstream_retries_total", "Connect failures retried on another instance",
-            ["pool"], registry=r,
+            "gpupool_upstream_retries_total",
+            "Connect failures retried on another instance",
+            ["pool"],
+            registry=r,
         )
         self._children: dict[tuple[str, ...], object] = {}
 
-    def request_done(self, pool: str, cls: str, outcome: str, reason: str, latency_s: float) -> None:
+    def request_done(
+        self, pool: str, cls: str, outcome: str, reason: str, latency_s: float
+    ) -> None:
         key = ("r", pool, cls, outcome, reason)
         child = self._children.get(key)
         if child is None:

@@ -46,7 +46,7 @@ from router.identity import Tenants
 from router.metrics import RouterMetrics
 from router.picking import Candidate, Picker, PickRequest, RunAffinity
 
-__all__ = ["Admission", "AdmitAll", "CompletionsHandler", "RequestOutcome", "RequestObserver"]
+__all__ = ["Admission", "AdmitAll", "CompletionsHandler", "RequestObserver", "RequestOutcome"]
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,9 @@ class CompletionsHandler:
             ctx = classify(headers, body, tenant, self.config, request_id=request_id, now_s=now)
         except GpupoolError as err:
             await _send_error(send, err, [(b"x-gpupool-request-id", request_id.encode())])
-            self.metrics.request_done("none", "none", _outcome_of(err.status), err.code,
-                                      self.clock() - now)
+            self.metrics.request_done(
+                "none", "none", _outcome_of(err.status), err.code, self.clock() - now
+            )
             return
         except ConnectionError:
             return  # the client left while sending its body
@@ -213,8 +214,9 @@ class CompletionsHandler:
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
-                raise BadRequest("'messages' must be a non-empty list", "missing_field",
-                                 param="messages")
+                raise BadRequest(
+                    "'messages' must be a non-empty list", "missing_field", param="messages"
+                )
         elif "prompt" not in body:
             raise BadRequest("missing required field 'prompt'", "missing_field", param="prompt")
         if model != self.config.model.name:
@@ -247,8 +249,10 @@ class CompletionsHandler:
         if ctx.stream:
             options = body.get("stream_options")
             if not isinstance(options, dict) or not options.get("include_usage"):
-                body["stream_options"] = {**(options if isinstance(options, dict) else {}),
-                                          "include_usage": True}
+                body["stream_options"] = {
+                    **(options if isinstance(options, dict) else {}),
+                    "include_usage": True,
+                }
                 body_bytes = orjson.dumps(body)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tried: set[str] = set()
@@ -262,8 +266,9 @@ class CompletionsHandler:
                 headers = [*gp_headers, (b"x-gpupool-instance", instance_id.encode())]
                 remaining_s = ctx.deadline_s - self.clock()
                 if remaining_s <= 0:
-                    raise DeadlineExceeded("the request's deadline passed before dispatch",
-                                           "deadline_exceeded")
+                    raise DeadlineExceeded(
+                        "the request's deadline passed before dispatch", "deadline_exceeded"
+                    )
                 timeout = aiohttp.ClientTimeout(
                     total=min(remaining_s, self._upstream_timeout_s),
                     sock_connect=self._connect_timeout_s,
@@ -279,27 +284,34 @@ class CompletionsHandler:
                     resp = await self.session.post(
                         instance.spec.url + path,
                         data=body_bytes,
-                        headers={"content-type": "application/json",
-                                 "x-request-id": ctx.request_id},
+                        headers={
+                            "content-type": "application/json",
+                            "x-request-id": ctx.request_id,
+                        },
                         timeout=timeout,
                     )
                 except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as err:
                     self._release(ctx, instance_id)
                     outcome.dispatched_at_s = None
-                    self.fleet.record_failure(instance_id, f"connect failed: {err}",
-                                              immediate=True)
+                    self.fleet.record_failure(instance_id, f"connect failed: {err}", immediate=True)
                     if len(tried) > self._max_retries:
                         raise EngineFailure(
                             f"could not reach an engine in pool {ctx.pool!r} after "
-                            f"{len(tried)} attempt(s): {err}", "engine_unreachable") from None
+                            f"{len(tried)} attempt(s): {err}",
+                            "engine_unreachable",
+                        ) from None
                     self.metrics.retries.labels(ctx.pool).inc()
-                    log.info("%s: %s refused the connection; retrying elsewhere",
-                             ctx.request_id, instance_id)
+                    log.info(
+                        "%s: %s refused the connection; retrying elsewhere",
+                        ctx.request_id,
+                        instance_id,
+                    )
                     continue
                 except TimeoutError:
                     self._release(ctx, instance_id)
-                    raise DeadlineExceeded("the engine did not answer before the deadline",
-                                           "deadline_exceeded") from None
+                    raise DeadlineExceeded(
+                        "the engine did not answer before the deadline", "deadline_exceeded"
+                    ) from None
                 try:
                     self.affinity.record(ctx.run_id, instance_id)
                     await self._relay(ctx, resp, send, headers, outcome)
@@ -315,9 +327,16 @@ class CompletionsHandler:
             outcome.status = err.status
             outcome.outcome = _outcome_of(err.status)
             outcome.reason = err.code
-            await _send_error(send, err, gp_headers + (
-                [(b"x-gpupool-instance", outcome.instance_id.encode())]
-                if outcome.instance_id else []))
+            await _send_error(
+                send,
+                err,
+                gp_headers
+                + (
+                    [(b"x-gpupool-instance", outcome.instance_id.encode())]
+                    if outcome.instance_id
+                    else []
+                ),
+            )
 
     async def _choose(self, ctx: RequestContext, tried: set[str]) -> Candidate:
         allocation = self.pool_map.current
@@ -360,8 +379,13 @@ class CompletionsHandler:
                 )
             outcome.outcome, outcome.reason = "client_error", str(status)
             ctype = resp.headers.get("content-type", "application/json").encode()
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", ctype), *headers]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-type", ctype), *headers],
+                }
+            )
             await send({"type": "http.response.body", "body": raw})
             return
         if ctx.stream:
@@ -380,11 +404,13 @@ class CompletionsHandler:
         try:
             raw = await resp.read()
         except (aiohttp.ClientError, OSError) as err:
-            raise EngineFailure(f"engine {outcome.instance_id} failed mid-response: {err}",
-                                "engine_error") from None
+            raise EngineFailure(
+                f"engine {outcome.instance_id} failed mid-response: {err}", "engine_error"
+            ) from None
         except TimeoutError:
-            raise DeadlineExceeded("the engine did not finish before the deadline",
-                                   "deadline_exceeded") from None
+            raise DeadlineExceeded(
+                "the engine did not finish before the deadline", "deadline_exceeded"
+            ) from None
         now = self.clock()
         outcome.first_token_at_s = now
         outcome.ended_at_s = now
@@ -399,13 +425,18 @@ class CompletionsHandler:
         for obs in self.observers:
             extra.update(obs.usage_extra(outcome))
         for key, value in extra.items():
-            extra_headers.append((f"x-gpupool-{key.replace('_', '-')}".encode(),
-                                  str(value).encode()))
+            extra_headers.append(
+                (f"x-gpupool-{key.replace('_', '-')}".encode(), str(value).encode())
+            )
         if ctx.want_gpu_usage and extra:
             raw = _add_usage(raw, extra)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), *headers,
-                                *extra_headers]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), *headers, *extra_headers],
+            }
+        )
         await send({"type": "http.response.body", "body": raw})
 
     async def _relay_stream(
@@ -416,9 +447,17 @@ class CompletionsHandler:
         headers: list[tuple[bytes, bytes]],
         outcome: RequestOutcome,
     ) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"),
-                                (b"cache-control", b"no-cache"), *headers]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream"),
+                    (b"cache-control", b"no-cache"),
+                    *headers,
+                ],
+            }
+        )
         buf = b""
         first_token_seen = False
         try:
@@ -439,8 +478,9 @@ class CompletionsHandler:
                 if start:
                     buf = buf[start:]
                 if out:
-                    await send({"type": "http.response.body", "body": b"".join(out),
-                                "more_body": True})
+                    await send(
+                        {"type": "http.response.body", "body": b"".join(out), "more_body": True}
+                    )
         except (aiohttp.ClientError, OSError, TimeoutError) as err:
             outcome.outcome, outcome.reason, outcome.status = "engine_error", "midstream", 502
             message = (
@@ -449,9 +489,13 @@ class CompletionsHandler:
                 else f"engine {outcome.instance_id} failed mid-stream: {err or type(err).__name__}"
             )
             error = EngineFailure(message, "engine_error")
-            await send({"type": "http.response.body",
-                        "body": b"data: " + error.body() + b"\n\ndata: [DONE]\n\n",
-                        "more_body": False})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"data: " + error.body() + b"\n\ndata: [DONE]\n\n",
+                    "more_body": False,
+                }
+            )
             return
         await send({"type": "http.response.body", "body": buf, "more_body": False})
 
@@ -486,8 +530,13 @@ class CompletionsHandler:
         if outcome.outcome == "ok" and outcome.status != 200:
             outcome.outcome = _outcome_of(outcome.status)
             outcome.reason = str(outcome.status)
-        self.metrics.request_done(ctx.pool, ctx.class_name, outcome.outcome, outcome.reason,
-                                  outcome.ended_at_s - ctx.received_at_s)
+        self.metrics.request_done(
+            ctx.pool,
+            ctx.class_name,
+            outcome.outcome,
+            outcome.reason,
+            outcome.ended_at_s - ctx.received_at_s,
+        )
         if outcome.outcome == "ok":
             if (ttft := outcome.ttft_s) is not None:
                 self.metrics.observe_ttft(ctx.class_name, ttft)
@@ -568,6 +617,11 @@ def _engine_message(raw: bytes) -> str:
 
 async def _send_error(send: Send, err: GpupoolError, headers: list[tuple[bytes, bytes]]) -> None:
     body = err.body()
-    await send({"type": "http.response.start", "status": err.status,
-                "headers": [(b"content-type", b"application/json"), *headers, *err.headers()]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": err.status,
+            "headers": [(b"content-type", b"application/json"), *headers, *err.headers()],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -71,9 +71,13 @@ def _banner(config: Config, gateway_view: dict[str, object], host: str, port: in
     assert isinstance(pools, dict)
     for name, view in pools.items():
         share = view["share_frac"]
-        instances = ", ".join(f"{i} ({f:.0%})" if f < 1 else i for i, f in view["instances"].items())
-        _say(f"pool {name!r} (classes {', '.join(view['classes'])}): {share:.0%} of capacity on "
-             f"{instances or 'no instance'}")
+        instances = ", ".join(
+            f"{i} ({f:.0%})" if f < 1 else i for i, f in view["instances"].items()
+        )
+        _say(
+            f"pool {name!r} (classes {', '.join(view['classes'])}): {share:.0%} of capacity on "
+            f"{instances or 'no instance'}"
+        )
     _say("press Ctrl-C to stop")
 
 
@@ -108,12 +112,17 @@ async def run_stack(config: Config, *, launch: bool) -> int:
         gateway = create_app(config, instances)
         server = _Server(
             uvicorn.Config(
-                gateway, log_level="warning", access_log=False, lifespan="on",
-                http="httptools", timeout_graceful_shutdown=10,
+                gateway,
+                log_level="warning",
+                access_log=False,
+                lifespan="on",
+                http="httptools",
+                timeout_graceful_shutdown=10,
             )
         )
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
-        while not server.started and not serving.done():
+        # uvicorn exposes only a `started` flag, no event to wait on
+        while not server.started and not serving.done():  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         if serving.done():
             _say("the router failed to start")

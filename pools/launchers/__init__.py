@@ -8,8 +8,14 @@ from pools.launchers.base import InstanceSpec, Launcher, LauncherError, Progress
 from pools.launchers.local import LocalLauncher
 from pools.launchers.static import StaticLauncher
 
-__all__ = ["InstanceSpec", "Launcher", "LauncherError", "LocalLauncher", "StaticLauncher",
-           "make_launcher"]
+__all__ = [
+    "InstanceSpec",
+    "Launcher",
+    "LauncherError",
+    "LocalLauncher",
+    "StaticLauncher",
+    "make_launcher",
+]
 
 
 def make_launcher(config: Config, progress: ProgressFn | None = None) -> Launcher:

@@ -26,8 +26,8 @@ from pathlib import Path
 from pools.config import LocalEnginesConfig, ModelConfig
 
 __all__ = [
-    "EngineCommand",
     "FORBIDDEN_FLAGS",
+    "EngineCommand",
     "build_engine_command",
     "installed_vllm_version",
     "supported_vllm_flags",

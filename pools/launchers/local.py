@@ -179,8 +179,9 @@ class EngineProcess:
             try:
                 await asyncio.wait_for(proc.wait(), timeout=self.grace_s)
             except TimeoutError:
-                log.warning("%s did not stop within %.0f s; killing", self.spec.instance_id,
-                            self.grace_s)
+                log.warning(
+                    "%s did not stop within %.0f s; killing", self.spec.instance_id, self.grace_s
+                )
         _kill_group(proc.pid, signal.SIGKILL)
         if proc.returncode is None:
             with contextlib.suppress(TimeoutError):
@@ -264,7 +265,11 @@ class LocalLauncher:
         flags = await asyncio.to_thread(supported_vllm_flags, run_dir, self._python)
         for i, gpu_ids in enumerate(assignment):
             command = build_engine_command(
-                model=self._model, local=local, index=i, gpu_ids=gpu_ids, flags=flags,
+                model=self._model,
+                local=local,
+                index=i,
+                gpu_ids=gpu_ids,
+                flags=flags,
                 python=self._python,
             )
             spec = InstanceSpec(

@@ -14,7 +14,11 @@ __all__ = ["StaticLauncher"]
 
 class StaticLauncher:
     def __init__(
-        self, config: StaticEnginesConfig, *, wait_s: float = 60.0, progress: ProgressFn | None = None
+        self,
+        config: StaticEnginesConfig,
+        *,
+        wait_s: float = 60.0,
+        progress: ProgressFn | None = None,
     ) -> None:
         self._specs = [
             InstanceSpec(instance_id=f"engine-{i}", url=url, gpus=config.gpus_per_instance)

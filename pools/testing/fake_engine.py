@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["FakeEngineState", "make_fake_engine", "main"]
+__all__ = ["FakeEngineState", "main", "make_fake_engine"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -105,11 +105,15 @@ class FakeEngineState:
     def metrics_text(self) -> str:
         labels = f'engine="0",model_name="{self.model}"'
         usage = min(1.0, self.used_blocks / self.num_gpu_blocks) if self.num_gpu_blocks else 0.0
-        usage_name = "vllm:gpu_cache_usage_perc" if self.legacy_metric_names else (
-            "vllm:kv_cache_usage_perc"
+        usage_name = (
+            "vllm:gpu_cache_usage_perc"
+            if self.legacy_metric_names
+            else ("vllm:kv_cache_usage_perc")
         )
-        itl_name = "vllm:time_per_output_token_seconds" if self.legacy_metric_names else (
-            "vllm:inter_token_latency_seconds"
+        itl_name = (
+            "vllm:time_per_output_token_seconds"
+            if self.legacy_metric_names
+            else ("vllm:inter_token_latency_seconds")
         )
         parts = [
             f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{labels}}} "
@@ -130,7 +134,9 @@ class FakeEngineState:
 
 
 def _error_body(message: str, type_: str, code: int, param: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
 
 
 def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
@@ -151,7 +157,9 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
     """Build the ASGI app. Pass a `FakeEngineState` to script it and read its counters."""
     st = state or FakeEngineState()
 
-    async def respond(send: Send, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+    async def respond(
+        send: Send, status: int, body: bytes, ctype: bytes = b"application/json"
+    ) -> None:
         await send(
             {
                 "type": "http.response.start",
@@ -189,7 +197,8 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
             msg = (
                 f"This model's maximum context length is {st.max_model_len_tokens} tokens. However,"
                 f" your prompt contains at least {prompt_tokens} input tokens, which exceeds this "
-                "limit even without any output tokens. Please reduce the length of the input prompt."
+                "limit even without any output tokens. Please reduce the length of the input "
+                "prompt."
             )
             await respond(send, 400, _error_body(msg, "BadRequestError", 400, "input_tokens"))
             return
@@ -200,8 +209,9 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
         if failure == "hang":
             await asyncio.sleep(3600)
             return
-        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or
-                         st.default_max_tokens)
+        max_tokens = int(
+            body.get("max_tokens") or body.get("max_completion_tokens") or st.default_max_tokens
+        )
         blocks = math.ceil((prompt_tokens + max_tokens) / st.block_size)
         st.running += 1
         st.used_blocks += blocks
@@ -241,12 +251,23 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": "length",
             }
-            out = {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0,
-                   "model": st.model, "choices": [choice], "usage": usage}
+            out = {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "created": 0,
+                "model": st.model,
+                "choices": [choice],
+                "usage": usage,
+            }
         else:
-            out = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": st.model,
-                   "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-                   "usage": usage}
+            out = {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": 0,
+                "model": st.model,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "usage": usage,
+            }
         await respond(send, 200, orjson.dumps(out))
 
     async def _stream(
@@ -273,8 +294,11 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
                 delta: dict[str, Any] = {"content": " tok"}
                 if i == 0:
                     delta["role"] = "assistant"
-                choice: dict[str, Any] = {"index": 0, "delta": delta,
-                                          "finish_reason": "length" if last else None}
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "delta": delta,
+                    "finish_reason": "length" if last else None,
+                }
             else:
                 choice = {"index": 0, "text": " tok", "finish_reason": "length" if last else None}
             data = {"id": cid, "object": obj, "created": 0, "model": st.model, "choices": [choice]}
@@ -285,18 +309,37 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
         for i in range(max_tokens):
             if i and st.itl_s:
                 await asyncio.sleep(st.itl_s)
-            await send({"type": "http.response.body", "body": chunk(i, i == max_tokens - 1),
-                        "more_body": True})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": chunk(i, i == max_tokens - 1),
+                    "more_body": True,
+                }
+            )
             if failure == "drop_midstream":
                 raise ConnectionError("scripted mid-stream failure")
         opts = body.get("stream_options") or {}
         if opts.get("include_usage"):
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                     "total_tokens": prompt_tokens + max_tokens}
-            data = {"id": cid, "object": obj, "created": 0, "model": st.model, "choices": [],
-                    "usage": usage}
-            await send({"type": "http.response.body",
-                        "body": b"data: " + orjson.dumps(data) + b"\n\n", "more_body": True})
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": max_tokens,
+                "total_tokens": prompt_tokens + max_tokens,
+            }
+            data = {
+                "id": cid,
+                "object": obj,
+                "created": 0,
+                "model": st.model,
+                "choices": [],
+                "usage": usage,
+            }
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"data: " + orjson.dumps(data) + b"\n\n",
+                    "more_body": True,
+                }
+            )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -322,9 +365,17 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
             else:
                 await respond(send, 200, st.metrics_text().encode(), b"text/plain; version=0.0.4")
         elif path == "/v1/models":
-            models = {"object": "list", "data": [
-                {"id": st.model, "object": "model", "owned_by": "vllm",
-                 "max_model_len": st.max_model_len_tokens}]}
+            models = {
+                "object": "list",
+                "data": [
+                    {
+                        "id": st.model,
+                        "object": "model",
+                        "owned_by": "vllm",
+                        "max_model_len": st.max_model_len_tokens,
+                    }
+                ],
+            }
             await respond(send, 200, orjson.dumps(models))
         else:
             await respond(send, 404, _error_body("Not Found", "NotFoundError", 404))
@@ -343,12 +394,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--ttft-ms", type=float, default=0.0)
     parser.add_argument("--itl-ms", type=float, default=0.0)
-    parser.add_argument("--max-tokens", type=int, default=16, help="default when a request has none")
+    parser.add_argument(
+        "--max-tokens", type=int, default=16, help="default when a request has none"
+    )
     args = parser.parse_args(argv)
-    state = FakeEngineState(model=args.model, ttft_s=args.ttft_ms / 1e3, itl_s=args.itl_ms / 1e3,
-                            default_max_tokens=args.max_tokens, keep_requests=False)
-    uvicorn.run(make_fake_engine(state), host=args.host, port=args.port, log_level="warning",
-                access_log=False, http="httptools", loop="uvloop", lifespan="on")
+    state = FakeEngineState(
+        model=args.model,
+        ttft_s=args.ttft_ms / 1e3,
+        itl_s=args.itl_ms / 1e3,
+        default_max_tokens=args.max_tokens,
+        keep_requests=False,
+    )
+    uvicorn.run(
+        make_fake_engine(state),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        http="httptools",
+        loop="uvloop",
+        lifespan="on",
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,7 @@ async def serve_asgi(app: Any, host: str = "127.0.0.1") -> AsyncIterator[str]:
     sock.setblocking(False)
     port = sock.getsockname()[1]
     server = _QuietServer(
-        uvicorn.Config(app, log_level="error", access_log=False, lifespan="off",
-                       http="httptools")
+        uvicorn.Config(app, log_level="error", access_log=False, lifespan="off", http="httptools")
     )
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:

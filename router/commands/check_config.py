@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         f"[{p.share.floor_frac:.0%}, {p.share.ceiling_frac:.0%}])"
         for p in config.pools
     )
-    print(f"{config.source}: ok; {config.engines.instance_count} instances "
-          f"({config.engines.launcher}); pools: {pools}")
+    print(
+        f"{config.source}: ok; {config.engines.instance_count} instances "
+        f"({config.engines.launcher}); pools: {pools}"
+    )
     return 0

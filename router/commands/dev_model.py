@@ -19,5 +19,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     out = args.out or f"./.gpupool/models/{args.shape}"
     folder = make_dev_model(out, args.shape)
-    print(f"dev model {args.shape!r} written to {folder} (sha256 {dev_model_fingerprint(folder)[:12]})")
+    digest = dev_model_fingerprint(folder)[:12]
+    print(f"dev model {args.shape!r} written to {folder} (sha256 {digest})")
     return 0

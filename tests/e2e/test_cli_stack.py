@@ -42,8 +42,11 @@ def _engines_on(ports: range) -> list[psutil.Process]:
 
 
 def _engine_children_alive(pids: list[int]) -> list[int]:
-    return [p for p in pids if psutil.pid_exists(p)
-            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    return [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
@@ -71,8 +74,9 @@ def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Pat
     port = _free_port()
     log = tmp_path / "up.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([GPUPOOL, "up", "--port", str(port)], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [GPUPOOL, "up", "--port", str(port)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, proc, log, timeout_s=400)
@@ -87,17 +91,30 @@ def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Pat
         tree = [p for e in engines for p in _process_tree(e.pid)]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         assert [m.id for m in client.models.list().data] == ["tiny"]
-        chunks = list(client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-            stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=5,
+                stream=True,
+            )
+        )
         assert any(c.choices and c.choices[0].delta.content for c in chunks)
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {
-                "type": "object", "properties": {}}}}])
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+                }
+            ],
+        )
         assert raw.headers["x-gpupool-pool"] == "agent"
         plain = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
         assert plain.headers["x-gpupool-pool"] == "normal"
     finally:
         proc.send_signal(signal.SIGINT)
@@ -110,21 +127,33 @@ def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Pat
 
 def test_engines_die_with_a_killed_parent(tmp_path: Path) -> None:
     config = {
-        "model": {"name": "tiny", "path": str(REPO / ".gpupool/models/tiny"),
-                  "max_model_len_tokens": 2048},
-        "engines": {"launcher": "local", "local": {
-            "count": 1, "base_port": 8175, "kv_cache_bytes": 32 * 2**20,
-            "run_dir": str(tmp_path / "run")}},
-        "pools": {"agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
-                  "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}}},
+        "model": {
+            "name": "tiny",
+            "path": str(REPO / ".gpupool/models/tiny"),
+            "max_model_len_tokens": 2048,
+        },
+        "engines": {
+            "launcher": "local",
+            "local": {
+                "count": 1,
+                "base_port": 8175,
+                "kv_cache_bytes": 32 * 2**20,
+                "run_dir": str(tmp_path / "run"),
+            },
+        },
+        "pools": {
+            "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
+            "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
+        },
         "router": {"port": _free_port(), "ledger_path": str(tmp_path / "ledger.sqlite")},
     }
     path = tmp_path / "one.yaml"
     path.write_text(yaml.safe_dump(config))
     log = tmp_path / "up.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([GPUPOOL, "up", "--config", str(path)], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [GPUPOOL, "up", "--config", str(path)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+        )
     _wait_ready(f"http://127.0.0.1:{config['router']['port']}", proc, log, timeout_s=300)
     (engine,) = _engines_on(range(8175, 8176))
     tree = _process_tree(engine.pid)
@@ -141,13 +170,22 @@ def test_engines_die_with_a_killed_parent(tmp_path: Path) -> None:
 
 def test_bad_config_exits_2_with_a_clear_message(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"pools": {"normal": {"classes": ["normal"],
-                                                        "share": {"initial_frac": 2}}},
-                                   "engines": {"launcher": "static"}}))
-    for command in (["check-config", str(bad)], ["up", "--config", str(bad)],
-                    ["serve", "--config", str(bad)]):
-        result = subprocess.run([GPUPOOL, *command], cwd=REPO, capture_output=True, text=True,
-                                timeout=60)
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "pools": {"normal": {"classes": ["normal"], "share": {"initial_frac": 2}}},
+                "engines": {"launcher": "static"},
+            }
+        )
+    )
+    for command in (
+        ["check-config", str(bad)],
+        ["up", "--config", str(bad)],
+        ["serve", "--config", str(bad)],
+    ):
+        result = subprocess.run(
+            [GPUPOOL, *command], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 2, (command, result.stderr)
         assert "pools.normal.share.initial_frac" in result.stderr
         assert "engines" in result.stderr and "Traceback" not in result.stderr

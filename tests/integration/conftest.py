@@ -58,8 +58,11 @@ class EngineFleet:
             make_dev_model(MODEL_DIR, "tiny")
         self.config = parse_config(
             {
-                "model": {"name": "tiny", "path": str(MODEL_DIR),
-                          "max_model_len_tokens": MAX_MODEL_LEN},
+                "model": {
+                    "name": "tiny",
+                    "path": str(MODEL_DIR),
+                    "max_model_len_tokens": MAX_MODEL_LEN,
+                },
                 "engines": {
                     "launcher": "local",
                     "local": {
@@ -80,11 +83,13 @@ class EngineFleet:
             }
         )
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                        name="engine-fleet-loop")
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, daemon=True, name="engine-fleet-loop"
+        )
         self._thread.start()
         self.launcher = LocalLauncher(
-            self.config.engines.local, self.config.model,
+            self.config.engines.local,
+            self.config.model,
             progress=lambda m: print(f"[engines] {m}", file=sys.stderr, flush=True),
             gpu_count=0,
         )
@@ -149,8 +154,11 @@ def write_router_config(path: Path, urls: list[str], **extra: Any) -> Path:
             "agent": {"classes": ["agent"], "share": {"initial_frac": 0.34}},
             "normal": {"classes": ["normal"], "share": {"initial_frac": 0.66}},
         },
-        "router": {"scrape_interval_s": 0.5, "ledger_path": str(path.parent / "ledger.sqlite"),
-                   "state_path": str(path.parent / "state.json")},
+        "router": {
+            "scrape_interval_s": 0.5,
+            "ledger_path": str(path.parent / "ledger.sqlite"),
+            "state_path": str(path.parent / "state.json"),
+        },
     }
     for key, value in extra.items():
         config.setdefault(key, {})
@@ -169,9 +177,17 @@ class RouterProcess:
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "gpupool"), "serve", "--config", str(config_path),
-             "--port", str(port)],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+            [
+                str(Path(sys.executable).parent / "gpupool"),
+                "serve",
+                "--config",
+                str(config_path),
+                "--port",
+                str(port),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

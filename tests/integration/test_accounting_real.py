@@ -31,7 +31,9 @@ def _auth(who: str) -> dict[str, str]:
 @pytest.fixture
 def keyed_router(real_engines: list, tmp_path: Path):  # type: ignore[no-untyped-def,type-arg]
     config = write_router_config(
-        tmp_path / "gpupool.yaml", [e.url for e in real_engines], tenants=TENANTS,
+        tmp_path / "gpupool.yaml",
+        [e.url for e in real_engines],
+        tenants=TENANTS,
         router={"ledger_flush_interval_s": 0.2},
     )
     router = RouterProcess(config, free_port(), tmp_path / "router.log")
@@ -41,12 +43,27 @@ def keyed_router(real_engines: list, tmp_path: Path):  # type: ignore[no-untyped
         router.stop()
 
 
-def _step(url: str, run_id: str, messages: list[dict[str, str]], who: str = "a",
-          max_tokens: int = 24, stream: bool = False) -> httpx.Response:
-    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": stream}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120,
-                      headers={**_auth(who), "x-gpupool-run-id": run_id})
+def _step(
+    url: str,
+    run_id: str,
+    messages: list[dict[str, str]],
+    who: str = "a",
+    max_tokens: int = 24,
+    stream: bool = False,
+) -> httpx.Response:
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    return httpx.post(
+        f"{url}/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers={**_auth(who), "x-gpupool-run-id": run_id},
+    )
 
 
 def test_three_step_run_is_accounted_and_conserved(keyed_router: RouterProcess) -> None:
@@ -57,9 +74,13 @@ def test_three_step_run_is_accounted_and_conserved(keyed_router: RouterProcess) 
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-gpupool-pool"] == "agent"
         assert float(resp.headers["x-gpupool-gpu-seconds"]) > 0
-        messages += [{"role": "assistant", "content": resp.json()["choices"][0]["message"]
-                      ["content"] or "ok"},
-                     {"role": "user", "content": f"tool result {step}: " + "data " * 40}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": resp.json()["choices"][0]["message"]["content"] or "ok",
+            },
+            {"role": "user", "content": f"tool result {step}: " + "data " * 40},
+        ]
     run = httpx.get(f"{url}/v1/runs/run-three", headers=_auth("a"), timeout=10).json()
     assert run["totals"]["requests"] == 3
     assert [r["step_index"] for r in run["requests"]] == [0, 1, 2]
@@ -81,12 +102,21 @@ def test_three_step_run_is_accounted_and_conserved(keyed_router: RouterProcess) 
 def test_usage_gains_gpu_seconds_on_request(keyed_router: RouterProcess) -> None:
     url = keyed_router.url
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    plain = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
-                       headers={**_auth("a"), "x-gpupool-usage": "1"}).json()
+    plain = httpx.post(
+        f"{url}/v1/chat/completions",
+        json=body,
+        timeout=60,
+        headers={**_auth("a"), "x-gpupool-usage": "1"},
+    ).json()
     assert plain["usage"]["gpu_seconds"] > 0
     events = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True},
-                      headers={**_auth("a"), "x-gpupool-usage": "1"}, timeout=60) as resp:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={**body, "stream": True},
+        headers={**_auth("a"), "x-gpupool-usage": "1"},
+        timeout=60,
+    ) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 events.append(json.loads(line[6:]))
@@ -99,8 +129,7 @@ def test_two_concurrent_runs_split_one_instance(keyed_router: RouterProcess) -> 
     results: dict[str, httpx.Response] = {}
 
     def go(run_id: str) -> None:
-        results[run_id] = _step(url, run_id, [{"role": "user", "content": "go"}],
-                                max_tokens=300)
+        results[run_id] = _step(url, run_id, [{"role": "user", "content": "go"}], max_tokens=300)
 
     threads = [threading.Thread(target=go, args=(r,)) for r in ("pair-1", "pair-2")]
     for t in threads:
@@ -108,9 +137,12 @@ def test_two_concurrent_runs_split_one_instance(keyed_router: RouterProcess) -> 
     for t in threads:
         t.join()
     assert {r.headers["x-gpupool-instance"] for r in results.values()} == {
-        results["pair-1"].headers["x-gpupool-instance"]}, "both runs should share the agent engine"
-    runs = [httpx.get(f"{url}/v1/runs/{r}", headers=_auth("a"), timeout=10).json()
-            for r in ("pair-1", "pair-2")]
+        results["pair-1"].headers["x-gpupool-instance"]
+    }, "both runs should share the agent engine"
+    runs = [
+        httpx.get(f"{url}/v1/runs/{r}", headers=_auth("a"), timeout=10).json()
+        for r in ("pair-1", "pair-2")
+    ]
     for run in runs:
         req = run["requests"][0]
         wall = req["ended_at_s"] - req["started_at_s"]
@@ -125,8 +157,12 @@ def test_two_concurrent_runs_split_one_instance(keyed_router: RouterProcess) -> 
 
 def test_tenant_cannot_read_another_tenants_run(keyed_router: RouterProcess) -> None:
     url = keyed_router.url
-    assert _step(url, "secret-run", [{"role": "user", "content": "x"}], who="a",
-                 max_tokens=2).status_code == 200
+    assert (
+        _step(
+            url, "secret-run", [{"role": "user", "content": "x"}], who="a", max_tokens=2
+        ).status_code
+        == 200
+    )
     assert httpx.get(f"{url}/v1/runs/secret-run", headers=_auth("a"), timeout=10).status_code == 200
     other = httpx.get(f"{url}/v1/runs/secret-run", headers=_auth("b"), timeout=10)
     assert other.status_code == 404 and other.json()["error"]["code"] == "run_not_found"
@@ -141,24 +177,32 @@ def test_kill_9_after_a_flush_keeps_completed_requests(
     url = keyed_router.url
     ids = []
     for i in range(5):
-        resp = _step(url, "durable-run", [{"role": "user", "content": f"step {i}"}],
-                     max_tokens=2)
+        resp = _step(url, "durable-run", [{"role": "user", "content": f"step {i}"}], max_tokens=2)
         assert resp.status_code == 200
         ids.append(resp.headers["x-gpupool-request-id"])
     time.sleep(1.0)  # > flush interval (0.2 s)
     keyed_router.proc.send_signal(signal.SIGKILL)
     keyed_router.proc.wait(timeout=10)
-    restarted = RouterProcess(keyed_router.config_path,  # type: ignore[attr-defined]
-                              free_port(), tmp_path / "router2.log")
+    restarted = RouterProcess(
+        keyed_router.config_path,  # type: ignore[attr-defined]
+        free_port(),
+        tmp_path / "router2.log",
+    )
     try:
-        run = httpx.get(f"{restarted.url}/v1/runs/durable-run", headers=_auth("a"),
-                        timeout=10).json()
+        run = httpx.get(
+            f"{restarted.url}/v1/runs/durable-run", headers=_auth("a"), timeout=10
+        ).json()
         assert sorted(r["request_id"] for r in run["requests"]) == sorted(ids)
         # and it carries on: the next step gets the next index
-        assert _step(restarted.url, "durable-run", [{"role": "user", "content": "again"}],
-                     max_tokens=2).status_code == 200
-        run = httpx.get(f"{restarted.url}/v1/runs/durable-run", headers=_auth("a"),
-                        timeout=10).json()
+        assert (
+            _step(
+                restarted.url, "durable-run", [{"role": "user", "content": "again"}], max_tokens=2
+            ).status_code
+            == 200
+        )
+        run = httpx.get(
+            f"{restarted.url}/v1/runs/durable-run", headers=_auth("a"), timeout=10
+        ).json()
         assert sorted(r["step_index"] for r in run["requests"]) == list(range(6))
     finally:
         restarted.stop()

@@ -21,15 +21,23 @@ from tests.integration.conftest import (
 
 pytestmark = pytest.mark.integration
 
-TOOLS = [{"type": "function", "function": {
-    "name": "search", "description": "search files",
-    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "search files",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
 HELLO = [{"role": "user", "content": "hello there"}]
 
 
 def _post(router_url: str, body: object, headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.post(f"{router_url}/v1/chat/completions", json=body, headers=headers or {},
-                      timeout=60)
+    return httpx.post(
+        f"{router_url}/v1/chat/completions", json=body, headers=headers or {}, timeout=60
+    )
 
 
 def _pools(router_url: str) -> dict[str, list[str]]:
@@ -40,7 +48,10 @@ def _pools(router_url: str) -> dict[str, list[str]]:
 def test_openai_client_streams_through_the_router(router_url: str) -> None:
     client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused")
     stream = client.chat.completions.create(
-        model="tiny", messages=HELLO, max_tokens=8, stream=True,
+        model="tiny",
+        messages=HELLO,
+        max_tokens=8,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
@@ -54,10 +65,16 @@ def test_openai_client_streams_through_the_router(router_url: str) -> None:
 
 def test_usage_chunk_kept_when_client_asks(router_url: str) -> None:
     client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused")
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=HELLO, max_tokens=6, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=HELLO,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     usage = [c.usage for c in chunks if c.usage is not None]
     assert len(usage) == 1 and usage[0].completion_tokens == 6
 
@@ -65,12 +82,17 @@ def test_usage_chunk_kept_when_client_asks(router_url: str) -> None:
 def test_classification_reaches_the_right_pool(router_url: str) -> None:
     pools = _pools(router_url)
     plain = _post(router_url, {"model": "tiny", "messages": HELLO, "max_tokens": 2})
-    tools = _post(router_url, {"model": "tiny", "messages": HELLO, "max_tokens": 2,
-                               "tools": TOOLS})
-    header = _post(router_url, {"model": "tiny", "messages": HELLO, "max_tokens": 2},
-                   {"x-gpupool-class": "agent"})
-    run = _post(router_url, {"model": "tiny", "messages": HELLO, "max_tokens": 2},
-                {"x-claude-code-session-id": "sess-1"})
+    tools = _post(router_url, {"model": "tiny", "messages": HELLO, "max_tokens": 2, "tools": TOOLS})
+    header = _post(
+        router_url,
+        {"model": "tiny", "messages": HELLO, "max_tokens": 2},
+        {"x-gpupool-class": "agent"},
+    )
+    run = _post(
+        router_url,
+        {"model": "tiny", "messages": HELLO, "max_tokens": 2},
+        {"x-claude-code-session-id": "sess-1"},
+    )
     for resp in (plain, tools, header, run):
         assert resp.status_code == 200, resp.text
     assert plain.headers["x-gpupool-pool"] == "normal"
@@ -81,8 +103,11 @@ def test_classification_reaches_the_right_pool(router_url: str) -> None:
         assert resp.headers["x-gpupool-instance"] in pools["agent"]
     assert plain.headers["x-gpupool-request-id"].startswith("gp-")
     # completions endpoint too
-    comp = httpx.post(f"{router_url}/v1/completions",
-                      json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    comp = httpx.post(
+        f"{router_url}/v1/completions",
+        json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+        timeout=30,
+    )
     assert comp.status_code == 200 and comp.json()["usage"]["completion_tokens"] == 2
 
 
@@ -95,23 +120,32 @@ def test_bad_inputs_get_clear_openai_errors(router_url: str) -> None:
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
     unknown = _post(router_url, {"model": "gpt-9", "messages": HELLO})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
-    too_long = _post(router_url, {"model": "tiny", "max_tokens": 4,
-                                  "messages": [{"role": "user", "content": "hello " * 5000}]})
+    too_long = _post(
+        router_url,
+        {
+            "model": "tiny",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello " * 5000}],
+        },
+    )
     assert too_long.status_code == 400
     assert "maximum context length" in too_long.json()["error"]["message"]
-    bad_class = _post(router_url, {"model": "tiny", "messages": HELLO},
-                      {"x-gpupool-class": "vip"})
+    bad_class = _post(router_url, {"model": "tiny", "messages": HELLO}, {"x-gpupool-class": "vip"})
     assert bad_class.status_code == 400 and bad_class.json()["error"]["code"] == "unknown_class"
-    bad_priority = _post(router_url, {"model": "tiny", "messages": HELLO},
-                         {"x-gpupool-priority": "high"})
+    bad_priority = _post(
+        router_url, {"model": "tiny", "messages": HELLO}, {"x-gpupool-priority": "high"}
+    )
     assert bad_priority.status_code == 400
     # and the router still serves after all that
-    assert _post(router_url, {"model": "tiny", "messages": HELLO, "max_tokens": 1}).status_code == 200
+    assert (
+        _post(router_url, {"model": "tiny", "messages": HELLO, "max_tokens": 1}).status_code == 200
+    )
 
 
 def test_api_keys_map_to_tenants(real_engines: list, tmp_path: Path) -> None:  # type: ignore[type-arg]
     config = write_router_config(
-        tmp_path / "keys.yaml", [e.url for e in real_engines],
+        tmp_path / "keys.yaml",
+        [e.url for e in real_engines],
         tenants=[{"name": "team-a", "api_key": "key-a", "may_set_class": False}],
     )
     router = RouterProcess(config, free_port(), tmp_path / "router.log")
@@ -122,8 +156,9 @@ def test_api_keys_map_to_tenants(real_engines: list, tmp_path: Path) -> None:  #
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
         ok = _post(router.url, body, {"authorization": "Bearer key-a"})
         assert ok.status_code == 200
-        forbidden = _post(router.url, body, {"authorization": "Bearer key-a",
-                                             "x-gpupool-class": "agent"})
+        forbidden = _post(
+            router.url, body, {"authorization": "Bearer key-a", "x-gpupool-class": "agent"}
+        )
         assert forbidden.status_code == 403
     finally:
         router.stop()
@@ -131,18 +166,31 @@ def test_api_keys_map_to_tenants(real_engines: list, tmp_path: Path) -> None:  #
 
 def _engine_running(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_running{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running{")
+    )
 
 
 def test_client_disconnect_frees_the_engine(router_url: str, real_engines: list) -> None:  # type: ignore[type-arg]
     by_id = {e.instance_id: e.url for e in real_engines}
-    body = {"model": "tiny", "messages": HELLO, "max_tokens": 3000, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(timeout=60) as client, client.stream(
-        "POST", f"{router_url}/v1/chat/completions", json=body,
-        headers={"x-gpupool-class": "agent"},
-    ) as resp:
+    body = {
+        "model": "tiny",
+        "messages": HELLO,
+        "max_tokens": 3000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream(
+            "POST",
+            f"{router_url}/v1/chat/completions",
+            json=body,
+            headers={"x-gpupool-class": "agent"},
+        ) as resp,
+    ):
         assert resp.status_code == 200
         engine_url = by_id[resp.headers["x-gpupool-instance"]]
         lines = resp.iter_lines()
@@ -193,9 +241,15 @@ def test_dead_engine_does_not_fail_new_requests_and_comes_back(
 def test_router_metrics_are_exposed(router_url: str) -> None:
     _post(router_url, {"model": "tiny", "messages": HELLO, "max_tokens": 1})
     text = httpx.get(f"{router_url}/metrics", timeout=5).text
-    for name in ("gpupool_requests_total", "gpupool_ttft_seconds", "gpupool_instance_healthy",
-                 "gpupool_inflight_requests", "gpupool_router_overhead_seconds",
-                 "gpupool_instance_kv_usage_frac", "gpupool_pool_share_frac"):
+    for name in (
+        "gpupool_requests_total",
+        "gpupool_ttft_seconds",
+        "gpupool_instance_healthy",
+        "gpupool_inflight_requests",
+        "gpupool_router_overhead_seconds",
+        "gpupool_instance_kv_usage_frac",
+        "gpupool_pool_share_frac",
+    ):
         assert name in text, name
     assert 'outcome="ok"' in text
 
@@ -204,12 +258,18 @@ def test_concurrent_streams_all_complete(router_url: str) -> None:
     results: list[int] = []
 
     def one(i: int) -> None:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": f"q {i}"}],
-                "max_tokens": 16, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"q {i}"}],
+            "max_tokens": 16,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         tokens = 0
-        with httpx.stream("POST", f"{router_url}/v1/chat/completions", json=body,
-                          timeout=60) as resp:
+        with httpx.stream(
+            "POST", f"{router_url}/v1/chat/completions", json=body, timeout=60
+        ) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
                     data = json.loads(line[6:])

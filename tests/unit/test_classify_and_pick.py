@@ -16,18 +16,24 @@ from router.errors import BadRequest, ClassNotAllowed, Unauthorized
 from router.identity import Tenants
 from router.picking import PickRequest, RunAffinity, default_picker
 
-CONFIG = parse_config({**DEFAULT_CPU_CONFIG, "tenants": [
-    {"name": "a", "api_key": "ka"},
-    {"name": "b", "api_key": "kb", "default_class": "agent", "may_set_class": False},
-]})
+CONFIG = parse_config(
+    {
+        **DEFAULT_CPU_CONFIG,
+        "tenants": [
+            {"name": "a", "api_key": "ka"},
+            {"name": "b", "api_key": "kb", "default_class": "agent", "may_set_class": False},
+        ],
+    }
+)
 TENANTS = Tenants.from_config(CONFIG.tenants)
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def _cls(headers: dict[str, str], body: dict[str, object] | None = None, key: str = "ka") -> str:
     tenant = TENANTS.authenticate(f"Bearer {key}")
-    return classify(headers, dict(body or BODY), tenant, CONFIG, request_id="r",
-                    now_s=0.0).class_name
+    return classify(
+        headers, dict(body or BODY), tenant, CONFIG, request_id="r", now_s=0.0
+    ).class_name
 
 
 def test_rules_first_match_wins() -> None:
@@ -47,8 +53,14 @@ def test_header_class_checks() -> None:
 
 
 def test_run_identity_sources() -> None:
-    for header in ("x-gpupool-run-id", "x-dynamo-trajectory-id", "x-claude-code-session-id",
-                   "session-id", "thread-id", "x-session-id"):
+    for header in (
+        "x-gpupool-run-id",
+        "x-dynamo-trajectory-id",
+        "x-claude-code-session-id",
+        "session-id",
+        "thread-id",
+        "x-session-id",
+    ):
         assert run_identity({header: "abc"}, {}) == "abc"
     assert run_identity({}, {"vllm_xargs": {"agentic_context": {"program_id": "p9"}}}) == "p9"
     assert run_identity({}, {"vllm_xargs": {"agentic_context": "p7"}}) == "p7"
@@ -57,15 +69,23 @@ def test_run_identity_sources() -> None:
 
 def test_priority_and_deadline_headers() -> None:
     tenant = TENANTS.authenticate("Bearer ka")
-    ctx = classify({"x-gpupool-priority": "-1", "x-gpupool-deadline-ms": "1500"}, dict(BODY),
-                   tenant, CONFIG, request_id="r", now_s=10.0)
+    ctx = classify(
+        {"x-gpupool-priority": "-1", "x-gpupool-deadline-ms": "1500"},
+        dict(BODY),
+        tenant,
+        CONFIG,
+        request_id="r",
+        now_s=10.0,
+    )
     assert ctx.priority == -1 and ctx.deadline_s == pytest.approx(11.5)
     with pytest.raises(BadRequest):
-        classify({"x-gpupool-priority": "high"}, dict(BODY), tenant, CONFIG, request_id="r",
-                 now_s=0.0)
+        classify(
+            {"x-gpupool-priority": "high"}, dict(BODY), tenant, CONFIG, request_id="r", now_s=0.0
+        )
     with pytest.raises(BadRequest):
-        classify({"x-gpupool-deadline-ms": "0"}, dict(BODY), tenant, CONFIG, request_id="r",
-                 now_s=0.0)
+        classify(
+            {"x-gpupool-deadline-ms": "0"}, dict(BODY), tenant, CONFIG, request_id="r", now_s=0.0
+        )
 
 
 def test_authentication() -> None:
@@ -139,8 +159,10 @@ def test_ties_are_broken_at_random_but_reproducibly() -> None:
     def picks(seed: int) -> list[str]:
         picker = default_picker(fleet, RunAffinity(), random.Random(seed))
         cands = picker.candidates(alloc, "normal")
-        return [picker.pick(PickRequest("normal", None), cands).instance_id  # type: ignore[union-attr]
-                for _ in range(20)]
+        return [
+            picker.pick(PickRequest("normal", None), cands).instance_id  # type: ignore[union-attr]
+            for _ in range(20)
+        ]
 
     assert picks(1) == picks(1)
     assert len(set(picks(1))) > 1

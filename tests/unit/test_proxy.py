@@ -23,9 +23,14 @@ BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "ma
 
 
 def _config(tmp_path: Path, **router: Any) -> Config:
-    data = {**DEFAULT_CPU_CONFIG,
-            "router": {"ledger_path": str(tmp_path / "l.sqlite"),
-                       "state_path": str(tmp_path / "s.json"), **router}}
+    data = {
+        **DEFAULT_CPU_CONFIG,
+        "router": {
+            "ledger_path": str(tmp_path / "l.sqlite"),
+            "state_path": str(tmp_path / "s.json"),
+            **router,
+        },
+    }
     data["pools"] = {
         "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
         "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
@@ -58,8 +63,10 @@ class Rig:
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     """Two fake engines, one per pool."""
     states = [FakeEngineState(), FakeEngineState()]
-    async with serve_asgi(make_fake_engine(states[0])) as u0, \
-            serve_asgi(make_fake_engine(states[1])) as u1:
+    async with (
+        serve_asgi(make_fake_engine(states[0])) as u0,
+        serve_asgi(make_fake_engine(states[1])) as u1,
+    ):
         specs = [InstanceSpec("engine-0", u0, 1), InstanceSpec("engine-1", u1, 1)]
         gateway = create_app(_config(tmp_path), specs)
         await gateway.start()
@@ -70,13 +77,14 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
 
 
 async def test_non_streaming_pass_through(rig: Rig) -> None:
-    resp = await rig.client.post("/v1/chat/completions", json={**BODY, "seed": 7, "n": 1,
-                                                               "top_k": 5})
+    resp = await rig.client.post(
+        "/v1/chat/completions", json={**BODY, "seed": 7, "n": 1, "top_k": 5}
+    )
     assert resp.status_code == 200
     assert resp.headers["x-gpupool-pool"] == "normal"
     assert float(resp.headers["x-gpupool-gpu-seconds"]) >= 0
     assert resp.json()["usage"]["completion_tokens"] == 3
-    seen = [s.requests_seen for s in rig.states if s.requests_seen][0][-1]
+    seen = next(s.requests_seen for s in rig.states if s.requests_seen)[-1]
     assert seen["seed"] == 7 and seen["top_k"] == 5  # extra fields pass untouched
 
 
@@ -87,24 +95,30 @@ async def test_stream_strips_usage_unless_asked(rig: Rig) -> None:
     assert b'"usage"' not in resp.content and resp.content.endswith(b"data: [DONE]\n\n")
     upstream = rig.normal.requests_seen[-1]
     assert upstream["stream_options"] == {"include_usage": True}
-    asked = await rig.client.post("/v1/chat/completions",
-                                  json={**body, "stream_options": {"include_usage": True}})
+    asked = await rig.client.post(
+        "/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}}
+    )
     assert asked.content.count(b'"usage"') == 1
-    gpu = await rig.client.post("/v1/chat/completions", json=body,
-                                headers={"x-gpupool-usage": "1"})
-    usage_events = [orjson.loads(line[6:]) for line in gpu.content.split(b"\n")
-                    if line.startswith(b"data: {") and b'"usage"' in line]
+    gpu = await rig.client.post("/v1/chat/completions", json=body, headers={"x-gpupool-usage": "1"})
+    usage_events = [
+        orjson.loads(line[6:])
+        for line in gpu.content.split(b"\n")
+        if line.startswith(b"data: {") and b'"usage"' in line
+    ]
     assert len(usage_events) == 1 and "gpu_seconds" in usage_events[0]["usage"]
 
 
 async def test_completions_endpoint_and_tools_go_to_agent(rig: Rig) -> None:
-    resp = await rig.client.post("/v1/completions", json={"model": "tiny", "prompt": "a b",
-                                                          "max_tokens": 2})
+    resp = await rig.client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "a b", "max_tokens": 2}
+    )
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
     agent = await rig.client.post("/v1/chat/completions", json={**BODY, "tools": [{"x": 1}]})
     assert agent.headers["x-gpupool-pool"] == "agent"
-    assert agent.headers["x-gpupool-instance"] == rig.gateway.pool_map.current.instances_for(
-        "agent")[0]
+    assert (
+        agent.headers["x-gpupool-instance"]
+        == rig.gateway.pool_map.current.instances_for("agent")[0]
+    )
 
 
 async def test_client_errors(rig: Rig) -> None:
@@ -141,8 +155,9 @@ async def test_engine_500_becomes_502_and_midstream_failure_is_an_event(rig: Rig
 
 async def test_deadline_gives_504(rig: Rig) -> None:
     rig.normal.failure, rig.normal.fail_next = "hang", 1
-    resp = await rig.client.post("/v1/chat/completions", json=BODY,
-                                 headers={"x-gpupool-deadline-ms": "300"})
+    resp = await rig.client.post(
+        "/v1/chat/completions", json=BODY, headers={"x-gpupool-deadline-ms": "300"}
+    )
     assert resp.status_code == 504 and resp.json()["error"]["code"] == "deadline_exceeded"
 
 
@@ -150,18 +165,21 @@ async def test_refused_connection_retries_another_instance(tmp_path: Path) -> No
     state = FakeEngineState()
     async with serve_asgi(make_fake_engine(state)) as live:
         specs = [InstanceSpec("dead", _dead_url(), 1), InstanceSpec("live", live, 1)]
-        data = {**DEFAULT_CPU_CONFIG,
-                "router": {"ledger_path": str(tmp_path / "l.sqlite"), "scrape_interval_s": 60},
-                "pools": {"normal": {"classes": ["normal", "agent"],
-                                     "share": {"initial_frac": 1.0}}}}
+        data = {
+            **DEFAULT_CPU_CONFIG,
+            "router": {"ledger_path": str(tmp_path / "l.sqlite"), "scrape_interval_s": 60},
+            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
+        }
         gateway = create_app(parse_config(data), specs, scrape=False)
         for spec in specs:  # both look healthy until the proxy learns otherwise
             gateway.fleet.get(spec.instance_id).healthy = True  # type: ignore[union-attr]
         await gateway.start()
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway),
-                                     base_url="http://gw") as client:
-            statuses = [(await client.post("/v1/chat/completions", json=BODY)).status_code
-                        for _ in range(6)]
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+        ) as client:
+            statuses = [
+                (await client.post("/v1/chat/completions", json=BODY)).status_code for _ in range(6)
+            ]
         assert statuses == [200] * 6
         assert not gateway.fleet.get("dead").healthy  # type: ignore[union-attr]
         assert state.served == 6
@@ -170,12 +188,15 @@ async def test_refused_connection_retries_another_instance(tmp_path: Path) -> No
 
 async def test_no_healthy_instance_is_503_and_ready_says_so(tmp_path: Path) -> None:
     specs = [InstanceSpec("dead", _dead_url(), 1)]
-    data = {**DEFAULT_CPU_CONFIG, "router": {"ledger_path": str(tmp_path / "l.sqlite"),
-                                             "scrape_timeout_s": 0.5}}
+    data = {
+        **DEFAULT_CPU_CONFIG,
+        "router": {"ledger_path": str(tmp_path / "l.sqlite"), "scrape_timeout_s": 0.5},
+    }
     gateway = create_app(parse_config(data), specs)
     await gateway.start()
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway),
-                                 base_url="http://gw") as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+    ) as client:
         resp = await client.post("/v1/chat/completions", json=BODY)
         assert resp.status_code == 503
         assert resp.json()["error"]["code"] == "no_healthy_instance"
@@ -188,8 +209,7 @@ async def test_no_healthy_instance_is_503_and_ready_says_so(tmp_path: Path) -> N
 async def test_metrics_and_admin_views(rig: Rig) -> None:
     await rig.client.post("/v1/chat/completions", json=BODY)
     text = (await rig.client.get("/metrics")).text
-    assert 'gpupool_requests_total{class="normal",outcome="ok",pool="normal",reason="200"}' \
-        in text
+    assert 'gpupool_requests_total{class="normal",outcome="ok",pool="normal",reason="200"}' in text
     assert "gpupool_gpu_seconds_total" in text and "gpupool_idle_gpu_seconds_total" in text
     view = (await rig.client.get("/admin/pools")).json()
     assert set(view["pools"]) == {"agent", "normal"}

@@ -32,14 +32,16 @@ def test_legacy_names_are_understood() -> None:
 
 
 def test_data_parallel_engines_are_summed() -> None:
-    text = "\n".join([
-        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
-        'vllm:num_requests_running{engine="1",model_name="m"} 4.0',
-        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.2',
-        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.4',
-        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100",x="y"} 1.0',
-        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100",x="y"} 1.0',
-    ])
+    text = "\n".join(
+        [
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+            'vllm:num_requests_running{engine="1",model_name="m"} 4.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.2',
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.4',
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100",x="y"} 1.0',
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100",x="y"} 1.0',
+        ]
+    )
     r = parse_vllm_metrics(text, 0.0)
     assert r.running == 7 and r.kv_usage_frac == pytest.approx(0.3)
     assert r.num_gpu_blocks == 200 and r.block_size == 16
