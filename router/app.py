@@ -21,6 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gpu_probe.nvml import NvmlApi
+from gpu_probe.sampler import GpuSampler
 from pools.allocation import PoolMap, plan_allocation
 from pools.config import Config
 from pools.fleet import Fleet
@@ -62,6 +64,7 @@ class Gateway:
         admission: Admission | None = None,
         observers: list[RequestObserver] | None = None,
         scrape: bool = True,
+        nvml: NvmlApi | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -87,6 +90,7 @@ class Gateway:
         self.ledger = Ledger.from_config(
             rc, snapshot_source=lambda: self.accountant.conservation(self.clock())
         )
+        self.gpu_sampler = GpuSampler(registry=self.metrics.registry, nvml=nvml)
         self._observers = [
             AccountingObserver(self.accountant, self.ledger, self.accounting_metrics, clock=clock),
             *(observers or []),
@@ -114,6 +118,7 @@ class Gateway:
             )
         self.pool_map.on_change(self._shares_changed)
         await self.ledger.start()
+        await self.gpu_sampler.start()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
@@ -150,6 +155,7 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         await self.ledger.aclose()
+        await self.gpu_sampler.aclose()
         self._started = False
 
     def _shares_changed(self, allocation: Any) -> None:
@@ -288,6 +294,15 @@ class Gateway:
         async def admin_pools(request: Request) -> dict[str, Any]:
             self.tenants.authenticate_admin(request.headers.get("authorization"))
             return self.pools_view()
+
+        @api.get("/admin/gpus")
+        async def admin_gpus(request: Request) -> dict[str, Any]:
+            self.tenants.authenticate_admin(request.headers.get("authorization"))
+            latest = self.gpu_sampler.latest
+            return {
+                "object": "gpupool.gpus",
+                "snapshot": None if latest is None else latest.to_dict(),
+            }
 
         @api.get("/v1/runs/{run_id}")
         async def run_detail(run_id: str, request: Request) -> dict[str, Any]:

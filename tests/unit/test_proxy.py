@@ -216,3 +216,19 @@ async def test_metrics_and_admin_views(rig: Rig) -> None:
     assert view["instances"]["engine-0"]["num_gpu_blocks"] == 1024
     models = (await rig.client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "tiny"
+
+
+async def test_gpu_readings_reach_metrics_with_a_fake_nvml(tmp_path: Path) -> None:
+    from gpu_probe.fake_nvml import FakeGpu, FakeNvml
+
+    nvml = FakeNvml([FakeGpu(name="NVIDIA H100 80GB HBM3", memory_used_bytes=10 * 2**30)])
+    gateway = create_app(_config(tmp_path), [], scrape=False, nvml=nvml)
+    await gateway.start()
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+    ) as client:
+        text = (await client.get("/metrics")).text
+        assert 'gpupool_gpu_memory_used_bytes{gpu="0"}' in text
+        gpus = (await client.get("/admin/gpus")).json()
+        assert gpus["snapshot"]["devices"][0]["name"].startswith("NVIDIA H100")
+    await gateway.aclose()
