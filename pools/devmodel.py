@@ -75,7 +75,7 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- for message in messages %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-    "{%- if message['content'] is string %}{{ message['content'] }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
     "{%- elif message['content'] %}"
     "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{ part['text'] }}"
     "{%- endif %}{%- endfor %}"
@@ -85,7 +85,7 @@ CHAT_TEMPLATE = (
     "{%- endfor %}{%- endif %}"
     "<|eot_id|>"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 
 _WORDS = [
