@@ -21,13 +21,22 @@ import math
 import operator
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pools.config import RouterConfig
 from router.accounting import ConservationReport
+from router.ledger_queries import (
+    HOUR_S,
+    JsonDict,
+    RunOrder,
+    list_runs,
+    run_summary,
+    top_runs_report,
+    totals,
+)
 
 __all__ = [
     "OUTCOMES",
@@ -45,12 +54,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-JsonDict = dict[str, Any]
-RunOrder = Literal["last_seen", "gpu_seconds"]
 T = TypeVar("T")
 
 SCHEMA_VERSION = 1  # PRAGMA user_version of the file
-HOUR_S = 3600
 DAY_S = 86_400.0
 # The outcomes the router records; `outcome` is free text, these are the documented values.
 OUTCOMES = ("ok", "client_error", "engine_error", "aborted", "rejected", "timeout")
@@ -255,223 +261,6 @@ def _recent_steps(conn: sqlite3.Connection, since_s: float) -> list[tuple[str, s
         (since_s,),
     )
     return [(t, r, -1 if s is None else int(s), float(e)) for t, r, s, e in cur]
-
-
-# ---------------------------------------------------------------------------------------------
-# Queries (sync; the CLI calls them directly, `Ledger` through a worker thread)
-# ---------------------------------------------------------------------------------------------
-
-
-def _dicts(cur: sqlite3.Cursor) -> list[JsonDict]:
-    names = [d[0] for d in cur.description]
-    return [dict(zip(names, row, strict=True)) for row in cur]
-
-
-_ROLLUP_KEYS = ("requests", "runs", "prompt_tokens", "completion_tokens", "gpu_seconds")
-
-
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), q in [0, 1]."""
-    pos = q * (len(sorted_values) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def _distribution(values: Iterable[float | None]) -> JsonDict:
-    present = sorted(v for v in values if v is not None)
-    if not present:
-        return {"count": 0, "p50": None, "p95": None, "max": None}
-    return {
-        "count": len(present),
-        "p50": _percentile(present, 0.5),
-        "p95": _percentile(present, 0.95),
-        "max": present[-1],
-    }
-
-
-def run_summary(conn: sqlite3.Connection, run_id: str, tenant: str | None) -> JsonDict | None:
-    """One run: totals, TTFT/TPOT distributions and every request, in step order.
-
-    `tenant` scopes the answer: None when that tenant has no request in the run (so a run id
-    of another tenant looks like an unknown one). `tenant=None` (admin, CLI) sees all tenants.
-    """
-    where = "run_id = ?" + ("" if tenant is None else " AND tenant = ?")
-    params: tuple[str, ...] = (run_id,) if tenant is None else (run_id, tenant)
-    cur = conn.execute(
-        f"SELECT {', '.join(_COLUMNS)} FROM requests WHERE {where} "
-        "ORDER BY step_index IS NULL, step_index, started_at_s",
-        params,
-    )
-    requests = _dicts(cur)
-    if not requests:
-        return None
-    first_s = min(r["started_at_s"] for r in requests)
-    last_s = max(r["ended_at_s"] for r in requests)
-    outcomes: dict[str, int] = {}
-    for r in requests:
-        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
-    return {
-        "object": "gpupool.run",
-        "run_id": run_id,
-        "tenants": sorted({r["tenant"] for r in requests}),
-        "classes": sorted({r["class_name"] for r in requests}),
-        "pools": sorted({r["pool"] for r in requests}),
-        "first_seen_s": first_s,
-        "last_seen_s": last_s,
-        "totals": {
-            "requests": len(requests),
-            "outcomes": outcomes,
-            "prompt_tokens": sum(r["prompt_tokens"] for r in requests),
-            "completion_tokens": sum(r["completion_tokens"] for r in requests),
-            "gpu_seconds": math.fsum(r["gpu_seconds"] for r in requests),
-            "wall_s": last_s - first_s,
-            "queue_s": math.fsum(r["queue_s"] for r in requests),
-        },
-        "ttft_s": _distribution(r["ttft_s"] for r in requests),
-        "tpot_s": _distribution(r["tpot_s"] for r in requests),
-        "requests": requests,
-    }
-
-
-def list_runs(
-    conn: sqlite3.Connection,
-    tenant: str | None,
-    *,
-    since_s: float | None = None,
-    limit: int = 50,
-    class_name: str | None = None,
-    order_by: RunOrder = "last_seen",
-) -> list[JsonDict]:
-    """Runs (one per tenant and run id) with their totals, newest first or costliest first.
-
-    `since_s`: only runs with a request ending at or after it (their totals stay whole);
-    `class_name`: only runs with at least one request of that class; `tenant=None`: all.
-    """
-    if limit <= 0:
-        return []
-    where = ["run_id IS NOT NULL"]
-    params: list[Any] = []
-    if tenant is not None:
-        where.append("tenant = ?")
-        params.append(tenant)
-    having = ["1"]
-    if since_s is not None:
-        having.append("MAX(ended_at_s) >= ?")
-        params.append(since_s)
-    if class_name is not None:
-        having.append("SUM(class_name = ?) > 0")
-        params.append(class_name)
-    order = "gpu_seconds DESC" if order_by == "gpu_seconds" else "last_seen_s DESC"
-    params.append(limit)
-    cur = conn.execute(
-        "SELECT run_id, tenant, COUNT(*) AS requests, SUM(outcome != 'ok') AS errors, "
-        "SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens, "
-        "TOTAL(gpu_seconds) AS gpu_seconds, TOTAL(queue_s) AS queue_s, "
-        "MIN(started_at_s) AS first_seen_s, MAX(ended_at_s) AS last_seen_s, "
-        "MAX(ended_at_s) - MIN(started_at_s) AS wall_s, "
-        "GROUP_CONCAT(DISTINCT class_name) AS classes "
-        f"FROM requests WHERE {' AND '.join(where)} GROUP BY run_id, tenant "
-        f"HAVING {' AND '.join(having)} ORDER BY {order}, run_id LIMIT ?",
-        params,
-    )
-    runs = _dicts(cur)
-    for run in runs:
-        run["classes"] = sorted(run["classes"].split(","))
-    return runs
-
-
-def _rollup(conn: sqlite3.Connection, column: str, since_s: float) -> dict[str, JsonDict]:
-    cur = conn.execute(
-        f"SELECT {column} AS key, COUNT(*) AS requests, COUNT(DISTINCT run_id) AS runs, "
-        "SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens, "
-        "TOTAL(gpu_seconds) AS gpu_seconds "
-        f"FROM requests WHERE ended_at_s >= ? GROUP BY {column} ORDER BY {column}",
-        (since_s,),
-    )
-    return {row.pop("key"): row for row in _dicts(cur)}
-
-
-def totals(conn: sqlite3.Connection, since_s: float | None = None) -> JsonDict:
-    """Everything in the ledger (or since `since_s`): requests, tokens and GPU-seconds per
-    pool, class and tenant; idle GPU-seconds per pool and fleet capacity (hourly buckets, so
-    `since_s` is rounded down to the hour for those)."""
-    since = -math.inf if since_s is None else since_s
-    hour = -(2**62) if since_s is None else math.floor(since_s / HOUR_S) * HOUR_S
-    n, prompt, completion, gpu_s, first_s, last_s = conn.execute(
-        "SELECT COUNT(*), TOTAL(prompt_tokens), TOTAL(completion_tokens), TOTAL(gpu_seconds), "
-        "MIN(started_at_s), MAX(ended_at_s) FROM requests WHERE ended_at_s >= ?",
-        (since,),
-    ).fetchone()
-    outcomes = dict(
-        conn.execute(
-            "SELECT outcome, COUNT(*) FROM requests WHERE ended_at_s >= ? GROUP BY outcome",
-            (since,),
-        ).fetchall()
-    )
-    idle = dict(
-        conn.execute(
-            "SELECT pool, TOTAL(idle_gpu_seconds) FROM idle_hourly WHERE hour_start_s >= ? "
-            "GROUP BY pool ORDER BY pool",
-            (hour,),
-        ).fetchall()
-    )
-    (capacity,) = conn.execute(
-        "SELECT TOTAL(capacity_gpu_seconds) FROM capacity_hourly WHERE hour_start_s >= ?",
-        (hour,),
-    ).fetchone()
-    by_pool = _rollup(conn, "pool", since)
-    for pool in set(by_pool) | set(idle):
-        entry = by_pool.setdefault(
-            pool,
-            {
-                "requests": 0,
-                "runs": 0,
-                "prompt_tokens": 0,
-                "completion_tokens": 0,
-                "gpu_seconds": 0.0,
-            },
-        )
-        entry["idle_gpu_seconds"] = idle.get(pool, 0.0)
-    return {
-        "object": "gpupool.accounting_totals",
-        "since_s": since_s,
-        "first_seen_s": first_s,
-        "last_seen_s": last_s,
-        "requests": n,
-        "outcomes": outcomes,
-        "prompt_tokens": int(prompt),
-        "completion_tokens": int(completion),
-        "gpu_seconds": gpu_s,
-        "idle_gpu_seconds": math.fsum(idle.values()),
-        "capacity_gpu_seconds": capacity,
-        "by_pool": dict(sorted(by_pool.items())),
-        "by_class": _rollup(conn, "class_name", since),
-        "by_tenant": _rollup(conn, "tenant", since),
-    }
-
-
-def top_runs_report(
-    conn: sqlite3.Connection,
-    *,
-    top_n: int = 10,
-    tenant: str | None = None,
-    since_s: float | None = None,
-    live: ConservationReport | None = None,
-) -> JsonDict:
-    """The body of `GET /admin/accounting`: ledger totals, the `top_n` costliest runs, and
-    (from the router's accountant) the live conservation report of this process."""
-    return {
-        "object": "gpupool.accounting",
-        "ledger": totals(conn, since_s),
-        "top_runs": list_runs(conn, tenant, since_s=since_s, limit=top_n, order_by="gpu_seconds"),
-        "live": None if live is None else live.as_dict(),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# The component
-# ---------------------------------------------------------------------------------------------
 
 
 class Ledger:
