@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pools.config import ConfigError, contract_problems, load_config
+from pools.config import contract_problems
+from router.commands._config import load_or_report
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -18,12 +19,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.file)
-    except ConfigError as err:
-        print(f"gpupool: invalid config {err.source}:", file=sys.stderr)
-        for problem in err.problems:
-            print(f"  - {problem}", file=sys.stderr)
+    config = load_or_report(args.file)
+    if config is None:
         return 2
     problems = contract_problems(config)
     if problems:

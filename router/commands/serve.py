@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from router.commands.up import load_or_report, with_port
+from router.commands._config import load_or_report, with_port
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -6,8 +6,8 @@ import argparse
 import asyncio
 import sys
 
-from pools.config import Config, ConfigError, load_config
 from pools.devmodel import SHAPES, is_dev_model, make_dev_model
+from router.commands._config import load_or_report, with_port
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -15,24 +15,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--config", help="YAML config (default: the built-in default)")
     p.add_argument("--port", type=int, help="router port (overrides router.port)")
     p.set_defaults(func=run)
-
-
-def load_or_report(path: str | None) -> Config | None:
-    try:
-        return load_config(path)
-    except ConfigError as err:
-        print(f"gpupool: invalid config {err.source}:", file=sys.stderr)
-        for problem in err.problems:
-            print(f"  - {problem}", file=sys.stderr)
-        return None
-
-
-def with_port(config: Config, port: int | None) -> Config:
-    if port is None:
-        return config
-    import dataclasses
-
-    return dataclasses.replace(config, router=dataclasses.replace(config.router, port=port))
 
 
 def run(args: argparse.Namespace) -> int:
