@@ -1,10 +1,10 @@
 """Compare mode: one scenario, one seed, several targets in turn, one report.
 
 `run_compare` checks every target answers `GET /v1/models`, sizes prompts (the model's
-tokenizer when one is found, else tokens-per-word calibrated once from the first target's
-`usage.prompt_tokens`), draws the plan once, runs it against each target with a pause
-between, and writes `report.json`, `report.md`, the plots and the per-target records into
-`out_dir`.
+tokenizer when one is found, else tokens per word; the chat template's tokens per message
+either way, both calibrated once from the first target's `usage.prompt_tokens`), draws the
+plan once, runs it against each target with a pause between, and writes `report.json`,
+`report.md`, the plots and the per-target records into `out_dir`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import orjson
 
 from benchmarks.metrics import summarize_target
 from benchmarks.plots import write_plots
-from benchmarks.prompts import VOCABULARY, PromptMaker, content_tokens_for
+from benchmarks.prompts import VOCABULARY, PromptMaker
 from benchmarks.records import TargetResult
 from benchmarks.report import (
     build_report,
@@ -35,7 +35,7 @@ from benchmarks.runner import Runner, Target
 from benchmarks.scenario import Scenario
 from benchmarks.workload import build_plan
 
-__all__ = ["BenchError", "calibrate_tokens_per_word", "check_target", "run_compare"]
+__all__ = ["BenchError", "calibrate_prompts", "check_target", "run_compare"]
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +64,12 @@ async def check_target(session: aiohttp.ClientSession, target: Target) -> str | 
     return None
 
 
-async def calibrate_tokens_per_word(
-    session: aiohttp.ClientSession, target: Target, words: int = 400
-) -> float:
-    """Send one random-words prompt with max_tokens 1 and divide its usage by the words."""
-    text = " ".join(VOCABULARY[(i * 7919) % len(VOCABULARY)] for i in range(words))
-    body = {"model": target.model, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+async def _prompt_tokens_of(session: aiohttp.ClientSession, target: Target, text: str) -> int:
+    body = {
+        "model": target.model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 1,
+    }
     async with (
         asyncio.timeout(60),
         session.post(
@@ -79,9 +79,24 @@ async def calibrate_tokens_per_word(
         if resp.status != 200:
             raise BenchError(f"{target.name}: calibration request answered {resp.status}")
         data = orjson.loads(await resp.read())
-    prompt_tokens = int(data["usage"]["prompt_tokens"])
-    overhead = words - content_tokens_for(words)  # template tokens around one message
-    return max(0.1, (prompt_tokens - overhead) / words)
+    return int(data["usage"]["prompt_tokens"])
+
+
+async def calibrate_prompts(
+    session: aiohttp.ClientSession, target: Target, prompts: PromptMaker
+) -> None:
+    """Measure the chat template's tokens per message (and, without a tokenizer, tokens per
+    word) from two one-message prompts' `usage.prompt_tokens`, and set them on `prompts`."""
+    short = " ".join(VOCABULARY[(i * 7919) % len(VOCABULARY)] for i in range(100))
+    long = " ".join(VOCABULARY[(i * 104729) % len(VOCABULARY)] for i in range(300))
+    t_short = await _prompt_tokens_of(session, target, short)
+    if prompts.exact:
+        overhead = t_short - prompts.count_tokens(short)
+    else:
+        t_long = await _prompt_tokens_of(session, target, long)
+        prompts.tokens_per_word = max(0.1, (t_long - t_short) / 200.0)
+        overhead = round(t_short - 100 * prompts.tokens_per_word)
+    prompts.message_overhead_tokens = max(0, overhead - 1)  # the BOS is counted once
 
 
 async def _prepare(targets: Sequence[Target], tokenizer_path: str | None) -> PromptMaker:
@@ -89,11 +104,21 @@ async def _prepare(targets: Sequence[Target], tokenizer_path: str | None) -> Pro
         problems = [(t, p) for t in targets if (p := await check_target(session, t))]
         if problems:
             raise BenchError("; ".join(f"{t.name} ({t.url}): {p}" for t, p in problems))
-        if tokenizer_path:
-            return await asyncio.to_thread(PromptMaker, tokenizer_path)
-        tpw = await calibrate_tokens_per_word(session, targets[0])
-        log.info("no tokenizer: calibrated %.3f tokens/word against %s", tpw, targets[0].name)
-        return PromptMaker(None, tokens_per_word=tpw)
+        prompts = (
+            await asyncio.to_thread(PromptMaker, tokenizer_path)
+            if tokenizer_path
+            else PromptMaker(None)
+        )
+        await calibrate_prompts(session, targets[0], prompts)
+        log.info(
+            "prompt sizing against %s: %s, %d template tokens per message",
+            targets[0].name,
+            f"tokenizer {tokenizer_path}"
+            if tokenizer_path
+            else f"{prompts.tokens_per_word:.3f} tokens/word",
+            prompts.message_overhead_tokens,
+        )
+        return prompts
 
 
 async def run_compare(
@@ -151,10 +176,10 @@ async def run_compare(
         scenario, summaries, seed=seed, machine=describe_machine(), created_at=created, notes=notes
     )
     report["plots"] = await asyncio.to_thread(write_plots, out_dir, scenario, results)
-    report["prompt_sizing"] = (
-        "tokenizer " + tokenizer_path
-        if tokenizer_path
-        else f"{prompts.tokens_per_word:.3f} tokens/word, calibrated"
-    )
+    report["prompt_sizing"] = {
+        "tokenizer": tokenizer_path,
+        "tokens_per_word": prompts.tokens_per_word,
+        "message_overhead_tokens": prompts.message_overhead_tokens,
+    }
     await asyncio.to_thread(write_report, out_dir, report)
     return report

@@ -171,6 +171,9 @@ def summarize_target(result: TargetResult, scenario: Scenario) -> dict[str, Any]
         "requests": sent,
         "cancelled_at_drain": result.cancelled_at_drain,
         "max_send_lag_ms": result.max_send_lag_ms,
+        "send_lag_ms": distribution(
+            max(0.0, (r.send_s - r.scheduled_s) * 1e3) for r in result.requests
+        ),
         "goodput_rps": good / result.wall_s if result.wall_s > 0 else 0.0,
         "slo_attainment_frac": good / sent if sent else None,
         "classes": classes,

@@ -3,13 +3,14 @@
 With the model's `tokenizer.json` (the `tokenizers` library), `PromptMaker` encodes random words
 and cuts the ids at the requested count, so the content is that many tokens (re-encoding after
 the chat template may shift it by a token or two at the joins). Without one it writes
-`n / tokens_per_word` words, with `tokens_per_word` calibrated once (`calibrate_tokens_per_word`
-against a tokenizer, or from an endpoint's `usage.prompt_tokens`).
+`n / tokens_per_word` words, with `tokens_per_word` measured on a tokenizer or calibrated
+from an endpoint's `usage.prompt_tokens` (`benchmarks.compare.calibrate_prompts`).
 
-Chat requests also carry template tokens around each message (`TEMPLATE_TOKENS_PER_MESSAGE`, a
-few for Llama-style templates); `content_tokens_for` subtracts them so the prompt the engine
-counts lands near the requested size. Random words keep prompts from sharing prefixes, so the
-prefix cache does not flatter one target over another.
+Chat requests also carry template tokens around each message (a few for Llama-style
+templates: `message_overhead_tokens`, calibrated the same way, `TEMPLATE_TOKENS_PER_MESSAGE`
+until then); `content_tokens` subtracts them so the prompt the engine counts lands near the
+requested size. Random words keep prompts from sharing prefixes, so the prefix cache does
+not flatter one target over another.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ __all__ = [
     "TEMPLATE_TOKENS_PER_MESSAGE",
     "VOCABULARY",
     "PromptMaker",
-    "content_tokens_for",
     "find_tokenizer",
 ]
 
-# <|start_header_id|> role <|end_header_id|> "\n\n" ... <|eot_id|>, and the BOS once.
+# <|start_header_id|> role <|end_header_id|> "\n\n" ... <|eot_id|> (the BOS once more).
 TEMPLATE_TOKENS_PER_MESSAGE = 7
 
 _WORDS = (
@@ -45,11 +45,6 @@ _WORDS = (
 VOCABULARY: tuple[str, ...] = tuple(_WORDS.split(" "))
 
 
-def content_tokens_for(prompt_tokens: int, messages: int = 1) -> int:
-    """Content tokens to write so a `messages`-message chat prompt counts ~`prompt_tokens`."""
-    return max(1, prompt_tokens - TEMPLATE_TOKENS_PER_MESSAGE * messages - 1)
-
-
 def find_tokenizer(model: str, explicit: str | None = None) -> str | None:
     """The tokenizer.json to size prompts with: `explicit`, else the dev model's, else None."""
     if explicit:
@@ -61,14 +56,25 @@ def find_tokenizer(model: str, explicit: str | None = None) -> str | None:
 class PromptMaker:
     """Writes random-word text of ~n tokens. Deterministic for a given rng state."""
 
-    def __init__(self, tokenizer_path: str | None = None, tokens_per_word: float = 1.3) -> None:
+    def __init__(
+        self,
+        tokenizer_path: str | None = None,
+        tokens_per_word: float = 1.3,
+        message_overhead_tokens: int = TEMPLATE_TOKENS_PER_MESSAGE,
+    ) -> None:
         self._tokenizer: Any = None
         self.tokens_per_word = tokens_per_word
+        self.message_overhead_tokens = message_overhead_tokens
         if tokenizer_path:
             from tokenizers import Tokenizer
 
             self._tokenizer = Tokenizer.from_file(tokenizer_path)
             self.tokens_per_word = self._measure_tokens_per_word()
+
+    def content_tokens(self, prompt_tokens: int, messages: int = 1) -> int:
+        """Content tokens to write so a `messages`-message chat prompt counts ~`prompt_tokens`
+        (the template's tokens per message and the BOS subtracted)."""
+        return max(1, prompt_tokens - self.message_overhead_tokens * messages - 1)
 
     @property
     def exact(self) -> bool:

@@ -169,7 +169,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         ["goodput (req/s, all SLOs met)", *[_fmt(t["goodput_rps"], 2) for t in targets]],
         ["SLO attainment", *[_pct(t["slo_attainment_frac"]) for t in targets]],
         ["cancelled at drain", *[_fmt(t["cancelled_at_drain"]) for t in targets]],
-        ["harness send lag max (ms)", *[_fmt(t["max_send_lag_ms"]) for t in targets]],
+        [
+            "harness send lag p50 / p99 / max (ms)",
+            *[
+                " / ".join(_fmt(_get(t, "send_lag_ms", k)) for k in ("p50", "p99", "max"))
+                for t in targets
+            ],
+        ],
     ]
     lines += _table(["", *names], overall_rows)
 

@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 
 from benchmarks.distributions import sample_ints
-from benchmarks.prompts import PromptMaker, content_tokens_for
+from benchmarks.prompts import PromptMaker
 from benchmarks.scenario import ClassSpec, Scenario
 
 __all__ = ["AgentRunPlan", "ChatRequestPlan", "Plan", "StepPlan", "build_plan", "make_tools"]
@@ -123,7 +123,7 @@ def _chat_plans(
     prompt_sizes = _sizes(spec, rng, n, [a.prompt_tokens for a in arrivals], "prompt")
     output_sizes = _sizes(spec, rng, n, [a.output_tokens for a in arrivals], "output")
     return [
-        ChatRequestPlan(spec.name, i, a.t_s, prompts.text(rng, content_tokens_for(p)), p, o)
+        ChatRequestPlan(spec.name, i, a.t_s, prompts.text(rng, prompts.content_tokens(p)), p, o)
         for i, (a, p, o) in enumerate(zip(arrivals, prompt_sizes, output_sizes, strict=True))
     ]
 
@@ -158,7 +158,7 @@ def _run_plans(
             for o, r, w, name in zip(outs, results, waits_s, names, strict=True)
         )
         system_text = "You are a careful agent. Use the tools to finish the task. " + (f"Run {i}.")
-        user_tokens = max(1, content_tokens_for(prompt_size, messages=2) - tools_tokens - 16)
+        user_tokens = max(1, prompts.content_tokens(prompt_size, messages=2) - tools_tokens - 16)
         runs.append(
             AgentRunPlan(
                 spec.name,

@@ -189,3 +189,23 @@ def test_target_urls() -> None:
         "x-b": "2",
         "authorization": "Bearer k",
     }
+
+
+async def test_calibration_reads_the_template_overhead_and_tokens_per_word() -> None:
+    import aiohttp
+
+    from benchmarks.compare import calibrate_prompts, check_target
+
+    # the fake counts one token per word plus 4 per message
+    async with (
+        serve_asgi(make_fake_engine(FakeEngineState())) as url,
+        aiohttp.ClientSession() as session,
+    ):
+        assert await check_target(session, Target("fake", url)) is None
+        wrong = await check_target(session, Target("fake", url, model="other"))
+        assert wrong is not None and "not served" in wrong
+        prompts = PromptMaker(None)
+        await calibrate_prompts(session, Target("fake", url), prompts)
+    assert prompts.tokens_per_word == pytest.approx(1.0)
+    assert prompts.message_overhead_tokens == 3  # 4 minus the BOS counted once
+    assert prompts.content_tokens(100) == 96

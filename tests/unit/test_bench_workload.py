@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.prompts import PromptMaker, content_tokens_for
+from benchmarks.prompts import PromptMaker
 from benchmarks.scenario import parse_scenario
 from benchmarks.workload import build_plan, make_tools
 
@@ -80,7 +80,7 @@ def test_chat_plan_sizes_and_times(prompts: PromptMaker) -> None:
     assert len({c.prompt_text[:40] for c in plan.chat}) == len(plan.chat)  # no shared prefixes
     if prompts.exact:
         for c in plan.chat[:20]:
-            assert prompts.count_tokens(c.prompt_text) == content_tokens_for(c.prompt_tokens)
+            assert prompts.count_tokens(c.prompt_text) == prompts.content_tokens(c.prompt_tokens)
 
 
 def test_agent_runs_are_fully_planned(prompts: PromptMaker) -> None:
