@@ -1,0 +1,187 @@
+"""`python -m benchmarks.router_overhead [--quick] --out DIR`: run every target side by side and
+write DIR/router_overhead.md and DIR/router_overhead.json."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.router_overhead import profile
+from benchmarks.router_overhead.load import chat_body
+from benchmarks.router_overhead.machine import describe, load_average, versions
+from benchmarks.router_overhead.plan import PORTS, Plan
+from benchmarks.router_overhead.procs import Proc, pin_self
+from benchmarks.router_overhead.real_vllm import run_real_vllm
+from benchmarks.router_overhead.report import check_gpupool, render
+from benchmarks.router_overhead.runner import (
+    Live,
+    Placement,
+    close_all,
+    run_phases,
+    start_engine,
+    start_targets,
+    target_results,
+)
+from benchmarks.router_overhead.targets import PeerPaths
+
+__all__ = ["main"]
+
+log = logging.getLogger("benchmarks.router_overhead")
+
+ALL_TARGETS = (
+    "direct",
+    "gpupool",
+    "gpupool-proposed",
+    "vllm-router",
+    "production-stack",
+    "litellm",
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.router_overhead",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    p.add_argument("--out", required=True, type=Path, help="folder for the .md and .json")
+    p.add_argument("--quick", action="store_true", help="a ~1-minute smoke run")
+    p.add_argument(
+        "--targets",
+        default=",".join(ALL_TARGETS),
+        help="comma-separated subset of " + ",".join(ALL_TARGETS),
+    )
+    p.add_argument("--no-real-vllm", action="store_true", help="skip the real-engine phase")
+    p.add_argument("--no-profile", action="store_true", help="skip py-spy on gpupool")
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    p.add_argument(
+        "--loadgen-cpu",
+        type=int,
+        default=0,
+        help="CPU for the load generator and the engine (default 0)",
+    )
+    p.add_argument("--proxy-cpu", type=int, default=1, help="CPU for the proxy under test")
+    p.add_argument("--notes", type=Path, help="Markdown file appended under the profile")
+    p.add_argument("--repo", type=Path, default=Path.cwd(), help="gpupool checkout")
+    return p
+
+
+def _placement(args: argparse.Namespace) -> tuple[Placement, str]:
+    if args.no_pin or (os.cpu_count() or 1) < 2:
+        return Placement(None, None), "not pinned"
+    lg, px = frozenset({args.loadgen_cpu}), frozenset({args.proxy_cpu})
+    return Placement(lg, px), (
+        f"load generator and fake engine on CPU {args.loadgen_cpu}, the proxy under test on CPU "
+        f"{args.proxy_cpu} (sched_setaffinity); the load generator at nice -5, the rest at 0"
+    )
+
+
+async def _profile_gpupool(
+    lives: list[Live], plan: Plan, paths: PeerPaths, workdir: Path
+) -> dict[str, Any]:
+    gp = next((lv for lv in lives if lv.spec.name == "gpupool" and lv.status == "ok"), None)
+    if gp is None or gp.proc is None or gp.client is None:
+        return {}
+    pyspy = paths.repo / ".venv-peers" / "pyspy" / "bin" / "py-spy"
+    if (skipped := profile.missing(pyspy)) is not None:
+        return {"hi": skipped, "stream": skipped}
+    out: dict[str, Any] = {}
+    hi = gp.client.closed_loop(
+        chat_body(plan.max_tokens, stream=False), plan.hi_concurrency, plan.profile_window_s
+    )
+    out["hi"] = await profile.record(
+        pyspy, _python_pid(gp.proc), plan.profile_window_s, workdir / "pyspy-hi.txt", hi
+    )
+    st = gp.client.stream_window(
+        chat_body(plan.stream_tokens, stream=True), plan.stream_concurrency, plan.profile_window_s
+    )
+    out["stream"] = await profile.record(
+        pyspy, _python_pid(gp.proc), plan.profile_window_s, workdir / "pyspy-stream.txt", st
+    )
+    return out
+
+
+def _python_pid(proc: Proc) -> int:
+    return proc.pid  # `gpupool serve` is one process: the router itself
+
+
+def _clean(obj: Any) -> Any:
+    """NaN -> None, so the JSON is standard."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    plan = Plan.quick() if args.quick else Plan()
+    repo = args.repo.resolve()
+    paths = PeerPaths.default(repo)
+    workdir = Path(tempfile.mkdtemp(prefix="router-overhead-", dir="/tmp"))
+    log.info("logs and configs in %s", workdir)
+    names = [n.strip() for n in args.targets.split(",") if n.strip()]
+    if "direct" not in names:
+        names.insert(0, "direct")
+    placement, placed = _placement(args)
+    machine = describe()
+    result: dict[str, Any] = {
+        "command": "python -m benchmarks.router_overhead " + shlex.join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": machine,
+        "versions": versions(paths),
+        "plan": plan.__dict__,
+        "ports": PORTS,
+        "placement": placed,
+        "workdir": str(workdir),
+    }
+    engine = await start_engine(paths, workdir, placement, plan.engine_itl_ms)
+    lives: list[Live] = []
+    try:
+        lives = await start_targets(paths, workdir, placement, names)
+        result["placement"] += "; " + pin_self(placement.loadgen, -5)
+        await run_phases(lives, engine, plan)
+        result["targets"] = target_results(lives)
+        if not args.no_profile:
+            log.info("profiling gpupool")
+            result["profile"] = await _profile_gpupool(lives, plan, paths, workdir)
+    finally:
+        await close_all(lives, engine)
+    if plan.real_vllm and not args.no_real_vllm:
+        log.info("real vLLM phase (engine start takes a minute)")
+        result["real_vllm"] = await run_real_vllm(paths, workdir, placement, plan)
+    result["gpupool_targets"] = check_gpupool(result["targets"])
+    result["load_average_at_end"] = load_average()
+    result["elapsed_s"] = time.monotonic() - started
+    if args.notes is not None and args.notes.exists():
+        result["analysis"] = args.notes.read_text().strip()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        import uvloop
+
+        result = uvloop.run(_run(args))
+    except ImportError:
+        result = asyncio.run(_run(args))
+    result = _clean(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "router_overhead.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "router_overhead.md").write_text(render(result))
+    print(render(result))
+    return 0

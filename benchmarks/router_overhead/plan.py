@@ -1,0 +1,63 @@
+"""How much load each phase drives and where everything runs: the full run (~6-8 minutes with
+the real-engine phase) and `--quick` (a ~1-minute smoke, most of it LiteLLM's start-up)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PORTS", "Plan"]
+
+# Every port this benchmark listens on, all within 8500-8599.
+PORTS: dict[str, int] = {
+    "real-vllm": 8500,
+    "engine": 8510,
+    "gpupool": 8520,
+    "gpupool-real": 8521,
+    "gpupool-proposed": 8522,
+    "vllm-router": 8530,
+    "vllm-router-metrics": 8531,
+    "production-stack": 8540,
+    "litellm": 8550,
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Load per phase. Rounds interleave the targets (the order rotates every round)."""
+
+    # The fake engine waits itl_ms between streamed tokens, so each SSE event reaches a proxy
+    # as its own write (as a real engine's do) instead of one burst; non-streaming requests ask
+    # for one token, so they cost the engine no waiting at all.
+    engine_itl_ms: float = 1.0
+    max_tokens: int = 1  # non-streaming requests
+    warmup_requests: int = 100
+    c1_rounds: int = 6
+    c1_requests: int = 200  # per target per round
+    hi_concurrency: int = 64
+    hi_rounds: int = 3
+    hi_window_s: float = 4.0
+    stream_concurrency: int = 16
+    stream_tokens: int = 256
+    stream_rounds: int = 3
+    stream_window_s: float = 4.0
+    settle_s: float = 0.3
+    profile_window_s: float = 8.0
+    real_vllm: bool = True
+    real_rounds: int = 4
+    real_requests: int = 60  # per target per round, concurrency 1
+    real_max_tokens: int = 8
+    real_start_timeout_s: float = 300.0
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(
+            warmup_requests=30,
+            c1_rounds=2,
+            c1_requests=50,
+            hi_rounds=1,
+            hi_window_s=2.0,
+            stream_rounds=1,
+            stream_window_s=2.0,
+            profile_window_s=3.0,
+            real_vllm=False,
+        )

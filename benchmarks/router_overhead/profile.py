@@ -1,0 +1,166 @@
+"""Where gpupool's CPU goes under load: py-spy samples of the router process (native frames
+included, so orjson and the HTTP parsers show up) while the load generator drives one window,
+folded into components (event loop, ASGI server, HTTP parsing, JSON, aiohttp client, gpupool's
+own code) and the top functions by self samples.
+
+py-spy lives in its own venv (`.venv-peers/pyspy`); without it this step reports why it was
+skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import Counter
+from collections.abc import Awaitable, Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["fold", "load_samples", "missing", "parse_raw", "record"]
+
+_FRAME = re.compile(r"^(?P<func>.*?) \((?P<where>[^()]*)\)$")
+
+# (substring of the frame's location, component), innermost match wins; order matters.
+_COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("orjson", "JSON (orjson)"),
+    ("httptools", "HTTP parsing, server side (httptools)"),
+    ("_http_parser", "HTTP parsing, client side (aiohttp C parser)"),
+    ("uvicorn/", "ASGI server (uvicorn)"),
+    ("aiohttp/", "upstream client (aiohttp)"),
+    ("multidict", "upstream client (aiohttp)"),
+    ("yarl", "upstream client (aiohttp)"),
+    ("prometheus_client/", "metrics (prometheus_client)"),
+    ("router/", "gpupool (router/)"),
+    ("pools/", "gpupool (pools/)"),
+    ("fastapi/", "FastAPI/Starlette (non-hot-path routes)"),
+    ("starlette/", "FastAPI/Starlette (non-hot-path routes)"),
+    ("sqlite3", "ledger (sqlite3)"),
+    ("asyncio/", "event loop (asyncio, incl. socket transports)"),
+    ("uvloop", "event loop (uvloop)"),
+    ("selectors.py", "event loop (asyncio, incl. socket transports)"),
+)
+_IDLE = (
+    "epoll_wait",
+    "PyThread_acquire_lock_timed",
+    "select (selectors.py",
+    "_queue_SimpleQueue_get",
+    "sem_timedwait",
+    "pthread_cond_timedwait",
+)
+
+
+def parse_raw(text: str) -> list[tuple[list[str], int]]:
+    """py-spy `--format raw` lines (`frame;frame;... count`, root first) into (frames, count)."""
+    out = []
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        out.append((stack.split(";"), int(count)))
+    return out
+
+
+def _is_idle(frames: list[str]) -> bool:
+    tail = ";".join(frames[-4:])
+    return any(marker in tail for marker in _IDLE)
+
+
+def _component(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        m = _FRAME.match(frame)
+        where = m.group("where") if m else frame
+        for needle, name in _COMPONENTS:
+            if needle in where:
+                return name
+    return "other"
+
+
+def _innermost_python(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        m = _FRAME.match(frame)
+        if m and ".py:" in m.group("where"):
+            return frame
+    return frames[-1] if frames else "?"
+
+
+def fold(samples: Iterable[tuple[list[str], int]], top_n: int = 15) -> dict[str, Any]:
+    """Busy samples by component (innermost matching frame), by innermost Python function (self),
+    by native leaf, and inclusively for a few layers. Idle waits (epoll, locks) are dropped."""
+    busy = 0
+    idle = 0
+    comps: Counter[str] = Counter()
+    funcs: Counter[str] = Counter()
+    leaves: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    layers = {
+        "uvicorn/": "ASGI server (uvicorn) incl. the app it calls",
+        "router/": "gpupool code incl. what it calls",
+        "aiohttp/": "aiohttp client incl. what it calls",
+    }
+    for frames, n in samples:
+        if _is_idle(frames):
+            idle += n
+            continue
+        busy += n
+        comps[_component(frames)] += n
+        funcs[_innermost_python(frames)] += n
+        leaf = frames[-1]
+        if ".py:" not in leaf:
+            leaves[leaf] += n
+        joined = ";".join(frames)
+        for needle, name in layers.items():
+            if needle in joined:
+                incl[name] += n
+
+    def frac(c: Counter[str], k: int | None = None) -> list[tuple[str, int, float]]:
+        return [(name, n, round(n / busy, 4) if busy else 0.0) for name, n in c.most_common(k)]
+
+    return {
+        "busy_samples": busy,
+        "idle_samples": idle,
+        "components": frac(comps),
+        "top_self": frac(funcs, top_n),
+        "top_native_leaves": frac(leaves, 10),
+        "inclusive": frac(incl),
+    }
+
+
+async def record(
+    pyspy: Path, pid: int, duration_s: float, out: Path, load: Awaitable[Any], rate_hz: int = 250
+) -> dict[str, Any]:
+    """Sample `pid` for `duration_s` while `load` runs; returns `fold` of the samples, or
+    {"skipped": reason}. `pyspy` must exist (see `missing`)."""
+    proc = await asyncio.create_subprocess_exec(
+        str(pyspy),
+        "record",
+        "--pid",
+        str(pid),
+        "--duration",
+        str(int(duration_s)),
+        "--rate",
+        str(rate_hz),
+        "--format",
+        "raw",
+        "--native",
+        "--output",
+        str(out),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    await asyncio.sleep(0.5)
+    await load
+    stdout, _ = await proc.communicate()
+    return load_samples(out, proc.returncode, stdout.decode(errors="replace"))
+
+
+def missing(pyspy: Path) -> dict[str, Any] | None:
+    """{"skipped": why} when py-spy is not installed, else None."""
+    if pyspy.exists():
+        return None
+    return {"skipped": f"py-spy not installed at {pyspy} (pip install py-spy into that venv)"}
+
+
+def load_samples(out: Path, returncode: int | None, output: str) -> dict[str, Any]:
+    if returncode != 0 or not out.exists():
+        return {"skipped": f"py-spy failed ({returncode}): {output[-400:]}"}
+    return fold(parse_raw(out.read_text()))

@@ -1,0 +1,239 @@
+"""The side-by-side run over the fake engine: start the engine and every proxy, then drive each
+phase in rounds that visit every target in turn (the order rotates each round), reading the
+proxy's and the engine's CPU right before and right at the end of each target's window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.router_overhead.load import ClosedLoopResult, LoadClient, chat_body
+from benchmarks.router_overhead.meter import Meter, summarize_phase
+from benchmarks.router_overhead.plan import PORTS, Plan
+from benchmarks.router_overhead.procs import Proc, StartFailed, start_proc, wait_ready
+from benchmarks.router_overhead.targets import PeerPaths, TargetSpec, make_targets
+
+__all__ = [
+    "Live",
+    "Placement",
+    "close_all",
+    "ready",
+    "record_window",
+    "run_phases",
+    "run_rounds",
+    "start_engine",
+    "start_targets",
+    "target_results",
+]
+
+log = logging.getLogger(__name__)
+
+PHASES = ("c1", "hi", "stream")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """CPU sets: the load generator and the engine share one, the proxy under test gets the
+    other (None: no pinning)."""
+
+    loadgen: frozenset[int] | None
+    proxy: frozenset[int] | None
+
+
+@dataclass
+class Live:
+    """A target in this run: its process (None for `direct`), client and meters per phase."""
+
+    spec: TargetSpec
+    proc: Proc | None = None
+    client: LoadClient | None = None
+    status: str = "ok"  # ok | unavailable | failed
+    reason: str = ""
+    start_s: float = 0.0
+    meters: dict[str, Meter] = field(default_factory=lambda: {p: Meter() for p in PHASES})
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    def cpu_s(self) -> float:
+        return self.proc.cpu_s() if self.proc is not None else 0.0
+
+
+async def start_engine(
+    paths: PeerPaths, workdir: Path, placement: Placement, itl_ms: float
+) -> Proc:
+    """The fast fake engine every target sits in front of, on the load generator's CPUs."""
+    python = str(paths.gpupool_venv / "bin" / "python")
+    argv = [
+        python,
+        "-m",
+        "pools.testing.fake_engine",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(PORTS["engine"]),
+        "--ttft-ms",
+        "0",
+        "--itl-ms",
+        str(itl_ms),
+    ]
+    proc = start_proc("fake-engine", argv, log_dir=workdir, cpus=placement.loadgen, cwd=paths.repo)
+    await wait_ready(proc, f"http://127.0.0.1:{PORTS['engine']}/health", timeout_s=30)
+    return proc
+
+
+async def start_targets(
+    paths: PeerPaths, workdir: Path, placement: Placement, names: list[str]
+) -> list[Live]:
+    """Start every selected proxy at once, then wait for each to serve a chat request."""
+    engine_url = f"http://127.0.0.1:{PORTS['engine']}"
+    specs = [s for s in make_targets(engine_url, PORTS, paths, workdir) if s.name in names]
+    lives = [Live(spec) for spec in specs]
+    for live in lives:
+        spec = live.spec
+        if spec.argv is None:
+            continue
+        if (why := spec.missing()) is not None:
+            live.status, live.reason = "unavailable", why
+            continue
+        live.proc = start_proc(
+            spec.name, spec.argv, log_dir=workdir, cpus=placement.proxy, env=spec.env, cwd=spec.cwd
+        )
+    await asyncio.gather(*(ready(live) for live in lives))
+    for live in lives:
+        if live.status == "ok":
+            live.client = LoadClient(live.base_url)
+    return lives
+
+
+async def ready(live: Live) -> None:
+    if live.proc is None:
+        return
+    probe = chat_body(4, stream=False)
+    try:
+        waited = await wait_ready(
+            live.proc, live.base_url + live.spec.ready_path, timeout_s=live.spec.start_timeout_s
+        )
+        waited += await wait_ready(
+            live.proc, live.base_url + "/v1/chat/completions", timeout_s=30, probe=probe
+        )
+        live.start_s = waited
+        log.info("%s ready in %.1f s", live.spec.name, waited)
+    except StartFailed as err:
+        live.status, live.reason = "failed", f"did not start: {err}"
+        live.proc.stop()
+        live.proc = None
+
+
+Window = Callable[[LoadClient, Meter, Callable[[], None]], Awaitable[None]]
+
+
+async def run_rounds(
+    lives: list[Live], engine: Proc, phase: str, rounds: int, window: Window, settle_s: float
+) -> None:
+    """Run `window` once per target per round, rotating the order; CPU is read before each
+    window and when the window calls its `at_deadline`."""
+    active = [lv for lv in lives if lv.status == "ok"]
+    for r in range(rounds):
+        order = active[r % len(active) :] + active[: r % len(active)] if active else []
+        for live in order:
+            meter = live.meters[phase]
+            assert live.client is not None
+            cpu0, eng0 = live.cpu_s(), engine.cpu_s()
+            marks: list[tuple[float, float]] = []
+
+            def at_deadline(live: Live = live, marks: list[tuple[float, float]] = marks) -> None:
+                marks.append((live.cpu_s(), engine.cpu_s()))
+
+            await window(live.client, meter, at_deadline)
+            if not marks:
+                at_deadline()
+            meter.cpu_s += marks[0][0] - cpu0
+            meter.engine_cpu_s += marks[0][1] - eng0
+            await asyncio.sleep(settle_s)
+        log.info("%s round %d/%d done", phase, r + 1, rounds)
+
+
+async def run_phases(lives: list[Live], engine: Proc, plan: Plan) -> None:
+    body = chat_body(plan.max_tokens, stream=False)
+    stream_body = chat_body(plan.stream_tokens, stream=True)
+    for live in lives:
+        if live.status == "ok" and live.client is not None:
+            warm = await live.client.sequential(body, plan.warmup_requests)
+            await live.client.stream_window(stream_body, 2, 0.5)
+            if warm.errors == plan.warmup_requests:
+                live.status = "failed"
+                live.reason = f"every warm-up request failed: {warm.first_error}"
+
+    async def c1(client: LoadClient, meter: Meter, at_deadline: Callable[[], None]) -> None:
+        res = await client.sequential(body, plan.c1_requests)
+        at_deadline()
+        record_window(meter, res)
+
+    async def hi(client: LoadClient, meter: Meter, at_deadline: Callable[[], None]) -> None:
+        res = await client.closed_loop(
+            body, plan.hi_concurrency, plan.hi_window_s, on_deadline=at_deadline
+        )
+        record_window(meter, res)
+
+    async def stream(client: LoadClient, meter: Meter, at_deadline: Callable[[], None]) -> None:
+        res = await client.stream_window(
+            stream_body, plan.stream_concurrency, plan.stream_window_s, on_deadline=at_deadline
+        )
+        meter.units += res.events
+        meter.window_s += res.window_s
+        meter.rates.append(res.events / res.window_s)
+        meter.completed_streams += res.completed
+        meter.add_errors(res.errors, res.first_error)
+
+    await run_rounds(lives, engine, "c1", plan.c1_rounds, c1, plan.settle_s)
+    await run_rounds(lives, engine, "hi", plan.hi_rounds, hi, plan.settle_s)
+    await run_rounds(lives, engine, "stream", plan.stream_rounds, stream, plan.settle_s)
+
+
+def record_window(meter: Meter, res: ClosedLoopResult) -> None:
+    meter.rounds.append(res.latencies_s)
+    meter.units += res.in_window
+    meter.window_s += res.window_s
+    meter.rates.append(res.in_window / res.window_s if res.window_s > 0 else 0.0)
+    meter.add_errors(res.errors, res.first_error)
+
+
+def target_results(lives: list[Live]) -> list[dict[str, Any]]:
+    """Per-target figures, each phase against the direct engine's meter of the same phase."""
+    direct = next((lv for lv in lives if lv.spec.name == "direct"), None)
+    out = []
+    for live in lives:
+        entry: dict[str, Any] = {
+            "name": live.spec.name,
+            "status": live.status,
+            "reason": live.reason,
+            "note": live.spec.note,
+            "port": live.spec.port,
+            "start_s": round(live.start_s, 1),
+        }
+        if live.status == "ok":
+            is_direct = live is direct
+            for phase in PHASES:
+                ref = None if is_direct or direct is None else direct.meters[phase]
+                entry[phase] = summarize_phase(live.meters[phase], ref, proxy=not is_direct)
+        out.append(entry)
+    return out
+
+
+async def close_all(lives: list[Live], engine: Proc | None) -> None:
+    for live in lives:
+        if live.client is not None:
+            with contextlib.suppress(Exception):
+                await live.client.aclose()
+        if live.proc is not None:
+            live.proc.stop()
+    if engine is not None:
+        engine.stop()
