@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--proxy-cpu", type=int, default=1, help="CPU for the proxy under test")
     p.add_argument("--notes", type=Path, help="Markdown file appended under the profile")
     p.add_argument("--repo", type=Path, default=Path.cwd(), help="gpupool checkout")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="re-render DIR/router_overhead.md from DIR/router_overhead.json (and --notes)",
+    )
     return p
 
 
@@ -88,25 +93,31 @@ def _placement(args: argparse.Namespace) -> tuple[Placement, str]:
 async def _profile_gpupool(
     lives: list[Live], plan: Plan, paths: PeerPaths, workdir: Path
 ) -> dict[str, Any]:
-    gp = next((lv for lv in lives if lv.spec.name == "gpupool" and lv.status == "ok"), None)
-    if gp is None or gp.proc is None or gp.client is None:
-        return {}
+    """py-spy on each gpupool variant: one non-streaming and one streaming window each."""
     pyspy = paths.repo / ".venv-peers" / "pyspy" / "bin" / "py-spy"
-    if (skipped := profile.missing(pyspy)) is not None:
-        return {"hi": skipped, "stream": skipped}
     out: dict[str, Any] = {}
-    hi = gp.client.closed_loop(
-        chat_body(plan.max_tokens, stream=False), plan.hi_concurrency, plan.profile_window_s
-    )
-    out["hi"] = await profile.record(
-        pyspy, _python_pid(gp.proc), plan.profile_window_s, workdir / "pyspy-hi.txt", hi
-    )
-    st = gp.client.stream_window(
-        chat_body(plan.stream_tokens, stream=True), plan.stream_concurrency, plan.profile_window_s
-    )
-    out["stream"] = await profile.record(
-        pyspy, _python_pid(gp.proc), plan.profile_window_s, workdir / "pyspy-stream.txt", st
-    )
+    for name in ("gpupool", "gpupool-proposed"):
+        gp = next((lv for lv in lives if lv.spec.name == name and lv.status == "ok"), None)
+        if gp is None or gp.proc is None or gp.client is None:
+            continue
+        if (skipped := profile.missing(pyspy)) is not None:
+            out[name] = {"hi": skipped, "stream": skipped}
+            continue
+        hi = gp.client.closed_loop(
+            chat_body(plan.max_tokens, stream=False), plan.hi_concurrency, plan.profile_window_s
+        )
+        prof_hi = await profile.record(
+            pyspy, _python_pid(gp.proc), plan.profile_window_s, workdir / f"pyspy-{name}-hi.txt", hi
+        )
+        st = gp.client.stream_window(
+            chat_body(plan.stream_tokens, stream=True),
+            plan.stream_concurrency,
+            plan.profile_window_s,
+        )
+        prof_st = await profile.record(
+            pyspy, _python_pid(gp.proc), plan.profile_window_s, workdir / f"pyspy-{name}-st.txt", st
+        )
+        out[name] = {"hi": prof_hi, "stream": prof_st}
     return out
 
 
@@ -172,6 +183,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.render_only:
+        result = json.loads((args.out / "router_overhead.json").read_text())
+        if args.notes is not None and args.notes.exists():
+            result["analysis"] = args.notes.read_text().strip()
+        (args.out / "router_overhead.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / "router_overhead.md").write_text(render(result))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         import uvloop

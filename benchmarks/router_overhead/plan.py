@@ -14,6 +14,7 @@ PORTS: dict[str, int] = {
     "gpupool": 8520,
     "gpupool-real": 8521,
     "gpupool-proposed": 8522,
+    "gpupool-proposed-real": 8523,
     "vllm-router": 8530,
     "vllm-router-metrics": 8531,
     "production-stack": 8540,

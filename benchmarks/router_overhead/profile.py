@@ -20,33 +20,65 @@ __all__ = ["fold", "load_samples", "missing", "parse_raw", "record"]
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<where>[^()]*)\)$")
 
-# (substring of the frame's location, component), innermost match wins; order matters.
+_LOOP_ASYNCIO = "event loop (asyncio: tasks, callbacks, transports)"
+_LOOP_UVLOOP = "event loop (uvloop/libuv: tasks, callbacks, transports)"
+_AIOHTTP = "upstream client (aiohttp, multidict, yarl)"
+_SYSCALL = "socket syscalls (read/write/send/recv, in the kernel)"
+
+# (substring of a frame's location, component); the innermost frame with a match decides,
+# and within one frame the first match in this order. Native frames are named by their C file.
 _COMPONENTS: tuple[tuple[str, str], ...] = (
     ("orjson", "JSON (orjson)"),
-    ("httptools", "HTTP parsing, server side (httptools)"),
-    ("_http_parser", "HTTP parsing, client side (aiohttp C parser)"),
+    ("(parser.c", "HTTP parsing, server side (httptools)"),
+    ("(llhttp.c", "HTTP parsing, server side (httptools)"),
+    ("httptools/parser", "HTTP parsing, server side (httptools)"),
+    ("_http_parser", "HTTP parsing, client side (aiohttp's C parser)"),
     ("uvicorn/", "ASGI server (uvicorn)"),
-    ("aiohttp/", "upstream client (aiohttp)"),
-    ("multidict", "upstream client (aiohttp)"),
-    ("yarl", "upstream client (aiohttp)"),
+    ("aiohttp/", _AIOHTTP),
+    ("_http_writer.c", _AIOHTTP),
+    ("_helpers_c.c", _AIOHTTP),
+    ("multidict", _AIOHTTP),
+    ("yarl", _AIOHTTP),
+    ("url_parser.c", _AIOHTTP),
     ("prometheus_client/", "metrics (prometheus_client)"),
     ("router/", "gpupool (router/)"),
     ("pools/", "gpupool (pools/)"),
     ("fastapi/", "FastAPI/Starlette (non-hot-path routes)"),
     ("starlette/", "FastAPI/Starlette (non-hot-path routes)"),
-    ("sqlite3", "ledger (sqlite3)"),
-    ("asyncio/", "event loop (asyncio, incl. socket transports)"),
-    ("uvloop", "event loop (uvloop)"),
-    ("selectors.py", "event loop (asyncio, incl. socket transports)"),
+    ("sqlite", "ledger (sqlite3)"),
+    ("(cursor.c", "ledger (sqlite3)"),
+    ("(connection.c", "ledger (sqlite3)"),
+    ("asyncio/", _LOOP_ASYNCIO),
+    ("_asynciomodule", _LOOP_ASYNCIO),
+    ("selectors.py", _LOOP_ASYNCIO),
+    ("selectmodule.c", _LOOP_ASYNCIO),
+    ("socketmodule.c", _LOOP_ASYNCIO),
+    ("_heapqmodule", _LOOP_ASYNCIO),
+    ("uvloop", _LOOP_UVLOOP),
+    ("(loop.c", _LOOP_UVLOOP),
+    ("(loop-watcher.c", _LOOP_UVLOOP),
+    ("(core.c", _LOOP_UVLOOP),
+    ("(stream.c", _LOOP_UVLOOP),
+    ("(linux.c", _LOOP_UVLOOP),
+    ("(timer.c", _LOOP_UVLOOP),
+    ("(queue.h", _LOOP_UVLOOP),
+    ("(heap-inl.h", _LOOP_UVLOOP),
+)
+_SYSCALLS = re.compile(
+    r"^(__libc_)?(read|write|writev|send|sendmsg|sendto|recv|recvfrom|recvmsg) \(libc"
 )
 _IDLE = (
     "epoll_wait",
+    "epoll_pwait",
     "PyThread_acquire_lock_timed",
     "select (selectors.py",
     "_queue_SimpleQueue_get",
     "sem_timedwait",
     "pthread_cond_timedwait",
 )
+# Frames that say nothing about who is working: inlined refcounting, the interpreter, libc
+# internals without a symbol, the entry point.
+_OPAQUE = ("object.h", "libpython", "(0x", "pycore_", "abstract.h", "<frozen", "unicodeobject.h")
 
 
 def parse_raw(text: str) -> list[tuple[list[str], int]]:
@@ -66,9 +98,11 @@ def _is_idle(frames: list[str]) -> bool:
 
 
 def _component(frames: list[str]) -> str:
+    if frames and _SYSCALLS.match(frames[-1]):
+        return _SYSCALL
     for frame in reversed(frames):
         m = _FRAME.match(frame)
-        where = m.group("where") if m else frame
+        where = f"({m.group('where')}" if m else frame
         for needle, name in _COMPONENTS:
             if needle in where:
                 return name
@@ -83,18 +117,32 @@ def _innermost_python(frames: list[str]) -> str:
     return frames[-1] if frames else "?"
 
 
+def _self_frame(frames: list[str]) -> str:
+    """The innermost frame that names real work (native line numbers dropped, so a C function
+    counts once)."""
+    for frame in reversed(frames):
+        if any(marker in frame for marker in _OPAQUE) or frame.startswith("0x"):
+            continue
+        m = _FRAME.match(frame)
+        if m and ".py:" not in m.group("where"):
+            return f"{m.group('func')} ({m.group('where').split(':')[0]})"
+        return frame
+    return frames[-1] if frames else "?"
+
+
 def fold(samples: Iterable[tuple[list[str], int]], top_n: int = 15) -> dict[str, Any]:
-    """Busy samples by component (innermost matching frame), by innermost Python function (self),
-    by native leaf, and inclusively for a few layers. Idle waits (epoll, locks) are dropped."""
+    """Busy samples by component (innermost matching frame), by self frame (native or Python),
+    by innermost Python function, and inclusively for a few layers. Idle waits (epoll, locks)
+    are dropped."""
     busy = 0
     idle = 0
     comps: Counter[str] = Counter()
     funcs: Counter[str] = Counter()
-    leaves: Counter[str] = Counter()
+    selfs: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     layers = {
         "uvicorn/": "ASGI server (uvicorn) incl. the app it calls",
-        "router/": "gpupool code incl. what it calls",
+        "router/proxy.py": "gpupool's request path (router/proxy.py) incl. what it calls",
         "aiohttp/": "aiohttp client incl. what it calls",
     }
     for frames, n in samples:
@@ -104,9 +152,7 @@ def fold(samples: Iterable[tuple[list[str], int]], top_n: int = 15) -> dict[str,
         busy += n
         comps[_component(frames)] += n
         funcs[_innermost_python(frames)] += n
-        leaf = frames[-1]
-        if ".py:" not in leaf:
-            leaves[leaf] += n
+        selfs[_self_frame(frames)] += n
         joined = ";".join(frames)
         for needle, name in layers.items():
             if needle in joined:
@@ -119,8 +165,8 @@ def fold(samples: Iterable[tuple[list[str], int]], top_n: int = 15) -> dict[str,
         "busy_samples": busy,
         "idle_samples": idle,
         "components": frac(comps),
-        "top_self": frac(funcs, top_n),
-        "top_native_leaves": frac(leaves, 10),
+        "top_self": frac(selfs, top_n),
+        "top_python": frac(funcs, top_n),
         "inclusive": frac(incl),
     }
 
@@ -150,7 +196,10 @@ async def record(
     await asyncio.sleep(0.5)
     await load
     stdout, _ = await proc.communicate()
-    return load_samples(out, proc.returncode, stdout.decode(errors="replace"))
+    folded = load_samples(out, proc.returncode, stdout.decode(errors="replace"))
+    if "busy_samples" in folded:
+        folded["busy_frac_of_window"] = round(folded["busy_samples"] / (rate_hz * duration_s), 3)
+    return folded
 
 
 def missing(pyspy: Path) -> dict[str, Any] | None:

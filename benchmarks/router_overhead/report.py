@@ -134,8 +134,10 @@ def _profile(prof: dict[str, Any], title: str) -> list[str]:
         return []
     if "skipped" in prof:
         return [f"**{title}**: skipped: {prof['skipped']}", ""]
+    busy = prof.get("busy_frac_of_window")
     lines = [
-        f"**{title}** ({prof['busy_samples']} busy samples; idle waits dropped)",
+        f"**{title}** ({prof['busy_samples']} busy samples, the router busy "
+        f"~{_f(busy * 100 if busy is not None else None, 0)} % of the window; idle waits dropped)",
         "",
         "| component (innermost frame) | share of busy samples |",
         "| --- | --- |",
@@ -143,10 +145,16 @@ def _profile(prof: dict[str, Any], title: str) -> list[str]:
     lines += [f"| {name} | {frac:.1%} |" for name, _, frac in prof["components"]]
     lines += [
         "",
-        "| top functions by self samples (innermost Python frame) | share |",
+        "| top frames by self samples (native or Python) | share |",
         "| --- | --- |",
     ]
     lines += [f"| `{name}` | {frac:.1%} |" for name, _, frac in prof["top_self"][:12]]
+    lines += [
+        "",
+        "| top Python functions (innermost Python frame, incl. C it calls) | share |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{name}` | {frac:.1%} |" for name, _, frac in prof.get("top_python", [])[:8]]
     if prof.get("inclusive"):
         lines += [
             "",
@@ -233,9 +241,11 @@ def render(res: dict[str, Any]) -> str:
             )
         out.append("")
     out += ["## What bounds gpupool (py-spy, native frames, on the router process)", ""]
-    prof = res.get("profile") or {}
-    out += _profile(prof.get("hi", {}), f"Non-streaming, c={plan['hi_concurrency']}")
-    out += _profile(prof.get("stream", {}), f"Streaming, c={plan['stream_concurrency']}")
+    for variant, prof in (res.get("profile") or {}).items():
+        out += _profile(prof.get("hi", {}), f"{variant}, non-streaming, c={plan['hi_concurrency']}")
+        out += _profile(
+            prof.get("stream", {}), f"{variant}, streaming, c={plan['stream_concurrency']}"
+        )
     if res.get("analysis"):
         out += [res["analysis"], ""]
     out += ["## gpupool in front of a real CPU vLLM engine", "", *_real(res.get("real_vllm", {}))]

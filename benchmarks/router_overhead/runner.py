@@ -57,6 +57,12 @@ class Live:
     reason: str = ""
     start_s: float = 0.0
     meters: dict[str, Meter] = field(default_factory=lambda: {p: Meter() for p in PHASES})
+    # (schedstat, psutil ticks) CPU-seconds of the proxy tree at the start and end of the phases
+    cpu_marks: list[tuple[float, float]] = field(default_factory=list)
+
+    def mark_cpu(self) -> None:
+        if self.proc is not None:
+            self.cpu_marks.append((self.proc.cpu_s(), self.proc.cpu_ticks_s()))
 
     @property
     def base_url(self) -> str:
@@ -193,9 +199,13 @@ async def run_phases(lives: list[Live], engine: Proc, plan: Plan) -> None:
         meter.completed_streams += res.completed
         meter.add_errors(res.errors, res.first_error)
 
+    for live in lives:
+        live.mark_cpu()
     await run_rounds(lives, engine, "c1", plan.c1_rounds, c1, plan.settle_s)
     await run_rounds(lives, engine, "hi", plan.hi_rounds, hi, plan.settle_s)
     await run_rounds(lives, engine, "stream", plan.stream_rounds, stream, plan.settle_s)
+    for live in lives:
+        live.mark_cpu()
 
 
 def record_window(meter: Meter, res: ClosedLoopResult) -> None:
@@ -224,6 +234,13 @@ def target_results(lives: list[Live]) -> list[dict[str, Any]]:
             for phase in PHASES:
                 ref = None if is_direct or direct is None else direct.meters[phase]
                 entry[phase] = summarize_phase(live.meters[phase], ref, proxy=not is_direct)
+            if len(live.cpu_marks) == 2:
+                (s0, t0), (s1, t1) = live.cpu_marks
+                entry["cpu_cross_check"] = {
+                    "schedstat_s": round(s1 - s0, 3),
+                    "psutil_ticks_s": round(t1 - t0, 3),
+                    "span": "all phases, idle gaps included",
+                }
         out.append(entry)
     return out
 
