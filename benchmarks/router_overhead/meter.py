@@ -41,9 +41,12 @@ class Meter:
         return [x for r in self.rounds for x in r]
 
 
-def summarize_phase(meter: Meter, direct: Meter | None, *, proxy: bool) -> dict[str, Any]:
+def summarize_phase(
+    meter: Meter, direct: Meter | None, *, proxy: bool, idle_s_per_s: float = 0.0
+) -> dict[str, Any]:
     """The phase's figures for one target. `direct` is the engine's meter in the same phase
-    (None for the direct target itself); `proxy` says whether CPU belongs to a proxy process."""
+    (None for the direct target itself); `proxy` says whether CPU belongs to a proxy process;
+    `idle_s_per_s` is its CPU at rest, taken off for the `net` per-unit figure."""
     out: dict[str, Any] = {
         "units": meter.units,
         "window_s": round(meter.window_s, 3),
@@ -56,6 +59,8 @@ def summarize_phase(meter: Meter, direct: Meter | None, *, proxy: bool) -> dict[
     if proxy:
         out["cpu_s"] = round(meter.cpu_s, 4)
         out["cpu_us_per_unit"] = cpu_us_per_unit(meter.cpu_s, meter.units)
+        net_s = max(0.0, meter.cpu_s - idle_s_per_s * meter.window_s)
+        out["cpu_us_per_unit_net_of_idle"] = cpu_us_per_unit(net_s, meter.units)
     if meter.rounds:
         lat = meter.all_latencies()
         out["latency"] = summarize(lat).as_dict()

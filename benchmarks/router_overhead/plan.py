@@ -42,16 +42,18 @@ class Plan:
     stream_rounds: int = 3
     stream_window_s: float = 4.0
     settle_s: float = 0.3
+    idle_window_s: float = 4.0  # every proxy at rest, to measure its background CPU
     profile_window_s: float = 8.0
     real_vllm: bool = True
-    real_rounds: int = 4
-    real_requests: int = 60  # per target per round, concurrency 1
+    real_rounds: int = 8
+    real_requests: int = 30  # per target per round, concurrency 1
     real_max_tokens: int = 8
     real_start_timeout_s: float = 300.0
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(
+            idle_window_s=1.0,
             warmup_requests=30,
             c1_rounds=2,
             c1_requests=50,

@@ -121,9 +121,11 @@ def _self_frame(frames: list[str]) -> str:
     """The innermost frame that names real work (native line numbers dropped, so a C function
     counts once)."""
     for frame in reversed(frames):
+        m = _FRAME.match(frame)
+        if frame.startswith("0x") and m and "lib" not in m.group("where"):
+            return f"(unnamed) ({m.group('where')})"  # a stripped extension: orjson, ...
         if any(marker in frame for marker in _OPAQUE) or frame.startswith("0x"):
             continue
-        m = _FRAME.match(frame)
         if m and ".py:" not in m.group("where"):
             return f"{m.group('func')} ({m.group('where').split(':')[0]})"
         return frame

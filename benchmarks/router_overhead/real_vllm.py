@@ -16,6 +16,7 @@ from benchmarks.router_overhead.procs import StartFailed, start_proc, wait_ready
 from benchmarks.router_overhead.runner import (
     Live,
     Placement,
+    measure_idle,
     ready,
     record_window,
     run_rounds,
@@ -114,6 +115,7 @@ async def run_real_vllm(
             at_deadline()
             record_window(meter, res)
 
+        await measure_idle(lives, plan.idle_window_s)
         await run_rounds(lives, engine, "c1", plan.real_rounds, c1, plan.settle_s)
         targets = target_results(lives)
         for t in targets:

@@ -51,6 +51,12 @@ def _check_one(gp: dict[str, Any]) -> list[dict[str, Any]]:
             "µs",
         ),
         (
+            "CPU per non-streaming request (c=1, net of CPU at rest)",
+            _get(gp, "c1", "cpu_us_per_unit_net_of_idle"),
+            TARGET_CPU_US_PER_REQUEST,
+            "µs",
+        ),
+        (
             "CPU per forwarded chunk (c=16)",
             _get(gp, "stream", "cpu_us_per_unit"),
             TARGET_CPU_US_PER_CHUNK,
@@ -110,8 +116,8 @@ def _main_table(targets: list[dict[str, Any]]) -> list[str]:
 def _latency_table(targets: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| target | c=1 p50 / p99 (ms) | c=64 p50 / p99 (ms) | added p50 at c=1, per round "
-        "(ms) | errors | engine CPU µs / req (c=64) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "(ms) | errors | engine CPU µs / req (c=64) | proxy CPU at rest (ms/s) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in targets:
         if t["status"] != "ok":
@@ -124,7 +130,8 @@ def _latency_table(targets: list[dict[str, Any]]) -> list[str]:
             f"| {t['name']} | {_f(c1.get('p50_ms'), 3)} / {_f(c1.get('p99_ms'), 3)} "
             f"| {_f(hi.get('p50_ms'), 2)} / {_f(hi.get('p99_ms'), 2)} "
             f"| {', '.join(_f(x, 3) for x in rounds) if rounds else '—'} | {errors} "
-            f"| {_f(_get(t, 'hi', 'engine_cpu_us_per_unit'), 0)} |"
+            f"| {_f(_get(t, 'hi', 'engine_cpu_us_per_unit'), 0)} "
+            f"| {_f(t.get('idle_cpu_ms_per_s'), 1)} |"
         )
     return lines
 
@@ -175,19 +182,21 @@ def _real(real: dict[str, Any]) -> list[str]:
         f"max_tokens {real['max_tokens']}.",
         "",
         "| target | p50 / p99 (ms) | added p50 / p99 (ms) | added p50 per round (ms) "
-        "| gpupool CPU ms / req | errors |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| gpupool CPU ms / req (net of its CPU at rest) | CPU at rest (ms/s) | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in real["targets"]:
         c1 = t.get("c1", {})
         lat = c1.get("latency", {})
         rounds = c1.get("added_p50_ms_rounds")
         cpu = c1.get("cpu_us_per_unit")
+        net = c1.get("cpu_us_per_unit_net_of_idle")
         lines.append(
             f"| {t['name']} | {_f(lat.get('p50_ms'))} / {_f(lat.get('p99_ms'))} "
             f"| {_f(c1.get('added_p50_ms'), 3)} / {_f(c1.get('added_p99_ms'), 3)} "
             f"| {', '.join(_f(x, 2) for x in rounds) if rounds else '—'} "
-            f"| {_f(cpu / 1e3 if cpu else None, 3)} | {c1.get('errors', '—')} |"
+            f"| {_f(cpu / 1e3 if cpu else None, 3)} ({_f(net / 1e3 if net else None, 3)}) "
+            f"| {_f(t.get('idle_cpu_ms_per_s'), 1)} | {c1.get('errors', '—')} |"
         )
     return [*lines, ""]
 
@@ -229,15 +238,15 @@ def render(res: dict[str, Any]) -> str:
         out += [
             "## gpupool against its targets",
             "",
-            "| target | measured | limit | met | headroom |",
-            "| --- | --- | --- | --- | --- |",
+            "| variant | target | measured | limit | met | headroom |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for c in checks:
             head = c["headroom_frac"]
             out.append(
-                f"| {c['target']} | {_f(c['value'], 3)} {c['unit']} | {c['limit']:g} "
-                f"{c['unit']} | {'yes' if c['met'] else '**no**'} | "
-                f"{_f(head * 100 if head is not None else None, 0)} % |"
+                f"| {c['variant']} | {c['target']} | {_f(c['value'], 1)} {c['unit']} "
+                f"| {c['limit']:g} {c['unit']} | {'yes' if c['met'] else '**no**'} "
+                f"| {_f(head * 100 if head is not None else None, 0)} % |"
             )
         out.append("")
     out += ["## What bounds gpupool (py-spy, native frames, on the router process)", ""]

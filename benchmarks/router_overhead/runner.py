@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ class Live:
     meters: dict[str, Meter] = field(default_factory=lambda: {p: Meter() for p in PHASES})
     # (schedstat, psutil ticks) CPU-seconds of the proxy tree at the start and end of the phases
     cpu_marks: list[tuple[float, float]] = field(default_factory=list)
+    idle_cpu_s_per_s: float = 0.0  # background work (health checks, scrapes, flushes) at rest
 
     def mark_cpu(self) -> None:
         if self.proc is not None:
@@ -199,6 +201,7 @@ async def run_phases(lives: list[Live], engine: Proc, plan: Plan) -> None:
         meter.completed_streams += res.completed
         meter.add_errors(res.errors, res.first_error)
 
+    await measure_idle(lives, plan.idle_window_s)
     for live in lives:
         live.mark_cpu()
     await run_rounds(lives, engine, "c1", plan.c1_rounds, c1, plan.settle_s)
@@ -206,6 +209,18 @@ async def run_phases(lives: list[Live], engine: Proc, plan: Plan) -> None:
     await run_rounds(lives, engine, "stream", plan.stream_rounds, stream, plan.settle_s)
     for live in lives:
         live.mark_cpu()
+
+
+async def measure_idle(lives: list[Live], window_s: float) -> None:
+    """Every proxy's CPU with no traffic at all, all at once: the background cost that the
+    per-request figures would otherwise charge to requests."""
+    ok = [lv for lv in lives if lv.status == "ok" and lv.proc is not None]
+    before = [lv.cpu_s() for lv in ok]
+    t0 = time.perf_counter()
+    await asyncio.sleep(window_s)
+    elapsed = time.perf_counter() - t0
+    for live, cpu0 in zip(ok, before, strict=True):
+        live.idle_cpu_s_per_s = (live.cpu_s() - cpu0) / elapsed
 
 
 def record_window(meter: Meter, res: ClosedLoopResult) -> None:
@@ -233,7 +248,11 @@ def target_results(lives: list[Live]) -> list[dict[str, Any]]:
             is_direct = live is direct
             for phase in PHASES:
                 ref = None if is_direct or direct is None else direct.meters[phase]
-                entry[phase] = summarize_phase(live.meters[phase], ref, proxy=not is_direct)
+                entry[phase] = summarize_phase(
+                    live.meters[phase], ref, proxy=not is_direct, idle_s_per_s=live.idle_cpu_s_per_s
+                )
+            if not is_direct:
+                entry["idle_cpu_ms_per_s"] = round(live.idle_cpu_s_per_s * 1e3, 3)
             if len(live.cpu_marks) == 2:
                 (s0, t0), (s1, t1) = live.cpu_marks
                 entry["cpu_cross_check"] = {

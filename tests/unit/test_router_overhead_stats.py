@@ -111,7 +111,8 @@ def test_profile_fold_drops_idle_and_groups_components() -> None:
             "main (router/cli.py:1);handle (router/proxy.py:10);0x1 (orjson/orjson.so) 3",
             "main (router/cli.py:1);data_received (uvicorn/protocols/http/httptools_impl.py:5);"
             "0x2 (httptools/parser/parser.so) 2",
-            "main (router/cli.py:1);post (aiohttp/client.py:9) 5",
+            "main (router/cli.py:1);post (aiohttp/client.py:9) 4",
+            "main (router/cli.py:1);post (aiohttp/client.py:9);send (libc.so.6) 1",
         ]
     )
     out = fold(parse_raw(raw))
@@ -119,8 +120,11 @@ def test_profile_fold_drops_idle_and_groups_components() -> None:
     assert out["busy_samples"] == 10
     comps = {name: n for name, n, _ in out["components"]}
     assert comps == {
-        "upstream client (aiohttp)": 5,
+        "upstream client (aiohttp, multidict, yarl)": 4,
+        "socket syscalls (read/write/send/recv, in the kernel)": 1,
         "JSON (orjson)": 3,
         "HTTP parsing, server side (httptools)": 2,
     }
     assert out["top_self"][0][0] == "post (aiohttp/client.py:9)"
+    assert ("(unnamed) (orjson/orjson.so)", 3, 0.3) in out["top_self"]
+    assert out["top_python"][0] == ("post (aiohttp/client.py:9)", 5, 0.5)
