@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -157,10 +158,12 @@ async def run_compare(
         if i and pause_s > 0:
             await asyncio.sleep(pause_s)
         prefix = f"bench-{safe_name(scenario.name)}-{seed}-{safe_name(target.name)}-{stamp}"
+        load_before = os.getloadavg()[0]
         result = await Runner(plan, target, run_id_prefix=prefix, progress=progress).run()
         results.append(result)
         await asyncio.to_thread(write_records, out_dir, result)
         summary = summarize_target(result, scenario)
+        summary["load_avg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
         summaries.append(summary)
         log.info(
             "%s: %d requests, goodput %.2f req/s, SLO attainment %s",

@@ -182,6 +182,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         ["SLO attainment", *[_pct(t["slo_attainment_frac"]) for t in targets]],
         ["cancelled at drain", *[_fmt(t["cancelled_at_drain"]) for t in targets]],
         [
+            "machine load avg (1 min) before / after",
+            *[
+                " / ".join(_fmt(_get(t, "load_avg_1m", k), 2) for k in ("before", "after"))
+                for t in targets
+            ],
+        ],
+        [
             "harness send lag p50 / p99 / max (ms)",
             *[
                 " / ".join(_fmt(_get(t, "send_lag_ms", k)) for k in ("p50", "p99", "max"))

@@ -6,7 +6,8 @@ by the answer and a tool result; a tool wait in between), with `tools` in the bo
 `x-gpupool-run-id` header. Arrivals stop at `duration_s`; in-flight work (later steps of runs
 included) then has `drain_timeout_s` before it is cancelled and recorded as
 `cancelled_at_drain`. Afterwards each run's GPU-seconds are read from the target's
-`GET /v1/runs/{run_id}` where it answers 200 with a number `gpu_seconds`.
+`GET /v1/runs/{run_id}` where it answers 200 with a number `totals.gpu_seconds` (gpupool's
+shape) or `gpu_seconds`.
 
 The HTTP client is aiohttp with no connection limit, so thousands of requests can be in flight;
 the harness's own lateness against the schedule is reported as `max_send_lag_ms`.
@@ -29,7 +30,7 @@ from benchmarks.client import stream_chat
 from benchmarks.records import RequestRecord, RunRecord, TargetResult
 from benchmarks.workload import AgentRunPlan, ChatRequestPlan, Plan
 
-__all__ = ["Runner", "Target"]
+__all__ = ["Runner", "Target", "gpu_seconds_of"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,21 @@ class Target:
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
         return headers
+
+
+def gpu_seconds_of(run: Any) -> float | None:
+    """GPU-seconds from a `GET /v1/runs/{run_id}` answer: gpupool's `totals.gpu_seconds`, or a
+    top-level `gpu_seconds`; None when neither is a number."""
+    if not isinstance(run, dict):
+        return None
+    totals = run.get("totals")
+    for value in (
+        totals.get("gpu_seconds") if isinstance(totals, dict) else None,
+        run.get("gpu_seconds"),
+    ):
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 class _NoProgress:
@@ -246,9 +262,7 @@ class Runner:
                     data = orjson.loads(await resp.read())
             except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError):
                 return
-        value = data.get("gpu_seconds") if isinstance(data, dict) else None
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            run.gpu_seconds = float(value)
+        run.gpu_seconds = gpu_seconds_of(data)
 
     async def run(self) -> TargetResult:
         plan = self._plan

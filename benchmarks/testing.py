@@ -74,14 +74,9 @@ class GpupoolLike:
             if steps is None:
                 await _json(send, 404, {"error": {"code": "run_not_found", "message": "no run"}})
             else:
+                totals = {"requests": steps, "gpu_seconds": steps * self.gpu_seconds_per_step}
                 await _json(
-                    send,
-                    200,
-                    {
-                        "run_id": run_id,
-                        "requests": steps,
-                        "gpu_seconds": steps * self.gpu_seconds_per_step,
-                    },
+                    send, 200, {"object": "gpupool.run", "run_id": run_id, "totals": totals}
                 )
             return
         if not (scope["method"] == "POST" and path == "/v1/chat/completions"):

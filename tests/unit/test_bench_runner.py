@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.metrics import summarize_target
 from benchmarks.prompts import PromptMaker
-from benchmarks.runner import Runner, Target
+from benchmarks.runner import Runner, Target, gpu_seconds_of
 from benchmarks.scenario import parse_scenario
 from benchmarks.testing import GpupoolLike, serve_asgi
 from benchmarks.workload import Plan, build_plan
@@ -209,3 +209,11 @@ async def test_calibration_reads_the_template_overhead_and_tokens_per_word() -> 
     assert prompts.tokens_per_word == pytest.approx(1.0)
     assert prompts.message_overhead_tokens == 3  # 4 minus the BOS counted once
     assert prompts.content_tokens(100) == 96
+
+
+def test_gpu_seconds_from_either_shape() -> None:
+    assert gpu_seconds_of({"object": "gpupool.run", "totals": {"gpu_seconds": 1.5}}) == 1.5
+    assert gpu_seconds_of({"run_id": "r", "gpu_seconds": 2}) == 2.0
+    assert gpu_seconds_of({"totals": {"gpu_seconds": None}}) is None
+    assert gpu_seconds_of({"gpu_seconds": True}) is None
+    assert gpu_seconds_of(["not", "a", "run"]) is None
