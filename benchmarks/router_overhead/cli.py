@@ -28,6 +28,7 @@ from benchmarks.router_overhead.runner import (
     Placement,
     close_all,
     run_phases,
+    solo,
     start_engine,
     start_targets,
     target_results,
@@ -103,22 +104,24 @@ async def _profile_gpupool(
         if (skipped := profile.missing(pyspy)) is not None:
             out[name] = {"hi": skipped, "stream": skipped}
             continue
-        hi = gp.client.closed_loop(
-            chat_body(plan.max_tokens, stream=False), plan.hi_concurrency, plan.profile_window_s
-        )
-        prof_hi = await profile.record(
-            pyspy, _python_pid(gp.proc), plan.profile_window_s, workdir / f"pyspy-{name}-hi.txt", hi
-        )
-        st = gp.client.stream_window(
-            chat_body(plan.stream_tokens, stream=True),
-            plan.stream_concurrency,
-            plan.profile_window_s,
-        )
-        prof_st = await profile.record(
-            pyspy, _python_pid(gp.proc), plan.profile_window_s, workdir / f"pyspy-{name}-st.txt", st
-        )
-        out[name] = {"hi": prof_hi, "stream": prof_st}
+        with solo(lives, gp):
+            out[name] = await _profile_one(gp, plan, pyspy, workdir)
     return out
+
+
+async def _profile_one(gp: Live, plan: Plan, pyspy: Path, workdir: Path) -> dict[str, Any]:
+    """py-spy over one non-streaming and one streaming window of `gp`."""
+    assert gp.proc is not None and gp.client is not None
+    name, pid, window_s = gp.spec.name, _python_pid(gp.proc), plan.profile_window_s
+    hi = gp.client.closed_loop(
+        chat_body(plan.max_tokens, stream=False), plan.hi_concurrency, window_s
+    )
+    prof_hi = await profile.record(pyspy, pid, window_s, workdir / f"pyspy-{name}-hi.txt", hi)
+    st = gp.client.stream_window(
+        chat_body(plan.stream_tokens, stream=True), plan.stream_concurrency, window_s
+    )
+    prof_st = await profile.record(pyspy, pid, window_s, workdir / f"pyspy-{name}-st.txt", st)
+    return {"hi": prof_hi, "stream": prof_st}
 
 
 def _python_pid(proc: Proc) -> int:

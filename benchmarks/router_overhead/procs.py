@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -117,6 +118,18 @@ class Proc:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
 
+    def signal_tree(self, sig: int) -> None:
+        """Send `sig` to the process and its descendants (SIGSTOP/SIGCONT to pause a peer while
+        another target is measured on the same CPU)."""
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the tree this process started, then SIGKILL what is left."""
         try:
@@ -126,6 +139,7 @@ class Proc:
             procs = []
         for p in reversed(procs):
             with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGCONT)  # a paused process cannot act on SIGTERM
                 p.terminate()
         _, alive = psutil.wait_procs(procs, timeout=timeout_s)
         for p in alive:

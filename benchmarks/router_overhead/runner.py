@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = [
     "record_window",
     "run_phases",
     "run_rounds",
+    "solo",
     "start_engine",
     "start_targets",
     "target_results",
@@ -143,6 +145,20 @@ async def ready(live: Live) -> None:
 Window = Callable[[LoadClient, Meter, Callable[[], None]], Awaitable[None]]
 
 
+@contextlib.contextmanager
+def solo(lives: list[Live], measured: Live) -> Iterator[None]:
+    """Pause (SIGSTOP) every other proxy while `measured` is driven, so their background work
+    (health checks, scrapes, flushes) does not take the measured proxy's CPU; resume after."""
+    others = [lv.proc for lv in lives if lv is not measured and lv.proc is not None]
+    for proc in others:
+        proc.signal_tree(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for proc in others:
+            proc.signal_tree(signal.SIGCONT)
+
+
 async def run_rounds(
     lives: list[Live], engine: Proc, phase: str, rounds: int, window: Window, settle_s: float
 ) -> None:
@@ -154,18 +170,19 @@ async def run_rounds(
         for live in order:
             meter = live.meters[phase]
             assert live.client is not None
-            cpu0, eng0 = live.cpu_s(), engine.cpu_s()
             marks: list[tuple[float, float]] = []
 
             def at_deadline(live: Live = live, marks: list[tuple[float, float]] = marks) -> None:
                 marks.append((live.cpu_s(), engine.cpu_s()))
 
-            await window(live.client, meter, at_deadline)
+            with solo(lives, live):
+                await asyncio.sleep(settle_s)  # a resumed proxy catches up on its timers first
+                cpu0, eng0 = live.cpu_s(), engine.cpu_s()
+                await window(live.client, meter, at_deadline)
             if not marks:
                 at_deadline()
             meter.cpu_s += marks[0][0] - cpu0
             meter.engine_cpu_s += marks[0][1] - eng0
-            await asyncio.sleep(settle_s)
         log.info("%s round %d/%d done", phase, r + 1, rounds)
 
 
