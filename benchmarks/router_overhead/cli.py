@@ -87,7 +87,9 @@ def _placement(args: argparse.Namespace) -> tuple[Placement, str]:
     lg, px = frozenset({args.loadgen_cpu}), frozenset({args.proxy_cpu})
     return Placement(lg, px), (
         f"load generator and fake engine on CPU {args.loadgen_cpu}, the proxy under test on CPU "
-        f"{args.proxy_cpu} (sched_setaffinity); the load generator at nice -5, the rest at 0"
+        f"{args.proxy_cpu} (sched_setaffinity); engine and proxies at nice "
+        f"{Placement(lg, px).served_nice}, the load generator at nice "
+        f"{Placement(lg, px).loadgen_nice}, the machine's other jobs at 0"
     )
 
 
@@ -165,7 +167,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     lives: list[Live] = []
     try:
         lives = await start_targets(paths, workdir, placement, names)
-        result["placement"] += "; " + pin_self(placement.loadgen, -5)
+        result["placement"] += "; " + pin_self(placement.loadgen, placement.loadgen_nice)
         await run_phases(lives, engine, plan)
         result["targets"] = target_results(lives)
         if not args.no_profile:

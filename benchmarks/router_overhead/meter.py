@@ -3,6 +3,7 @@ prints). Latencies stay per round so added latency can also be read round by rou
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,9 @@ def summarize_phase(
     out: dict[str, Any] = {
         "units": meter.units,
         "window_s": round(meter.window_s, 3),
-        "rate_per_s": rate_per_s(meter.units, meter.window_s),
+        # the median round: other jobs on a shared machine only ever slow a round down
+        "rate_per_s": median(meter.rates) if meter.rates else math.nan,
+        "rate_per_s_pooled": rate_per_s(meter.units, meter.window_s),
         "rate_per_s_rounds": [round(r, 1) for r in meter.rates],
         "errors": meter.errors,
         "first_error": meter.first_error,

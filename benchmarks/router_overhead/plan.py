@@ -35,12 +35,12 @@ class Plan:
     c1_rounds: int = 6
     c1_requests: int = 200  # per target per round
     hi_concurrency: int = 64
-    hi_rounds: int = 3
-    hi_window_s: float = 4.0
+    hi_rounds: int = 5
+    hi_window_s: float = 2.5
     stream_concurrency: int = 16
     stream_tokens: int = 256
-    stream_rounds: int = 3
-    stream_window_s: float = 4.0
+    stream_rounds: int = 5
+    stream_window_s: float = 2.5
     settle_s: float = 0.3
     idle_window_s: float = 4.0  # every proxy at rest, to measure its background CPU
     profile_window_s: float = 8.0

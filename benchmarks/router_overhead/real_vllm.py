@@ -63,7 +63,13 @@ async def run_real_vllm(
         + " ".join([".venv/bin/python", *VLLM_ARGS, "--port", str(port)])
     )
     engine = start_proc(
-        "real-vllm", argv, log_dir=workdir, cpus=placement.loadgen, env=VLLM_ENV, cwd=paths.repo
+        "real-vllm",
+        argv,
+        log_dir=workdir,
+        cpus=placement.loadgen,
+        nice=placement.served_nice,
+        env=VLLM_ENV,
+        cwd=paths.repo,
     )
     lives: list[Live] = []
     try:
@@ -94,6 +100,7 @@ async def run_real_vllm(
                 spec.argv or [],
                 log_dir=workdir,
                 cpus=placement.proxy,
+                nice=placement.served_nice,
                 cwd=paths.repo,
             )
             lives.append(live)

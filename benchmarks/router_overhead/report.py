@@ -268,12 +268,14 @@ def render(res: dict[str, Any]) -> str:
         f"requests per target (max_tokens {plan['max_tokens']}), after "
         f"{plan['warmup_requests']} warm-up requests each.",
         f"- c={plan['hi_concurrency']}: {plan['hi_rounds']} rounds × {plan['hi_window_s']} s "
-        "closed-loop windows per target; req/s counts requests that ended in the window; "
+        "closed-loop windows per target; req/s is the median round's requests ended in its "
+        "window; "
         "requests still in flight then finish and count for latency only.",
         f"- streaming: {plan['stream_rounds']} rounds × {plan['stream_window_s']} s windows, "
         f"c={plan['stream_concurrency']}, max_tokens {plan['stream_tokens']}; chunks are the "
-        "SSE events the client received in the window (LiteLLM adds one per stream, gpupool "
-        "drops the usage event it asked for); streams still open at the end are cancelled.",
+        "SSE events the client received in the window, median round (LiteLLM adds one per "
+        "stream, gpupool drops the usage event it asked for); streams still open at the end "
+        "are cancelled.",
         "- Rounds visit every target in turn and the order rotates each round, so drift and "
         "other jobs' load hit all targets alike. One load generator (aiohttp on uvloop) for all.",
         "- Every proxy runs one worker process with request logging off or at warning level; "

@@ -43,10 +43,14 @@ PHASES = ("c1", "hi", "stream")
 @dataclass(frozen=True)
 class Placement:
     """CPU sets: the load generator and the engine share one, the proxy under test gets the
-    other (None: no pinning)."""
+    other (None: no pinning). Niceness: the load generator above everything, the engine and the
+    proxies above the machine's other jobs (a shared machine: their CPU-hungry threads would
+    otherwise decide the throughput figures)."""
 
     loadgen: frozenset[int] | None
     proxy: frozenset[int] | None
+    loadgen_nice: int = -10
+    served_nice: int = -5
 
 
 @dataclass
@@ -94,7 +98,14 @@ async def start_engine(
         "--itl-ms",
         str(itl_ms),
     ]
-    proc = start_proc("fake-engine", argv, log_dir=workdir, cpus=placement.loadgen, cwd=paths.repo)
+    proc = start_proc(
+        "fake-engine",
+        argv,
+        log_dir=workdir,
+        cpus=placement.loadgen,
+        nice=placement.served_nice,
+        cwd=paths.repo,
+    )
     await wait_ready(proc, f"http://127.0.0.1:{PORTS['engine']}/health", timeout_s=30)
     return proc
 
@@ -114,7 +125,13 @@ async def start_targets(
             live.status, live.reason = "unavailable", why
             continue
         live.proc = start_proc(
-            spec.name, spec.argv, log_dir=workdir, cpus=placement.proxy, env=spec.env, cwd=spec.cwd
+            spec.name,
+            spec.argv,
+            log_dir=workdir,
+            cpus=placement.proxy,
+            nice=placement.served_nice,
+            env=spec.env,
+            cwd=spec.cwd,
         )
     await asyncio.gather(*(ready(live) for live in lives))
     for live in lives:

@@ -73,13 +73,16 @@ def test_summarize_phase_against_direct() -> None:
     direct = Meter(rounds=[[0.001] * 10, [0.001] * 10], units=20, window_s=1.0)
     proxy = Meter(
         rounds=[[0.0015] * 10, [0.0017] * 10],
+        rates=[12.0, 4.0, 9.0],
         units=20,
         window_s=2.0,
         cpu_s=0.01,
         engine_cpu_s=0.002,
     )
-    out = summarize_phase(proxy, direct, proxy=True)
-    assert out["rate_per_s"] == pytest.approx(10.0)
+    out = summarize_phase(proxy, direct, proxy=True, idle_s_per_s=0.001)
+    assert out["rate_per_s"] == pytest.approx(9.0)  # the median round
+    assert out["rate_per_s_pooled"] == pytest.approx(10.0)
+    assert out["cpu_us_per_unit_net_of_idle"] == pytest.approx(400.0)
     assert out["cpu_us_per_unit"] == pytest.approx(500.0)
     assert out["engine_cpu_us_per_unit"] == pytest.approx(100.0)
     assert out["added_p50_ms"] == pytest.approx(0.6)
