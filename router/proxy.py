@@ -92,6 +92,7 @@ class RequestOutcome:
     ended_at_s: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    response_started: bool = False  # the status line went to the client
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -255,14 +256,17 @@ class CompletionsHandler:
                 }
                 body_bytes = orjson.dumps(body)
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        tried: set[str] = set()
+        refused: set[str] = set()  # refused the connection: never retried for this request
+        tried: set[str] = set()  # failed otherwise: retried only when nothing else is left
+        attempts = 0
         try:
             while True:
-                cand = await self._choose(ctx, tried)
+                cand = await self._choose(ctx, refused, tried)
                 instance = cand.state
                 instance_id = instance.spec.instance_id
                 outcome.instance_id = instance_id
                 tried.add(instance_id)
+                attempts += 1
                 headers = [*gp_headers, (b"x-gpupool-instance", instance_id.encode())]
                 remaining_s = ctx.deadline_s - self.clock()
                 if remaining_s <= 0:
@@ -290,28 +294,26 @@ class CompletionsHandler:
                         },
                         timeout=timeout,
                     )
-                except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as err:
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as err:
+                    # nothing reached the engine: it is down or not listening
                     self._release(ctx, instance_id)
                     outcome.dispatched_at_s = None
+                    refused.add(instance_id)
                     self.fleet.record_failure(instance_id, f"connect failed: {err}", immediate=True)
-                    if len(tried) > self._max_retries:
-                        raise EngineFailure(
-                            f"could not reach an engine in pool {ctx.pool!r} after "
-                            f"{len(tried)} attempt(s): {err}",
-                            "engine_unreachable",
-                        ) from None
-                    self.metrics.retries.labels(ctx.pool).inc()
-                    log.info(
-                        "%s: %s refused the connection; retrying elsewhere",
-                        ctx.request_id,
-                        instance_id,
-                    )
+                    self._retry_or_fail(ctx, instance_id, attempts, err)
                     continue
                 except TimeoutError:
                     self._release(ctx, instance_id)
                     raise DeadlineExceeded(
                         "the engine did not answer before the deadline", "deadline_exceeded"
                     ) from None
+                except (aiohttp.ClientError, OSError) as err:
+                    # reset or closed before the response head (often a stale pooled
+                    # connection); no byte has reached the client, so try again
+                    self._release(ctx, instance_id)
+                    outcome.dispatched_at_s = None
+                    self._retry_or_fail(ctx, instance_id, attempts, err)
+                    continue
                 try:
                     self.affinity.record(ctx.run_id, instance_id)
                     await self._relay(ctx, resp, send, headers, outcome)
@@ -323,13 +325,23 @@ class CompletionsHandler:
                 finally:
                     self._release(ctx, instance_id)
                 return
-        except GpupoolError as err:
-            outcome.status = err.status
-            outcome.outcome = _outcome_of(err.status)
-            outcome.reason = err.code
+        except Exception as exc:
+            if isinstance(exc, GpupoolError):
+                failure = exc
+            else:  # a bug: answer in OpenAI's shape, never with a stack trace
+                log.exception("%s: internal error", ctx.request_id)
+                failure = GpupoolError(
+                    f"gpupool internal error (request {ctx.request_id}); see the router log",
+                    "internal_error",
+                )
+            outcome.status = failure.status
+            outcome.outcome = _outcome_of(failure.status)
+            outcome.reason = failure.code
+            if outcome.response_started:
+                return
             await _send_error(
                 send,
-                err,
+                failure,
                 gp_headers
                 + (
                     [(b"x-gpupool-instance", outcome.instance_id.encode())]
@@ -338,16 +350,36 @@ class CompletionsHandler:
                 ),
             )
 
-    async def _choose(self, ctx: RequestContext, tried: set[str]) -> Candidate:
+    def _retry_or_fail(
+        self, ctx: RequestContext, instance_id: str, attempts: int, err: BaseException
+    ) -> None:
+        if attempts > self._max_retries:
+            raise EngineFailure(
+                f"could not reach an engine in pool {ctx.pool!r} after {attempts} attempt(s): "
+                f"{err or type(err).__name__}",
+                "engine_unreachable",
+            ) from None
+        self.metrics.retries.labels(ctx.pool).inc()
+        log.info(
+            "%s: %s failed before answering (%s); retrying",
+            ctx.request_id,
+            instance_id,
+            type(err).__name__,
+        )
+
+    async def _choose(self, ctx: RequestContext, refused: set[str], tried: set[str]) -> Candidate:
+        """The best instance not yet tried; else one that failed but did not refuse."""
         allocation = self.pool_map.current
         cands = self.picker.candidates(allocation, ctx.pool)
         cands = await self.admission.admit(ctx, cands)
         chosen = self.picker.pick(PickRequest(ctx.pool, ctx.run_id, frozenset(tried)), cands)
+        if chosen is None and tried != refused:
+            chosen = self.picker.pick(PickRequest(ctx.pool, ctx.run_id, frozenset(refused)), cands)
         if chosen is None:
             total = len(allocation.instances_for(ctx.pool))
             raise NoHealthyInstance(
                 f"no healthy instance in pool {ctx.pool!r} ({total} allocated"
-                f"{', all tried' if tried else ''})",
+                f"{', all refused the connection' if refused else ''})",
                 "no_healthy_instance",
             )
         return chosen
@@ -379,6 +411,7 @@ class CompletionsHandler:
                 )
             outcome.outcome, outcome.reason = "client_error", str(status)
             ctype = resp.headers.get("content-type", "application/json").encode()
+            outcome.response_started = True
             await send(
                 {
                     "type": "http.response.start",
@@ -430,6 +463,7 @@ class CompletionsHandler:
             )
         if ctx.want_gpu_usage and extra:
             raw = _add_usage(raw, extra)
+        outcome.response_started = True
         await send(
             {
                 "type": "http.response.start",
@@ -447,6 +481,7 @@ class CompletionsHandler:
         headers: list[tuple[bytes, bytes]],
         outcome: RequestOutcome,
     ) -> None:
+        outcome.response_started = True
         await send(
             {
                 "type": "http.response.start",

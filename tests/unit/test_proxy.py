@@ -232,3 +232,44 @@ async def test_gpu_readings_reach_metrics_with_a_fake_nvml(tmp_path: Path) -> No
         gpus = (await client.get("/admin/gpus")).json()
         assert gpus["snapshot"]["devices"][0]["name"].startswith("NVIDIA H100")
     await gateway.aclose()
+
+
+async def test_connection_reset_before_the_answer_is_retried(tmp_path: Path) -> None:
+    """An engine that accepts and then drops the connection (a stale keep-alive, a dying
+    engine) costs a retry, never a 500."""
+    import asyncio
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        writer.transport.abort()
+
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    drop_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    state = FakeEngineState()
+    async with serve_asgi(make_fake_engine(state)) as live:
+        specs = [InstanceSpec("drops", drop_url, 1), InstanceSpec("live", live, 1)]
+        data = {
+            **DEFAULT_CPU_CONFIG,
+            "router": {"ledger_path": str(tmp_path / "l.sqlite")},
+            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
+        }
+        gateway = create_app(parse_config(data), specs, scrape=False)
+        for spec in specs:
+            gateway.fleet.get(spec.instance_id).healthy = True  # type: ignore[union-attr]
+        await gateway.start()
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+        ) as client:
+            for _ in range(8):
+                resp = await client.post("/v1/chat/completions", json=BODY)
+                assert resp.status_code == 200, resp.text
+        # only one instance, and it drops everything: a clear 502, not a 500
+        gateway.fleet.get("live").healthy = False  # type: ignore[union-attr]
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+        ) as client:
+            resp = await client.post("/v1/chat/completions", json=BODY)
+            assert resp.status_code == 502
+            assert resp.json()["error"]["code"] == "engine_unreachable"
+        await gateway.aclose()
+    server.close()
