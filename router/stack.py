@@ -21,7 +21,7 @@ from pools.config import Config
 from pools.launchers import InstanceSpec, LauncherError, make_launcher
 from router.app import create_app
 
-__all__ = ["instances_without_launching", "run_stack"]
+__all__ = ["instances_without_launching", "run_blocking", "run_stack"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,11 @@ def instances_without_launching(config: Config) -> list[InstanceSpec]:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only for TCP
+    # sockets it recognises as such; with proto 0 every keep-alive response waited ~40 ms for
+    # the client's delayed ACK (Nagle), measured in benchmarks/results/router_overhead.md.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -79,6 +83,15 @@ def _banner(config: Config, gateway_view: dict[str, object], host: str, port: in
             f"{instances or 'no instance'}"
         )
     _say("press Ctrl-C to stop")
+
+
+def run_blocking(config: Config, *, launch: bool) -> int:
+    """Run the stack on uvloop (as uvicorn does when it owns the loop), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run_stack(config, launch=launch))
+    return uvloop.run(run_stack(config, launch=launch))
 
 
 async def run_stack(config: Config, *, launch: bool) -> int:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from router.commands._config import load_or_report, with_port
 
@@ -20,6 +19,6 @@ def run(args: argparse.Namespace) -> int:
     config = load_or_report(args.config)
     if config is None:
         return 2
-    from router.stack import run_stack
+    from router.stack import run_blocking
 
-    return asyncio.run(run_stack(with_port(config, args.port), launch=False))
+    return run_blocking(with_port(config, args.port), launch=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from pools.devmodel import SHAPES, is_dev_model, make_dev_model
@@ -26,6 +25,6 @@ def run(args: argparse.Namespace) -> int:
     if model.load_format == "dummy" and not is_dev_model(model.path) and model.path.name in SHAPES:
         make_dev_model(model.path, model.path.name)
         print(f"gpupool: made the dev model {model.path.name!r} in {model.path}", file=sys.stderr)
-    from router.stack import run_stack
+    from router.stack import run_blocking
 
-    return asyncio.run(run_stack(config, launch=True))
+    return run_blocking(config, launch=True)
