@@ -17,6 +17,8 @@ PORTS: dict[str, int] = {
     "gpupool-proposed-real": 8523,
     "vllm-router": 8530,
     "vllm-router-metrics": 8531,
+    "vllm-router-real": 8532,
+    "vllm-router-real-metrics": 8533,
     "production-stack": 8540,
     "litellm": 8550,
 }

@@ -1,7 +1,7 @@
-"""Where gpupool's CPU goes under load: py-spy samples of the router process (native frames
-included, so orjson and the HTTP parsers show up) while the load generator drives one window,
-folded into components (event loop, ASGI server, HTTP parsing, JSON, aiohttp client, gpupool's
-own code) and the top functions by self samples.
+"""Where gpupool's CPU goes under load: py-spy samples of the router process (Python frames,
+taken without stopping it) while the load generator drives one window, folded into components
+by the innermost frame (event loop, ASGI server, aiohttp client, gpupool's own code, ledger; C
+called from Python counts for its caller), plus perf's native split (perf_native.py).
 
 py-spy lives in its own venv (`.venv-peers/pyspy`); without it this step reports why it was
 skipped.
@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.router_overhead import perf_native
+
 __all__ = ["fold", "load_samples", "missing", "parse_raw", "record"]
 
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<where>[^()]*)\)$")
@@ -28,6 +30,8 @@ _SYSCALL = "socket syscalls (read/write/send/recv, in the kernel)"
 # (substring of a frame's location, component); the innermost frame with a match decides,
 # and within one frame the first match in this order. Native frames are named by their C file.
 _COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("asyncio/runners.py", "event loop internals (uvloop's C loop: polling, dispatch, socket I/O)"),
+    ("router/ledger.py", "ledger (router/ledger.py + sqlite3, its worker thread)"),
     ("orjson", "JSON (orjson)"),
     ("(parser.c", "HTTP parsing, server side (httptools)"),
     ("(llhttp.c", "HTTP parsing, server side (httptools)"),
@@ -176,31 +180,23 @@ def fold(samples: Iterable[tuple[list[str], int]], top_n: int = 15) -> dict[str,
 async def record(
     pyspy: Path, pid: int, duration_s: float, out: Path, load: Awaitable[Any], rate_hz: int = 250
 ) -> dict[str, Any]:
-    """Sample `pid` for `duration_s` while `load` runs; returns `fold` of the samples, or
-    {"skipped": reason}. `pyspy` must exist (see `missing`)."""
+    """Sample `pid` for `duration_s` while `load` runs, with py-spy (Python frames, without
+    stopping the process: ptrace stops would land on system-call exits and inflate them) and,
+    alongside, perf (native split, see perf_native). Returns `fold` of the py-spy samples plus
+    {"native": ...}, or {"skipped": reason}. `pyspy` must exist (see `missing`)."""
     proc = await asyncio.create_subprocess_exec(
-        str(pyspy),
-        "record",
-        "--pid",
-        str(pid),
-        "--duration",
-        str(int(duration_s)),
-        "--rate",
-        str(rate_hz),
-        "--format",
-        "raw",
-        "--native",
-        "--output",
-        str(out),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
+        str(pyspy), "record", "--pid", str(pid), "--duration", str(int(duration_s)),
+        "--rate", str(rate_hz), "--format", "raw", "--nonblocking", "--output", str(out),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
     await asyncio.sleep(0.5)
+    native_out = out.with_suffix(".perf.data")
+    native = asyncio.ensure_future(perf_native.record(pid, duration_s - 1.0, native_out))
     await load
+    native_rc, native_output = await native
     stdout, _ = await proc.communicate()
     folded = load_samples(out, proc.returncode, stdout.decode(errors="replace"))
-    if "busy_samples" in folded:
-        folded["busy_frac_of_window"] = round(folded["busy_samples"] / (rate_hz * duration_s), 3)
+    folded["native"] = perf_native.report(native_out, native_rc, native_output)
     return folded
 
 

@@ -22,7 +22,12 @@ from benchmarks.router_overhead.runner import (
     run_rounds,
     target_results,
 )
-from benchmarks.router_overhead.targets import PeerPaths, TargetSpec, gpupool_target
+from benchmarks.router_overhead.targets import (
+    PeerPaths,
+    TargetSpec,
+    gpupool_target,
+    vllm_router_target,
+)
 
 __all__ = ["VLLM_ARGS", "run_real_vllm"]
 
@@ -103,6 +108,17 @@ async def run_real_vllm(
                 nice=placement.served_nice,
                 cwd=paths.repo,
             )
+            lives.append(live)
+        rust = vllm_router_target(
+            "vllm-router", PORTS["vllm-router-real"], PORTS["vllm-router-real-metrics"],
+            engine_url, paths,
+        )  # fmt: skip
+        if rust.missing() is None and rust.argv is not None:
+            live = Live(rust)
+            live.proc = start_proc(
+                "vllm-router-real", rust.argv, log_dir=workdir, cpus=placement.proxy,
+                nice=placement.served_nice,
+            )  # fmt: skip
             lives.append(live)
         for live in lives[1:]:
             await ready(live)

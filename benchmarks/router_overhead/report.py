@@ -141,25 +141,40 @@ def _profile(prof: dict[str, Any], title: str) -> list[str]:
         return []
     if "skipped" in prof:
         return [f"**{title}**: skipped: {prof['skipped']}", ""]
-    lines = [
-        f"**{title}** ({prof['busy_samples']} busy samples at 250 Hz; idle waits dropped)",
-        "",
-        "| component (innermost frame) | share of busy samples |",
-        "| --- | --- |",
-    ]
-    lines += [f"| {name} | {frac:.1%} |" for name, _, frac in prof["components"]]
+    native = prof.get("native") or {}
+    lines = [f"**{title}**", ""]
+    if "components" in native:
+        lines += [
+            "| native (perf, cpu-clock) | share | | Python (py-spy, innermost frame) | share |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        left = [(name, frac) for name, frac in native["components"] if frac >= 0.005]
+        right = [(name, frac) for name, _, frac in prof["components"] if frac >= 0.005]
+        for i in range(max(len(left), len(right))):
+            ln, lf = left[i] if i < len(left) else ("", None)
+            rn, rf = right[i] if i < len(right) else ("", None)
+            lines.append(
+                f"| {ln} | {'' if lf is None else f'{lf:.1%}'} | "
+                f"| {rn} | {'' if rf is None else f'{rf:.1%}'} |"
+            )
+    else:
+        if native.get("skipped"):
+            lines += [f"Native split skipped: {native['skipped']}", ""]
+        lines += ["| Python (py-spy, innermost frame) | share |", "| --- | --- |"]
+        lines += [f"| {name} | {frac:.1%} |" for name, _, frac in prof["components"]]
     lines += [
         "",
-        "| top frames by self samples (native or Python) | share |",
+        f"| top Python lines ({prof['busy_samples']} busy samples at 250 Hz; C they call "
+        "counts for them) | share |",
         "| --- | --- |",
     ]
-    lines += [f"| `{name}` | {frac:.1%} |" for name, _, frac in prof["top_self"][:12]]
-    lines += [
-        "",
-        "| top Python functions (innermost Python frame, incl. C it calls) | share |",
-        "| --- | --- |",
-    ]
-    lines += [f"| `{name}` | {frac:.1%} |" for name, _, frac in prof.get("top_python", [])[:8]]
+    lines += [f"| `{name}` | {frac:.1%} |" for name, _, frac in prof.get("top_python", [])[:10]]
+    if native.get("top_symbols"):
+        lines += [
+            "",
+            "Top native symbols: "
+            + "; ".join(f"`{name}` {frac:.1%}" for name, frac in native["top_symbols"][:8]),
+        ]
     if prof.get("inclusive"):
         lines += [
             "",
@@ -180,7 +195,7 @@ def _real(real: dict[str, Any]) -> list[str]:
         f"max_tokens {real['max_tokens']}.",
         "",
         "| target | p50 / p99 (ms) | added p50 / p99 (ms) | added p50 per round (ms) "
-        "| gpupool CPU ms / req (net of its CPU at rest) | CPU at rest (ms/s) | errors |",
+        "| proxy CPU ms / req (net of its CPU at rest) | CPU at rest (ms/s) | errors |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in real["targets"]:
@@ -249,7 +264,11 @@ def render(res: dict[str, Any]) -> str:
                 f"| {_f(head * 100 if head is not None else None, 0)} % |"
             )
         out.append("")
-    out += ["## What bounds gpupool (py-spy, native frames, on the router process)", ""]
+    out += [
+        "## What bounds gpupool (the router process under load: perf for the native split, "
+        "py-spy for the Python frames, same window)",
+        "",
+    ]
     for variant, prof in (res.get("profile") or {}).items():
         out += _profile(prof.get("hi", {}), f"{variant}, non-streaming, c={plan['hi_concurrency']}")
         out += _profile(

@@ -56,7 +56,6 @@ class TargetSpec:
     port: int
     argv: list[str] | None
     ready_path: str = "/v1/models"
-    ready_probe: bool = False  # POST a tiny chat request as the readiness check
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
     needs: tuple[Path, ...] = ()
@@ -124,7 +123,7 @@ def gpupool_target(
     entry = ["-m", "benchmarks.router_overhead.proposed_serve"] if proposed else []
     note = "gpupool serve, one static engine split between the agent and normal pools"
     if proposed:
-        note += ", with the proposed TCP_NODELAY + uvloop changes"
+        note += ", with the proposed gc.freeze() at start-up"
     return TargetSpec(
         name=name,
         port=port,
@@ -137,11 +136,41 @@ def gpupool_target(
     )
 
 
+def vllm_router_target(
+    name: str, port: int, metrics_port: int, engine_url: str, paths: PeerPaths
+) -> TargetSpec:
+    """vllm-project's Rust router over one engine, round robin."""
+    vr = paths.vllm_router_venv / "bin" / "vllm-router"
+    return TargetSpec(
+        name=name,
+        port=port,
+        argv=[
+            str(vr),
+            "--worker-urls",
+            engine_url,
+            "--policy",
+            "round_robin",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(metrics_port),
+            "--log-level",
+            "warning",
+        ],
+        ready_path="/health",
+        needs=(vr,),
+        install_hint="python3 -m venv .venv-peers/vllmrouter && "
+        ".venv-peers/vllmrouter/bin/pip install vllm-router",
+        note="vllm-project/router (Rust), round_robin",
+    )
+
+
 def make_targets(
     engine_url: str, ports: dict[str, int], paths: PeerPaths, workdir: Path
 ) -> list[TargetSpec]:
     """All five targets in report order; `ports` maps a target name to its port."""
-    vr = paths.vllm_router_venv / "bin" / "vllm-router"
     ps_py = paths.pstack_venv / "bin" / "python"
     ll = paths.litellm_venv / "bin" / "litellm"
     ll_cfg = workdir / "litellm.yaml"
@@ -155,30 +184,8 @@ def make_targets(
         gpupool_target(
             "gpupool-proposed", ports["gpupool-proposed"], engine_url, paths, workdir, proposed=True
         ),
-        TargetSpec(
-            name="vllm-router",
-            port=ports["vllm-router"],
-            argv=[
-                str(vr),
-                "--worker-urls",
-                engine_url,
-                "--policy",
-                "round_robin",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(ports["vllm-router"]),
-                "--prometheus-port",
-                str(ports["vllm-router-metrics"]),
-                "--log-level",
-                "warning",
-            ],
-            ready_path="/health",
-            ready_probe=True,
-            needs=(vr,),
-            install_hint="python3 -m venv .venv-peers/vllmrouter && "
-            ".venv-peers/vllmrouter/bin/pip install vllm-router",
-            note="vllm-project/router (Rust), round_robin",
+        vllm_router_target(
+            "vllm-router", ports["vllm-router"], ports["vllm-router-metrics"], engine_url, paths
         ),
         TargetSpec(
             name="production-stack",
@@ -203,7 +210,6 @@ def make_targets(
                 "warning",
             ],
             ready_path="/v1/models",
-            ready_probe=True,
             env={"PYTHONPATH": str(paths.pstack_src)},
             cwd=paths.pstack_src,
             needs=(ps_py, paths.pstack_src / "vllm_router" / "app.py"),
@@ -228,7 +234,6 @@ def make_targets(
                 "1",
             ],
             ready_path="/health/liveliness",
-            ready_probe=True,
             env={
                 "LITELLM_LOG": "ERROR",
                 "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks.router_overhead.meter import Meter, summarize_phase
+from benchmarks.router_overhead.perf_native import dso_label, fold_report
 from benchmarks.router_overhead.profile import fold, parse_raw
 from benchmarks.router_overhead.report import check_gpupool
 from benchmarks.router_overhead.stats import (
@@ -131,3 +132,26 @@ def test_profile_fold_drops_idle_and_groups_components() -> None:
     assert out["top_self"][0][0] == "post (aiohttp/client.py:9)"
     assert ("(unnamed) (orjson/orjson.so)", 3, 0.3) in out["top_self"]
     assert out["top_python"][0] == ("post (aiohttp/client.py:9)", 5, 0.5)
+
+
+def test_perf_report_folds_by_shared_object() -> None:
+    by_dso = "\n".join(
+        [
+            "# Samples: 2K of event 'cpu-clock'",
+            "    70.00%  libpython3.11.so.1.0",
+            "    12.00%  [kernel.kallsyms]",
+            "     5.00%  loop.cpython-311-x86_64-linux-gnu.so",
+            "     2.00%  orjson.cpython-311-x86_64-linux-gnu.so",
+            "     1.00%  _multidict.cpython-311-x86_64-linux-gnu.so",
+            "     1.00%  _http_writer.cpython-311-x86_64-linux-gnu.so",
+        ]
+    )
+    by_sym = "    29.74%  libpython3.11.so.1.0   [.] _PyEval_EvalFrameDefault\n"
+    out = fold_report(by_dso, by_sym)
+    comps = dict(out["components"])
+    assert comps["CPython interpreter (bytecode, objects, GC)"] == pytest.approx(0.70)
+    assert comps["kernel (system calls, TCP/IP, scheduling)"] == pytest.approx(0.12)
+    assert comps["aiohttp C helpers (multidict, writer, yarl)"] == pytest.approx(0.02)
+    assert out["components"][0][0].startswith("CPython")
+    assert out["top_symbols"] == [("_PyEval_EvalFrameDefault (libpython3.11.so.1.0)", 0.2974)]
+    assert dso_label("mystery.so") == "other (mystery.so)"
