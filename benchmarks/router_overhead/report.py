@@ -264,8 +264,10 @@ def render(res: dict[str, Any]) -> str:
                 f"| {_f(head * 100 if head is not None else None, 0)} % |"
             )
         out.append("")
+    if res.get("analysis"):
+        out += ["## Analysis (benchmarks/router_overhead/notes.md)", "", res["analysis"], ""]
     out += [
-        "## What bounds gpupool (the router process under load: perf for the native split, "
+        "## Profiles of gpupool (the router process under load: perf for the native split, "
         "py-spy for the Python frames, same window)",
         "",
     ]
@@ -274,8 +276,6 @@ def render(res: dict[str, Any]) -> str:
         out += _profile(
             prof.get("stream", {}), f"{variant}, streaming, c={plan['stream_concurrency']}"
         )
-    if res.get("analysis"):
-        out += [res["analysis"], ""]
     out += ["## gpupool in front of a real CPU vLLM engine", "", *_real(res.get("real_vllm", {}))]
     out += [
         "## How it was measured",
