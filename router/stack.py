@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -87,6 +88,10 @@ def _banner(config: Config, gateway_view: dict[str, object], host: str, port: in
 
 def run_blocking(config: Config, *, launch: bool) -> int:
     """Run the stack on uvloop (as uvicorn does when it owns the loop), else asyncio's loop."""
+    # Everything is imported by now: keep those objects (~65k) out of the cyclic GC's scans.
+    # Measured: CPU per proxied request 282 -> 261 us (benchmarks/results/router_overhead.md).
+    gc.collect()
+    gc.freeze()
     try:
         import uvloop
     except ImportError:
