@@ -42,7 +42,6 @@ log = logging.getLogger("benchmarks.router_overhead")
 ALL_TARGETS = (
     "direct",
     "gpupool",
-    "gpupool-proposed",
     "vllm-router",
     "production-stack",
     "litellm",
@@ -96,19 +95,15 @@ def _placement(args: argparse.Namespace) -> tuple[Placement, str]:
 async def _profile_gpupool(
     lives: list[Live], plan: Plan, paths: PeerPaths, workdir: Path
 ) -> dict[str, Any]:
-    """py-spy on each gpupool variant: one non-streaming and one streaming window each."""
+    """py-spy on gpupool: one non-streaming and one streaming window."""
     pyspy = paths.repo / ".venv-peers" / "pyspy" / "bin" / "py-spy"
-    out: dict[str, Any] = {}
-    for name in ("gpupool", "gpupool-proposed"):
-        gp = next((lv for lv in lives if lv.spec.name == name and lv.status == "ok"), None)
-        if gp is None or gp.proc is None or gp.client is None:
-            continue
-        if (skipped := profile.missing(pyspy)) is not None:
-            out[name] = {"hi": skipped, "stream": skipped}
-            continue
-        with solo(lives, gp):
-            out[name] = await _profile_one(gp, plan, pyspy, workdir)
-    return out
+    gp = next((lv for lv in lives if lv.spec.name == "gpupool" and lv.status == "ok"), None)
+    if gp is None or gp.proc is None or gp.client is None:
+        return {}
+    if (skipped := profile.missing(pyspy)) is not None:
+        return {"hi": skipped, "stream": skipped}
+    with solo(lives, gp):
+        return await _profile_one(gp, plan, pyspy, workdir)
 
 
 async def _profile_one(gp: Live, plan: Plan, pyspy: Path, workdir: Path) -> dict[str, Any]:

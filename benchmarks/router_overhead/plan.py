@@ -1,4 +1,4 @@
-"""How much load each phase drives and where everything runs: the full run (~6-8 minutes with
+"""How much load each phase drives and where everything runs: the full run (~4-6 minutes with
 the real-engine phase) and `--quick` (a ~1-minute smoke, most of it LiteLLM's start-up)."""
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ PORTS: dict[str, int] = {
     "engine": 8510,
     "gpupool": 8520,
     "gpupool-real": 8521,
-    "gpupool-proposed": 8522,
-    "gpupool-proposed-real": 8523,
     "vllm-router": 8530,
     "vllm-router-metrics": 8531,
     "vllm-router-real": 8532,

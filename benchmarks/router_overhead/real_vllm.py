@@ -95,20 +95,17 @@ async def run_real_vllm(
         )
         lives = [direct]
         engine_url = f"http://127.0.0.1:{port}"
-        for name, proposed in (("gpupool", False), ("gpupool-proposed", True)):
-            spec = gpupool_target(
-                name, PORTS[f"{name}-real"], engine_url, paths, workdir, proposed=proposed
-            )
-            live = Live(spec)
-            live.proc = start_proc(
-                f"{name}-real",
-                spec.argv or [],
-                log_dir=workdir,
-                cpus=placement.proxy,
-                nice=placement.served_nice,
-                cwd=paths.repo,
-            )
-            lives.append(live)
+        spec = gpupool_target("gpupool", PORTS["gpupool-real"], engine_url, paths, workdir)
+        live = Live(spec)
+        live.proc = start_proc(
+            "gpupool-real",
+            spec.argv or [],
+            log_dir=workdir,
+            cpus=placement.proxy,
+            nice=placement.served_nice,
+            cwd=paths.repo,
+        )
+        lives.append(live)
         rust = vllm_router_target(
             "vllm-router", PORTS["vllm-router-real"], PORTS["vllm-router-real-metrics"],
             engine_url, paths,

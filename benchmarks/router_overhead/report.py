@@ -25,17 +25,10 @@ def _get(entry: dict[str, Any], phase: str, key: str) -> Any:
 
 
 def check_gpupool(targets: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each gpupool target with its measured value, met or not, and the margin, for `gpupool`
-    and `gpupool-proposed`."""
-    out = []
-    for name in ("gpupool", "gpupool-proposed"):
-        gp = next((t for t in targets if t["name"] == name and t["status"] == "ok"), None)
-        if gp is not None:
-            out += [{"variant": name, **row} for row in _check_one(gp)]
-    return out
-
-
-def _check_one(gp: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each of gpupool's targets with its measured value, met or not, and the margin."""
+    gp = next((t for t in targets if t["name"] == "gpupool" and t["status"] == "ok"), None)
+    if gp is None:
+        return []
     rows = [
         ("added p50 latency at c=1", _get(gp, "c1", "added_p50_ms"), TARGET_ADDED_P50_MS, "ms"),
         (
@@ -253,13 +246,13 @@ def render(res: dict[str, Any]) -> str:
         out += [
             "## gpupool against its targets",
             "",
-            "| variant | target | measured | limit | met | headroom |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| target | measured | limit | met | headroom |",
+            "| --- | --- | --- | --- | --- |",
         ]
         for c in checks:
             head = c["headroom_frac"]
             out.append(
-                f"| {c['variant']} | {c['target']} | {_f(c['value'], 1)} {c['unit']} "
+                f"| {c['target']} | {_f(c['value'], 1)} {c['unit']} "
                 f"| {c['limit']:g} {c['unit']} | {'yes' if c['met'] else '**no**'} "
                 f"| {_f(head * 100 if head is not None else None, 0)} % |"
             )
@@ -271,11 +264,9 @@ def render(res: dict[str, Any]) -> str:
         "py-spy for the Python frames, same window)",
         "",
     ]
-    for variant, prof in (res.get("profile") or {}).items():
-        out += _profile(prof.get("hi", {}), f"{variant}, non-streaming, c={plan['hi_concurrency']}")
-        out += _profile(
-            prof.get("stream", {}), f"{variant}, streaming, c={plan['stream_concurrency']}"
-        )
+    prof = res.get("profile") or {}
+    out += _profile(prof.get("hi", {}), f"non-streaming, c={plan['hi_concurrency']}")
+    out += _profile(prof.get("stream", {}), f"streaming, c={plan['stream_concurrency']}")
     out += ["## gpupool in front of a real CPU vLLM engine", "", *_real(res.get("real_vllm", {}))]
     out += [
         "## How it was measured",

@@ -1,9 +1,8 @@
-"""The five targets (and gpupool with its proposed changes), each in front of the same
-engine: how to start it, where it listens, and why it cannot run when it cannot.
+"""The five targets, each in front of the same engine: how to start it, where it listens,
+and why it cannot run when it cannot.
 
 - `direct`: the engine itself, the limit (no proxy process);
 - `gpupool`: `gpupool serve` over one static URL (both pools split one instance);
-- `gpupool-proposed`: the same with the changes proposed in the report applied at run time;
 - `vllm-router`: vllm-project's Rust router (`pip install vllm-router`), round robin;
 - `production-stack`: vLLM production-stack's Python router from a source snapshot, static
   discovery, round robin;
@@ -105,34 +104,23 @@ def _litellm_config(engine_url: str) -> str:
 
 
 def gpupool_target(
-    name: str,
-    port: int,
-    engine_url: str,
-    paths: PeerPaths,
-    workdir: Path,
-    *,
-    proposed: bool = False,
+    name: str, port: int, engine_url: str, paths: PeerPaths, workdir: Path
 ) -> TargetSpec:
-    """`gpupool serve`; with `proposed`, the same with this benchmark's proposed changes
-    applied at run time (benchmarks/router_overhead/proposed_serve.py)."""
+    """`gpupool serve` over one static engine."""
     state = workdir / f"{name}-state"
     state.mkdir(parents=True, exist_ok=True)
     cfg = workdir / f"{name}.json"
     cfg.write_text(json.dumps(gpupool_config(engine_url, state)))
-    exe = paths.gpupool_venv / "bin" / ("python" if proposed else "gpupool")
-    entry = ["-m", "benchmarks.router_overhead.proposed_serve"] if proposed else []
-    note = "gpupool serve, one static engine split between the agent and normal pools"
-    if proposed:
-        note += ", with the proposed gc.freeze() at start-up"
+    exe = paths.gpupool_venv / "bin" / "gpupool"
     return TargetSpec(
         name=name,
         port=port,
-        argv=[str(exe), *entry, "serve", "--config", str(cfg), "--port", str(port)],
+        argv=[str(exe), "serve", "--config", str(cfg), "--port", str(port)],
         ready_path="/ready",
         cwd=paths.repo,
         needs=(exe,),
         install_hint="pip install -e . into .venv",
-        note=note,
+        note="gpupool serve, one static engine split between the agent and normal pools",
     )
 
 
@@ -181,9 +169,6 @@ def make_targets(
             name="direct", port=engine_port, argv=None, note="the fake engine itself (the limit)"
         ),
         gpupool_target("gpupool", ports["gpupool"], engine_url, paths, workdir),
-        gpupool_target(
-            "gpupool-proposed", ports["gpupool-proposed"], engine_url, paths, workdir, proposed=True
-        ),
         vllm_router_target(
             "vllm-router", ports["vllm-router"], ports["vllm-router-metrics"], engine_url, paths
         ),
