@@ -1,7 +1,7 @@
-"""Test seams for the harness: serve an ASGI app over real HTTP inside the test's event loop
-(the runner speaks aiohttp, so it needs a socket), and a gpupool-like wrapper around the fake
-engine that answers `GET /v1/runs/{run_id}`, tags responses with `x-gpupool-*` headers and can
-reject a class with gpupool's 429 body and `Retry-After`.
+"""Test seams for the harness: `serve_asgi` (from `pools.testing.serve`: the runner speaks
+aiohttp, so tests need a real socket) and a gpupool-like wrapper around the fake engine that
+answers `GET /v1/runs/{run_id}`, tags responses with `x-gpupool-*` headers and can reject a
+class with gpupool's 429 body and `Retry-After`.
 
     async with serve_asgi(GpupoolLike(make_fake_engine(state))) as url:
         result = await Runner(plan, Target("t", url), run_id_prefix="t").run()
@@ -9,14 +9,13 @@ reject a class with gpupool's 429 body and `Retry-After`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from pools.testing.serve import serve_asgi
 
 __all__ = ["GpupoolLike", "serve_asgi"]
 
@@ -25,32 +24,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-@contextlib.asynccontextmanager
-async def serve_asgi(app: Any) -> AsyncIterator[str]:
-    """Serve `app` with uvicorn on a free 127.0.0.1 port; yields the base URL."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
 
 
 @dataclass

@@ -27,7 +27,7 @@ class _QuietServer(uvicorn.Server):
 
 @contextlib.asynccontextmanager
 async def serve_asgi(app: Any, host: str = "127.0.0.1") -> AsyncIterator[str]:
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     sock.listen(512)
