@@ -32,7 +32,6 @@ class InstanceState:
     failures: int = 0
     last_error: str | None = None
     inflight: int = 0  # sequences this router has dispatched and not yet finished
-    dispatched_total: int = 0
 
 
 class Fleet:
@@ -61,9 +60,6 @@ class Fleet:
 
     def __iter__(self) -> Iterator[InstanceState]:
         return iter(self._states.values())
-
-    def __len__(self) -> int:
-        return len(self._states)
 
     def capacity_gpus(self) -> dict[str, float]:
         return {i: float(s.spec.gpus) for i, s in self._states.items()}

@@ -278,7 +278,6 @@ class CompletionsHandler:
                     sock_connect=self._connect_timeout_s,
                 )
                 instance.inflight += 1
-                instance.dispatched_total += 1
                 self.metrics.set_inflight(instance_id, instance.inflight)
                 outcome.dispatched_at_s = self.clock()
                 self.metrics.overhead.observe(outcome.dispatched_at_s - ctx.received_at_s)

@@ -96,7 +96,6 @@ class EngineProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._supervisor: asyncio.Task[None] | None = None
-        self._restarted = asyncio.Event()
 
     @property
     def pid(self) -> int | None:
@@ -158,11 +157,6 @@ class EngineProcess:
                 return
             self.restarts += 1
             await self.spawn()
-            self._restarted.set()
-
-    async def wait_restarted(self) -> None:
-        self._restarted.clear()
-        await self._restarted.wait()
 
     async def stop(self) -> None:
         self._stopping = True
