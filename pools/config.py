@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "ClassConfig",
@@ -134,8 +141,11 @@ class SloSchema(_Strict):
 
 
 class QueueSchema(_Strict):
-    max_depth: int = Field(default=256, ge=0)
-    max_wait_s: float = Field(default=10.0, ge=0)
+    max_depth: int = Field(default=256, ge=0)  # waiting requests; 0: no queue, refuse at once
+    max_wait_s: float = Field(default=10.0, ge=0)  # longest wait before a 429 queue_timeout
+    # fifo: priority bands, then arrival; wfq: priority bands, then weighted fair queuing across
+    # tenants by estimated token cost (tenant `weight`), then arrival
+    order: Literal["fifo", "wfq"] = "wfq"
 
 
 class PoolSchema(_Strict):
@@ -190,6 +200,18 @@ class RouterSchema(_Strict):
     ledger_retention_days: float = Field(default=30.0, gt=0)
     state_path: str = "./.gpupool/state.json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # on: KV-headroom and operating-point admission with per-pool queues; off: every request is
+    # forwarded at once (the behaviour before admission, kept for comparison)
+    admission: Literal["on", "off"] = "on"
+    kv_margin_frac: float = Field(default=0.05, ge=0.0, lt=1.0)  # KV kept free on every instance
+
+    @field_validator("admission", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `on` / `off` as a boolean
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
 
 
 class ConfigSchema(_Strict):
@@ -311,6 +333,7 @@ class SloConfig:
 class QueueConfig:
     max_depth: int
     max_wait_s: float
+    order: str = "wfq"
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,6 +389,8 @@ class RouterConfig:
     ledger_retention_days: float
     state_path: Path
     log_level: str
+    admission: str = "on"
+    kv_margin_frac: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,7 +485,7 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
             classes=tuple(p.classes),
             share=ShareConfig(p.share.initial_frac, p.share.floor_frac, p.share.ceiling_frac),
             slo=SloConfig(p.slo.ttft_p95_ms, p.slo.tpot_p95_ms),
-            queue=QueueConfig(p.queue.max_depth, p.queue.max_wait_s),
+            queue=QueueConfig(p.queue.max_depth, p.queue.max_wait_s, p.queue.order),
         )
         for name, p in schema.pools.items()
     )
@@ -533,6 +558,8 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
             ledger_retention_days=r.ledger_retention_days,
             state_path=_resolve(base, r.state_path),
             log_level=r.log_level,
+            admission=r.admission,
+            kv_margin_frac=r.kv_margin_frac,
         ),
         source=source,
     )

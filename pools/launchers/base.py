@@ -29,6 +29,7 @@ class InstanceSpec:
     instance_id: str  # stable name, e.g. "engine-0"; used as a metric label
     url: str  # base URL without trailing slash, e.g. "http://127.0.0.1:8100"
     gpus: int  # GPUs the engine holds (a CPU engine counts as configured, default 1)
+    api_key: str | None = None  # the engine's own API key (vLLM --api-key); the router sends it
 
 
 class Launcher(Protocol):
