@@ -109,9 +109,20 @@ class StaticEnginesSchema(_Strict):
 
 
 class EnginesSchema(_Strict):
-    launcher: Literal["local", "static", "ray"] = "local"
+    launcher: Literal["local", "static", "ray"] = "local"  # ray: refused until it exists
     local: LocalEnginesSchema = Field(default_factory=LocalEnginesSchema)
     static: StaticEnginesSchema = Field(default_factory=StaticEnginesSchema)
+
+    @field_validator("launcher")
+    @classmethod
+    def _launcher_available(cls, value: str) -> str:
+        if value == "ray":
+            raise ValueError(
+                "'ray' is not available yet in this version of gpupool; use 'local', or start"
+                " the engines with Ray yourself and list their URLs in engines.static.urls"
+                " (launcher: static)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _static_has_urls(self) -> EnginesSchema:
@@ -686,6 +697,8 @@ def contract_problems(config: Config) -> list[str]:
     affinity = config.engines.local.cpu_affinity
     if config.engines.launcher == "local" and affinity is not None and len(affinity) != n:
         problems.append(
-            f"engines.local.cpu_affinity: has {len(affinity)} entries for {n} instances"
+            f"engines.local.cpu_affinity: {len(affinity)} CPU lists for {n} engines"
+            f" (engines.local.count); give one list per engine, e.g."
+            f" {[[i] for i in range(n)]}"
         )
     return problems

@@ -42,9 +42,11 @@ def instances_without_launching(config: Config) -> list[InstanceSpec]:
     engines = config.engines
     if engines.launcher == "static":
         urls = list(engines.static.urls)
-    else:
+    elif engines.launcher == "local":
         local = engines.local
         urls = [f"http://{local.host}:{local.base_port + i}" for i in range(local.count)]
+    else:
+        raise LauncherError(f"engines.launcher {engines.launcher!r} is not available")
     return [
         InstanceSpec(instance_id=f"engine-{i}", url=url, gpus=engines.gpus_per_instance)
         for i, url in enumerate(urls)
@@ -111,7 +113,12 @@ async def run_stack(config: Config, *, launch: bool) -> int:
     except LauncherError as err:
         _say(str(err))
         return 1
-    launcher = make_launcher(config, progress=_say) if launch else None
+    try:
+        launcher = make_launcher(config, progress=_say) if launch else None
+    except LauncherError as err:
+        _say(f"error: {err}")
+        sock.close()
+        return 1
     try:
         if launcher is not None:
             start = asyncio.ensure_future(launcher.start())

@@ -220,6 +220,11 @@ class LocalLauncher:
         gpu_count: int | None = None,
         python: str = sys.executable,
     ) -> None:
+        if local.cpu_affinity is not None and len(local.cpu_affinity) != local.count:
+            raise LauncherError(
+                f"engines.local.cpu_affinity: {len(local.cpu_affinity)} CPU lists for"
+                f" {local.count} engines; give one list per engine"
+            )
         self._local = local
         self._model = model
         self._progress = progress

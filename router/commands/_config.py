@@ -1,13 +1,23 @@
-"""Config loading shared by the subcommands: problems printed one per line, exit code 2."""
+"""Config loading shared by the subcommands: problems printed one per line, exit code 2.
+
+`check-config`, `up` and `serve` run the same checks (`config_problems`): a config that parses
+but cannot run is refused by all three before anything starts.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
 
-from pools.config import Config, ConfigError, load_config
+from pools.config import Config, ConfigError, contract_problems, load_config
 
-__all__ = ["load_or_report", "with_port"]
+__all__ = [
+    "check_or_report",
+    "config_problems",
+    "load_checked_or_report",
+    "load_or_report",
+    "with_port",
+]
 
 
 def load_or_report(path: str | None) -> Config | None:
@@ -19,6 +29,29 @@ def load_or_report(path: str | None) -> Config | None:
         for problem in err.problems:
             print(f"  - {problem}", file=sys.stderr)
         return None
+
+
+def config_problems(config: Config) -> list[str]:
+    """Everything that makes a valid config unable to run as configured; empty when none."""
+    return contract_problems(config)
+
+
+def check_or_report(config: Config) -> bool:
+    """True when `config_problems` finds nothing; else prints the problems and returns False."""
+    problems = config_problems(config)
+    if problems:
+        print(f"gpupool: config {config.source} is valid but inconsistent:", file=sys.stderr)
+        for problem in problems:
+            print(f"  - {problem}", file=sys.stderr)
+    return not problems
+
+
+def load_checked_or_report(path: str | None) -> Config | None:
+    """`load_or_report`, then `check_or_report`: the config, or None after printing why not."""
+    config = load_or_report(path)
+    if config is None or not check_or_report(config):
+        return None
+    return config
 
 
 def with_port(config: Config, port: int | None) -> Config:

@@ -1,15 +1,14 @@
 """`gpupool check-config FILE`: validate a config file and check its contract is consistent.
 
 Exit 0 when valid and consistent, 2 otherwise, with one line per problem naming the field.
+`up` and `serve` run the same checks before they start anything.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from pools.config import contract_problems
-from router.commands._config import load_or_report
+from router.commands._config import load_checked_or_report
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -19,14 +18,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_or_report(args.file)
+    config = load_checked_or_report(args.file)
     if config is None:
-        return 2
-    problems = contract_problems(config)
-    if problems:
-        print(f"gpupool: config {config.source} is valid but inconsistent:", file=sys.stderr)
-        for problem in problems:
-            print(f"  - {problem}", file=sys.stderr)
         return 2
     pools = ", ".join(
         f"{p.name} ({'/'.join(p.classes)}: {p.share.initial_frac:.0%} in "

@@ -1,11 +1,12 @@
 """`gpupool serve --config FILE`: run only the router, against engines already running
-(`engines.static.urls`, or the local launcher's host and ports)."""
+(`engines.static.urls`, or the local launcher's host and ports). The config passes the checks
+`check-config` runs first, or nothing starts (exit 2)."""
 
 from __future__ import annotations
 
 import argparse
 
-from router.commands._config import load_or_report, with_port
+from router.commands._config import load_checked_or_report, with_port
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -16,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_or_report(args.config)
+    config = load_checked_or_report(args.config)
     if config is None:
         return 2
     from router.stack import run_blocking

@@ -1,4 +1,6 @@
-"""`gpupool up [--config FILE]`: start the engines and the router; Ctrl-C stops everything."""
+"""`gpupool up [--config FILE]`: start the engines and the router; Ctrl-C stops everything.
+
+The config passes the checks `check-config` runs first, or nothing starts (exit 2)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import argparse
 import sys
 
 from pools.devmodel import SHAPES, is_dev_model, make_dev_model
-from router.commands._config import load_or_report, with_port
+from router.commands._config import check_or_report, load_or_report, with_port
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -25,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     if model.load_format == "dummy" and not is_dev_model(model.path) and model.path.name in SHAPES:
         make_dev_model(model.path, model.path.name)
         print(f"gpupool: made the dev model {model.path.name!r} in {model.path}", file=sys.stderr)
+    if not check_or_report(config):
+        return 2
     from router.stack import run_blocking
 
     return run_blocking(config, launch=True)
