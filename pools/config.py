@@ -8,6 +8,8 @@ the offending field. `contract_problems` is the consistency check behind `gpupoo
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,9 @@ __all__ = [
 ]
 
 
+_log = logging.getLogger(__name__)
+
+
 class ConfigError(Exception):
     """The configuration is invalid. `problems` lists one message per offending field."""
 
@@ -66,7 +71,10 @@ class ModelSchema(_Strict):
     path: str = "./.gpupool/models/tiny"  # HF-style folder: config.json, tokenizer
     max_model_len_tokens: int | None = Field(default=None, gt=0)  # None: the engine's default
     load_format: Literal["auto", "dummy"] = "dummy"  # dummy: random weights (dev model)
-    dtype: str = "bfloat16"
+    # auto: on a CPU engine float32, or bfloat16 where the CPU has avx512_bf16 or amx_bf16
+    # (without them bfloat16 prefill runs ~4x slower); on a GPU vLLM's own auto (the
+    # checkpoint's dtype). Any other value is passed to vLLM's --dtype as given.
+    dtype: str = "auto"
 
 
 class LocalEnginesSchema(_Strict):
@@ -174,14 +182,39 @@ class ClassSchema(_Strict):
 
 class TenantSchema(_Strict):
     name: str = Field(min_length=1)
+    # The key, given one way at most (none: the tenant has no key; see router/identity.py):
     api_key_env: str | None = None  # name of the env var holding the key
-    api_key: str | None = None  # literal key (tests, local use); prefer api_key_env
+    api_key: str | None = Field(default=None, repr=False)  # literal key: warns at load
+    api_key_sha256: str | None = None  # hex SHA-256 of the key: the config holds no secret
     weight: float = Field(default=1.0, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
     max_concurrent_runs: int | None = Field(default=None, gt=0)
     default_class: str | None = None
     may_set_class: bool = True
-    admin: bool = False  # may read /admin/* (every caller may when no key is configured)
+    admin: bool = False  # may read /admin/* and /metrics (router.admin_api_key_env may too)
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hex_digest(cls, value: str | None) -> str | None:
+        return None if value is None else _sha256_hex(value)
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> TenantSchema:
+        given = [k for k in ("api_key_env", "api_key", "api_key_sha256") if getattr(self, k)]
+        if len(given) > 1:
+            raise ValueError(
+                f"tenant {self.name!r}: give only one of api_key_env, api_key, api_key_sha256"
+                f" (got {', '.join(given)})"
+            )
+        return self
+
+
+def _sha256_hex(value: str) -> str:
+    """`value` as a lower-case SHA-256 hex digest. Raises `ValueError` (never echoing it)."""
+    digest = value.strip().lower()
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError("must be a SHA-256 digest: 64 hex characters (sha256sum of the key)")
+    return digest
 
 
 RuleName = Literal["header", "tenant_default", "tools", "run_id"]
@@ -211,10 +244,22 @@ class RouterSchema(_Strict):
     ledger_retention_days: float = Field(default=30.0, gt=0)
     state_path: str = "./.gpupool/state.json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)  # larger bodies: 413
+    body_read_timeout_s: float = Field(default=30.0, gt=0)  # a slower upload: 408
+    max_connections: int = Field(default=4096, ge=1)  # concurrent client connections; then 503
     # on: KV-headroom and operating-point admission with per-pool queues; off: every request is
     # forwarded at once (the behaviour before admission, kept for comparison)
     admission: Literal["on", "off"] = "on"
     kv_margin_frac: float = Field(default=0.05, ge=0.0, lt=1.0)  # KV kept free on every instance
+    # The operators' credential for /admin/* and /metrics, apart from any tenant's: the name of
+    # an env var holding the key, or the key's hex SHA-256. With no admin credential (no such key
+    # and no `admin: true` tenant) /admin/* answers 403, except on an open router (no keys at
+    # all) listening on a loopback host (local development). See router/identity.py.
+    admin_api_key_env: str | None = None
+    admin_api_key_sha256: str | None = None
+    # A read-only credential for Prometheus scrapers: reads /metrics, nothing else.
+    metrics_api_key_env: str | None = None
+    metrics_api_key_sha256: str | None = None
 
     @field_validator("admission", mode="before")
     @classmethod
@@ -223,6 +268,18 @@ class RouterSchema(_Strict):
         if isinstance(value, bool):
             return "on" if value else "off"
         return value
+
+    @field_validator("admin_api_key_sha256", "metrics_api_key_sha256")
+    @classmethod
+    def _hex_digest(cls, value: str | None) -> str | None:
+        return None if value is None else _sha256_hex(value)
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> RouterSchema:
+        for who in ("admin", "metrics"):
+            if getattr(self, f"{who}_api_key_env") and getattr(self, f"{who}_api_key_sha256"):
+                raise ValueError(f"give only one of {who}_api_key_env and {who}_api_key_sha256")
+        return self
 
 
 class ConfigSchema(_Strict):
@@ -367,13 +424,14 @@ class ClassConfig:
 @dataclass(frozen=True, slots=True)
 class TenantConfig:
     name: str
-    api_key: str | None
+    api_key: str | None = field(repr=False)  # None when given as a hash, or no key
     weight: float
     tokens_per_minute: int | None
     max_concurrent_runs: int | None
     default_class: str | None
     may_set_class: bool
     admin: bool = False
+    api_key_sha256: str | None = None  # hex SHA-256 of the key however given; None: no key
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,6 +460,11 @@ class RouterConfig:
     log_level: str
     admission: str = "on"
     kv_margin_frac: float = 0.05
+    max_body_bytes: int = 16 * 1024 * 1024
+    body_read_timeout_s: float = 30.0
+    max_connections: int = 4096
+    admin_api_key_sha256: str | None = None  # hex SHA-256 of the admin key; None: none set
+    metrics_api_key_sha256: str | None = None  # hex SHA-256 of the scrape key; None: none set
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,18 +526,47 @@ def _resolve(base: Path, value: str) -> Path:
     return path if path.is_absolute() else (base / path)
 
 
-def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
-    problems: list[str] = []
+def _env_key(var: str, where: str, problems: list[str]) -> str | None:
+    key = os.environ.get(var)
+    if not key:
+        problems.append(f"{where}: environment variable {var!r} is not set or empty")
+    return key or None
+
+
+def _key_sha256(key: str | None) -> str | None:
+    return None if key is None else hashlib.sha256(key.encode()).hexdigest()
+
+
+def _freeze_keys(
+    schema: ConfigSchema, source: str, problems: list[str]
+) -> tuple[list[TenantConfig], str | None, str | None]:
+    """The tenants with their keys resolved and hashed, and the admin and metrics keys' hashes.
+
+    Appends to `problems`: an unset env var, one key shared by two tenants (or by a tenant and
+    the admin or metrics key). Warns about literal keys. Messages name tenants and variables,
+    never a key or its hash.
+    """
     tenants = []
+    holder: dict[str, str] = {}  # key digest -> who holds it, as a message names it
     for t in schema.tenants:
         key = t.api_key
         if t.api_key_env is not None:
-            key = os.environ.get(t.api_key_env)
-            if not key:
+            key = _env_key(t.api_key_env, f"tenants.{t.name}.api_key_env", problems)
+        elif key is not None:
+            _log.warning(
+                "%s: tenant %r has a literal api_key; prefer api_key_env (the name of an"
+                " environment variable holding the key) or api_key_sha256 (the key's hash)",
+                source,
+                t.name,
+            )
+        digest = t.api_key_sha256 or _key_sha256(key)
+        if digest is not None:
+            if digest in holder:
                 problems.append(
-                    f"tenants.{t.name}.api_key_env: environment variable {t.api_key_env!r} is not"
-                    " set or empty"
+                    f"tenants: {holder[digest]} and tenant {t.name!r} have the same API key;"
+                    " every tenant needs its own"
                 )
+            holder.setdefault(digest, f"tenant {t.name!r}")
         tenants.append(
             TenantConfig(
                 name=t.name,
@@ -485,8 +577,32 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
                 default_class=t.default_class,
                 may_set_class=t.may_set_class,
                 admin=t.admin,
+                api_key_sha256=digest,
             )
         )
+    r = schema.router
+    operators: list[str | None] = []
+    for who in ("admin", "metrics"):
+        var: str | None = getattr(r, f"{who}_api_key_env")
+        operator_digest: str | None = getattr(r, f"{who}_api_key_sha256")
+        where = f"router.{who}_api_key_sha256"
+        if var is not None:
+            where = f"router.{who}_api_key_env"
+            operator_digest = _key_sha256(_env_key(var, where, problems))
+        if operator_digest is not None:
+            if operator_digest in holder:
+                problems.append(
+                    f"{where}: the same key as {holder[operator_digest]}; the admin and metrics"
+                    " keys must differ from every other key"
+                )
+            holder.setdefault(operator_digest, where)
+        operators.append(operator_digest)
+    return tenants, operators[0], operators[1]
+
+
+def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
+    problems: list[str] = []
+    tenants, admin_sha256, metrics_sha256 = _freeze_keys(schema, source, problems)
     if problems:
         raise ConfigError(problems, source)
     local = schema.engines.local
@@ -571,6 +687,11 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
             log_level=r.log_level,
             admission=r.admission,
             kv_margin_frac=r.kv_margin_frac,
+            max_body_bytes=r.max_body_bytes,
+            body_read_timeout_s=r.body_read_timeout_s,
+            max_connections=r.max_connections,
+            admin_api_key_sha256=admin_sha256,
+            metrics_api_key_sha256=metrics_sha256,
         ),
         source=source,
     )

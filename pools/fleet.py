@@ -1,9 +1,18 @@
-"""The fleet: every instance the router knows, its latest telemetry, its health, and the
-router-side count of sequences in flight on it.
+"""The fleet: every instance the router knows, its latest telemetry, its health, its
+operating point, and what this router has put on it: one `Lease` per sequence in flight.
 
 Health is a small state machine: `unhealthy_after` consecutive failed scrapes (or one refused
 connection from the proxy) mark an instance unhealthy; the next good scrape brings it back.
 Telemetry older than `stale_after_s` is stale, and stale telemetry counts as full.
+
+Leases are the only way the router's view of an instance changes: `acquire` adds the
+sequence's reserved KV blocks and counts it running for its pool; `Lease.release` (idempotent,
+called in a `finally`) takes both back. The KV blocks in use on an instance are then
+
+    used = max(reserved now, measured at the last scrape + reserved since − released since)
+
+so a reservation counts at once, before any scrape can show it, and a finished sequence stops
+counting at once, before the next scrape stops showing it.
 """
 
 from __future__ import annotations
@@ -11,15 +20,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pools.launchers.base import InstanceSpec
+from pools.operating_point import OperatingPoint
 
 if TYPE_CHECKING:
     from pools.telemetry import InstanceReading
 
-__all__ = ["Fleet", "InstanceState"]
+__all__ = ["Fleet", "InstanceState", "Lease"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +42,97 @@ class InstanceState:
     failures: int = 0
     last_error: str | None = None
     inflight: int = 0  # sequences this router has dispatched and not yet finished
+    reserved_blocks: int = 0  # KV blocks reserved by those sequences
+    running_by_pool: dict[str, int] = field(default_factory=dict)
+    reserved_by_pool: dict[str, int] = field(default_factory=dict)
+    leases: set[Lease] = field(default_factory=set)
+    op: OperatingPoint = field(default_factory=OperatingPoint)
+    preemptions_seen: float = 0.0  # preemptions counted since the router started
+    prefill_tokens_per_s: float | None = None  # measured, smoothed; None until measured
+    # KV blocks reserved / released since the last reading (see the module docstring)
+    added_since_reading: int = 0
+    released_since_reading: int = 0
+
+    @property
+    def instance_id(self) -> str:
+        return self.spec.instance_id
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        """KV blocks the engine reported; None until it has."""
+        return self.reading.num_gpu_blocks if self.reading is not None else None
+
+    def used_blocks(self) -> float:
+        """KV blocks in use: the larger of the router's reservations and the measured use
+        corrected for what changed since it was measured."""
+        cap = self.capacity_blocks
+        if self.reading is None or cap is None:
+            return float(self.reserved_blocks)
+        measured = (
+            self.reading.kv_usage_frac * cap
+            + self.added_since_reading
+            - self.released_since_reading
+        )
+        return max(float(self.reserved_blocks), measured, 0.0)
+
+    def pending_prefill_tokens(self, now_s: float) -> int:
+        """Prompt tokens of this router's sequences still expected to be in prefill."""
+        return sum(lease.prompt_tokens for lease in self.leases if lease.in_prefill(now_s))
+
+
+class Lease:
+    """One sequence on one instance, from `Fleet.acquire` until `release` (idempotent)."""
+
+    __slots__ = (
+        "_fleet",
+        "acquired_at_s",
+        "blocks",
+        "first_token_at_s",
+        "pool",
+        "prefill_done_at_s",
+        "prompt_tokens",
+        "released",
+        "state",
+    )
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        state: InstanceState,
+        pool: str,
+        blocks: int,
+        prompt_tokens: int,
+        now_s: float,
+        prefill_s: float,
+    ) -> None:
+        self._fleet = fleet
+        self.state = state
+        self.pool = pool
+        self.blocks = blocks
+        self.prompt_tokens = prompt_tokens
+        self.acquired_at_s = now_s
+        self.prefill_done_at_s = now_s + prefill_s  # predicted; the first token overrides
+        self.first_token_at_s: float | None = None
+        self.released = False
+
+    @property
+    def instance_id(self) -> str:
+        return self.state.spec.instance_id
+
+    def in_prefill(self, now_s: float) -> bool:
+        return self.first_token_at_s is None and now_s < self.prefill_done_at_s
+
+    def first_token(self, now_s: float) -> None:
+        self.first_token_at_s = now_s
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self._fleet._release(self)
+
+    def __repr__(self) -> str:
+        return f"Lease({self.instance_id}, {self.pool}, {self.blocks} blocks)"
 
 
 class Fleet:
@@ -48,9 +149,49 @@ class Fleet:
         self._unhealthy_after = unhealthy_after
         self._clock = clock
         self._health_listeners: list[Callable[[str, bool], None]] = []
+        self._change_listeners: list[Callable[[str], None]] = []
 
     def on_health_change(self, listener: Callable[[str, bool], None]) -> None:
         self._health_listeners.append(listener)
+
+    def on_capacity_change(self, listener: Callable[[str], None]) -> None:
+        """`listener(instance_id)` after a lease is released or a reading arrives: something
+        may fit there now (admission's dispatch is driven by this, not by polling)."""
+        self._change_listeners.append(listener)
+
+    def _changed(self, instance_id: str) -> None:
+        for listener in self._change_listeners:
+            listener(instance_id)
+
+    def acquire(
+        self,
+        instance_id: str,
+        pool: str,
+        *,
+        blocks: int = 0,
+        prompt_tokens: int = 0,
+        prefill_s: float = 0.0,
+    ) -> Lease:
+        """Put one sequence of `pool` on the instance, reserving `blocks` KV blocks."""
+        state = self._states[instance_id]
+        lease = Lease(self, state, pool, blocks, prompt_tokens, self._clock(), prefill_s)
+        state.leases.add(lease)
+        state.inflight += 1
+        state.reserved_blocks += blocks
+        state.added_since_reading += blocks
+        state.running_by_pool[pool] = state.running_by_pool.get(pool, 0) + 1
+        state.reserved_by_pool[pool] = state.reserved_by_pool.get(pool, 0) + blocks
+        return lease
+
+    def _release(self, lease: Lease) -> None:
+        state = lease.state
+        state.leases.discard(lease)
+        state.inflight -= 1
+        state.reserved_blocks -= lease.blocks
+        state.released_since_reading += lease.blocks
+        state.running_by_pool[lease.pool] -= 1
+        state.reserved_by_pool[lease.pool] -= lease.blocks
+        self._changed(state.spec.instance_id)
 
     def instance_ids(self) -> list[str]:
         return list(self._states)
@@ -79,10 +220,32 @@ class Fleet:
         state = self._states.get(instance_id)
         if state is None:
             return
+        previous = state.reading
+        if previous is not None:
+            self._learn(state, previous, reading)
         state.reading = reading
+        state.added_since_reading = 0
+        state.released_since_reading = 0
         state.failures = 0
         state.last_error = None
         self._set_health(state, True)
+        self._changed(instance_id)
+
+    @staticmethod
+    def _learn(state: InstanceState, before: InstanceReading, after: InstanceReading) -> None:
+        """Preemptions and the operating point from two consecutive readings."""
+        delta = after.preemptions_total - before.preemptions_total
+        state.preemptions_seen += after.preemptions_total if delta < 0 else delta  # restart
+        prefill_s = after.prefill_time_sum_s - before.prefill_time_sum_s
+        prompt = after.prompt_tokens_sum - before.prompt_tokens_sum
+        if prefill_s > 0.005 and prompt > 0:
+            rate = prompt / prefill_s
+            old = state.prefill_tokens_per_s
+            state.prefill_tokens_per_s = rate if old is None else old + 0.3 * (rate - old)
+        tokens = after.itl_count - before.itl_count
+        if tokens > 0:
+            itl_s = (after.itl_sum_s - before.itl_sum_s) / tokens
+            state.op.observe((before.running + after.running) / 2, itl_s, tokens)
 
     def record_failure(self, instance_id: str, error: str, *, immediate: bool = False) -> None:
         """A failed scrape, or (immediate=True) a refused connection seen by the proxy."""

@@ -46,6 +46,8 @@ _GAUGES = {
     "vllm:inter_token_latency_seconds_count": "itl_count",
     "vllm:time_per_output_token_seconds_sum": "itl_sum_legacy",
     "vllm:time_per_output_token_seconds_count": "itl_count_legacy",
+    "vllm:request_prompt_tokens_sum": "prompt_sum",
+    "vllm:request_prefill_time_seconds_sum": "prefill_sum",
 }
 
 
@@ -66,6 +68,8 @@ class InstanceReading:
     ttft_count: float
     itl_sum_s: float
     itl_count: float
+    prompt_tokens_sum: float = 0.0  # prompt tokens of finished requests
+    prefill_time_sum_s: float = 0.0  # their prefill time (scheduled -> first token)
 
 
 def parse_vllm_metrics(text: str, taken_at_s: float) -> InstanceReading:
@@ -116,6 +120,8 @@ def parse_vllm_metrics(text: str, taken_at_s: float) -> InstanceReading:
         ttft_count=totals.get("ttft_count", 0.0),
         itl_sum_s=totals.get("itl_sum", totals.get("itl_sum_legacy", 0.0)),
         itl_count=totals.get("itl_count", totals.get("itl_count_legacy", 0.0)),
+        prompt_tokens_sum=totals.get("prompt_sum", 0.0),
+        prefill_time_sum_s=totals.get("prefill_sum", 0.0),
     )
 
 

@@ -16,13 +16,9 @@ from typing import Any
 from router.accounting import Accountant, SequenceToken
 from router.accounting_metrics import AccountingMetrics
 from router.ledger import Ledger, RequestRecord
-from router.proxy import RequestOutcome
+from router.request import RequestOutcome
 
 __all__ = ["AccountingObserver"]
-
-_TOKEN = "acct_token"
-_COST = "gpu_seconds"
-_STEP = "step_index"
 
 
 class AccountingObserver:
@@ -43,23 +39,22 @@ class AccountingObserver:
 
     def dispatched(self, outcome: RequestOutcome) -> None:
         now = self._clock()
-        extra = outcome.extra
-        previous = extra.pop(_TOKEN, None)
-        if isinstance(previous, SequenceToken):  # a retry after a refused connection
-            extra[_COST] = extra.get(_COST, 0.0) + self.accountant.end(previous, now)
+        previous = outcome.acct_token
+        if previous is not None:  # a retry after a refused connection
+            outcome.gpu_seconds += self.accountant.end(previous, now)
+            outcome.acct_token = None
         ctx = outcome.ctx
-        if ctx.run_id is not None and _STEP not in extra:
-            extra[_STEP] = self.ledger.next_step_index(ctx.tenant, ctx.run_id)
+        if ctx.run_id is not None and outcome.step_index is None:
+            outcome.step_index = self.ledger.next_step_index(ctx.tenant, ctx.run_id)
         if outcome.instance_id is not None and self.accountant.has_instance(outcome.instance_id):
-            extra[_TOKEN] = self.accountant.begin(outcome.instance_id, now)
+            outcome.acct_token = self.accountant.begin(outcome.instance_id, now)
 
     def _settle(self, outcome: RequestOutcome) -> float:
-        extra = outcome.extra
-        token = extra.pop(_TOKEN, None)
-        if isinstance(token, SequenceToken):
-            extra[_COST] = extra.get(_COST, 0.0) + self.accountant.end(token, self._clock())
-        cost: float = extra.get(_COST, 0.0)
-        return cost
+        token: SequenceToken | None = outcome.acct_token
+        if token is not None:
+            outcome.gpu_seconds += self.accountant.end(token, self._clock())
+            outcome.acct_token = None
+        return outcome.gpu_seconds
 
     def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
         return {"gpu_seconds": round(self._settle(outcome), 6)}
@@ -68,14 +63,12 @@ class AccountingObserver:
         gpu_s = self._settle(outcome)
         ctx = outcome.ctx
         offset = self._wall_clock() - self._clock()
-        dispatched = outcome.dispatched_at_s
-        queue_s = (dispatched if dispatched is not None else outcome.ended_at_s) - ctx.received_at_s
         self.metrics.observe_request(ctx.pool, ctx.class_name, ctx.tenant, gpu_s)
         self.ledger.submit(
             RequestRecord(
                 request_id=ctx.request_id,
                 run_id=ctx.run_id,
-                step_index=outcome.extra.get(_STEP),
+                step_index=outcome.step_index,
                 tenant=ctx.tenant,
                 class_name=ctx.class_name,
                 pool=ctx.pool,
@@ -83,7 +76,7 @@ class AccountingObserver:
                 model=ctx.model,
                 started_at_s=ctx.received_at_s + offset,
                 ended_at_s=outcome.ended_at_s + offset,
-                queue_s=max(0.0, queue_s),
+                queue_s=outcome.queue_s,
                 ttft_s=outcome.ttft_s,
                 tpot_s=outcome.tpot_s,
                 prompt_tokens=outcome.prompt_tokens,

@@ -10,6 +10,7 @@ gateway.aclose()` stops them; the ASGI lifespan calls both, and tests may call t
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -17,9 +18,11 @@ from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from gpu_probe.nvml import NvmlApi
 from gpu_probe.sampler import GpuSampler
@@ -27,24 +30,26 @@ from pools.allocation import PoolMap, plan_allocation
 from pools.config import Config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
+from pools.operating_point import OperatingPoint
 from pools.telemetry import TelemetryScraper
 from router.accounting import Accountant
 from router.accounting_metrics import AccountingMetrics
 from router.accounting_observer import AccountingObserver
-from router.errors import BadRequest, GpupoolError, NotFound
-from router.identity import Tenants
+from router.errors import (
+    BadRequest,
+    GpupoolError,
+    MethodNotAllowed,
+    NotFound,
+    error_for_status,
+)
+from router.identity import OperatorAccess, Tenants
 from router.ledger import Ledger
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity, default_picker
-from router.proxy import (
-    Admission,
-    CompletionsHandler,
-    Message,
-    Receive,
-    RequestObserver,
-    Scope,
-    Send,
-)
+from router.admitter import Admitter
+from router.estimate import TokenEstimator
+from router.proxy import CompletionsHandler
+from router.request import Message, Receive, RequestObserver, Scope, Send
 
 __all__ = ["Gateway", "create_app"]
 
@@ -61,7 +66,7 @@ class Gateway:
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
-        admission: Admission | None = None,
+        estimator: TokenEstimator | None = None,
         observers: list[RequestObserver] | None = None,
         scrape: bool = True,
         nvml: NvmlApi | None = None,
@@ -84,7 +89,13 @@ class Gateway:
         self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares))
         self.affinity = RunAffinity()
         self.picker = default_picker(self.fleet, self.affinity, rng or random.Random())
-        self._admission = admission
+        max_num_seqs = _max_num_seqs(config)
+        for state in self.fleet:
+            state.op = OperatingPoint(max_num_seqs=max_num_seqs)
+        self.admitter = Admitter(
+            config, self.fleet, self.pool_map, self.picker, self.metrics, clock=clock
+        )
+        self.estimator = estimator or TokenEstimator.from_config(config)
         self.accountant = Accountant()
         self.accounting_metrics = AccountingMetrics(self.metrics.registry)
         self.ledger = Ledger.from_config(
@@ -136,12 +147,11 @@ class Gateway:
             config=self.config,
             tenants=self.tenants,
             fleet=self.fleet,
-            pool_map=self.pool_map,
-            picker=self.picker,
+            admitter=self.admitter,
+            estimator=self.estimator,
             affinity=self.affinity,
             session=self.session,
             metrics=self.metrics,
-            admission=self._admission,
             observers=self._observers,
             clock=self.clock,
         )
@@ -212,6 +222,8 @@ class Gateway:
                 "healthy_instances": sum(
                     1 for i in ids if (s := self.fleet.get(i)) is not None and s.healthy
                 ),
+                "slo": {"ttft_p95_ms": pool.slo.ttft_p95_ms, "tpot_p95_ms": pool.slo.tpot_p95_ms},
+                "queue": self._queue_view(pool.name),
             }
         instances = {}
         for state in self.fleet:
@@ -229,8 +241,44 @@ class Gateway:
                 "waiting": None if r is None else r.waiting,
                 "num_gpu_blocks": None if r is None else r.num_gpu_blocks,
                 "block_size": None if r is None else r.block_size,
+                "kv_reserved_blocks": state.reserved_blocks,
+                "kv_reserved_blocks_by_pool": dict(state.reserved_by_pool),
+                "kv_used_blocks": round(state.used_blocks(), 1),
+                "running_by_pool": dict(state.running_by_pool),
+                "operating_point": {
+                    "limit": self.admitter.instance_limit(state),
+                    "source": state.op.source,
+                    "samples": state.op.samples,
+                    "tpot_line_ms": None
+                    if (line := state.op.line) is None
+                    else {
+                        "intercept": round(line.intercept_s * 1e3, 3),
+                        "per_sequence": round(line.slope_s * 1e3, 4),
+                    },
+                },
+                "prefill_tokens_per_s": None
+                if state.prefill_tokens_per_s is None
+                else round(state.prefill_tokens_per_s, 1),
+                "preemptions_seen": state.preemptions_seen,
             }
-        return {"allocation_version": allocation.version, "pools": pools, "instances": instances}
+        return {
+            "allocation_version": allocation.version,
+            "admission": self.config.router.admission,
+            "pools": pools,
+            "instances": instances,
+        }
+
+    def _queue_view(self, pool: str) -> dict[str, Any]:
+        queue = self.admitter.queues[pool]
+        now = self.clock()
+        p = self.config.pool(pool)
+        return {
+            "depth": len(queue),
+            "max_depth": p.queue.max_depth,
+            "max_wait_s": p.queue.max_wait_s,
+            "order": p.queue.order,
+            "drain_rate_per_s": round(queue.drain_rate_per_s(now), 3),
+        }
 
     def _refresh_gauges(self) -> None:
         m = self.metrics
@@ -238,11 +286,19 @@ class Gateway:
         capacity = self.fleet.capacity_gpus()
         for pool in self.config.pools:
             m.pool_share.labels(pool.name).set(allocation.share_of(pool.name, capacity))
+            m.queue_depth(pool.name, len(self.admitter.queues[pool.name]))
         for state in self.fleet:
             iid = state.spec.instance_id
             m.healthy.labels(iid).set(1 if state.healthy else 0)
             m.set_inflight(iid, state.inflight)
+            m.kv_reserved.labels(iid).set(state.reserved_blocks)
+            m.op_limit.labels(iid).set(self.admitter.instance_limit(state))
+            m.set_preemptions(iid, state.preemptions_seen)
             if state.reading is not None:
+                if state.reading.num_gpu_blocks is not None:
+                    blocks = state.reading.num_gpu_blocks
+                    m.kv_capacity.labels(iid).set(blocks)
+                    m.kv_measured.labels(iid).set(state.reading.kv_usage_frac * blocks)
                 m.kv_usage.labels(iid).set(state.reading.kv_usage_frac)
                 m.engine_running.labels(iid).set(state.reading.running)
                 m.engine_waiting.labels(iid).set(state.reading.waiting)
@@ -250,15 +306,25 @@ class Gateway:
 
     def _build_api(self) -> FastAPI:
         api = FastAPI(title="gpupool", docs_url=None, redoc_url=None, openapi_url=None)
+        access = OperatorAccess.from_config(self.tenants, self.config.router)
 
+        # Every error answers OpenAI's shape; routing's own 404/405 and validation too.
         @api.exception_handler(GpupoolError)
         async def _gpupool_error(request: Request, err: GpupoolError) -> Response:
-            return Response(
-                err.body(),
-                status_code=err.status,
-                media_type="application/json",
-                headers={k.decode(): v.decode() for k, v in err.headers()},
-            )
+            return _error_response(err)
+
+        @api.exception_handler(HTTPException)
+        async def _http_error(request: Request, err: HTTPException) -> Response:
+            return _error_response(_framework_error(request, err))
+
+        @api.exception_handler(RequestValidationError)
+        async def _validation_error(request: Request, err: RequestValidationError) -> Response:
+            return _error_response(BadRequest(_validation_message(err), "invalid_request"))
+
+        @api.exception_handler(Exception)
+        async def _internal_error(request: Request, err: Exception) -> Response:
+            # the server logs the exception; the client learns nothing of the internals
+            return _error_response(GpupoolError("internal error", "internal_error"))
 
         @api.get("/health")
         async def health() -> dict[str, str]:
@@ -285,19 +351,20 @@ class Gateway:
             return {"object": "list", "data": [entry]}
 
         @api.get("/metrics")
-        async def metrics() -> Response:
+        async def metrics(request: Request) -> Response:
+            access.authorize_metrics(request.headers.get("authorization"))
             self._refresh_gauges()
             self.accounting_metrics.update(self.accountant.conservation(self.clock()))
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         @api.get("/admin/pools")
         async def admin_pools(request: Request) -> dict[str, Any]:
-            self.tenants.authenticate_admin(request.headers.get("authorization"))
+            access.authorize_admin(request.headers.get("authorization"))
             return self.pools_view()
 
         @api.get("/admin/gpus")
         async def admin_gpus(request: Request) -> dict[str, Any]:
-            self.tenants.authenticate_admin(request.headers.get("authorization"))
+            access.authorize_admin(request.headers.get("authorization"))
             latest = self.gpu_sampler.latest
             return {
                 "object": "gpupool.gpus",
@@ -317,9 +384,7 @@ class Gateway:
             tenant = self.tenants.authenticate(request.headers.get("authorization"))
             q = request.query_params
             since_s = _float_param(q.get("since_s", q.get("since")), "since_s")
-            limit = int(_float_param(q.get("limit"), "limit") or 50)
-            if not 1 <= limit <= 1000:
-                raise BadRequest("limit must be between 1 and 1000", "invalid_param", param="limit")
+            limit = _int_param(q.get("limit"), "limit", default=50, low=1, high=1000)
             data = await self.ledger.list_runs(
                 tenant.name, since_s=since_s, limit=limit, class_name=q.get("class")
             )
@@ -327,11 +392,11 @@ class Gateway:
 
         @api.get("/admin/accounting")
         async def admin_accounting(request: Request) -> dict[str, Any]:
-            self.tenants.authenticate_admin(request.headers.get("authorization"))
+            access.authorize_admin(request.headers.get("authorization"))
             q = request.query_params
-            top = int(_float_param(q.get("top"), "top") or 10)
+            top = _int_param(q.get("top"), "top", default=10, low=1, high=1000)
             report: dict[str, Any] = await self.ledger.admin_report(
-                top_n=max(1, min(top, 1000)),
+                top_n=top,
                 tenant=q.get("tenant"),
                 since_s=_float_param(q.get("since_s"), "since_s"),
                 live=self.accountant.conservation(self.clock()),
@@ -346,14 +411,20 @@ class Gateway:
 
 
 def _float_param(raw: str | None, name: str) -> float | None:
+    """A finite number from a query parameter; None when absent. Raises `BadRequest`."""
     if raw is None or raw == "":
         return None
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
         raise BadRequest(
-            f"query parameter {name} must be a number, got {raw!r}", "invalid_param", param=name
-        ) from None
+            f"query parameter {name} must be a finite number, got {raw[:40]!r}",
+            "invalid_param",
+            param=name,
+        )
+    return value
 
 
 def create_app(
@@ -363,3 +434,65 @@ def create_app(
 ) -> Gateway:
     """Build the router for `config` over `instances` (from a launcher)."""
     return Gateway(config, instances, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Query parameters and error responses of the API above
+# ---------------------------------------------------------------------------------------------
+
+
+def _int_param(raw: str | None, name: str, *, default: int, low: int, high: int) -> int:
+    """A whole number in [low, high] from a query parameter (`1e2` is 100); `default` when
+    absent. Raises `BadRequest`."""
+    value = _float_param(raw, name)
+    if value is None:
+        return default
+    if value != int(value) or not low <= value <= high:
+        raise BadRequest(
+            f"query parameter {name} must be a whole number from {low} to {high}",
+            "invalid_param",
+            param=name,
+        )
+    return int(value)
+
+
+def _error_response(err: GpupoolError) -> Response:
+    return Response(
+        err.body(),
+        status_code=err.status,
+        media_type="application/json",
+        headers={k.decode(): v.decode() for k, v in err.headers()},
+    )
+
+
+def _framework_error(request: Request, err: HTTPException) -> GpupoolError:
+    """Routing's own errors (an unknown path, a method the path does not take) as ours."""
+    path = request.url.path
+    if err.status_code == 404:
+        return NotFound(f"{path[:200]} is not served by gpupool", "unknown_endpoint")
+    if err.status_code == 405:
+        return MethodNotAllowed(
+            f"{request.method} is not allowed on {path[:200]}",
+            "method_not_allowed",
+            allow=(err.headers or {}).get("Allow"),
+        )
+    return error_for_status(err.status_code, str(err.detail), "http_error")
+
+
+def _validation_message(err: RequestValidationError) -> str:
+    problems = []
+    for item in err.errors()[:5]:
+        where = ".".join(str(p) for p in item.get("loc", ())) or "request"
+        problems.append(f"{where}: {item.get('msg', 'invalid')}")
+    return "; ".join(problems) or "invalid request"
+
+
+def _max_num_seqs(config: Config) -> int:
+    """The engines' `--max-num-seqs` from the configured vLLM arguments (vLLM's default 256)."""
+    args = list(config.engines.local.vllm_args)
+    for i, arg in enumerate(args):
+        if arg == "--max-num-seqs" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--max-num-seqs="):
+            return int(arg.split("=", 1)[1])
+    return 256

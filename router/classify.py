@@ -17,11 +17,11 @@ Run identity, so agent clients work with gpupool as with other routers: `x-gpupo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from pools.config import Config, TenantConfig
 from router.errors import BadRequest, ClassNotAllowed
+from router.request import RequestContext
 
 __all__ = ["RUN_ID_HEADERS", "RequestContext", "classify", "run_identity"]
 
@@ -36,24 +36,6 @@ RUN_ID_HEADERS = (
 
 Headers = Mapping[str, str]
 Rule = Callable[[Headers, dict[str, Any], TenantConfig, Config, str | None], str | None]
-
-
-@dataclass(frozen=True, slots=True)
-class RequestContext:
-    """Everything the router decided about one request before picking an instance."""
-
-    request_id: str
-    tenant: str
-    class_name: str
-    pool: str
-    priority: int  # higher first; below 0 means sheddable
-    deadline_s: float  # absolute, on the router's monotonic clock
-    run_id: str | None
-    model: str
-    stream: bool
-    client_wants_usage: bool  # the client asked for the streaming usage chunk
-    received_at_s: float
-    want_gpu_usage: bool = False  # x-gpupool-usage: 1 -> usage gains gpu_seconds
 
 
 def run_identity(headers: Headers, body: dict[str, Any]) -> str | None:
@@ -180,4 +162,5 @@ def classify(
         and bool(options.get("include_usage")),
         received_at_s=now_s,
         want_gpu_usage=headers.get("x-gpupool-usage", "").lower() in ("1", "true", "yes"),
+        tenant_weight=tenant.weight,
     )

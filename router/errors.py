@@ -19,10 +19,14 @@ __all__ = [
     "EngineFailure",
     "Forbidden",
     "GpupoolError",
+    "MethodNotAllowed",
     "ModelNotFound",
     "NoHealthyInstance",
     "NotFound",
+    "PayloadTooLarge",
+    "RequestTimeout",
     "Unauthorized",
+    "error_for_status",
 ]
 
 
@@ -76,6 +80,34 @@ class ModelNotFound(NotFound):
     pass
 
 
+class MethodNotAllowed(GpupoolError):
+    """The path exists, the method does not; `allow` lists the methods it takes."""
+
+    status = 405
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, code: str, *, allow: str | None = None) -> None:
+        super().__init__(message, code)
+        self.allow = allow
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [] if not self.allow else [(b"allow", self.allow.encode())]
+
+
+class RequestTimeout(GpupoolError):
+    """The client took longer than `router.body_read_timeout_s` to send its body."""
+
+    status = 408
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(GpupoolError):
+    """The body is over `router.max_body_bytes`."""
+
+    status = 413
+    type = "invalid_request_error"
+
+
 class CapacityExceeded(GpupoolError):
     """Admission refused: queue full or the deadline cannot be met. Retryable."""
 
@@ -111,3 +143,12 @@ class DeadlineExceeded(GpupoolError):
 
     status = 504
     type = "timeout_error"
+
+
+def error_for_status(status: int, message: str, code: str) -> GpupoolError:
+    """The error for a status the web framework chose itself (routing: an unknown path, a method
+    a path does not take): the class of that status, else a client or internal error."""
+    for cls in (BadRequest, Unauthorized, Forbidden, NotFound, MethodNotAllowed):
+        if cls.status == status:
+            return cls(message, code)
+    return BadRequest(message, code) if 400 <= status < 500 else GpupoolError(message, code)

@@ -13,6 +13,8 @@ __all__ = ["RouterMetrics"]
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
 _OVERHEAD_BUCKETS_S = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
+_QUEUE_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class RouterMetrics:
@@ -35,21 +37,23 @@ class RouterMetrics:
         )
         self.ttft = Histogram(
             "gpupool_ttft_seconds",
-            "Time to first token, measured at the router",
+            "Time to first token at the router, streaming requests only (a non-streaming"
+            " response arrives whole: its first token is not observed)",
             ["class"],
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
         self.tpot = Histogram(
             "gpupool_tpot_seconds",
-            "Time per output token after the first, at the router",
+            "Time per output token after the first, at the router, streaming requests only",
             ["class"],
             buckets=_TPOT_BUCKETS_S,
             registry=r,
         )
         self.overhead = Histogram(
             "gpupool_router_overhead_seconds",
-            "Router time before the upstream request is sent (parse, classify, admit, pick)",
+            "Router time per request before its first upstream send (parse, classify, estimate,"
+            " admit, pick), from the end of the client's upload, queue wait excluded",
             buckets=_OVERHEAD_BUCKETS_S,
             registry=r,
         )
@@ -98,7 +102,62 @@ class RouterMetrics:
             ["pool"],
             registry=r,
         )
+        self.queue_depth_g = Gauge(
+            "gpupool_queue_depth", "Requests waiting for admission", ["pool"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "gpupool_queue_wait_seconds",
+            "Time requests waited for admission (those that waited at all)",
+            ["pool", "class"],
+            buckets=_QUEUE_BUCKETS_S,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "gpupool_rejections_total",
+            "Requests refused by admission (429) by reason: queue_full, shed, queue_timeout,"
+            " deadline_unmeetable",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.kv_reserved = Gauge(
+            "gpupool_kv_reserved_blocks",
+            "KV blocks reserved by the router's sequences in flight on the instance",
+            ["instance"],
+            registry=r,
+        )
+        self.kv_measured = Gauge(
+            "gpupool_kv_measured_blocks",
+            "KV blocks in use on the instance as the engine last reported them",
+            ["instance"],
+            registry=r,
+        )
+        self.kv_capacity = Gauge(
+            "gpupool_kv_capacity_blocks",
+            "KV blocks of the instance (the engine's num_gpu_blocks)",
+            ["instance"],
+            registry=r,
+        )
+        self.op_limit = Gauge(
+            "gpupool_operating_point_limit",
+            "Largest running count meeting the strictest TPOT target of the instance's pools",
+            ["instance"],
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "gpupool_instance_preemptions",
+            "Preemptions the engine reported since the router started",
+            ["instance"],
+            registry=r,
+        )
+        self.estimate_error = Histogram(
+            "gpupool_token_estimate_error_ratio",
+            "|estimated - actual| / actual prompt tokens, by estimator (tokenizer, heuristic)",
+            ["source"],
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
         self._children: dict[tuple[str, ...], object] = {}
+        self._preemptions_exported: dict[str, float] = {}
 
     def request_done(
         self, pool: str, cls: str, outcome: str, reason: str, latency_s: float
@@ -134,3 +193,33 @@ class RouterMetrics:
         if child is None:
             child = self._children[key] = self.inflight.labels(instance)
         child.set(value)  # type: ignore[attr-defined]
+
+    def queue_depth(self, pool: str, depth: int) -> None:
+        key = ("qd", pool)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.queue_depth_g.labels(pool)
+        child.set(depth)  # type: ignore[attr-defined]
+
+    def observe_queue_wait(self, pool: str, cls: str, wait_s: float) -> None:
+        self.queue_wait.labels(pool, cls).observe(wait_s)
+
+    def rejected(self, pool: str, reason: str) -> None:
+        self.rejections.labels(pool, reason).inc()
+
+    def observe_estimate_error(self, source: str, error_frac: float) -> None:
+        key = ("est", source)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.estimate_error.labels(source)
+        child.observe(abs(error_frac))  # type: ignore[attr-defined]
+
+    def set_preemptions(self, instance: str, total: float) -> None:
+        """Export a cumulative count as a counter (increments only)."""
+        delta = total - self._preemptions_exported.get(instance, 0.0)
+        if delta > 0:
+            self.preemptions.labels(instance).inc(delta)
+            self._preemptions_exported[instance] = total
+        elif instance not in self._preemptions_exported:
+            self.preemptions.labels(instance)
+            self._preemptions_exported[instance] = 0.0

@@ -34,6 +34,7 @@ class PickRequest:
     pool: str
     run_id: str | None
     exclude: frozenset[str] = frozenset()  # instances already tried for this request
+    allowed: frozenset[str] | None = None  # admission's grant: where the sequence fits (None: any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,13 @@ def filter_healthy(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
     return [c for c in cands if c.state.healthy]
 
 
+def filter_granted(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
+    """Keep the instances admission found the sequence fits on."""
+    if req.allowed is None:
+        return cands
+    return [c for c in cands if c.instance_id in req.allowed]
+
+
 def filter_not_tried(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
     if not req.exclude:
         return cands
@@ -80,10 +88,18 @@ def filter_not_tried(req: PickRequest, cands: list[Candidate]) -> list[Candidate
 
 
 def score_kv_headroom(fleet: Fleet) -> Scorer:
-    """1 - measured KV use; stale telemetry counts as full (score 0)."""
+    """1 - KV use (the larger of measured and reserved, see pools.fleet); stale telemetry
+    counts as full (score 0)."""
 
     def score(req: PickRequest, cands: Sequence[Candidate]) -> list[float]:
-        return [1.0 - fleet.kv_usage_frac(c.state) for c in cands]
+        out = []
+        for c in cands:
+            cap = c.state.capacity_blocks
+            if not cap or not fleet.is_fresh(c.state):
+                out.append(0.0)
+            else:
+                out.append(1.0 - c.state.used_blocks() / cap)
+        return out
 
     return score
 
@@ -145,11 +161,11 @@ class Picker:
 
 
 def default_picker(fleet: Fleet, affinity: RunAffinity, rng: random.Random) -> Picker:
-    """Healthy and untried instances of the pool; scored by run affinity (weight 2), KV
+    """Healthy, granted and untried instances of the pool; scored by run affinity (weight 2), KV
     headroom (1) and load (1)."""
     return Picker(
         fleet,
-        filters=[filter_healthy, filter_not_tried],
+        filters=[filter_healthy, filter_granted, filter_not_tried],
         scorers=[
             (2.0, score_run_affinity(affinity)),
             (1.0, score_kv_headroom(fleet)),

@@ -1,19 +1,24 @@
 """The request path for `/v1/chat/completions` and `/v1/completions`, as a raw ASGI handler.
 
-classify -> admit -> pick -> proxy -> account (DESIGN.md, "The request path"). It runs outside
-FastAPI's routing and middleware on purpose: it sits on every token of every request, and the
-ASGI stack is most of what a Python proxy costs (benchmarks/results/router_overhead.md).
+authenticate -> read -> parse -> classify -> estimate -> admit (queue or 429) -> pick and lease
+-> proxy -> settle -> release (DESIGN.md, "The request path"). Each arrow is one call; a retry
+re-picks within the admission grant. It runs outside FastAPI's routing and middleware on
+purpose: it sits on every token of every request, and the ASGI stack is most of what a Python
+proxy costs (benchmarks/results/router_overhead.md).
 
 Proxy rules:
+- the API key is checked from the headers before the body is read; the body is read within
+  `router.body_read_timeout_s` (408) and `router.max_body_bytes` (413);
 - bytes pass through; the router parses the request body once, the first content event (for
   TTFT) and the usage event (tokens); nothing else of the stream;
 - a streaming request always asks vLLM for `stream_options.include_usage`; the usage event is
   stripped again when the client did not ask for it;
 - a client that disconnects aborts the upstream request (the connection to the engine is
-  closed, and vLLM aborts the sequence);
-- a connect failure before any byte was sent marks the instance unhealthy and retries another
-  instance of the same pool; a failure mid-stream ends the stream with an OpenAI-shaped error
-  event; an engine 5xx becomes a 502; an engine 4xx (prompt too long, ...) passes through.
+  closed, and vLLM aborts the sequence), or leaves the admission queue if it was waiting;
+- a connect failure before any byte was sent marks the instance unhealthy and re-picks another
+  instance the request fits on; a failure mid-stream ends the stream with an OpenAI-shaped error
+  event; an engine 5xx becomes a 502; an engine 4xx (prompt too long, ...) passes through;
+- each request holds one `Lease` on its instance at a time, released in a `finally`.
 """
 
 from __future__ import annotations
@@ -23,99 +28,43 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import orjson
 
-from pools.allocation import PoolMap
 from pools.config import Config
-from pools.fleet import Fleet
-from router.classify import RequestContext, classify
+from pools.fleet import Fleet, Lease
+from router.admitter import Admitter
+from router.classify import classify
 from router.errors import (
     BadRequest,
     DeadlineExceeded,
     EngineFailure,
     GpupoolError,
     ModelNotFound,
-    NoHealthyInstance,
+    PayloadTooLarge,
+    RequestTimeout,
 )
+from router.estimate import Estimate, TokenEstimator
 from router.identity import Tenants
 from router.metrics import RouterMetrics
-from router.picking import Candidate, Picker, PickRequest, RunAffinity
+from router.picking import RunAffinity
+from router.request import (
+    Receive,
+    RequestContext,
+    RequestObserver,
+    RequestOutcome,
+    Scope,
+    Send,
+)
 
-__all__ = ["Admission", "AdmitAll", "CompletionsHandler", "RequestObserver", "RequestOutcome"]
+__all__ = ["CompletionsHandler"]
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-MAX_BODY_BYTES = 64 * 1024 * 1024
 _SSE_SEP = b"\n\n"
-
-
-class Admission(Protocol):
-    """Step 3 of the request path. `admit` returns when the request may be dispatched to one
-    of the candidates (which it may narrow), or raises `CapacityExceeded`."""
-
-    async def admit(self, ctx: RequestContext, candidates: list[Candidate]) -> list[Candidate]: ...
-
-    def release(self, ctx: RequestContext, instance_id: str) -> None: ...
-
-
-class AdmitAll:
-    """No admission control: every request goes straight to picking."""
-
-    async def admit(self, ctx: RequestContext, candidates: list[Candidate]) -> list[Candidate]:
-        return candidates
-
-    def release(self, ctx: RequestContext, instance_id: str) -> None:
-        return None
-
-
-@dataclass(slots=True)
-class RequestOutcome:
-    """What happened to one request, handed to observers (accounting, ledger) at the end."""
-
-    ctx: RequestContext
-    instance_id: str | None = None
-    status: int = 0
-    outcome: str = "ok"  # ok | client_error | engine_error | rejected | aborted
-    reason: str = "200"
-    dispatched_at_s: float | None = None
-    first_token_at_s: float | None = None
-    ended_at_s: float = 0.0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    response_started: bool = False  # the status line went to the client
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ttft_s(self) -> float | None:
-        if self.first_token_at_s is None:
-            return None
-        return self.first_token_at_s - self.ctx.received_at_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.first_token_at_s is None or self.completion_tokens < 2:
-            return None
-        return (self.ended_at_s - self.first_token_at_s) / (self.completion_tokens - 1)
-
-
-class RequestObserver(Protocol):
-    """Hooks around the upstream call: accounting and the ledger implement these."""
-
-    def dispatched(self, outcome: RequestOutcome) -> None: ...
-
-    def finished(self, outcome: RequestOutcome) -> None: ...
-
-    def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]: ...
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -140,30 +89,30 @@ class CompletionsHandler:
         config: Config,
         tenants: Tenants,
         fleet: Fleet,
-        pool_map: PoolMap,
-        picker: Picker,
+        admitter: Admitter,
+        estimator: TokenEstimator,
         affinity: RunAffinity,
         session: aiohttp.ClientSession,
         metrics: RouterMetrics,
-        admission: Admission | None = None,
         observers: list[RequestObserver] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.tenants = tenants
         self.fleet = fleet
-        self.pool_map = pool_map
-        self.picker = picker
+        self.admitter = admitter
+        self.estimator = estimator
         self.affinity = affinity
         self.session = session
         self.metrics = metrics
-        self.admission: Admission = admission or AdmitAll()
         self.observers = observers or []
         self.clock = clock
         rc = config.router
         self._connect_timeout_s = rc.connect_timeout_s
         self._upstream_timeout_s = rc.upstream_timeout_s
         self._max_retries = rc.max_connect_retries
+        self._max_body_bytes = rc.max_body_bytes
+        self._body_timeout_s = rc.body_read_timeout_s
 
     # ----------------------------------------------------------------------------- entry
 
@@ -172,10 +121,14 @@ class CompletionsHandler:
         request_id = "gp-" + os.urandom(8).hex()
         headers = _headers(scope)
         try:
-            body_bytes = await _read_body(receive)
             tenant = self.tenants.authenticate(headers.get("authorization"))
+            body_bytes = await self._read_body(receive)
+            read_s = self.clock()
             body = self._parse(body_bytes, chat)
             ctx = classify(headers, body, tenant, self.config, request_id=request_id, now_s=now)
+            estimate = await self.estimator.estimate_async(
+                body, chat=chat, class_name=ctx.class_name
+            )
         except GpupoolError as err:
             await _send_error(send, err, [(b"x-gpupool-request-id", request_id.encode())])
             self.metrics.request_done(
@@ -184,8 +137,10 @@ class CompletionsHandler:
             return
         except ConnectionError:
             return  # the client left while sending its body
-        outcome = RequestOutcome(ctx=ctx)
-        task = asyncio.ensure_future(self._serve(ctx, body, body_bytes, chat, send, outcome))
+        outcome = RequestOutcome(ctx=ctx, estimate=estimate)
+        task = asyncio.ensure_future(
+            self._serve(ctx, body, body_bytes, chat, send, outcome, read_s)
+        )
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -201,6 +156,16 @@ class CompletionsHandler:
             watcher.cancel()
             outcome.ended_at_s = self.clock()
             self._finish(outcome)
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        try:
+            async with asyncio.timeout(self._body_timeout_s):
+                return await _read_body(receive, self._max_body_bytes)
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request body did not arrive within {self._body_timeout_s:g} s",
+                "body_timeout",
+            ) from None
 
     def _parse(self, raw: bytes, chat: bool) -> dict[str, Any]:
         try:
@@ -241,6 +206,7 @@ class CompletionsHandler:
         chat: bool,
         send: Send,
         outcome: RequestOutcome,
+        read_s: float,
     ) -> None:
         gp_headers = [
             (b"x-gpupool-request-id", ctx.request_id.encode()),
@@ -256,14 +222,21 @@ class CompletionsHandler:
                 }
                 body_bytes = orjson.dumps(body)
         path = "/v1/chat/completions" if chat else "/v1/completions"
+        estimate = outcome.estimate
+        assert estimate is not None
         refused: set[str] = set()  # refused the connection: never retried for this request
         tried: set[str] = set()  # failed otherwise: retried only when nothing else is left
         attempts = 0
+        lease: Lease | None = None
         try:
+            admit_start_s = self.clock()
+            lease = await self.admitter.admit(ctx, estimate)
+            outcome.admitted_at_s = self.clock()
+            queued_s = outcome.admitted_at_s - admit_start_s
+            self.metrics.overhead.observe(outcome.admitted_at_s - read_s - queued_s)
             while True:
-                cand = await self._choose(ctx, refused, tried)
-                instance = cand.state
-                instance_id = instance.spec.instance_id
+                instance = lease.state
+                instance_id = lease.instance_id
                 outcome.instance_id = instance_id
                 tried.add(instance_id)
                 attempts += 1
@@ -277,52 +250,46 @@ class CompletionsHandler:
                     total=min(remaining_s, self._upstream_timeout_s),
                     sock_connect=self._connect_timeout_s,
                 )
-                instance.inflight += 1
                 self.metrics.set_inflight(instance_id, instance.inflight)
                 outcome.dispatched_at_s = self.clock()
-                self.metrics.overhead.observe(outcome.dispatched_at_s - ctx.received_at_s)
                 for obs in self.observers:
                     obs.dispatched(outcome)
+                upstream_headers = {
+                    "content-type": "application/json",
+                    "x-request-id": ctx.request_id,
+                }
+                if instance.spec.api_key:
+                    upstream_headers["authorization"] = "Bearer " + instance.spec.api_key
                 try:
                     resp = await self.session.post(
                         instance.spec.url + path,
                         data=body_bytes,
-                        headers={
-                            "content-type": "application/json",
-                            "x-request-id": ctx.request_id,
-                        },
+                        headers=upstream_headers,
                         timeout=timeout,
                     )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as err:
                     # nothing reached the engine: it is down or not listening
-                    self._release(ctx, instance_id)
-                    outcome.dispatched_at_s = None
                     refused.add(instance_id)
                     self.fleet.record_failure(instance_id, f"connect failed: {err}", immediate=True)
-                    self._retry_or_fail(ctx, instance_id, attempts, err)
+                    lease = await self._retry(ctx, estimate, lease, refused, tried, attempts, err)
                     continue
                 except TimeoutError:
-                    self._release(ctx, instance_id)
                     raise DeadlineExceeded(
                         "the engine did not answer before the deadline", "deadline_exceeded"
                     ) from None
                 except (aiohttp.ClientError, OSError) as err:
                     # reset or closed before the response head (often a stale pooled
                     # connection); no byte has reached the client, so try again
-                    self._release(ctx, instance_id)
-                    outcome.dispatched_at_s = None
-                    self._retry_or_fail(ctx, instance_id, attempts, err)
+                    lease = await self._retry(ctx, estimate, lease, refused, tried, attempts, err)
                     continue
                 try:
                     self.affinity.record(ctx.run_id, instance_id)
-                    await self._relay(ctx, resp, send, headers, outcome)
+                    await self._relay(ctx, resp, send, headers, outcome, lease)
                 except BaseException:
                     resp.close()  # drop the connection: vLLM aborts the sequence
                     raise
                 else:
                     resp.release()  # fully read: the connection goes back to the pool
-                finally:
-                    self._release(ctx, instance_id)
                 return
         except Exception as exc:
             if isinstance(exc, GpupoolError):
@@ -348,10 +315,25 @@ class CompletionsHandler:
                     else []
                 ),
             )
+        finally:
+            if lease is not None:
+                lease.release()
+                self.metrics.set_inflight(lease.instance_id, lease.state.inflight)
 
-    def _retry_or_fail(
-        self, ctx: RequestContext, instance_id: str, attempts: int, err: BaseException
-    ) -> None:
+    async def _retry(
+        self,
+        ctx: RequestContext,
+        estimate: Estimate,
+        lease: Lease,
+        refused: set[str],
+        tried: set[str],
+        attempts: int,
+        err: BaseException,
+    ) -> Lease:
+        """A new lease for another attempt: another instance the request fits on now, else
+        one that failed without refusing, else the queue again (never a refused instance)."""
+        lease.release()
+        self.metrics.set_inflight(lease.instance_id, lease.state.inflight)
         if attempts > self._max_retries:
             raise EngineFailure(
                 f"could not reach an engine in pool {ctx.pool!r} after {attempts} attempt(s): "
@@ -362,33 +344,15 @@ class CompletionsHandler:
         log.info(
             "%s: %s failed before answering (%s); retrying",
             ctx.request_id,
-            instance_id,
+            lease.instance_id,
             type(err).__name__,
         )
-
-    async def _choose(self, ctx: RequestContext, refused: set[str], tried: set[str]) -> Candidate:
-        """The best instance not yet tried; else one that failed but did not refuse."""
-        allocation = self.pool_map.current
-        cands = self.picker.candidates(allocation, ctx.pool)
-        cands = await self.admission.admit(ctx, cands)
-        chosen = self.picker.pick(PickRequest(ctx.pool, ctx.run_id, frozenset(tried)), cands)
-        if chosen is None and tried != refused:
-            chosen = self.picker.pick(PickRequest(ctx.pool, ctx.run_id, frozenset(refused)), cands)
-        if chosen is None:
-            total = len(allocation.instances_for(ctx.pool))
-            raise NoHealthyInstance(
-                f"no healthy instance in pool {ctx.pool!r} ({total} allocated"
-                f"{', all refused the connection' if refused else ''})",
-                "no_healthy_instance",
-            )
-        return chosen
-
-    def _release(self, ctx: RequestContext, instance_id: str) -> None:
-        state = self.fleet.get(instance_id)
-        if state is not None:
-            state.inflight -= 1
-            self.metrics.set_inflight(instance_id, state.inflight)
-        self.admission.release(ctx, instance_id)
+        new = self.admitter.repick(ctx, estimate, frozenset(tried))
+        if new is None and tried != refused:
+            new = self.admitter.repick(ctx, estimate, frozenset(refused))
+        if new is None:
+            new = await self.admitter.admit(ctx, estimate, exclude=frozenset(refused))
+        return new
 
     async def _relay(
         self,
@@ -397,6 +361,7 @@ class CompletionsHandler:
         send: Send,
         headers: list[tuple[bytes, bytes]],
         outcome: RequestOutcome,
+        lease: Lease,
     ) -> None:
         status = resp.status
         outcome.status = status
@@ -421,7 +386,7 @@ class CompletionsHandler:
             await send({"type": "http.response.body", "body": raw})
             return
         if ctx.stream:
-            await self._relay_stream(ctx, resp, send, headers, outcome)
+            await self._relay_stream(ctx, resp, send, headers, outcome, lease)
         else:
             await self._relay_body(ctx, resp, send, headers, outcome)
 
@@ -443,9 +408,7 @@ class CompletionsHandler:
             raise DeadlineExceeded(
                 "the engine did not finish before the deadline", "deadline_exceeded"
             ) from None
-        now = self.clock()
-        outcome.first_token_at_s = now
-        outcome.ended_at_s = now
+        outcome.ended_at_s = self.clock()  # a whole body: no first token to observe
         extra_headers: list[tuple[bytes, bytes]] = []
         try:
             usage = orjson.loads(raw).get("usage") or {}
@@ -479,6 +442,7 @@ class CompletionsHandler:
         send: Send,
         headers: list[tuple[bytes, bytes]],
         outcome: RequestOutcome,
+        lease: Lease,
     ) -> None:
         outcome.response_started = True
         await send(
@@ -505,6 +469,7 @@ class CompletionsHandler:
                     if not first_token_seen and _is_first_token(event):
                         first_token_seen = True
                         outcome.first_token_at_s = self.clock()
+                        lease.first_token(outcome.first_token_at_s)
                     if b'"usage"' in event:
                         event = self._usage_event(ctx, event, outcome)
                     if event:
@@ -516,13 +481,19 @@ class CompletionsHandler:
                         {"type": "http.response.body", "body": b"".join(out), "more_body": True}
                     )
         except (aiohttp.ClientError, OSError, TimeoutError) as err:
-            outcome.outcome, outcome.reason, outcome.status = "engine_error", "midstream", 502
-            message = (
-                "the request's deadline passed mid-stream"
-                if isinstance(err, TimeoutError)
-                else f"engine {outcome.instance_id} failed mid-stream: {err or type(err).__name__}"
-            )
-            error = EngineFailure(message, "engine_error")
+            error: GpupoolError
+            if isinstance(err, TimeoutError):
+                error = DeadlineExceeded(
+                    "the request's deadline passed mid-stream", "deadline_exceeded"
+                )
+            else:
+                error = EngineFailure(
+                    f"engine {outcome.instance_id} failed mid-stream: {err or type(err).__name__}",
+                    "engine_error",
+                )
+            outcome.outcome = _outcome_of(error.status)
+            outcome.reason = "midstream" if error.status == 502 else error.code
+            outcome.status = error.status
             await send(
                 {
                     "type": "http.response.body",
@@ -576,6 +547,15 @@ class CompletionsHandler:
                 self.metrics.observe_ttft(ctx.class_name, ttft)
             if (tpot := outcome.tpot_s) is not None:
                 self.metrics.observe_tpot(ctx.class_name, tpot)
+            if outcome.estimate is not None and outcome.prompt_tokens > 0:
+                error = self.estimator.observe(
+                    outcome.estimate,
+                    class_name=ctx.class_name,
+                    prompt_tokens=outcome.prompt_tokens,
+                    completion_tokens=outcome.completion_tokens,
+                )
+                if error is not None:
+                    self.metrics.observe_estimate_error(outcome.estimate.source, error)
         for obs in self.observers:
             try:
                 obs.finished(outcome)
@@ -608,7 +588,7 @@ def _outcome_of(status: int) -> str:
     return "ok"
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _read_body(receive: Receive, max_bytes: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -617,8 +597,11 @@ async def _read_body(receive: Receive) -> bytes:
             raise ConnectionError("client disconnected")
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes", "body_too_large")
+        if size > max_bytes:
+            raise PayloadTooLarge(
+                f"request body larger than {max_bytes} bytes (router.max_body_bytes)",
+                "body_too_large",
+            )
         chunks.append(chunk)
         if not message.get("more_body"):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -85,6 +85,7 @@ class FakeEngineState:
     legacy_metric_names: bool = False  # vllm:gpu_cache_usage_perc, time_per_output_token
     # live counters
     running: int = 0
+    peak_running: int = 0  # the most sequences ever running at once
     waiting: int = 0
     served: int = 0
     aborted: int = 0
@@ -94,6 +95,8 @@ class FakeEngineState:
     used_blocks: int = 0
     ttft_hist: _Histogram = field(default_factory=_Histogram)
     itl_hist: _Histogram = field(default_factory=_Histogram)
+    prompt_hist: _Histogram = field(default_factory=_Histogram)  # request prompt tokens
+    prefill_hist: _Histogram = field(default_factory=_Histogram)  # request prefill time
 
     def take_failure(self) -> str | None:
         if self.failure is None or self.fail_next == 0:
@@ -129,6 +132,8 @@ class FakeEngineState:
             f'num_gpu_blocks="{self.num_gpu_blocks}",num_cpu_blocks="None"}} 1.0',
             self.ttft_hist.render("vllm:time_to_first_token_seconds", labels),
             self.itl_hist.render(itl_name, labels),
+            self.prompt_hist.render("vllm:request_prompt_tokens", labels),
+            self.prefill_hist.render("vllm:request_prefill_time_seconds", labels),
         ]
         return "\n".join(parts) + "\n"
 
@@ -214,6 +219,7 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
         )
         blocks = math.ceil((prompt_tokens + max_tokens) / st.block_size)
         st.running += 1
+        st.peak_running = max(st.peak_running, st.running)
         st.used_blocks += blocks
         started = time.perf_counter()
         try:
@@ -223,6 +229,8 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
                 await _complete(send, body, chat, prompt_tokens, max_tokens)
             st.served += 1
             st.ttft_hist.observe(st.ttft_s)
+            st.prompt_hist.observe(float(prompt_tokens))
+            st.prefill_hist.observe(st.ttft_s)
             if max_tokens > 1:
                 st.itl_hist.observe(st.itl_s)
         except (ConnectionError, asyncio.CancelledError):

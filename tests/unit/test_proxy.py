@@ -15,6 +15,7 @@ import pytest
 
 from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
 from pools.launchers.base import InstanceSpec
+from pools.telemetry import parse_vllm_metrics
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.app import Gateway, create_app
@@ -36,6 +37,15 @@ def _config(tmp_path: Path, **router: Any) -> Config:
         "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
     }
     return parse_config(data)
+
+
+def _look_fresh(gateway: Gateway) -> None:
+    """Without a scraper: one healthy, empty reading per instance, as a scrape would give."""
+    for state in gateway.fleet:
+        gateway.fleet.record_reading(
+            state.instance_id,
+            parse_vllm_metrics(FakeEngineState().metrics_text(), gateway.clock()),
+        )
 
 
 def _dead_url() -> str:
@@ -171,8 +181,7 @@ async def test_refused_connection_retries_another_instance(tmp_path: Path) -> No
             "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
         }
         gateway = create_app(parse_config(data), specs, scrape=False)
-        for spec in specs:  # both look healthy until the proxy learns otherwise
-            gateway.fleet.get(spec.instance_id).healthy = True  # type: ignore[union-attr]
+        _look_fresh(gateway)  # both look healthy and empty until the proxy learns otherwise
         await gateway.start()
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
@@ -254,8 +263,7 @@ async def test_connection_reset_before_the_answer_is_retried(tmp_path: Path) -> 
             "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
         }
         gateway = create_app(parse_config(data), specs, scrape=False)
-        for spec in specs:
-            gateway.fleet.get(spec.instance_id).healthy = True  # type: ignore[union-attr]
+        _look_fresh(gateway)
         await gateway.start()
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=gateway), base_url="http://gw"

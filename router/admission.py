@@ -1,0 +1,153 @@
+"""The admission decision, pure: may this sequence go to which instances of its pool now?
+
+`decide(views, need, now_s)` returns a `Grant` (the instances it fits on, for the picker to
+choose among), a `Wait` (nothing fits now but something can free up) or a `Reject` (it cannot
+be served in time). No clock, no I/O, no state: the shell (`router.admitter`) builds the
+views from the fleet and holds the queue and the leases.
+
+On instance `i`, a sequence of pool `p` fits when all of these hold (DESIGN.md, step 3):
+
+- **fresh and healthy**: stale telemetry counts as full;
+- **KV, the pool's part**: the blocks `p` has reserved on `i` plus the new ones stay within
+  `a[i][p]` × the instance's blocks × (1 − margin);
+- **KV, the instance**: blocks in use (the larger of the router's reservations and the measured
+  use corrected since the scrape; see `pools.fleet`) plus the new ones stay within the blocks ×
+  (1 − margin);
+- **operating point**: all sequences on `i` stay under the limit for the strictest TPOT target
+  among the pools on `i` (a batch that grows past it slows every sequence on the engine, not
+  only `p`'s), and `p`'s under `a[i][p]` × the smaller of that and its own target's limit, so
+  on a split instance each pool keeps its share of the batch;
+- **TTFT**: the predicted prefill wait (the prompt tokens still in prefill there plus this
+  prompt, at the measured prefill rate) fits the pool's TTFT target.
+
+So that a large request never waits forever, a pool with nothing running on an instance may
+always place one sequence there if the instance as a whole has the blocks (a request over the
+pool's share but within the engine's `max_model_len` is served, alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Grant", "InstanceView", "Need", "Reject", "Wait", "decide", "fit_reason"]
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """What one sequence asks for."""
+
+    prompt_tokens: int
+    total_tokens: int  # prompt + expected output
+    deadline_s: float  # absolute
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """One instance as admission sees it for one pool, at one moment."""
+
+    instance_id: str
+    frac: float  # the pool's allocation of the instance, (0, 1]
+    healthy: bool
+    fresh: bool  # telemetry younger than stale_after_s
+    capacity_blocks: int  # the engine's num_gpu_blocks (0 when unknown)
+    block_size: int  # tokens per block
+    used_blocks: float  # instance-wide, see pools.fleet
+    pool_reserved_blocks: int
+    pool_running: int
+    running: int  # the router's sequences on the instance, every pool
+    pool_limit: int  # operating point for the pool's TPOT target
+    instance_limit: int  # operating point for the strictest target among the instance's pools
+    pending_prefill_tokens: int
+    prefill_tokens_per_s: float | None  # None: not measured yet (no TTFT check)
+    ttft_target_s: float
+    margin_frac: float
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    instance_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    reason: str  # why the best instance refused: kv | operating_point | ttft | stale
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    code: str  # no_instance | deadline_unmeetable
+    message: str
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // max(1, block_size))
+
+
+def fit_reason(view: InstanceView, need: Need) -> str | None:
+    """None when the sequence fits on the instance now, else why not."""
+    if not view.healthy:
+        return "unhealthy"
+    if not view.fresh or view.capacity_blocks <= 0:
+        return "stale"
+    blocks = _blocks(need.total_tokens, view.block_size)
+    usable = view.capacity_blocks * (1.0 - view.margin_frac)
+    if view.used_blocks + blocks > usable:
+        return "kv"
+    alone = view.pool_running == 0
+    if not alone:
+        if view.pool_reserved_blocks + blocks > view.frac * usable:
+            return "kv"
+        limit = min(view.pool_limit, view.instance_limit)
+        if view.pool_running >= max(1, int(view.frac * limit)):
+            return "operating_point"
+    if view.running >= view.instance_limit:
+        return "operating_point"
+    rate = view.prefill_tokens_per_s
+    if rate and not alone:
+        predicted_s = (view.pending_prefill_tokens + need.prompt_tokens) / rate
+        if predicted_s > view.ttft_target_s:
+            return "ttft"
+    return None
+
+
+def predicted_ttft_s(view: InstanceView, need: Need) -> float:
+    """Prefill wait on the instance if the sequence went there now (0 when unmeasured)."""
+    rate = view.prefill_tokens_per_s
+    if not rate:
+        return 0.0
+    return (view.pending_prefill_tokens + need.prompt_tokens) / rate
+
+
+def decide(
+    views: Sequence[InstanceView], need: Need, now_s: float, *, queue_wait_s: float = 0.0
+) -> Grant | Wait | Reject:
+    """Grant the instances the sequence fits on; else wait, unless no instance is usable or
+    the deadline cannot be met even after the expected queue wait."""
+    usable = [v for v in views if v.healthy]
+    if not usable:
+        return Reject("no_instance", "no healthy instance in the pool")
+    fits: list[str] = []
+    reasons: list[str] = []
+    for view in usable:
+        reason = fit_reason(view, need)
+        if reason is None:
+            fits.append(view.instance_id)
+        else:
+            reasons.append(reason)
+    best_ttft_s = min(predicted_ttft_s(v, need) for v in usable)
+    if fits:
+        if now_s + best_ttft_s > need.deadline_s:
+            return Reject(
+                "deadline_unmeetable",
+                f"predicted time to first token {best_ttft_s:.2f} s is past the deadline",
+            )
+        return Grant(tuple(fits))
+    if now_s + queue_wait_s + best_ttft_s > need.deadline_s:
+        return Reject(
+            "deadline_unmeetable",
+            f"expected queue wait {queue_wait_s:.2f} s + predicted time to first token "
+            f"{best_ttft_s:.2f} s is past the deadline",
+        )
+    order = ("kv", "operating_point", "ttft", "stale", "unhealthy")
+    return Wait(min(reasons, key=order.index))

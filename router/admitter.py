@@ -1,0 +1,327 @@
+"""Admission's shell: the queues, the leases, and the event-driven dispatch around the pure
+decision in `router.admission`.
+
+`await admitter.admit(ctx, estimate)` returns a `Lease` on the instance the request goes to:
+at once when the pool's queue is empty and the sequence fits somewhere (the common case, no
+await), else after waiting in the pool's `PoolQueue` until a lease is released, a scrape
+arrives or the allocation changes and it is at the head and fits. It raises
+`CapacityExceeded` (429: queue_full, shed, queue_timeout, deadline_unmeetable) or
+`NoHealthyInstance` (503). A request cancelled while it waits (its client left) leaves the
+queue at once and never reaches an engine.
+
+The decision, the pick and the lease happen in one synchronous step, so no other request can
+take the headroom a grant saw. A retry after a refused connection re-picks among the instances
+that fit now, without queueing again (`repick`); only when none is left does it queue again.
+
+With `router.admission: off` every request is leased to the best healthy instance at once
+(the behaviour before admission, kept for comparison); reservations are still tracked so the
+metrics show what admission would have seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pools.allocation import PoolMap
+from pools.config import Config, PoolConfig
+from pools.fleet import Fleet, InstanceState, Lease
+from router.admission import Grant, InstanceView, Need, Reject, Wait, decide
+from router.errors import CapacityExceeded, NoHealthyInstance
+from router.estimate import Estimate
+from router.metrics import RouterMetrics
+from router.picking import Picker, PickRequest
+from router.queueing import PoolQueue, QueueEntry, QueueFull
+from router.request import RequestContext
+
+__all__ = ["Admitter"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    ctx: RequestContext
+    need: Need
+    future: asyncio.Future[Lease]
+    exclude: frozenset[str]
+
+
+class Admitter:
+    def __init__(
+        self,
+        config: Config,
+        fleet: Fleet,
+        pool_map: PoolMap,
+        picker: Picker,
+        metrics: RouterMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.enabled = config.router.admission == "on"
+        self.fleet = fleet
+        self.pool_map = pool_map
+        self.picker = picker
+        self.metrics = metrics
+        self.clock = clock
+        self.margin_frac = config.router.kv_margin_frac
+        self.pools: dict[str, PoolConfig] = {p.name: p for p in config.pools}
+        self.queues = {
+            p.name: PoolQueue(p.name, max_depth=p.queue.max_depth, order=p.queue.order)
+            for p in config.pools
+        }
+        self._tpot_target_s = {p.name: p.slo.tpot_p95_ms / 1e3 for p in config.pools}
+        self._pump_scheduled = False
+        fleet.on_capacity_change(lambda _iid: self.schedule_pump())
+        pool_map.on_change(lambda _alloc: self.schedule_pump())
+
+    # ------------------------------------------------------------------ the request's calls
+
+    async def admit(
+        self, ctx: RequestContext, estimate: Estimate, *, exclude: frozenset[str] = frozenset()
+    ) -> Lease:
+        need = Need(estimate.prompt_tokens, estimate.total_tokens, ctx.deadline_s)
+        if not self.enabled:
+            lease = self._lease_unchecked(ctx, need, exclude)
+            if lease is None:
+                raise self._no_instance(ctx.pool)
+            return lease
+        queue = self.queues[ctx.pool]
+        now = self.clock()
+        wait_s = queue.expected_wait_s(len(queue), now, default_s=0.0)
+        result: Lease | Grant | Wait | Reject | None
+        if len(queue) == 0:
+            result = self._try(ctx, need, now, exclude)
+            if isinstance(result, Lease):
+                return result
+        else:  # others wait: never jump the queue, only check the deadline can be met
+            result = decide(self._views(ctx.pool, now), need, now, queue_wait_s=wait_s)
+        if isinstance(result, Reject):
+            raise self._reject(ctx, result, wait_s)
+        return await self._wait(ctx, need, queue, exclude, now)
+
+    def repick(
+        self, ctx: RequestContext, estimate: Estimate, exclude: frozenset[str]
+    ) -> Lease | None:
+        """A lease on another instance that fits now (for a retry), or None."""
+        need = Need(estimate.prompt_tokens, estimate.total_tokens, ctx.deadline_s)
+        if not self.enabled:
+            return self._lease_unchecked(ctx, need, exclude)
+        result = self._try(ctx, need, self.clock(), exclude)
+        return result if isinstance(result, Lease) else None
+
+    # ------------------------------------------------------------------ deciding
+
+    def _views(self, pool: str, now_s: float) -> list[InstanceView]:
+        allocation = self.pool_map.current
+        p = self.pools[pool]
+        views = []
+        for instance_id in allocation.instances_for(pool):
+            state = self.fleet.get(instance_id)
+            if state is None:
+                continue
+            reading = state.reading
+            views.append(
+                InstanceView(
+                    instance_id=instance_id,
+                    frac=allocation.frac(instance_id, pool),
+                    healthy=state.healthy,
+                    fresh=self.fleet.is_fresh(state),
+                    capacity_blocks=(reading.num_gpu_blocks or 0) if reading else 0,
+                    block_size=self._block_size(state),
+                    used_blocks=state.used_blocks(),
+                    pool_reserved_blocks=state.reserved_by_pool.get(pool, 0),
+                    pool_running=state.running_by_pool.get(pool, 0),
+                    running=state.inflight,
+                    pool_limit=state.op.limit(self._tpot_target_s[pool]),
+                    instance_limit=self.instance_limit(state),
+                    pending_prefill_tokens=state.pending_prefill_tokens(now_s),
+                    prefill_tokens_per_s=state.prefill_tokens_per_s,
+                    ttft_target_s=p.slo.ttft_p95_ms / 1e3,
+                    margin_frac=self.margin_frac,
+                )
+            )
+        return views
+
+    def instance_limit(self, state: InstanceState) -> int:
+        """The operating point for the strictest TPOT target among the instance's pools."""
+        pools = self.pool_map.current.pools_of(state.spec.instance_id)
+        targets = [self._tpot_target_s[p] for p, f in pools.items() if f > 0]
+        return state.op.limit(min(targets)) if targets else state.op.limit(1e9)
+
+    @staticmethod
+    def _block_size(state: InstanceState) -> int:
+        reading = state.reading
+        return (reading.block_size if reading else None) or _DEFAULT_BLOCK_SIZE
+
+    def _try(
+        self, ctx: RequestContext, need: Need, now_s: float, exclude: frozenset[str]
+    ) -> Lease | Reject | None:
+        """Lease at once if the sequence fits; a `Reject`; or None (it must wait)."""
+        views = self._views(ctx.pool, now_s)
+        decision = decide(views, need, now_s)
+        if not isinstance(decision, Grant):
+            return decision if isinstance(decision, Reject) else None
+        allowed = frozenset(decision.instance_ids) - exclude
+        if not allowed:
+            return None
+        return self._lease(ctx, need, allowed, exclude)
+
+    def _lease(
+        self,
+        ctx: RequestContext,
+        need: Need,
+        allowed: frozenset[str] | None,
+        exclude: frozenset[str],
+    ) -> Lease | None:
+        cands = self.picker.candidates(self.pool_map.current, ctx.pool)
+        chosen = self.picker.pick(PickRequest(ctx.pool, ctx.run_id, exclude, allowed), cands)
+        if chosen is None:
+            return None
+        state = chosen.state
+        rate = state.prefill_tokens_per_s
+        return self.fleet.acquire(
+            chosen.instance_id,
+            ctx.pool,
+            blocks=-(-need.total_tokens // self._block_size(state)),
+            prompt_tokens=need.prompt_tokens,
+            prefill_s=need.prompt_tokens / rate if rate else 0.0,
+        )
+
+    def _lease_unchecked(
+        self, ctx: RequestContext, need: Need, exclude: frozenset[str]
+    ) -> Lease | None:
+        return self._lease(ctx, need, None, exclude)
+
+    # ------------------------------------------------------------------ waiting
+
+    async def _wait(
+        self,
+        ctx: RequestContext,
+        need: Need,
+        queue: PoolQueue,
+        exclude: frozenset[str],
+        now_s: float,
+    ) -> Lease:
+        pool = self.pools[ctx.pool]
+        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        entry = QueueEntry(
+            tenant=ctx.tenant,
+            priority=ctx.priority,
+            cost_tokens=float(need.total_tokens),
+            weight=ctx.tenant_weight,
+            enqueued_at_s=now_s,
+            payload=_Waiter(ctx, need, future, exclude),
+        )
+        try:
+            shed = queue.push(entry)
+        except QueueFull:
+            retry_s = queue.expected_wait_s(1, now_s, default_s=1.0)
+            self.metrics.rejected(ctx.pool, "queue_full")
+            raise CapacityExceeded(
+                f"pool {ctx.pool!r} queue is full ({queue.max_depth} waiting)",
+                "queue_full",
+                retry_after_s=retry_s,
+            ) from None
+        if shed is not None:
+            self._shed(shed, queue, now_s)
+        self.metrics.queue_depth(ctx.pool, len(queue))
+        self.schedule_pump()
+        timeout_s = min(pool.queue.max_wait_s, ctx.deadline_s - now_s)
+        try:
+            done, _ = await asyncio.wait({future}, timeout=max(0.0, timeout_s))
+        except asyncio.CancelledError:
+            self._abandon(queue, entry, future)
+            raise
+        if not done:
+            self._abandon(queue, entry, future)
+            self.metrics.queue_depth(ctx.pool, len(queue))
+            self.metrics.rejected(ctx.pool, "queue_timeout")
+            self.metrics.observe_queue_wait(ctx.pool, ctx.class_name, self.clock() - now_s)
+            ahead = len(queue)
+            raise CapacityExceeded(
+                f"waited {timeout_s:.1f} s in pool {ctx.pool!r}'s queue without capacity freeing",
+                "queue_timeout",
+                retry_after_s=queue.expected_wait_s(ahead, self.clock(), default_s=timeout_s),
+            )
+        self.metrics.observe_queue_wait(ctx.pool, ctx.class_name, self.clock() - now_s)
+        return future.result()
+
+    def _abandon(self, queue: PoolQueue, entry: QueueEntry, future: asyncio.Future[Lease]) -> None:
+        if future.done() and not future.cancelled() and future.exception() is None:
+            future.result().release()  # granted just as the waiter gave up
+        queue.remove(entry)
+        future.cancel()
+
+    def _shed(self, entry: QueueEntry, queue: PoolQueue, now_s: float) -> None:
+        waiter: _Waiter = entry.payload
+        self.metrics.rejected(queue.pool, "shed")
+        if not waiter.future.done():
+            waiter.future.set_exception(
+                CapacityExceeded(
+                    f"shed from pool {queue.pool!r}'s full queue for a higher-priority request"
+                    " (priority below 0 is shed first)",
+                    "shed",
+                    retry_after_s=queue.expected_wait_s(len(queue), now_s, default_s=1.0),
+                )
+            )
+
+    # ------------------------------------------------------------------ dispatch
+
+    def schedule_pump(self) -> None:
+        """Dispatch what fits, once, soon (coalesces bursts of events into one pass)."""
+        if self._pump_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._pump_scheduled = True
+        loop.call_soon(self.pump)
+
+    def pump(self) -> None:
+        """Give each pool's queue head a lease while it fits (head-of-line order)."""
+        self._pump_scheduled = False
+        now = self.clock()
+        for queue in self.queues.values():
+            while (entry := queue.peek()) is not None:
+                waiter: _Waiter = entry.payload
+                if waiter.future.done():
+                    queue.remove(entry)
+                    continue
+                result = self._try(waiter.ctx, waiter.need, now, waiter.exclude)
+                if isinstance(result, Lease):
+                    queue.pop(entry, now)
+                    waiter.future.set_result(result)
+                    continue
+                if isinstance(result, Reject) and result.code == "deadline_unmeetable":
+                    queue.remove(entry)
+                    self.metrics.rejected(queue.pool, result.code)
+                    waiter.future.set_exception(self._capacity(result, 1.0))
+                    continue
+                break
+            self.metrics.queue_depth(queue.pool, len(queue))
+
+    # ------------------------------------------------------------------ errors
+
+    def _reject(self, ctx: RequestContext, result: Reject, wait_s: float) -> Exception:
+        if result.code == "no_instance":
+            return self._no_instance(ctx.pool)
+        self.metrics.rejected(ctx.pool, result.code)
+        return self._capacity(result, max(wait_s, 1.0))
+
+    @staticmethod
+    def _capacity(result: Reject, retry_after_s: float) -> CapacityExceeded:
+        return CapacityExceeded(result.message, result.code, retry_after_s=retry_after_s)
+
+    def _no_instance(self, pool: str) -> NoHealthyInstance:
+        total = len(self.pool_map.current.instances_for(pool))
+        return NoHealthyInstance(
+            f"no healthy instance in pool {pool!r} ({total} allocated)", "no_healthy_instance"
+        )

@@ -1,0 +1,584 @@
+"""The request estimate admission works from (DESIGN.md, "The request path", step 2): prompt
+tokens, expected output tokens, and the KV blocks the two need together.
+
+Prompt tokens come from one of two sources, fixed when the estimator is built:
+
+- `tokenizer`: the model's own `tokenizer.json` (the `tokenizers` library). Encoding is slow
+  next to the 1 ms the router may add to a request (about 1 µs a token on the dev model's
+  byte-level BPE, almost all of it in the pre-tokenizer regex), so counts are memoised twice:
+  per space-separated chunk (a word and the punctuation glued to it; with the space in front,
+  a chunk is always a pre-token boundary for byte-level and SentencePiece tokenizers, so
+  chunk counts add up to the text's count up to runs of spaces) and per whole piece of text of
+  `PIECE_CACHE_MIN_CHARS` or more (an agent resends its whole history every step). Only the
+  chunks not seen before are encoded, all at once.
+- `heuristic`: UTF-8 bytes divided by a bytes-per-token ratio that starts at
+  `HEURISTIC_BYTES_PER_TOKEN` and is corrected online.
+
+What the engine counts on top of the text (the chat template's header and end tokens around
+every message and tool call, the tool-list preamble, BOS) depends on the model's template, so
+it is learned too: the prompt estimate is `exact + θ·x`, with `x` = (content: tokens or bytes,
+1 for a chat request, messages, tool calls, 1 if the request has tools, text prompts of a
+completions request) and `exact` the token-id prompts, which are counted as given. `θ` is
+tracked by a small Kalman filter with random-walk coefficients (`_OnlineLinear`): its steady
+state is an EWMA of the residual, and while few requests have been seen it spreads the residual
+over the coefficients by how sure it is of each, so the error falls within a few requests
+instead of a few dozen. `observe()` feeds it the `usage.prompt_tokens` vLLM returned.
+
+Output tokens: the request's `max_completion_tokens` (or `max_tokens`; 16 on /v1/completions
+when absent, as vLLM and OpenAI default), capped by the class's observed p95 of completion
+tokens (the class's `expected_output_tokens` until `MIN_P95_SAMPLES` were observed), the p95
+alone when the request names no limit, raised to `min_tokens`, never more than
+`max_model_len - prompt`; times the sequences the request asks for (`n`, batched prompts).
+
+Never raises on a malformed body: what can be read is estimated, the rest counts as absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import json
+import logging
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import mul
+from pathlib import Path
+from typing import Any
+
+from kvcache_model import blocks_for_tokens
+from pools.config import Config
+
+__all__ = [
+    "ASYNC_TEXT_CHARS",
+    "DEFAULT_OUTPUT_TOKENS",
+    "HEURISTIC_BYTES_PER_TOKEN",
+    "MIN_P95_SAMPLES",
+    "Estimate",
+    "TokenEstimator",
+]
+
+log = logging.getLogger(__name__)
+
+# OpenAI's rule of thumb ("one token is about 4 characters of English text", the tokenizer
+# help page); Llama 3's 128k vocabulary lands near it on English prose (~4.2). Code, JSON and
+# other languages differ, which the online correction absorbs.
+HEURISTIC_BYTES_PER_TOKEN = 4.0
+MIN_P95_SAMPLES = 20  # completion samples a class needs before its p95 replaces the default
+P95_RECOMPUTE_EVERY = 16  # observations between two p95 recomputations (a sorted copy)
+# Never-seen text above this is encoded in a worker thread by `estimate_async` (encoding costs
+# ~0.3 µs a character on the dev tokenizer, so this is about 1 ms; `encode` drops the GIL).
+ASYNC_TEXT_CHARS = 4 * 1024
+DEFAULT_OUTPUT_TOKENS = 256  # a class missing from `expected_output_tokens` (the config default)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's default on /v1/completions
+MAX_SEQUENCES = 256  # `n` beyond this is read as this (vLLM rejects such requests anyway)
+PIECE_CACHE_MIN_CHARS = 64  # pieces this long are memoised whole
+PIECE_CACHE_ENTRIES = 16_384
+CHUNK_CACHE_ENTRIES = 200_000  # ~15 MB at most; cleared when full
+CHUNK_MAX_CHARS = 64  # longer chunks (base64, minified JSON) are counted but not memoised
+
+_MISS = 1 << 32  # a chunk-cache miss in a summed lookup: misses = total >> 32
+
+# Feature order of `Estimate.features` and the filter's coefficients.
+_CONTENT, _CHAT, _MESSAGES, _TOOL_CALLS, _TOOLS, _PROMPTS = range(6)
+# Priors: a Llama-3-style template (BOS + the assistant header per request, a header, "\n\n"
+# and an end token per message, tags around a JSON object per tool call, a preamble for tools).
+_OVERHEAD_PRIOR = (5.0, 5.0, 8.0, 12.0)
+_OVERHEAD_PRIOR_SD = (50.0, 30.0, 30.0, 100.0)  # wide: templates differ a lot between models
+_OVERHEAD_DRIFT_SD = 0.1  # per observation: the template does not change
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """One request's estimate. `output_tokens` covers all its sequences (`n`, batched prompts).
+
+    `exact_prompt_tokens` (token-id prompts, counted as given) and `features` (what the rest of
+    `prompt_tokens` was predicted from) are what `TokenEstimator.observe` learns from.
+    """
+
+    prompt_tokens: int
+    output_tokens: int
+    source: str  # "tokenizer" or "heuristic"
+    sequences: int = 1
+    exact_prompt_tokens: int = 0
+    features: tuple[float, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    def blocks(self, block_size_tokens: int) -> int:
+        """KV blocks for prompt + output: ceil(total / block_size_tokens)."""
+        return blocks_for_tokens(self.total_tokens, block_size_tokens)
+
+
+class _OnlineLinear:
+    """y ≈ θ·x with θ a random walk, tracked by a Kalman filter (pure arithmetic, no I/O).
+
+    Observation noise is `noise_abs_sd² + (noise_rel_sd · y)²`, so big prompts do not drown
+    small ones and the fit minimises relative error. A residual beyond 4 predicted standard
+    deviations is clipped (an image part or a template surprise moves θ, but not wildly). A
+    coefficient's variance never grows past its prior, so unused features do not wind up.
+    """
+
+    def __init__(
+        self,
+        prior: Sequence[float],
+        prior_sd: Sequence[float],
+        drift_sd: Sequence[float],
+        *,
+        noise_abs_sd: float,
+        noise_rel_sd: float,
+        bounds: Sequence[tuple[float, float]],
+    ) -> None:
+        n = len(prior)
+        self.theta = [float(v) for v in prior]
+        self._p = [[(prior_sd[i] ** 2 if i == j else 0.0) for j in range(n)] for i in range(n)]
+        self._p_max = [s * s for s in prior_sd]
+        self._q = [s * s for s in drift_sd]
+        self._noise_abs = noise_abs_sd**2
+        self._noise_rel = noise_rel_sd**2
+        self._bounds = list(bounds)
+        self.updates = 0
+
+    def predict(self, x: Sequence[float]) -> float:
+        return float(sum(map(mul, self.theta, x)))
+
+    def update(self, x: Sequence[float], y: float) -> None:
+        n = len(self.theta)
+        if len(x) != n:
+            return
+        nz = [i for i in range(n) if x[i]]
+        if not nz:
+            return
+        p = self._p
+        px = [sum(p[i][j] * x[j] for j in nz) for i in range(n)]
+        s = sum(x[i] * px[i] for i in nz) + self._noise_abs + self._noise_rel * y * y
+        if not s > 0.0 or not math.isfinite(s):
+            return
+        limit = 4.0 * math.sqrt(s)
+        e = min(max(y - self.predict(x), -limit), limit)
+        for i in range(n):
+            if px[i]:
+                lo, hi = self._bounds[i]
+                self.theta[i] = min(max(self.theta[i] + px[i] * e / s, lo), hi)
+                row = p[i]
+                k = px[i] / s
+                for j in range(n):
+                    if px[j]:
+                        row[j] -= k * px[j]
+        for i in range(n):
+            if p[i][i] < self._p_max[i]:
+                p[i][i] = min(p[i][i] + self._q[i], self._p_max[i])
+        self.updates += 1
+
+
+def _utf8_bytes(text: str) -> int:
+    if text.isascii():  # O(1) in CPython
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+class _TokenCounter:
+    """Token counts of text pieces from a `tokenizers.Tokenizer`, memoised per chunk and piece.
+
+    Safe to call from a worker thread while the event loop calls it too: the caches are plain
+    dicts changed by single (GIL-atomic) operations, and a lost race costs a recount.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._chunks: dict[str, int] = {"": 0}
+        self._pieces: dict[tuple[int, int], float] = {}
+        # Tokens a string prompt gains from the post-processor (BOS on Llama-style models).
+        self.special_tokens = self._encode_len("", special=True)
+        # A run of spaces splits into empty chunks; what one extra space costs.
+        self._space_tokens = max(0.0, (self._encode_len("x     y") - self._encode_len("x y")) / 4)
+
+    def _encode_len(self, text: str, special: bool = False) -> int:
+        try:
+            return len(self._tok.encode(text, add_special_tokens=special).ids)
+        except Exception:  # lone surrogates and the like: the tokenizer refuses them
+            return -(-_utf8_bytes(text) // 4)
+
+    def count(self, pieces: Sequence[str], max_new_chars: int | None = None) -> float | None:
+        """Tokens in `pieces`, each encoded on its own (no special tokens). With
+        `max_new_chars`, None instead when more text than that has never been seen (the caller
+        then counts in a worker thread): lookups are cheap, encoding is not."""
+        total = 0.0
+        pending: list[tuple[tuple[int, int] | None, float, list[str]]] = []
+        new: dict[str, int] = {}
+        chunk_counts = self._chunks
+        for piece in pieces:
+            key = None
+            if len(piece) >= PIECE_CACHE_MIN_CHARS:
+                key = (hash(piece), len(piece))
+                known = self._pieces.get(key)
+                if known is not None:
+                    total += known
+                    continue
+            chunks = piece.split(" ")
+            misses, hits = divmod(sum(map(chunk_counts.get, chunks, repeat(_MISS))), _MISS)
+            partial = hits + self._space_tokens * chunks.count("")
+            missing = [c for c in chunks if c not in chunk_counts] if misses else []
+            if missing:
+                new.update(dict.fromkeys(missing, 0))
+            if missing or key is not None:
+                pending.append((key, partial, missing))
+            else:
+                total += partial
+        if new:
+            if max_new_chars is not None and sum(map(len, new)) + len(new) > max_new_chars:
+                return None
+            new = self._encode_chunks(list(new))
+        for key, partial, missing in pending:
+            if missing:
+                partial += sum(map(new.__getitem__, missing))
+            if key is not None:
+                if len(self._pieces) >= PIECE_CACHE_ENTRIES:
+                    # FIFO eviction; another thread may have evicted first
+                    with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                        del self._pieces[next(iter(self._pieces))]
+                self._pieces[key] = partial
+            total += partial
+        return total
+
+    def _encode_chunks(self, chunks: list[str]) -> dict[str, int]:
+        """Counts of `chunks`, each as preceded by a space, from one encoding of them all."""
+        starts: list[int] = []
+        pos = 0
+        for chunk in chunks:
+            starts.append(pos)
+            pos += len(chunk) + 1
+        counts = [0] * len(chunks)
+        try:
+            encoding = self._tok.encode(" " + " ".join(chunks), add_special_tokens=False)
+            for start, _ in encoding.offsets:
+                counts[max(0, bisect.bisect_right(starts, start) - 1)] += 1
+        except Exception:
+            counts = [self._encode_len(" " + c) for c in chunks]
+        if len(self._chunks) >= CHUNK_CACHE_ENTRIES:
+            self._chunks.clear()
+            self._chunks[""] = 0
+        fresh = dict(zip(chunks, counts, strict=True))
+        for chunk, n in fresh.items():
+            if len(chunk) <= CHUNK_MAX_CHARS:
+                self._chunks[chunk] = n
+        return fresh
+
+
+@dataclass(slots=True)
+class _Parsed:
+    """What an estimate needs from a body, read once."""
+
+    pieces: list[str]
+    chars: int
+    exact_tokens: int
+    chat: bool
+    messages: int
+    tool_calls: int
+    has_tools: bool
+    text_prompts: int
+    prompts: int
+    sequences: int
+    requested_output: int | None
+    min_output: int
+
+
+def _positive_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value > 0 else None
+    if isinstance(value, float) and value.is_integer() and value > 0:
+        return int(value)
+    return None
+
+
+def _dumps(value: Any) -> str:
+    try:  # as transformers' `tojson` filter renders it
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return ""
+
+
+def _read_chat(body: dict[str, Any], pieces: list[str]) -> tuple[int, int, bool]:
+    messages = body.get("messages")
+    n_messages = n_calls = 0
+    if isinstance(messages, list):
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            n_messages += 1
+            content = message.get("content")
+            if isinstance(content, str):
+                if content:
+                    pieces.append(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict):
+                        text = part.get("text")
+                        if isinstance(text, str) and text:
+                            pieces.append(text)
+                    elif isinstance(part, str) and part:
+                        pieces.append(part)
+            calls = message.get("tool_calls")
+            if isinstance(calls, list):
+                for call in calls:
+                    if not isinstance(call, dict):
+                        continue
+                    n_calls += 1
+                    function = call.get("function")
+                    if not isinstance(function, dict):
+                        continue
+                    name = function.get("name")
+                    if isinstance(name, str) and name:
+                        pieces.append(name)
+                    arguments = function.get("arguments")
+                    if isinstance(arguments, str):
+                        if arguments:
+                            pieces.append(arguments)
+                    elif isinstance(arguments, dict | list):
+                        pieces.append(_dumps(arguments))
+    tools = body.get("tools")
+    has_tools = isinstance(tools, list) and bool(tools)
+    if has_tools:
+        pieces.append(_dumps(tools))
+    return n_messages, n_calls, has_tools
+
+
+def _read_prompt(body: dict[str, Any], pieces: list[str]) -> tuple[int, int, int]:
+    """(text prompts, prompts, token ids given as ids) of a completions body."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        pieces.append(prompt)
+        return 1, 1, 0
+    if not isinstance(prompt, list) or not prompt:
+        return 0, 0, 0
+    if not isinstance(prompt[0], str | list):  # one prompt as token ids
+        return 0, 1, len(prompt)
+    texts = prompts = ids = 0
+    for item in prompt:
+        if isinstance(item, str):
+            pieces.append(item)
+            texts += 1
+            prompts += 1
+        elif isinstance(item, list):
+            ids += len(item)
+            prompts += 1
+    return texts, prompts, ids
+
+
+def _read(body: Any, chat: bool) -> _Parsed:
+    if not isinstance(body, dict):
+        body = {}
+    pieces: list[str] = []
+    n_messages = n_calls = texts = ids = 0
+    has_tools = False
+    if chat:
+        n_messages, n_calls, has_tools = _read_chat(body, pieces)
+        prompts = 1
+        requested = _positive_int(body.get("max_completion_tokens")) or _positive_int(
+            body.get("max_tokens")
+        )
+    else:
+        texts, prompts, ids = _read_prompt(body, pieces)
+        requested = _positive_int(body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS))
+    n = _positive_int(body.get("n")) or 1
+    best_of = _positive_int(body.get("best_of")) or 1
+    sequences = min(max(n, best_of), MAX_SEQUENCES) * max(prompts, 1)
+    return _Parsed(
+        pieces=pieces,
+        chars=sum(map(len, pieces)),
+        exact_tokens=ids,
+        chat=chat,
+        messages=n_messages,
+        tool_calls=n_calls,
+        has_tools=has_tools,
+        text_prompts=texts,
+        prompts=max(prompts, 1),
+        sequences=sequences,
+        requested_output=requested,
+        min_output=_positive_int(body.get("min_tokens")) or 0,
+    )
+
+
+class TokenEstimator:
+    """Estimates requests before admission and learns from the usage vLLM returns.
+
+    One per router, built in `create_app`; `estimate()` is synchronous and costs microseconds
+    (a typical chat request ~20-60 µs warm), `estimate_async()` moves big uncounted bodies to
+    a worker thread. Not for concurrent use from several event loops.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer_path: Path | None,
+        expected_output_tokens: Mapping[str, int],
+        max_model_len_tokens: int | None,
+        window: int = 1000,
+    ) -> None:
+        self._counter: _TokenCounter | None = None
+        if tokenizer_path is not None:
+            self._counter = _load_counter(Path(tokenizer_path))
+        self._expected = dict(expected_output_tokens)
+        self._max_model_len = max_model_len_tokens
+        self._window = max(1, window)
+        self._samples: dict[str, deque[int]] = {}
+        self._since_p95: dict[str, int] = {}
+        self._p95: dict[str, int] = {}
+        if self._counter is not None:
+            content_prior, content_sd, content_drift = 1.0, 0.02, 0.002
+            content_bounds = (0.5, 2.0)
+            prompts_prior = 0.0  # the post-processor's tokens are counted exactly
+            noise_abs, noise_rel = 1.0, 0.01
+        else:
+            content_prior = 1.0 / HEURISTIC_BYTES_PER_TOKEN
+            content_sd, content_drift = 0.1, 0.005
+            content_bounds = (1.0 / 16.0, 1.0)  # 1 to 16 bytes a token
+            prompts_prior = 1.0  # BOS, on most models
+            noise_abs, noise_rel = 2.0, 0.1
+        self._model = _OnlineLinear(
+            prior=(content_prior, *_OVERHEAD_PRIOR, prompts_prior),
+            prior_sd=(content_sd, *_OVERHEAD_PRIOR_SD, 5.0),
+            drift_sd=(content_drift, *([_OVERHEAD_DRIFT_SD] * 5)),
+            noise_abs_sd=noise_abs,
+            noise_rel_sd=noise_rel,
+            bounds=(content_bounds, *([(-1e4, 1e4)] * 5)),
+        )
+
+    @classmethod
+    def from_config(cls, config: Config) -> TokenEstimator:
+        """The model's `tokenizer.json` under `config.model.path` if it exists, else heuristic."""
+        path = config.model.path / "tokenizer.json"
+        return cls(
+            tokenizer_path=path if path.is_file() else None,
+            expected_output_tokens={c.name: c.expected_output_tokens for c in config.classes},
+            max_model_len_tokens=config.model.max_model_len_tokens,
+        )
+
+    @property
+    def source(self) -> str:
+        """ "tokenizer" or "heuristic"."""
+        return "tokenizer" if self._counter is not None else "heuristic"
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """The learned θ: (per content token or byte, per chat request, per message, per tool
+        call, per request with tools, per text prompt)."""
+        return tuple(self._model.theta)
+
+    def estimate(self, body: dict[str, Any], *, chat: bool, class_name: str) -> Estimate:
+        """Estimate a /v1/chat/completions (`chat`) or /v1/completions body. Never raises."""
+        parsed = _read(body, chat)
+        return self._finish(parsed, self._content(parsed.pieces), class_name)
+
+    async def estimate_async(
+        self, body: dict[str, Any], *, chat: bool, class_name: str
+    ) -> Estimate:
+        """`estimate`, with the tokenizer's work in a worker thread when more than
+        `ASYNC_TEXT_CHARS` of the body's text has not been counted before."""
+        parsed = _read(body, chat)
+        counter = self._counter
+        if counter is None or parsed.chars <= ASYNC_TEXT_CHARS:
+            return self._finish(parsed, self._content(parsed.pieces), class_name)
+        content = counter.count(parsed.pieces, ASYNC_TEXT_CHARS)
+        if content is None:
+            content = await asyncio.to_thread(self._content, parsed.pieces)
+        return self._finish(parsed, content, class_name)
+
+    def observe(
+        self,
+        estimate: Estimate,
+        *,
+        class_name: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> float | None:
+        """Learn from the usage vLLM returned: corrects the heuristic / chat overhead, records the
+        completion tokens for the class p95. Returns the prompt estimate's relative error
+        (estimated - actual) / actual, or None when actual is 0."""
+        if completion_tokens >= 0:
+            per_sequence = -(-completion_tokens // max(1, estimate.sequences))
+            self._record_output(class_name, per_sequence)
+        if prompt_tokens <= 0:
+            return None
+        if estimate.source == self.source and estimate.features:
+            self._model.update(estimate.features, prompt_tokens - estimate.exact_prompt_tokens)
+        return (estimate.prompt_tokens - prompt_tokens) / prompt_tokens
+
+    def output_p95(self, class_name: str) -> int | None:
+        """The class's p95 of completion tokens per sequence, once `MIN_P95_SAMPLES` were seen."""
+        return self._p95.get(class_name)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _content(self, pieces: list[str]) -> float:
+        if self._counter is not None:
+            return self._counter.count(pieces) or 0.0
+        return float(sum(map(_utf8_bytes, pieces)))
+
+    def _finish(self, parsed: _Parsed, content: float, class_name: str) -> Estimate:
+        text_prompts = parsed.text_prompts
+        exact = parsed.exact_tokens
+        if self._counter is not None:
+            exact += text_prompts * self._counter.special_tokens
+        features = (
+            content,
+            1.0 if parsed.chat else 0.0,
+            float(parsed.messages),
+            float(parsed.tool_calls),
+            1.0 if parsed.has_tools else 0.0,
+            float(text_prompts),
+        )
+        predicted = self._model.predict(features)
+        prompt = exact + max(0, round(predicted)) if math.isfinite(predicted) else exact
+
+        typical = self._p95.get(class_name)
+        if typical is None:
+            typical = self._expected.get(class_name, DEFAULT_OUTPUT_TOKENS)
+        requested = parsed.requested_output
+        output = typical if requested is None else min(requested, typical)
+        if parsed.min_output > output:
+            output = min(parsed.min_output, requested or parsed.min_output)
+        sequences = parsed.sequences
+        if self._max_model_len is not None:
+            per_prompt = -(-prompt // parsed.prompts)
+            output = min(output, max(0, self._max_model_len - per_prompt))
+        return Estimate(
+            prompt_tokens=prompt,
+            output_tokens=output * sequences,
+            source=self.source,
+            sequences=sequences,
+            exact_prompt_tokens=exact,
+            features=features,
+        )
+
+    def _record_output(self, class_name: str, tokens: int) -> None:
+        samples = self._samples.get(class_name)
+        if samples is None:
+            samples = self._samples[class_name] = deque(maxlen=self._window)
+        samples.append(tokens)
+        since = self._since_p95.get(class_name, 0) + 1
+        enough = len(samples) >= MIN_P95_SAMPLES
+        if enough and (since >= P95_RECOMPUTE_EVERY or class_name not in self._p95):
+            ordered = sorted(samples)
+            self._p95[class_name] = ordered[math.ceil(0.95 * len(ordered)) - 1]
+            since = 0
+        self._since_p95[class_name] = since
+
+
+def _load_counter(path: Path) -> _TokenCounter | None:
+    if not path.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        return _TokenCounter(Tokenizer.from_file(str(path)))
+    except Exception as exc:  # a corrupt or unsupported file: estimate by bytes instead
+        log.warning("cannot load tokenizer %s (%s); estimating prompt tokens by bytes", path, exc)
+        return None

@@ -1,0 +1,123 @@
+"""The per-request contracts every stage of the request path shares.
+
+One typed object per request travels the path (DESIGN.md, "The request path"):
+
+    RequestContext  what classification decided (tenant, class, pool, priority, deadline, run)
+    RequestOutcome  what happened to it: the lease's instance, status, timings, tokens, cost
+
+and the seams between stages:
+
+    RequestObserver hooks around the upstream call (accounting and the ledger implement it)
+
+plus the ASGI aliases the raw handlers use. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from router.accounting import SequenceToken
+    from router.estimate import Estimate
+
+__all__ = [
+    "Message",
+    "Receive",
+    "RequestContext",
+    "RequestObserver",
+    "RequestOutcome",
+    "Scope",
+    "Send",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """Everything the router decided about one request before admitting it."""
+
+    request_id: str
+    tenant: str
+    class_name: str
+    pool: str
+    priority: int  # higher first; below 0 means sheddable
+    deadline_s: float  # absolute, on the router's monotonic clock
+    run_id: str | None
+    model: str
+    stream: bool
+    client_wants_usage: bool  # the client asked for the streaming usage chunk
+    received_at_s: float
+    want_gpu_usage: bool = False  # x-gpupool-usage: 1 -> usage gains gpu_seconds
+    tenant_weight: float = 1.0  # the tenant's share in weighted fair queuing
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """What happened to one request, handed to observers (accounting, ledger) at the end.
+
+    Times are on the router's monotonic clock. `first_token_at_s` is set only where the first
+    token is observed, i.e. for streaming responses: a non-streaming response arrives whole, so
+    its TTFT and TPOT are unknown (None), never its whole latency in disguise.
+    """
+
+    ctx: RequestContext
+    estimate: Estimate | None = None
+    instance_id: str | None = None
+    status: int = 0
+    outcome: str = "ok"  # ok | client_error | engine_error | rejected | aborted | timeout
+    reason: str = "200"
+    admitted_at_s: float | None = None  # the lease was granted (queue wait ends)
+    dispatched_at_s: float | None = None  # the (last) upstream request was sent
+    first_token_at_s: float | None = None  # streaming only
+    ended_at_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    response_started: bool = False  # the status line went to the client
+    # accounting (router.accounting_observer)
+    acct_token: SequenceToken | None = None
+    gpu_seconds: float = 0.0
+    step_index: int | None = None
+
+    @property
+    def queue_s(self) -> float:
+        """Time spent waiting for admission (0 when admitted at once or never admitted)."""
+        if self.admitted_at_s is None:
+            return max(0.0, self.ended_at_s - self.ctx.received_at_s) if self.rejected else 0.0
+        return max(0.0, self.admitted_at_s - self.ctx.received_at_s)
+
+    @property
+    def rejected(self) -> bool:
+        return self.outcome == "rejected"
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_at_s is None:
+            return None
+        return self.first_token_at_s - self.ctx.received_at_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_token_at_s is None or self.completion_tokens < 2:
+            return None
+        return (self.ended_at_s - self.first_token_at_s) / (self.completion_tokens - 1)
+
+
+class RequestObserver(Protocol):
+    """Hooks around the upstream call: accounting and the ledger implement these.
+
+    `dispatched` runs once per upstream attempt (a retry after a refused connection calls it
+    again), `usage_extra` when the final usage is known (its items go into the response),
+    `finished` exactly once per request that was classified.
+    """
+
+    def dispatched(self, outcome: RequestOutcome) -> None: ...
+
+    def finished(self, outcome: RequestOutcome) -> None: ...
+
+    def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]: ...

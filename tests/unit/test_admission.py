@@ -1,0 +1,135 @@
+"""The pure admission decision: KV headroom (pool share and instance), the operating point,
+the TTFT prediction, stale telemetry, the one-alone rule and deadlines."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.admission import Grant, InstanceView, Need, Reject, Wait, decide, fit_reason
+
+BASE = InstanceView(
+    instance_id="engine-0",
+    frac=1.0,
+    healthy=True,
+    fresh=True,
+    capacity_blocks=100,
+    block_size=16,
+    used_blocks=0.0,
+    pool_reserved_blocks=0,
+    pool_running=0,
+    running=0,
+    pool_limit=8,
+    instance_limit=8,
+    pending_prefill_tokens=0,
+    prefill_tokens_per_s=None,
+    ttft_target_s=1.0,
+    margin_frac=0.05,
+)
+NEED = Need(prompt_tokens=100, total_tokens=160, deadline_s=100.0)  # 10 blocks of 16
+
+
+def test_fits_on_an_empty_instance() -> None:
+    assert fit_reason(BASE, NEED) is None
+    assert decide([BASE], NEED, 0.0) == Grant(("engine-0",))
+
+
+def test_kv_instance_budget_counts_margin() -> None:
+    # 95 usable blocks: 85 used + 10 fits exactly, 86 + 10 does not
+    assert fit_reason(replace(BASE, used_blocks=85.0, pool_running=1, running=1), NEED) is None
+    assert fit_reason(replace(BASE, used_blocks=86.0, pool_running=1, running=1), NEED) == "kv"
+    # the instance check applies even to a pool with nothing running there
+    assert fit_reason(replace(BASE, used_blocks=90.0), NEED) == "kv"
+
+
+def test_kv_pool_share_on_a_split_instance() -> None:
+    split = replace(BASE, frac=0.25, pool_running=1, running=1)
+    # the pool's part: 0.25 x 95 = 23.75 blocks
+    assert fit_reason(replace(split, pool_reserved_blocks=13, used_blocks=13), NEED) is None
+    assert fit_reason(replace(split, pool_reserved_blocks=14, used_blocks=14), NEED) == "kv"
+
+
+def test_a_pool_alone_may_exceed_its_share_but_not_the_instance() -> None:
+    big = Need(prompt_tokens=500, total_tokens=800, deadline_s=100.0)  # 50 blocks
+    split = replace(BASE, frac=0.25)
+    assert fit_reason(split, big) is None  # nothing of the pool runs there: served alone
+    assert fit_reason(replace(split, pool_running=1, running=1, pool_reserved_blocks=1), big) == (
+        "kv"
+    )
+    assert fit_reason(replace(split, used_blocks=60.0, running=2), big) == "kv"
+
+
+def test_operating_point_for_the_pool_and_the_instance() -> None:
+    at_limit = replace(BASE, pool_running=8, running=8)
+    assert fit_reason(at_limit, NEED) == "operating_point"
+    assert fit_reason(replace(at_limit, pool_running=7, running=7), NEED) is None
+    # split: each pool keeps its share of the strictest limit
+    split = replace(BASE, frac=0.5, pool_limit=20, instance_limit=8)
+    assert fit_reason(replace(split, pool_running=4, running=4), NEED) == "operating_point"
+    assert fit_reason(replace(split, pool_running=3, running=7), NEED) is None
+    # the other pool filled the instance: even a pool with nothing running waits
+    assert fit_reason(replace(split, pool_running=0, running=8), NEED) == "operating_point"
+
+
+def test_ttft_prediction_from_the_prefill_rate() -> None:
+    busy = replace(BASE, pool_running=1, running=1, prefill_tokens_per_s=1000.0)
+    assert fit_reason(replace(busy, pending_prefill_tokens=900), NEED) is None  # 1.0 s
+    assert fit_reason(replace(busy, pending_prefill_tokens=901), NEED) == "ttft"
+    # with nothing of the pool running there is no one to wait behind
+    assert fit_reason(replace(busy, pool_running=0, pending_prefill_tokens=5000), NEED) is None
+
+
+def test_stale_or_unknown_capacity_counts_as_full() -> None:
+    assert fit_reason(replace(BASE, fresh=False), NEED) == "stale"
+    assert fit_reason(replace(BASE, capacity_blocks=0), NEED) == "stale"
+    assert decide([replace(BASE, fresh=False)], NEED, 0.0) == Wait("stale")
+
+
+def test_grant_lists_only_instances_that_fit() -> None:
+    full = replace(BASE, instance_id="engine-1", used_blocks=95.0, running=3, pool_running=3)
+    assert decide([BASE, full], NEED, 0.0) == Grant(("engine-0",))
+    assert decide([full], NEED, 0.0) == Wait("kv")
+
+
+def test_unhealthy_everywhere_rejects_no_instance() -> None:
+    result = decide([replace(BASE, healthy=False)], NEED, 0.0)
+    assert isinstance(result, Reject) and result.code == "no_instance"
+
+
+def test_deadline_unmeetable_up_front() -> None:
+    slow = replace(BASE, prefill_tokens_per_s=10.0, pending_prefill_tokens=0)  # 10 s prefill
+    result = decide([slow], replace(NEED, deadline_s=5.0), 0.0)
+    assert isinstance(result, Reject) and result.code == "deadline_unmeetable"
+    full = replace(BASE, used_blocks=95.0, running=1, pool_running=1)
+    waiting = decide([full], replace(NEED, deadline_s=5.0), 0.0, queue_wait_s=6.0)
+    assert isinstance(waiting, Reject) and waiting.code == "deadline_unmeetable"
+    assert decide([full], replace(NEED, deadline_s=5.0), 0.0, queue_wait_s=4.0) == Wait("kv")
+
+
+@given(
+    used=st.floats(0, 200),
+    reserved=st.integers(0, 200),
+    running=st.integers(0, 20),
+    frac=st.floats(0.05, 1.0),
+    total=st.integers(1, 3000),
+)
+def test_a_grant_never_overfills_the_instance(
+    used: float, reserved: int, running: int, frac: float, total: int
+) -> None:
+    view = replace(
+        BASE,
+        used_blocks=used,
+        pool_reserved_blocks=min(reserved, int(used)),
+        pool_running=running,
+        running=running,
+        frac=frac,
+    )
+    need = Need(prompt_tokens=total, total_tokens=total, deadline_s=1e9)
+    blocks = -(-total // 16)
+    if fit_reason(view, need) is None:
+        assert used + blocks <= 95.0 + 1e-9
+        assert running < 8
+        if running > 0:
+            assert view.pool_reserved_blocks + blocks <= frac * 95.0 + 1e-9

@@ -1,0 +1,280 @@
+"""Admission on the request path, against fake engines over real HTTP: a request that does
+not fit waits and is served when capacity frees; a full queue answers 429 with Retry-After; a
+queued client that leaves never reaches an engine; an unmeetable deadline is refused at once;
+leases never leak; the official openai client retries a 429 and succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from pools.config import DEFAULT_CPU_CONFIG, parse_config
+from pools.launchers.base import InstanceSpec
+from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from pools.testing.serve import serve_asgi
+from router.app import Gateway, create_app
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+async def asgi_post(
+    app: Gateway,
+    body: dict[str, Any],
+    *,
+    headers: dict[str, str] | None = None,
+    leave: asyncio.Event | None = None,
+) -> Reply:
+    """POST /v1/chat/completions straight into the ASGI app; `leave` set = the client hangs up."""
+    raw = orjson.dumps(body)
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await (leave or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
+
+    messages: list[dict[str, Any]] = []
+
+    async def send(message: Any) -> None:
+        messages.append(dict(message))
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(k.encode(), v.encode()) for k, v in (headers or {}).items()],
+    }
+    await app(scope, receive, send)
+    start = next((m for m in messages if m["type"] == "http.response.start"), None)
+    if start is None:
+        return Reply(499, {}, b"")
+    body_bytes = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+    hdrs = {k.decode(): v.decode() for k, v in start["headers"]}
+    return Reply(start["status"], hdrs, body_bytes)
+
+
+def _config(tmp_path: Path, *, max_depth: int = 4, max_wait_s: float = 5.0, **router: Any) -> Any:
+    data: dict[str, Any] = {
+        **DEFAULT_CPU_CONFIG,
+        "router": {
+            "ledger_path": str(tmp_path / "l.sqlite"),
+            "state_path": str(tmp_path / "s.json"),
+            "scrape_interval_s": 0.05,
+            **router,
+        },
+    }
+    data["pools"] = {
+        "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
+        "normal": {
+            "classes": ["normal"],
+            "share": {"initial_frac": 0.5},
+            "queue": {"max_depth": max_depth, "max_wait_s": max_wait_s},
+        },
+    }
+    return parse_config(data)
+
+
+@dataclass
+class Rig:
+    gateway: Gateway
+    normal: FakeEngineState
+    instance_id: str
+
+
+@pytest.fixture
+async def make_rig(tmp_path: Path) -> AsyncIterator[Any]:
+    """A gateway over two fake engines; the normal pool's engine has 12 KV blocks (192
+    tokens), so one chat request of the normal class (~140 tokens estimated) fits, two do not.
+    """
+    stack: list[Any] = []
+
+    async def make(**kwargs: Any) -> Rig:
+        states = [FakeEngineState(num_gpu_blocks=12, itl_s=0.004) for _ in range(2)]
+        cms = [serve_asgi(make_fake_engine(s)) for s in states]
+        urls = [await cm.__aenter__() for cm in cms]
+        stack.extend(cms)
+        gateway = create_app(
+            _config(tmp_path, **kwargs),
+            [InstanceSpec(f"engine-{i}", u, 1) for i, u in enumerate(urls)],
+        )
+        await gateway.start()
+        stack.append(gateway)
+        (normal_id,) = gateway.pool_map.current.instances_for("normal")
+        return Rig(gateway, states[int(normal_id.split("-")[1])], normal_id)
+
+    yield make
+    for item in reversed(stack):
+        if isinstance(item, Gateway):
+            await item.aclose()
+        else:
+            await item.__aexit__(None, None, None)
+
+
+def _leases(rig: Rig) -> tuple[int, int]:
+    state = rig.gateway.fleet.get(rig.instance_id)
+    assert state is not None
+    return state.inflight, state.reserved_blocks
+
+
+async def _wait_until(cond: Any, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_request_that_does_not_fit_waits_and_is_served(make_rig: Any) -> None:
+    rig = await make_rig()
+    body = {**CHAT, "max_tokens": 100}  # ~0.4 s each on the fake engine
+    first = asyncio.ensure_future(asgi_post(rig.gateway, body))
+    await _wait_until(lambda: _leases(rig)[0] == 1)
+    second = asyncio.ensure_future(asgi_post(rig.gateway, body))
+    await _wait_until(lambda: len(rig.gateway.admitter.queues["normal"]) == 1)
+    a, b = await asyncio.gather(first, second)
+    assert a.status == 200 and b.status == 200
+    assert rig.normal.peak_running == 1  # never both on the engine: KV would not hold them
+    assert _leases(rig) == (0, 0)
+    waits = rig.gateway.metrics.queue_wait.labels("normal", "normal")
+    assert waits._sum.get() > 0.2  # type: ignore[attr-defined]
+
+
+async def test_full_queue_answers_429_with_retry_after(make_rig: Any) -> None:
+    rig = await make_rig(max_depth=1)
+    body = {**CHAT, "max_tokens": 100}
+    running = asyncio.ensure_future(asgi_post(rig.gateway, body))
+    await _wait_until(lambda: _leases(rig)[0] == 1)
+    queued = asyncio.ensure_future(asgi_post(rig.gateway, body))
+    await _wait_until(lambda: len(rig.gateway.admitter.queues["normal"]) == 1)
+    refused = await asgi_post(rig.gateway, body)
+    assert refused.status == 429
+    assert int(refused.headers["retry-after"]) >= 1
+    error = refused.json()["error"]
+    assert error["type"] == "capacity_exceeded" and error["code"] == "queue_full"
+    assert error["retryable"] is True and error["retry_after_seconds"] >= 1
+    assert (await running).status == 200 and (await queued).status == 200
+    rejected = rig.gateway.metrics.rejections.labels("normal", "queue_full")
+    assert rejected._value.get() == 1  # type: ignore[attr-defined]
+
+
+async def test_queue_timeout_is_a_429(make_rig: Any) -> None:
+    rig = await make_rig(max_wait_s=0.1)
+    running = asyncio.ensure_future(asgi_post(rig.gateway, {**CHAT, "max_tokens": 100}))
+    await _wait_until(lambda: _leases(rig)[0] == 1)
+    late = await asgi_post(rig.gateway, {**CHAT, "max_tokens": 100})
+    assert late.status == 429 and late.json()["error"]["code"] == "queue_timeout"
+    assert (await running).status == 200
+    assert len(rig.gateway.admitter.queues["normal"]) == 0
+
+
+async def test_a_queued_client_that_leaves_never_reaches_the_engine(make_rig: Any) -> None:
+    rig = await make_rig()
+    running = asyncio.ensure_future(asgi_post(rig.gateway, {**CHAT, "max_tokens": 100}))
+    await _wait_until(lambda: _leases(rig)[0] == 1)
+    leave = asyncio.Event()
+    queued = asyncio.ensure_future(
+        asgi_post(rig.gateway, {**CHAT, "max_tokens": 100, "seed": 4242}, leave=leave)
+    )
+    await _wait_until(lambda: len(rig.gateway.admitter.queues["normal"]) == 1)
+    leave.set()
+    assert (await queued).status == 499
+    assert len(rig.gateway.admitter.queues["normal"]) == 0  # left at once, not at timeout
+    assert (await running).status == 200
+    await asyncio.sleep(0.1)
+    assert all(r.get("seed") != 4242 for r in rig.normal.requests_seen)
+    assert _leases(rig) == (0, 0)
+
+
+async def test_a_client_leaving_before_the_engine_answers_releases_its_lease(
+    make_rig: Any,
+) -> None:
+    """Issue 10's in-flight leak: non-streaming client gives up before the response head."""
+    rig = await make_rig()
+    rig.normal.failure, rig.normal.fail_next = "hang", 1
+    leave = asyncio.Event()
+    pending = asyncio.ensure_future(asgi_post(rig.gateway, CHAT, leave=leave))
+    await _wait_until(lambda: rig.normal.running == 0 and len(rig.normal.requests_seen) == 1)
+    assert _leases(rig)[0] == 1
+    leave.set()
+    assert (await pending).status == 499
+    assert _leases(rig) == (0, 0)
+    assert (await asgi_post(rig.gateway, CHAT)).status == 200
+
+
+async def test_an_unmeetable_deadline_is_refused_at_once(make_rig: Any) -> None:
+    rig = await make_rig()
+    rig.normal.ttft_s = 0.2  # prefill: ~20 prompt tokens in 0.2 s -> ~100 tokens/s
+    for _ in range(2):
+        assert (await asgi_post(rig.gateway, {**CHAT, "max_tokens": 2})).status == 200
+        await asyncio.sleep(0.15)  # a scrape sees the prefill time
+    state = rig.gateway.fleet.get(rig.instance_id)
+    assert state is not None and state.prefill_tokens_per_s is not None
+    started = asyncio.get_running_loop().time()
+    long_prompt = {**CHAT, "max_tokens": 2, "messages": [{"role": "user", "content": "w " * 60}]}
+    reply = await asgi_post(rig.gateway, long_prompt, headers={"x-gpupool-deadline-ms": "100"})
+    assert reply.status == 429 and reply.json()["error"]["code"] == "deadline_unmeetable"
+    assert asyncio.get_running_loop().time() - started < 0.1
+    assert len(rig.normal.requests_seen) == 2
+
+
+async def test_non_streaming_requests_record_no_ttft(make_rig: Any) -> None:
+    rig = await make_rig()
+    assert (await asgi_post(rig.gateway, {**CHAT, "max_tokens": 4})).status == 200
+    ttft = rig.gateway.metrics.ttft.labels("normal")
+    assert ttft._sum.get() == 0  # type: ignore[attr-defined]
+    streamed = await asgi_post(rig.gateway, {**CHAT, "max_tokens": 4, "stream": True})
+    assert streamed.status == 200
+    count = [
+        s.value
+        for m in rig.gateway.metrics.ttft.collect()
+        for s in m.samples
+        if s.name.endswith("_count") and s.labels["class"] == "normal"
+    ]
+    assert count == [1.0]
+
+
+async def test_admission_off_forwards_at_once(make_rig: Any) -> None:
+    rig = await make_rig(admission="off")
+    body = {**CHAT, "max_tokens": 100}
+    replies = await asyncio.gather(*(asgi_post(rig.gateway, body) for _ in range(3)))
+    assert [r.status for r in replies] == [200, 200, 200]
+    assert rig.normal.peak_running == 3  # no admission: the engine takes all three
+    assert _leases(rig) == (0, 0)
+
+
+async def test_openai_client_retries_a_429_and_succeeds(make_rig: Any) -> None:
+    rig = await make_rig(max_depth=0)  # no queue: refuse while the engine is busy
+    running = asyncio.ensure_future(asgi_post(rig.gateway, {**CHAT, "max_tokens": 150}))
+    await _wait_until(lambda: _leases(rig)[0] == 1)
+    refused = await asgi_post(rig.gateway, {**CHAT, "max_tokens": 150})
+    assert refused.status == 429
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=rig.gateway), base_url="http://gw")
+    client = openai.AsyncOpenAI(
+        api_key="none", base_url="http://gw/v1", http_client=http, max_retries=3
+    )
+    reply = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=150
+    )
+    assert reply.choices[0].message.content
+    assert (await running).status == 200
+    await http.aclose()

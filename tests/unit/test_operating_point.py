@@ -1,0 +1,40 @@
+"""The operating point learns TPOT(n) = a + b·n from scrape deltas and answers the limit."""
+
+from __future__ import annotations
+
+import random
+
+from pools.operating_point import OperatingPoint, TpotLine
+
+
+def test_recovers_a_noisy_line_and_its_limit() -> None:
+    rng = random.Random(3)
+    op = OperatingPoint(max_num_seqs=64)
+    for _ in range(300):
+        n = rng.randint(1, 24)
+        op.observe(n + rng.uniform(-0.3, 0.3), (0.015 + 0.004 * n) * rng.uniform(0.95, 1.05), 50)
+    line = op.line
+    assert line is not None and op.source == "measured"
+    assert abs(line.intercept_s - 0.015) < 0.004 and abs(line.slope_s - 0.004) < 0.0005
+    # 0.015 + 0.004 n <= 0.080  ->  n <= 16.25
+    assert op.limit(0.080) in (15, 16, 17)
+    assert op.limit(10.0) == 64  # clamped to max_num_seqs
+    assert op.limit(0.001) == 1  # never below one
+
+
+def test_seed_until_two_batch_sizes_and_a_miss_lowers_it() -> None:
+    op = OperatingPoint(max_num_seqs=32, seed_limit=12)
+    assert op.limit(0.05) == 12 and op.source == "seed"
+    op.observe(6, 0.02, 40)
+    assert op.limit(0.05) == 12  # one good batch size says nothing about larger ones
+    op2 = OperatingPoint(max_num_seqs=32, seed_limit=12)
+    op2.observe(6, 0.09, 40)
+    assert op2.limit(0.05) == 5  # batch 6 already misses the target
+
+
+def test_prior_until_measured_and_tiny_samples_ignored() -> None:
+    op = OperatingPoint(max_num_seqs=128, prior=TpotLine(0.01, 0.001))
+    assert op.source == "prior" and op.limit(0.05) == 40
+    op.observe(4, 1.0, 2)  # two tokens: noise, ignored
+    op.observe(0.2, 1.0, 100)  # nothing running: ignored
+    assert op.samples == 0 and op.limit(0.05) == 40
