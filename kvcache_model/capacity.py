@@ -20,6 +20,7 @@ from kvcache_model.errors import InvalidInputError
 from kvcache_model.geometry import ModelGeometry
 
 __all__ = [
+    "NULL_BLOCKS",
     "CapacityPlan",
     "capacity_from_kv_cache_bytes",
     "estimate_overhead_bytes",
@@ -30,6 +31,9 @@ _GIB = 1024**3
 # CUDA context, NCCL buffers, cuBLAS workspace and CUDA-graph pools: outside torch's activations.
 _FIXED_OVERHEAD_BYTES = 1 * _GIB
 _LOGITS_BYTES_PER_ELEMENT = 8  # fp32 logits plus the sampler's fp32 copy
+# vLLM's BlockPool keeps one "null block" it never hands out; its start-up check plans against
+# the rest (measured: 32 blocks of 128 tokens do not start a 4096-token max_model_len).
+NULL_BLOCKS = 1
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,15 @@ class CapacityPlan:
             raise InvalidInputError(f"context_tokens must be > 0, got {context_tokens}")
         return self.num_blocks // self.blocks_for_sequence(context_tokens)
 
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks a sequence can get: vLLM's BlockPool holds `NULL_BLOCKS` back for good."""
+        return max(0, self.num_blocks - NULL_BLOCKS)
+
     def fits_context(self, context_tokens: int) -> bool:
-        """True when one sequence of `context_tokens` fits (vLLM refuses to start otherwise)."""
-        return self.max_concurrent_sequences(context_tokens) >= 1
+        """True when one sequence of `context_tokens` fits in the usable blocks (vLLM refuses
+        to start otherwise)."""
+        return self.blocks_for_sequence(context_tokens) <= self.usable_blocks
 
 
 def estimate_overhead_bytes(

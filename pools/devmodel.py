@@ -17,7 +17,13 @@ import random
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SHAPES", "dev_model_fingerprint", "make_dev_model"]
+__all__ = [
+    "SHAPES",
+    "dev_model_fingerprint",
+    "dev_model_hf_config",
+    "is_dev_model",
+    "make_dev_model",
+]
 
 SPECIAL_TOKENS = [
     "<|begin_of_text|>",
@@ -253,6 +259,14 @@ def _train_tokenizer(vocab_size: int) -> str:
     return tokenizer.to_str(pretty=False)
 
 
+def dev_model_hf_config(shape: str) -> dict[str, Any]:
+    """The geometry part of the dev model's config.json (what KV sizing reads), without making
+    the folder; `make_dev_model` writes this plus the tokenizer's ids."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    return {**_LLAMA_BASE, **SHAPES[shape], "gpupool_dev_model_shape": shape}
+
+
 def make_dev_model(out_dir: str | Path, shape: str = "tiny") -> Path:
     """Write the dev model of `shape` into `out_dir` (created if needed); returns the folder."""
     if shape not in SHAPES:
@@ -268,12 +282,10 @@ def make_dev_model(out_dir: str | Path, shape: str = "tiny") -> Path:
     bos_id = vocab["<|begin_of_text|>"]
     eos_id = vocab["<|eot_id|>"]
     config = {
-        **_LLAMA_BASE,
-        **geometry,
+        **dev_model_hf_config(shape),
         "vocab_size": vocab_size,
         "bos_token_id": bos_id,
         "eos_token_id": [eos_id, vocab["<|end_of_text|>"]],
-        "gpupool_dev_model_shape": shape,
     }
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -4,8 +4,10 @@ the instance's index, its GPU ids and the flags the installed vLLM accepts.
 Rules:
 - stats stay on (never `--disable-log-stats`: it removes every `vllm:*` metric gpupool reads);
 - the served model name is the config's, so clients and the router agree on it;
-- the KV cache is sized by `--kv-cache-memory-bytes` when the installed vLLM has it, else by
-  `VLLM_CPU_KVCACHE_SPACE` (GiB) on CPU; left to vLLM's default when the config has none;
+- the dtype and the KV cache size are the engine plan's (`engine_plan.py`: on CPU the dtype the
+  CPU runs fast and a KV default that leaves room for every engine); the KV cache is sized by
+  `--kv-cache-memory-bytes` when the installed vLLM has it, else by `VLLM_CPU_KVCACHE_SPACE`
+  (GiB) on CPU;
 - version-dependent flags are passed only when `--help` lists them;
 - on CPU: `OMP_NUM_THREADS=1`, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, `--distributed-executor-backend
   uni` and `--enforce-eager` (otherwise one idle engine spins ~1.7 cores);
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pools.config import LocalEnginesConfig, ModelConfig
+from pools.launchers.engine_plan import EnginePlan
 
 __all__ = [
     "FORBIDDEN_FLAGS",
@@ -111,9 +114,15 @@ def build_engine_command(
     flags: frozenset[str],
     python: str = sys.executable,
     base_env: dict[str, str] | None = None,
+    plan: EnginePlan | None = None,
 ) -> EngineCommand:
-    """The argv and env for engine `index`. `gpu_ids` None means a CPU engine."""
+    """The argv and env for engine `index`. `gpu_ids` None means a CPU engine.
+
+    `plan` (from `engine_plan.plan_engines`) gives the dtype and KV size this machine runs;
+    without one they are the config's as written."""
     port = local.base_port + index
+    dtype = plan.dtype if plan is not None else model.dtype
+    kv_cache_bytes = plan.kv_cache_bytes if plan is not None else local.kv_cache_bytes
     argv = [
         python,
         "-m",
@@ -127,7 +136,7 @@ def build_engine_command(
         "--port",
         str(port),
         "--dtype",
-        model.dtype,
+        dtype,
     ]
     env = dict(base_env or {})
 
@@ -141,11 +150,11 @@ def build_engine_command(
         add("--load-format", model.load_format)
     if model.max_model_len_tokens is not None:
         add("--max-model-len", str(model.max_model_len_tokens))
-    if local.kv_cache_bytes is not None:
+    if kv_cache_bytes is not None:
         if "--kv-cache-memory-bytes" in flags:
-            argv.extend(["--kv-cache-memory-bytes", str(local.kv_cache_bytes)])
+            argv.extend(["--kv-cache-memory-bytes", str(kv_cache_bytes)])
         elif gpu_ids is None:
-            gib = max(1, round(local.kv_cache_bytes / 2**30))
+            gib = max(1, round(kv_cache_bytes / 2**30))
             env["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
         else:
             log.warning("installed vLLM has no --kv-cache-memory-bytes; using its default size")

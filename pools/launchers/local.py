@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -27,10 +28,16 @@ from pathlib import Path
 
 import psutil
 
-from gpu_probe.detect import visible_gpu_count
 from pools.config import LocalEnginesConfig, ModelConfig
 from pools.launchers.base import InstanceSpec, LauncherError, ProgressFn
 from pools.launchers.engine_args import EngineCommand, build_engine_command, supported_vllm_flags
+from pools.launchers.engine_plan import (
+    EnginePlan,
+    HostFacts,
+    plan_engines,
+    plan_problems,
+    probe_host,
+)
 from pools.launchers.health import wait_healthy
 
 __all__ = ["EngineProcess", "LocalLauncher"]
@@ -218,6 +225,7 @@ class LocalLauncher:
         *,
         progress: ProgressFn | None = None,
         gpu_count: int | None = None,
+        host: HostFacts | None = None,
         python: str = sys.executable,
     ) -> None:
         if local.cpu_affinity is not None and len(local.cpu_affinity) != local.count:
@@ -228,7 +236,8 @@ class LocalLauncher:
         self._local = local
         self._model = model
         self._progress = progress
-        self._gpu_count = gpu_count
+        self._gpu_count = gpu_count  # overrides the host's GPU count (tests: 0)
+        self._host = host  # None: probed at start()
         self._python = python
         self._engines: list[EngineProcess] = []
 
@@ -240,8 +249,7 @@ class LocalLauncher:
     def instances(self) -> list[InstanceSpec]:
         return [e.spec for e in self._engines]
 
-    def _gpu_assignment(self) -> list[list[int] | None]:
-        gpus = visible_gpu_count() if self._gpu_count is None else self._gpu_count
+    def _gpu_assignment(self, gpus: int) -> list[list[int] | None]:
         n, per = self._local.count, self._local.gpus_per_instance
         if gpus == 0:
             return [None] * n
@@ -251,17 +259,18 @@ class LocalLauncher:
             )
         return [list(range(i * per, (i + 1) * per)) for i in range(n)]
 
-    async def start(self) -> list[InstanceSpec]:
+    def prepare(self, host: HostFacts, flags: frozenset[str]) -> EnginePlan:
+        """Plan the engines for `host` and build their commands; starts nothing. Raises
+        `LauncherError` when an engine could not start (e.g. KV for less than one sequence)."""
         local = self._local
-        if not (self._model.path / "config.json").is_file():
-            raise LauncherError(
-                f"model folder {self._model.path} has no config.json (run `gpupool dev-model`)"
-            )
-        run_dir = local.run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
-        kill_leftover_engines(run_dir)
-        assignment = self._gpu_assignment()
-        flags = await asyncio.to_thread(supported_vllm_flags, run_dir, self._python)
+        if self._gpu_count is not None:
+            host = dataclasses.replace(host, gpu_count=self._gpu_count)
+        plan = plan_engines(local, self._model, host)
+        problems = plan_problems(local, plan, host)
+        if problems:
+            raise LauncherError("; ".join(problems))
+        assignment = self._gpu_assignment(host.gpu_count)
+        self._engines = []
         for i, gpu_ids in enumerate(assignment):
             command = build_engine_command(
                 model=self._model,
@@ -270,6 +279,7 @@ class LocalLauncher:
                 gpu_ids=gpu_ids,
                 flags=flags,
                 python=self._python,
+                plan=plan,
             )
             spec = InstanceSpec(
                 instance_id=f"engine-{i}",
@@ -281,15 +291,31 @@ class LocalLauncher:
                 EngineProcess(
                     spec,
                     command,
-                    log_path=run_dir / f"engine-{i}.log",
-                    pid_path=run_dir / f"engine-{i}.pid",
+                    log_path=local.run_dir / f"engine-{i}.log",
+                    pid_path=local.run_dir / f"engine-{i}.pid",
                     cpus=cpus,
                     backoff_s=local.restart_backoff_s,
                     backoff_max_s=local.restart_backoff_max_s,
                     grace_s=local.stop_grace_s,
                 )
             )
-        kind = "GPU" if assignment[0] is not None else "CPU"
+        return plan
+
+    async def start(self) -> list[InstanceSpec]:
+        local = self._local
+        if not (self._model.path / "config.json").is_file():
+            raise LauncherError(
+                f"model folder {self._model.path} has no config.json (run `gpupool dev-model`)"
+            )
+        run_dir = local.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        kill_leftover_engines(run_dir)
+        host = self._host if self._host is not None else await asyncio.to_thread(probe_host)
+        flags = await asyncio.to_thread(supported_vllm_flags, run_dir, self._python)
+        plan = self.prepare(host, flags)
+        kind = "CPU" if plan.on_cpu else "GPU"
+        self._say(f"engine dtype {plan.dtype}: {plan.dtype_reason}")
+        self._say(f"KV cache: {plan.kv_reason}")
         self._say(f"starting {len(self._engines)} {kind} vLLM engine(s); logs in {run_dir}")
         try:
             for engine in self._engines:

@@ -10,6 +10,7 @@ import dataclasses
 import sys
 
 from pools.config import Config, ConfigError, contract_problems, load_config
+from pools.launchers.engine_plan import engine_problems, probe_host
 
 __all__ = [
     "check_or_report",
@@ -32,8 +33,13 @@ def load_or_report(path: str | None) -> Config | None:
 
 
 def config_problems(config: Config) -> list[str]:
-    """Everything that makes a valid config unable to run as configured; empty when none."""
-    return contract_problems(config)
+    """Everything that makes a valid config unable to run as configured; empty when none: the
+    contract (`contract_problems`) and, for local engines, what would stop them on this machine
+    (`engine_problems`: e.g. a KV cache smaller than one max_model_len sequence)."""
+    problems = contract_problems(config)
+    if config.engines.launcher == "local":
+        problems += engine_problems(config, probe_host())
+    return problems
 
 
 def check_or_report(config: Config) -> bool:

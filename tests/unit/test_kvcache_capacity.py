@@ -206,3 +206,17 @@ def test_capacity_monotone(
 def test_tensor_parallel_never_grows_per_gpu_kv(g: ModelGeometry, tp: int) -> None:
     assert g.kv_bytes_per_token(tensor_parallel_size=tp) <= g.kv_bytes_per_token()
     assert g.kv_bytes_per_token(tensor_parallel_size=tp) * tp >= g.kv_bytes_per_token()
+
+
+def test_one_sequence_needs_a_block_beyond_its_own() -> None:
+    """vLLM's BlockPool holds one null block back: a 4096-token sequence in 128-token blocks
+    (32 blocks) needs a cache of 33. Measured on CPU vLLM 0.32 with the tiny model (1024
+    B/token in bfloat16): --kv-cache-memory-bytes 4194304 (32 blocks) fails at start with
+    'the estimated maximum model length is 3968' (31 blocks)."""
+    block_bytes = 128 * TINY.kv_bytes_per_token()
+    assert block_bytes == 128 * 1024
+    exact = capacity_from_kv_cache_bytes(TINY, 32 * block_bytes, 128)
+    assert exact.num_blocks == 32 and exact.usable_blocks == 31
+    assert not exact.fits_context(4096) and exact.fits_context(3968)
+    assert capacity_from_kv_cache_bytes(TINY, 33 * block_bytes, 128).fits_context(4096)
+    assert capacity_from_kv_cache_bytes(TINY, 0, 128).usable_blocks == 0
