@@ -172,6 +172,10 @@ class PoolSchema(_Strict):
     share: ShareSchema
     slo: SloSchema = Field(default_factory=SloSchema)
     queue: QueueSchema = Field(default_factory=QueueSchema)
+    # vLLM request `priority` sent with this pool's requests (lower is scheduled first inside
+    # the engine); None sends none. Needs engines started with `--scheduling-policy priority`
+    # (the local launcher adds it when any pool sets this).
+    engine_priority: int | None = None
 
 
 class ClassSchema(_Strict):
@@ -290,6 +294,22 @@ class ConfigSchema(_Strict):
     tenants: list[TenantSchema] = Field(default_factory=list)
     classification: ClassificationSchema = Field(default_factory=ClassificationSchema)
     router: RouterSchema = Field(default_factory=RouterSchema)
+
+    @model_validator(mode="after")
+    def _engine_priority_needs_the_policy(self) -> ConfigSchema:
+        wanted = [name for name, p in self.pools.items() if p.engine_priority is not None]
+        args = self.engines.local.vllm_args
+        has_policy = any(
+            a == "--scheduling-policy" and i + 1 < len(args) and args[i + 1] == "priority"
+            for i, a in enumerate(args)
+        ) or "--scheduling-policy=priority" in args
+        if wanted and self.engines.launcher == "local" and not has_policy:
+            raise ValueError(
+                f"pools {', '.join(wanted)} set engine_priority, which vLLM refuses unless its"
+                " engines run with `--scheduling-policy priority`: add it to"
+                " engines.local.vllm_args"
+            )
+        return self
 
     @model_validator(mode="after")
     def _references(self) -> ConfigSchema:
@@ -411,6 +431,7 @@ class PoolConfig:
     share: ShareConfig
     slo: SloConfig
     queue: QueueConfig
+    engine_priority: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -613,6 +634,7 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
             share=ShareConfig(p.share.initial_frac, p.share.floor_frac, p.share.ceiling_frac),
             slo=SloConfig(p.slo.ttft_p95_ms, p.slo.tpot_p95_ms),
             queue=QueueConfig(p.queue.max_depth, p.queue.max_wait_s, p.queue.order),
+            engine_priority=p.engine_priority,
         )
         for name, p in schema.pools.items()
     )

@@ -113,6 +113,7 @@ class CompletionsHandler:
         self._max_retries = rc.max_connect_retries
         self._max_body_bytes = rc.max_body_bytes
         self._body_timeout_s = rc.body_read_timeout_s
+        self._engine_priority = {p.name: p.engine_priority for p in config.pools}
 
     # ----------------------------------------------------------------------------- entry
 
@@ -213,6 +214,7 @@ class CompletionsHandler:
             (b"x-gpupool-pool", ctx.pool.encode()),
             (b"x-gpupool-class", ctx.class_name.encode()),
         ]
+        changed = False
         if ctx.stream:
             options = body.get("stream_options")
             if not isinstance(options, dict) or not options.get("include_usage"):
@@ -220,7 +222,13 @@ class CompletionsHandler:
                     **(options if isinstance(options, dict) else {}),
                     "include_usage": True,
                 }
-                body_bytes = orjson.dumps(body)
+                changed = True
+        engine_priority = self._engine_priority.get(ctx.pool)
+        if engine_priority is not None and "priority" not in body:
+            body["priority"] = engine_priority  # vLLM schedules lower values first
+            changed = True
+        if changed:
+            body_bytes = orjson.dumps(body)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         estimate = outcome.estimate
         assert estimate is not None

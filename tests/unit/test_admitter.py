@@ -278,3 +278,54 @@ async def test_openai_client_retries_a_429_and_succeeds(make_rig: Any) -> None:
     assert reply.choices[0].message.content
     assert (await running).status == 200
     await http.aclose()
+
+
+async def test_engine_priority_is_sent_for_its_pool_only(tmp_path: Path) -> None:
+    state = FakeEngineState()
+    async with serve_asgi(make_fake_engine(state)) as url:
+        data: dict[str, Any] = {
+            **DEFAULT_CPU_CONFIG,
+            "engines": {"launcher": "static", "static": {"urls": [url]}},
+            "router": {"ledger_path": str(tmp_path / "l.sqlite"), "scrape_interval_s": 0.05},
+            "pools": {  # one instance split between the pools
+                "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
+                "normal": {
+                    "classes": ["normal"],
+                    "share": {"initial_frac": 0.5},
+                    "engine_priority": -10,
+                },
+            },
+        }
+        gateway = create_app(parse_config(data), [InstanceSpec("engine-0", url, 1)])
+        await gateway.start()
+        assert (await asgi_post(gateway, {**CHAT, "max_tokens": 2})).status == 200
+        agent = {
+            **CHAT,
+            "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        }
+        assert (await asgi_post(gateway, agent)).status == 200
+        client_set = {**CHAT, "max_tokens": 2, "priority": 3}
+        assert (await asgi_post(gateway, client_set)).status == 200
+        await gateway.aclose()
+    assert [r.get("priority") for r in state.requests_seen] == [-10, None, 3]
+
+
+def test_engine_priority_needs_the_priority_policy() -> None:
+    from pools.config import ConfigError
+
+    data: dict[str, Any] = {
+        **DEFAULT_CPU_CONFIG,
+        "pools": {
+            "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
+            "normal": {
+                "classes": ["normal"],
+                "share": {"initial_frac": 0.5},
+                "engine_priority": -1,
+            },
+        },
+    }
+    with pytest.raises(ConfigError, match="--scheduling-policy priority"):
+        parse_config(data)
+    data["engines"] = {"local": {"vllm_args": ["--scheduling-policy", "priority"]}}
+    assert parse_config(data).pool("normal").engine_priority == -1
