@@ -22,6 +22,7 @@ import logging
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,13 +111,14 @@ def build_engine_command(
     model: ModelConfig,
     local: LocalEnginesConfig,
     index: int,
-    gpu_ids: list[int] | None,
+    gpu_ids: Sequence[int | str] | None,
     flags: frozenset[str],
     python: str = sys.executable,
     base_env: dict[str, str] | None = None,
     plan: EnginePlan | None = None,
 ) -> EngineCommand:
-    """The argv and env for engine `index`. `gpu_ids` None means a CPU engine.
+    """The argv and env for engine `index`. `gpu_ids` (CUDA device indices or UUIDs, as the
+    child's CUDA_VISIBLE_DEVICES lists them) None means a CPU engine.
 
     `plan` (from `engine_plan.plan_engines`) gives the dtype and KV size this machine runs;
     without one they are the config's as written."""

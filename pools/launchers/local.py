@@ -1,8 +1,9 @@
 """The `local` launcher: N vLLM OpenAI servers as child processes of this one.
 
 Each engine gets its own port (`base_port + i`), its own log file under the run directory,
-its GPUs (`CUDA_VISIBLE_DEVICES`, `gpus_per_instance` each) on a GPU machine, and optionally a
-CPU affinity. `start()` waits for every `/health` with progress lines and a timeout. A
+its GPUs on a GPU machine (`CUDA_VISIBLE_DEVICES`, `gpus_per_instance` each, taken in order
+from the GPUs gpupool's own `CUDA_VISIBLE_DEVICES` lists), and optionally a CPU affinity. The
+dtype and KV size come from the engine plan (`engine_plan.py`). `start()` waits for every `/health` with progress lines and a timeout. A
 supervisor restarts an engine that dies, with exponential backoff, and says so in the log.
 `aclose()` stops every engine it started: SIGTERM to the engine's process group, SIGKILL after
 the grace period.
@@ -23,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import psutil
@@ -40,7 +41,7 @@ from pools.launchers.engine_plan import (
 )
 from pools.launchers.health import wait_healthy
 
-__all__ = ["EngineProcess", "LocalLauncher"]
+__all__ = ["EngineProcess", "LocalLauncher", "gpu_assignment"]
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,28 @@ def kill_leftover_engines(run_dir: Path) -> list[int]:
     return killed
 
 
+def gpu_assignment(
+    count: int, per_instance: int, gpu_count: int, parent_visible: str | None
+) -> list[list[str] | None]:
+    """The CUDA device ids of each engine (None each: CPU engines when `gpu_count` is 0).
+
+    Engine i takes slots `i*per_instance ... (i+1)*per_instance - 1` of the GPUs this process
+    may use; with the parent's own `CUDA_VISIBLE_DEVICES` (`parent_visible`, indices or UUIDs)
+    slot k is that list's k-th entry, else device index k.
+    """
+    if gpu_count == 0:
+        return [None] * count
+    if gpu_count < count * per_instance:
+        raise LauncherError(
+            f"{count} engines x {per_instance} GPUs need {count * per_instance} GPUs; this"
+            f" machine has {gpu_count}"
+        )
+    devices = [str(k) for k in range(gpu_count)]
+    if parent_visible is not None:
+        devices = [d.strip() for d in parent_visible.split(",") if d.strip()]
+    return [devices[i * per_instance : (i + 1) * per_instance] for i in range(count)]
+
+
 class LocalLauncher:
     """Starts, supervises and stops `count` local vLLM engines."""
 
@@ -227,6 +250,7 @@ class LocalLauncher:
         gpu_count: int | None = None,
         host: HostFacts | None = None,
         python: str = sys.executable,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         if local.cpu_affinity is not None and len(local.cpu_affinity) != local.count:
             raise LauncherError(
@@ -239,6 +263,7 @@ class LocalLauncher:
         self._gpu_count = gpu_count  # overrides the host's GPU count (tests: 0)
         self._host = host  # None: probed at start()
         self._python = python
+        self._environ = os.environ if environ is None else environ  # the engines' parent env
         self._engines: list[EngineProcess] = []
 
     @property
@@ -248,16 +273,6 @@ class LocalLauncher:
     @property
     def instances(self) -> list[InstanceSpec]:
         return [e.spec for e in self._engines]
-
-    def _gpu_assignment(self, gpus: int) -> list[list[int] | None]:
-        n, per = self._local.count, self._local.gpus_per_instance
-        if gpus == 0:
-            return [None] * n
-        if gpus < n * per:
-            raise LauncherError(
-                f"{n} engines x {per} GPUs need {n * per} GPUs; this machine has {gpus}"
-            )
-        return [list(range(i * per, (i + 1) * per)) for i in range(n)]
 
     def prepare(self, host: HostFacts, flags: frozenset[str]) -> EnginePlan:
         """Plan the engines for `host` and build their commands; starts nothing. Raises
@@ -269,7 +284,12 @@ class LocalLauncher:
         problems = plan_problems(local, plan, host)
         if problems:
             raise LauncherError("; ".join(problems))
-        assignment = self._gpu_assignment(host.gpu_count)
+        assignment = gpu_assignment(
+            local.count,
+            local.gpus_per_instance,
+            host.gpu_count,
+            self._environ.get("CUDA_VISIBLE_DEVICES"),
+        )
         self._engines = []
         for i, gpu_ids in enumerate(assignment):
             command = build_engine_command(
