@@ -49,6 +49,7 @@ class InstanceState:
     op: OperatingPoint = field(default_factory=OperatingPoint)
     preemptions_seen: float = 0.0  # preemptions counted since the router started
     prefill_tokens_per_s: float | None = None  # measured, smoothed; None until measured
+    prefix_hit_frac: float | None = None  # prefix-cache hits / queries, smoothed
     # KV blocks reserved / released since the last reading (see the module docstring)
     added_since_reading: int = 0
     released_since_reading: int = 0
@@ -59,8 +60,11 @@ class InstanceState:
 
     @property
     def capacity_blocks(self) -> int | None:
-        """KV blocks the engine reported; None until it has."""
-        return self.reading.num_gpu_blocks if self.reading is not None else None
+        """KV blocks the engine can hand out (its num_gpu_blocks less vLLM's null block);
+        None until it has reported."""
+        if self.reading is None or self.reading.num_gpu_blocks is None:
+            return None
+        return max(0, self.reading.num_gpu_blocks - 1)
 
     def used_blocks(self) -> float:
         """KV blocks in use: the larger of the router's reservations and the measured use
@@ -68,7 +72,7 @@ class InstanceState:
         cap = self.capacity_blocks
         if self.reading is None or cap is None:
             return float(self.reserved_blocks)
-        measured = (
+        measured = (  # vLLM: usage = 1 - free / (num_gpu_blocks - 1)
             self.reading.kv_usage_frac * cap
             + self.added_since_reading
             - self.released_since_reading
@@ -242,6 +246,11 @@ class Fleet:
             rate = prompt / prefill_s
             old = state.prefill_tokens_per_s
             state.prefill_tokens_per_s = rate if old is None else old + 0.3 * (rate - old)
+        queries = after.prefix_cache_queries_total - before.prefix_cache_queries_total
+        if queries > 0:
+            hit = (after.prefix_cache_hits_total - before.prefix_cache_hits_total) / queries
+            old_hit = state.prefix_hit_frac
+            state.prefix_hit_frac = hit if old_hit is None else old_hit + 0.3 * (hit - old_hit)
         tokens = after.itl_count - before.itl_count
         if tokens > 0:
             itl_s = (after.itl_sum_s - before.itl_sum_s) / tokens

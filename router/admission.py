@@ -18,7 +18,12 @@ On instance `i`, a sequence of pool `p` fits when all of these hold (DESIGN.md, 
   only `p`'s), and `p`'s under `a[i][p]` × the smaller of that and its own target's limit, so
   on a split instance each pool keeps its share of the batch;
 - **TTFT**: the predicted prefill wait (the prompt tokens still in prefill there plus this
-  prompt, at the measured prefill rate) fits the pool's TTFT target.
+  prompt's uncached part, at the measured prefill rate) fits the pool's TTFT target.
+
+KV blocks are counted for the whole sequence even where its prefix is cached: vLLM takes a
+prefix-cache hit's blocks out of its free queue (`BlockPool.touch`), and its usage is
+`1 - free / total`, so a cached prefix occupies blocks exactly like a computed one. What a
+cache hit saves is prefill time, and that is where it counts here.
 
 So that a large request never waits forever, a pool with nothing running on an instance may
 always place one sequence there if the instance as a whole has the blocks (a request over the
@@ -40,6 +45,15 @@ class Need:
     prompt_tokens: int
     total_tokens: int  # prompt + expected output
     deadline_s: float  # absolute
+    cached_on: str | None = None  # the instance holding the run's prefix, if any
+    cached_tokens: int = 0  # prompt tokens expected to be found in its prefix cache there
+
+    def prefill_tokens(self, instance_id: str) -> int:
+        """Prompt tokens the instance must compute (a cached prefix is not recomputed; it
+        still occupies KV blocks, so it is not subtracted from the blocks)."""
+        if instance_id == self.cached_on:
+            return max(0, self.prompt_tokens - self.cached_tokens)
+        return self.prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +117,8 @@ def fit_reason(view: InstanceView, need: Need) -> str | None:
             return "operating_point"
     if view.running >= view.instance_limit:
         return "operating_point"
-    rate = view.prefill_tokens_per_s
-    if rate and not alone:
-        predicted_s = (view.pending_prefill_tokens + need.prompt_tokens) / rate
-        if predicted_s > view.ttft_target_s:
-            return "ttft"
+    if not alone and predicted_ttft_s(view, need) > view.ttft_target_s:
+        return "ttft"
     return None
 
 
@@ -116,7 +127,7 @@ def predicted_ttft_s(view: InstanceView, need: Need) -> float:
     rate = view.prefill_tokens_per_s
     if not rate:
         return 0.0
-    return (view.pending_prefill_tokens + need.prompt_tokens) / rate
+    return (view.pending_prefill_tokens + need.prefill_tokens(view.instance_id)) / rate
 
 
 def decide(

@@ -33,7 +33,7 @@ from router.admission import Grant, InstanceView, Need, Reject, Wait, decide
 from router.errors import CapacityExceeded, NoHealthyInstance
 from router.estimate import Estimate
 from router.metrics import RouterMetrics
-from router.picking import Picker, PickRequest
+from router.picking import Picker, PickRequest, RunAffinity
 from router.queueing import PoolQueue, QueueEntry, QueueFull
 from router.request import RequestContext
 
@@ -60,6 +60,7 @@ class Admitter:
         pool_map: PoolMap,
         picker: Picker,
         metrics: RouterMetrics,
+        affinity: RunAffinity,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -69,6 +70,7 @@ class Admitter:
         self.pool_map = pool_map
         self.picker = picker
         self.metrics = metrics
+        self.affinity = affinity
         self.clock = clock
         self.margin_frac = config.router.kv_margin_frac
         self.pools: dict[str, PoolConfig] = {p.name: p for p in config.pools}
@@ -86,7 +88,7 @@ class Admitter:
     async def admit(
         self, ctx: RequestContext, estimate: Estimate, *, exclude: frozenset[str] = frozenset()
     ) -> Lease:
-        need = Need(estimate.prompt_tokens, estimate.total_tokens, ctx.deadline_s)
+        need = self._need(ctx, estimate)
         if not self.enabled:
             lease = self._lease_unchecked(ctx, need, exclude)
             if lease is None:
@@ -110,13 +112,32 @@ class Admitter:
         self, ctx: RequestContext, estimate: Estimate, exclude: frozenset[str]
     ) -> Lease | None:
         """A lease on another instance that fits now (for a retry), or None."""
-        need = Need(estimate.prompt_tokens, estimate.total_tokens, ctx.deadline_s)
+        need = self._need(ctx, estimate)
         if not self.enabled:
             return self._lease_unchecked(ctx, need, exclude)
         result = self._try(ctx, need, self.clock(), exclude)
         return result if isinstance(result, Lease) else None
 
     # ------------------------------------------------------------------ deciding
+
+    def _need(self, ctx: RequestContext, estimate: Estimate) -> Need:
+        """The request's need. A later step of a run, on the instance that served its last
+        step, expects the last step's context (prompt + completion) in the prefix cache, as
+        often as that instance's measured prefix-cache hit rate says cached tokens survive."""
+        cached_on = self.affinity.get(ctx.run_id)
+        cached = 0
+        if cached_on is not None:
+            state = self.fleet.get(cached_on)
+            hit = state.prefix_hit_frac if state is not None else None
+            context = self.affinity.context_tokens(ctx.run_id)
+            cached = int(min(estimate.prompt_tokens, context) * (hit or 0.0))
+        return Need(
+            estimate.prompt_tokens,
+            estimate.total_tokens,
+            ctx.deadline_s,
+            cached_on=cached_on,
+            cached_tokens=cached,
+        )
 
     def _views(self, pool: str, now_s: float) -> list[InstanceView]:
         allocation = self.pool_map.current
@@ -126,14 +147,13 @@ class Admitter:
             state = self.fleet.get(instance_id)
             if state is None:
                 continue
-            reading = state.reading
             views.append(
                 InstanceView(
                     instance_id=instance_id,
                     frac=allocation.frac(instance_id, pool),
                     healthy=state.healthy,
                     fresh=self.fleet.is_fresh(state),
-                    capacity_blocks=(reading.num_gpu_blocks or 0) if reading else 0,
+                    capacity_blocks=state.capacity_blocks or 0,
                     block_size=self._block_size(state),
                     used_blocks=state.used_blocks(),
                     pool_reserved_blocks=state.reserved_by_pool.get(pool, 0),
@@ -186,12 +206,13 @@ class Admitter:
             return None
         state = chosen.state
         rate = state.prefill_tokens_per_s
+        prefill = need.prefill_tokens(chosen.instance_id)
         return self.fleet.acquire(
             chosen.instance_id,
             ctx.pool,
             blocks=-(-need.total_tokens // self._block_size(state)),
-            prompt_tokens=need.prompt_tokens,
-            prefill_s=need.prompt_tokens / rate if rate else 0.0,
+            prompt_tokens=prefill,
+            prefill_s=prefill / rate if rate else 0.0,
         )
 
     def _lease_unchecked(

@@ -35,6 +35,7 @@ from pools.telemetry import TelemetryScraper
 from router.accounting import Accountant
 from router.accounting_metrics import AccountingMetrics
 from router.accounting_observer import AccountingObserver
+from router.admitter import Admitter
 from router.errors import (
     BadRequest,
     GpupoolError,
@@ -42,12 +43,11 @@ from router.errors import (
     NotFound,
     error_for_status,
 )
+from router.estimate import TokenEstimator
 from router.identity import OperatorAccess, Tenants
 from router.ledger import Ledger
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity, default_picker
-from router.admitter import Admitter
-from router.estimate import TokenEstimator
 from router.proxy import CompletionsHandler
 from router.request import Message, Receive, RequestObserver, Scope, Send
 
@@ -93,7 +93,7 @@ class Gateway:
         for state in self.fleet:
             state.op = OperatingPoint(max_num_seqs=max_num_seqs)
         self.admitter = Admitter(
-            config, self.fleet, self.pool_map, self.picker, self.metrics, clock=clock
+            config, self.fleet, self.pool_map, self.picker, self.metrics, self.affinity, clock=clock
         )
         self.estimator = estimator or TokenEstimator.from_config(config)
         self.accountant = Accountant()

@@ -52,19 +52,26 @@ Scorer = Callable[[PickRequest, Sequence[Candidate]], list[float]]
 
 
 class RunAffinity:
-    """Where each run's last step went (bounded LRU), so later steps find their prefix cache."""
+    """Where each run's last step went and how long its context was then (bounded LRU), so
+    later steps find their prefix cache and admission knows how much of it may be cached."""
 
     def __init__(self, max_runs: int = 100_000) -> None:
-        self._last: OrderedDict[str, str] = OrderedDict()
+        self._last: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._max_runs = max_runs
 
     def get(self, run_id: str | None) -> str | None:
-        return self._last.get(run_id) if run_id else None
+        entry = self._last.get(run_id) if run_id else None
+        return entry[0] if entry else None
 
-    def record(self, run_id: str | None, instance_id: str) -> None:
+    def context_tokens(self, run_id: str | None) -> int:
+        """Prompt + completion tokens of the run's last finished step (0 when unknown)."""
+        entry = self._last.get(run_id) if run_id else None
+        return entry[1] if entry else 0
+
+    def record(self, run_id: str | None, instance_id: str, context_tokens: int = 0) -> None:
         if not run_id:
             return
-        self._last[run_id] = instance_id
+        self._last[run_id] = (instance_id, context_tokens)
         self._last.move_to_end(run_id)
         if len(self._last) > self._max_runs:
             self._last.popitem(last=False)

@@ -555,6 +555,12 @@ class CompletionsHandler:
                 self.metrics.observe_ttft(ctx.class_name, ttft)
             if (tpot := outcome.tpot_s) is not None:
                 self.metrics.observe_tpot(ctx.class_name, tpot)
+            if ctx.run_id is not None and outcome.instance_id is not None:
+                self.affinity.record(
+                    ctx.run_id,
+                    outcome.instance_id,
+                    outcome.prompt_tokens + outcome.completion_tokens,
+                )
             if outcome.estimate is not None and outcome.prompt_tokens > 0:
                 error = self.estimator.observe(
                     outcome.estimate,

@@ -133,3 +133,23 @@ def test_a_grant_never_overfills_the_instance(
         assert running < 8
         if running > 0:
             assert view.pool_reserved_blocks + blocks <= frac * 95.0 + 1e-9
+
+
+def test_a_cached_prefix_saves_prefill_time_not_blocks() -> None:
+    busy = replace(BASE, pool_running=1, running=1, prefill_tokens_per_s=100.0)
+    step = Need(
+        prompt_tokens=150,
+        total_tokens=160,
+        deadline_s=100.0,
+        cached_on="engine-0",
+        cached_tokens=100,
+    )
+    assert step.prefill_tokens("engine-0") == 50 and step.prefill_tokens("engine-1") == 150
+    # 150 tokens at 100/s is 1.5 s, over the 1 s target; the 50 uncached ones fit
+    assert fit_reason(busy, replace(step, cached_on=None)) == "ttft"
+    assert fit_reason(busy, step) is None
+    elsewhere = replace(busy, instance_id="engine-1")
+    assert fit_reason(elsewhere, step) == "ttft"
+    # the blocks are the whole sequence's either way (vLLM counts a cache hit's blocks as used)
+    full = replace(busy, used_blocks=86.0)
+    assert fit_reason(full, step) == "kv"
