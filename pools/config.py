@@ -91,6 +91,9 @@ class LocalEnginesSchema(_Strict):
     restart_backoff_max_s: float = Field(default=60.0, gt=0)
     stop_grace_s: float = Field(default=15.0, gt=0)
     run_dir: str = "./.gpupool/run"
+    # The key every engine requires (vLLM's VLLM_API_KEY; the router sends it): the name of an
+    # env var holding it. None: a random key per engine and launch, held only by this process.
+    api_key_env: str | None = None
 
     @model_validator(mode="after")
     def _no_forbidden_flags(self) -> LocalEnginesSchema:
@@ -107,6 +110,7 @@ class LocalEnginesSchema(_Strict):
 class StaticEnginesSchema(_Strict):
     urls: list[str] = Field(default_factory=list)
     gpus_per_instance: int = Field(default=1, ge=1, le=16)
+    api_key_env: str | None = None  # env var holding the engines' key (vLLM --api-key); None: none
 
     @model_validator(mode="after")
     def _urls_are_http(self) -> StaticEnginesSchema:
@@ -299,10 +303,13 @@ class ConfigSchema(_Strict):
     def _engine_priority_needs_the_policy(self) -> ConfigSchema:
         wanted = [name for name, p in self.pools.items() if p.engine_priority is not None]
         args = self.engines.local.vllm_args
-        has_policy = any(
-            a == "--scheduling-policy" and i + 1 < len(args) and args[i + 1] == "priority"
-            for i, a in enumerate(args)
-        ) or "--scheduling-policy=priority" in args
+        has_policy = (
+            any(
+                a == "--scheduling-policy" and i + 1 < len(args) and args[i + 1] == "priority"
+                for i, a in enumerate(args)
+            )
+            or "--scheduling-policy=priority" in args
+        )
         if wanted and self.engines.launcher == "local" and not has_policy:
             raise ValueError(
                 f"pools {', '.join(wanted)} set engine_priority, which vLLM refuses unless its"
@@ -379,12 +386,17 @@ class LocalEnginesConfig:
     restart_backoff_max_s: float
     stop_grace_s: float
     run_dir: Path
+    api_key: str | None = field(default=None, repr=False)  # None: a random key per launch
+    # env vars never passed to engines: every `*api_key_env` the config names (tenant, admin,
+    # metrics and engine keys)
+    secret_env: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
 class StaticEnginesConfig:
     urls: tuple[str, ...]
     gpus_per_instance: int
+    api_key: str | None = field(default=None, repr=False)  # the engines' key; None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -621,9 +633,36 @@ def _freeze_keys(
     return tenants, operators[0], operators[1]
 
 
+def _secret_env_names(node: Any) -> frozenset[str]:
+    """Every env var name the config gives in a field called `api_key_env` or `*_api_key_env`,
+    anywhere in the schema tree: the variables engines must not inherit."""
+    names: set[str] = set()
+    if isinstance(node, BaseModel):
+        for name in type(node).model_fields:
+            value = getattr(node, name)
+            if name.endswith("api_key_env") and isinstance(value, str):
+                names.add(value)
+            else:
+                names |= _secret_env_names(value)
+    elif isinstance(node, list | tuple):
+        for item in node:
+            names |= _secret_env_names(item)
+    elif isinstance(node, dict):
+        for item in node.values():
+            names |= _secret_env_names(item)
+    return frozenset(names)
+
+
 def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
     problems: list[str] = []
     tenants, admin_sha256, metrics_sha256 = _freeze_keys(schema, source, problems)
+    local_key, static_key = (
+        _env_key(var, f"engines.{which}.api_key_env", problems) if var else None
+        for which, var in (
+            ("local", schema.engines.local.api_key_env),
+            ("static", schema.engines.static.api_key_env),
+        )
+    )
     if problems:
         raise ConfigError(problems, source)
     local = schema.engines.local
@@ -677,10 +716,13 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
                 restart_backoff_max_s=local.restart_backoff_max_s,
                 stop_grace_s=local.stop_grace_s,
                 run_dir=_resolve(base, local.run_dir),
+                api_key=local_key,
+                secret_env=_secret_env_names(schema),
             ),
             static=StaticEnginesConfig(
                 urls=tuple(u.rstrip("/") for u in schema.engines.static.urls),
                 gpus_per_instance=schema.engines.static.gpus_per_instance,
+                api_key=static_key,
             ),
         ),
         pools=pools,

@@ -38,17 +38,21 @@ def _say(message: str) -> None:
 
 
 def instances_without_launching(config: Config) -> list[InstanceSpec]:
-    """The engines `gpupool serve` expects to find already running."""
+    """The engines `gpupool serve` expects to find already running, with the key they require
+    when the config names one (`engines.<launcher>.api_key_env`)."""
     engines = config.engines
     if engines.launcher == "static":
-        urls = list(engines.static.urls)
+        urls, key = list(engines.static.urls), engines.static.api_key
     elif engines.launcher == "local":
         local = engines.local
         urls = [f"http://{local.host}:{local.base_port + i}" for i in range(local.count)]
+        key = local.api_key
     else:
         raise LauncherError(f"engines.launcher {engines.launcher!r} is not available")
     return [
-        InstanceSpec(instance_id=f"engine-{i}", url=url, gpus=engines.gpus_per_instance)
+        InstanceSpec(
+            instance_id=f"engine-{i}", url=url, gpus=engines.gpus_per_instance, api_key=key
+        )
         for i, url in enumerate(urls)
     ]
 

@@ -12,7 +12,11 @@ Rules:
 - on CPU: `OMP_NUM_THREADS=1`, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, `--distributed-executor-backend
   uni` and `--enforce-eager` (otherwise one idle engine spins ~1.7 cores);
 - on GPU: `CUDA_VISIBLE_DEVICES` lists the instance's GPUs and `--tensor-parallel-size` their
-  count.
+  count;
+- closed by default: the engine's key goes in `VLLM_API_KEY` (never argv) and a guard
+  middleware (`engine_guard.py`) asks for it on every path but /health and /metrics; the env
+  variables holding gpupool's own keys (`secret_env`) are not inherited;
+- prompts stay out of the engine's log (`--max-log-len 0`, request logging left off).
 """
 
 from __future__ import annotations
@@ -22,17 +26,19 @@ import logging
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pools.config import LocalEnginesConfig, ModelConfig
+from pools.launchers.engine_guard import GUARD_MIDDLEWARE
 from pools.launchers.engine_plan import EnginePlan
 
 __all__ = [
     "FORBIDDEN_FLAGS",
     "EngineCommand",
     "build_engine_command",
+    "engine_environ",
     "installed_vllm_version",
     "supported_vllm_flags",
 ]
@@ -62,9 +68,17 @@ _BASELINE_FLAGS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class EngineCommand:
-    argv: tuple[str, ...]
-    env: dict[str, str]
+    argv: tuple[str, ...]  # never holds a secret: argv is world-readable (`ps`) and logged
+    env: dict[str, str] = field(repr=False)  # set over the parent's (holds VLLM_API_KEY)
     port: int
+    env_remove: frozenset[str] = frozenset()  # parent variables the engine must not inherit
+
+
+def engine_environ(parent: Mapping[str, str], command: EngineCommand) -> dict[str, str]:
+    """The engine's whole environment: the parent's without `env_remove`, then `env`."""
+    env = {k: v for k, v in parent.items() if k not in command.env_remove}
+    env.update(command.env)
+    return env
 
 
 def installed_vllm_version() -> str | None:
@@ -116,12 +130,13 @@ def build_engine_command(
     python: str = sys.executable,
     base_env: dict[str, str] | None = None,
     plan: EnginePlan | None = None,
+    api_key: str | None = None,
 ) -> EngineCommand:
     """The argv and env for engine `index`. `gpu_ids` (CUDA device indices or UUIDs, as the
     child's CUDA_VISIBLE_DEVICES lists them) None means a CPU engine.
 
     `plan` (from `engine_plan.plan_engines`) gives the dtype and KV size this machine runs;
-    without one they are the config's as written."""
+    without one they are the config's as written. `api_key`: the key the engine requires."""
     port = local.base_port + index
     dtype = plan.dtype if plan is not None else model.dtype
     kv_cache_bytes = plan.kv_cache_bytes if plan is not None else local.kv_cache_bytes
@@ -181,7 +196,27 @@ def build_engine_command(
         add("--tool-call-parser", "hermes")
     if "--disable-uvicorn-access-log" in flags:
         argv.append("--disable-uvicorn-access-log")
+    # Prompts stay out of the engine's log: vLLM 0.32 logs requests only with
+    # --enable-log-requests (off by default); older ones did unless --disable-log-requests.
+    # --max-log-len 0 also truncates prompts and outputs to nothing if a user turns it on.
+    if "--disable-log-requests" in flags and "--enable-log-requests" not in flags:
+        argv.append("--disable-log-requests")
+    add("--max-log-len", "0")
+    for flag in ("--enable-log-requests", "--enable-log-outputs"):
+        if flag in user_args:
+            log.warning("engines.local.vllm_args has %s: engines will log request details", flag)
+    if api_key is not None:
+        # Through the environment, not `--api-key`: argv is world-readable and logged.
+        env["VLLM_API_KEY"] = api_key
+        # vLLM's own check covers only /v1, /v2, /inference and /cohere; the guard covers the
+        # rest (/invocations runs the same handlers), all but /health and /metrics.
+        if "--middleware" in flags:
+            argv.extend(["--middleware", GUARD_MIDDLEWARE])
+        else:
+            log.warning(
+                "installed vLLM has no --middleware: its key guards only /v1, /v2, /inference"
+            )
     argv.extend(user_args)
     for key, value in local.env:
         env[key] = value
-    return EngineCommand(argv=tuple(argv), env=env, port=port)
+    return EngineCommand(argv=tuple(argv), env=env, port=port, env_remove=local.secret_env)

@@ -3,7 +3,10 @@
 Each engine gets its own port (`base_port + i`), its own log file under the run directory,
 its GPUs on a GPU machine (`CUDA_VISIBLE_DEVICES`, `gpus_per_instance` each, taken in order
 from the GPUs gpupool's own `CUDA_VISIBLE_DEVICES` lists), and optionally a CPU affinity. The
-dtype and KV size come from the engine plan (`engine_plan.py`). `start()` waits for every `/health` with progress lines and a timeout. A
+dtype and KV size come from the engine plan (`engine_plan.py`). Each engine requires a key
+(a random one per engine and launch unless `engines.local.api_key_env` names one), which its
+`InstanceSpec.api_key` carries to the router; the env vars holding gpupool's own keys are not
+passed on. `start()` waits for every `/health` with progress lines and a timeout. A
 supervisor restarts an engine that dies, with exponential backoff, and says so in the log.
 `aclose()` stops every engine it started: SIGTERM to the engine's process group, SIGKILL after
 the grace period.
@@ -21,6 +24,7 @@ import ctypes
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -31,7 +35,12 @@ import psutil
 
 from pools.config import LocalEnginesConfig, ModelConfig
 from pools.launchers.base import InstanceSpec, LauncherError, ProgressFn
-from pools.launchers.engine_args import EngineCommand, build_engine_command, supported_vllm_flags
+from pools.launchers.engine_args import (
+    EngineCommand,
+    build_engine_command,
+    engine_environ,
+    supported_vllm_flags,
+)
 from pools.launchers.engine_plan import (
     EnginePlan,
     HostFacts,
@@ -90,8 +99,10 @@ class EngineProcess:
         backoff_s: float,
         backoff_max_s: float,
         grace_s: float,
+        parent_env: Mapping[str, str] | None = None,
     ) -> None:
         self.spec = spec
+        self.parent_env = os.environ if parent_env is None else parent_env
         self.command = command
         self.log_path = log_path
         self.pid_path = pid_path
@@ -111,7 +122,7 @@ class EngineProcess:
 
     async def spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.command.env}
+        env = engine_environ(self.parent_env, self.command)
         with self.log_path.open("ab") as logfile:
             logfile.write(
                 f"\n=== gpupool: starting {self.spec.instance_id} at {time.ctime()}: "
@@ -292,6 +303,8 @@ class LocalLauncher:
         )
         self._engines = []
         for i, gpu_ids in enumerate(assignment):
+            # the engine's key: the configured one, else a new random one per engine and launch
+            key = local.api_key or secrets.token_urlsafe(32)
             command = build_engine_command(
                 model=self._model,
                 local=local,
@@ -300,11 +313,13 @@ class LocalLauncher:
                 flags=flags,
                 python=self._python,
                 plan=plan,
+                api_key=key,
             )
             spec = InstanceSpec(
                 instance_id=f"engine-{i}",
                 url=f"http://{local.host}:{command.port}",
                 gpus=local.gpus_per_instance,
+                api_key=key,
             )
             cpus = local.cpu_affinity[i] if local.cpu_affinity else None
             self._engines.append(
@@ -317,6 +332,7 @@ class LocalLauncher:
                     backoff_s=local.restart_backoff_s,
                     backoff_max_s=local.restart_backoff_max_s,
                     grace_s=local.stop_grace_s,
+                    parent_env=self._environ,
                 )
             )
         return plan

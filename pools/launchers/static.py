@@ -1,5 +1,6 @@
 """The `static` launcher: engines run elsewhere (Kubernetes, another host); gpupool only adopts
-their URLs. `start()` waits until each answers `/health`, with progress, or raises."""
+their URLs, and their key (`engines.static.api_key_env`) when they require one. `start()` waits
+until each answers `/health`, with progress, or raises."""
 
 from __future__ import annotations
 
@@ -21,7 +22,12 @@ class StaticLauncher:
         progress: ProgressFn | None = None,
     ) -> None:
         self._specs = [
-            InstanceSpec(instance_id=f"engine-{i}", url=url, gpus=config.gpus_per_instance)
+            InstanceSpec(
+                instance_id=f"engine-{i}",
+                url=url,
+                gpus=config.gpus_per_instance,
+                api_key=config.api_key,
+            )
             for i, url in enumerate(config.urls)
         ]
         self._wait_s = wait_s
