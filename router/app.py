@@ -26,11 +26,12 @@ from starlette.exceptions import HTTPException
 
 from gpu_probe.nvml import NvmlApi
 from gpu_probe.sampler import GpuSampler
+from kvcache_model import KVCacheModelError, LatencyPrior, gpu_spec, load_geometry
 from pools.allocation import PoolMap, plan_allocation
 from pools.config import Config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
-from pools.operating_point import OperatingPoint
+from pools.operating_point import OperatingPoint, TpotLine
 from pools.telemetry import TelemetryScraper
 from router.accounting import Accountant
 from router.accounting_metrics import AccountingMetrics
@@ -54,6 +55,8 @@ from router.request import Message, Receive, RequestObserver, Scope, Send
 __all__ = ["Gateway", "create_app"]
 
 log = logging.getLogger(__name__)
+
+_PRIOR_CONTEXT_TOKENS = 2048  # context at which the roofline prior's TPOT line is drawn
 
 
 class Gateway:
@@ -130,6 +133,7 @@ class Gateway:
         self.pool_map.on_change(self._shares_changed)
         await self.ledger.start()
         await self.gpu_sampler.start()
+        self._seed_operating_points()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
@@ -158,6 +162,35 @@ class Gateway:
         if self.tenants.open:
             log.warning("no API keys configured: the router is open to anyone who can reach it")
         self._started = True
+
+    def _seed_operating_points(self) -> None:
+        """On a known GPU, start each instance's operating point from the roofline prior
+        (`kvcache_model.LatencyPrior`) as a line TPOT(n) = a + b·n through its predictions at
+        batch 1 and 64 for a context of `_PRIOR_CONTEXT_TOKENS`; measurements replace it."""
+        spec_name = next((d.spec_name for d in self.gpu_sampler.devices if d.spec_name), None)
+        if spec_name is None:
+            return
+        try:
+            prior = LatencyPrior(
+                load_geometry(self.config.model.path),
+                gpu_spec(spec_name),
+                tensor_parallel_size=self.config.engines.gpus_per_instance,
+            )
+            one = prior.tpot_s(1, _PRIOR_CONTEXT_TOKENS)
+            many = prior.tpot_s(64, _PRIOR_CONTEXT_TOKENS)
+        except KVCacheModelError as err:
+            log.info("no roofline prior for the operating point: %s", err)
+            return
+        slope = (many - one) / 63
+        line = TpotLine(one - slope, slope)
+        for state in self.fleet:
+            state.op.prior = line
+        log.info(
+            "operating point prior on %s: TPOT %.1f ms + %.3f ms per running sequence",
+            spec_name,
+            line.intercept_s * 1e3,
+            line.slope_s * 1e3,
+        )
 
     async def aclose(self) -> None:
         if self.scraper is not None:

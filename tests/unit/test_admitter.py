@@ -329,3 +329,37 @@ def test_engine_priority_needs_the_priority_policy() -> None:
         parse_config(data)
     data["engines"] = {"local": {"vllm_args": ["--scheduling-policy", "priority"]}}
     assert parse_config(data).pool("normal").engine_priority == -1
+
+
+async def test_on_a_known_gpu_the_operating_point_starts_from_the_roofline_prior(
+    tmp_path: Path,
+) -> None:
+    import kvcache_model
+    from gpu_probe.fake_nvml import FakeGpu, FakeNvml
+    from kvcache_model import LatencyPrior, gpu_spec, load_geometry
+
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    known = Path(kvcache_model.__file__).parent / "known_models" / "llama-3.1-8b.json"
+    (model_dir / "config.json").write_text(known.read_text())
+    data: dict[str, Any] = {
+        **DEFAULT_CPU_CONFIG,
+        "model": {"name": "tiny", "path": str(model_dir)},
+        "router": {"ledger_path": str(tmp_path / "l.sqlite")},
+    }
+    nvml = FakeNvml([FakeGpu(name="NVIDIA H100 80GB HBM3")])
+    gateway = create_app(
+        parse_config(data),
+        [InstanceSpec("engine-0", "http://127.0.0.1:9", 1)],
+        scrape=False,
+        nvml=nvml,
+    )
+    await gateway.start()
+    state = gateway.fleet.get("engine-0")
+    await gateway.aclose()
+    assert state is not None and state.op.source == "prior"
+    # the limit from the line agrees with the prior's own search at the same context
+    prior = LatencyPrior(load_geometry(model_dir), gpu_spec("H100"))
+    for target_s in (0.012, 0.02, 0.04):
+        expected = prior.max_batch_for_tpot(target_s, 2048, max_batch=64)
+        assert abs(state.op.limit(target_s) - expected) <= max(1, 0.1 * expected)
