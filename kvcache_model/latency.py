@@ -11,8 +11,11 @@ the T tokens are routed to, in expectation: E x (1 - (1 - k/E)^T) per layer) + t
 With tensor parallelism each rank does 1/tp of the work and two all-reduces per layer.
 
 These are priors: the router starts its operating point from `max_batch_for_tpot` and then
-learns from observed TPOT. Measured against published vLLM figures (see tests/unit/
-test_kvcache_priors.py): decode within ~5 % for Llama-3.1-8B on H100 and A100-40GB at batch 1.
+learns from observed TPOT. How good they are (tests/unit/test_kvcache_priors.py): the GPU
+efficiencies were tuned on batch-1 decode of Llama-3.1-8B (A100-40GB, and an uncited H100
+figure), so those points prove nothing; the one published point they were not tuned on
+(A100-40GB, concurrency 8, same sweep) is predicted 18 % low, as its measured TPOT includes
+prefill interference. No other GPU or model has been checked against a measurement.
 """
 
 from __future__ import annotations

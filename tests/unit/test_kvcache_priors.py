@@ -14,27 +14,20 @@ from kvcache_model.latency import LatencyPrior
 
 LLAMA_8B = load_geometry("llama-3.1-8b")
 
-# (what, gpu, batch, context tokens, published TPOT ms, tolerance, source)
-PUBLISHED_TPOT = [
-    (
-        "Llama-3.1-8B bf16 decode, batch 1",
-        "H100",
-        1,
-        1088,
-        6.0,
-        0.15,
-        "~160-170 tok/s single stream on one H100 SXM with vLLM",
-    ),
-    (
-        "Llama-3.1-8B bf16 decode, batch 1",
-        "A100-40GB",
-        1,
-        1088,
-        1000 / 75,
-        0.15,
-        "johnmusgrave.com 'vLLM throughput-latency sweep on NVIDIA A100' (vLLM 0.23, 1024 in /"
-        " 128 out): ~75 tok/s at concurrency 1",
-    ),
+# The calibration: `GpuSpec.bandwidth_efficiency_frac` (0.80) and `step_overhead_s` (0.3 ms)
+# were chosen so that batch-1 decode of Llama-3.1-8B lands on these two figures. Reproducing
+# them checks the arithmetic still does what it was tuned to do; it is no evidence the model
+# is right (the H100 figure also has no citation). Evidence is `OUT_OF_SAMPLE` below.
+CALIBRATION_TPOT = [
+    # (gpu, batch, context tokens, figure ms, source)
+    ("A100-40GB", 1, 1088, 1000 / 75, "johnmusgrave.com A100 sweep (vLLM 0.23): ~75 tok/s at c=1"),
+    ("H100", 1, 1088, 6.0, "~160-170 tok/s single stream, H100 SXM (uncited)"),
+]
+
+# Published points the priors were not tuned on: (what, gpu, batch, context tokens, published
+# TPOT ms, tolerance, source). Only one is known that fits: same sweep, concurrency 8. Its
+# TPOT includes prefill interference the decode-only prior leaves out, so the prior runs low.
+OUT_OF_SAMPLE_TPOT = [
     (
         "Llama-3.1-8B bf16 decode, batch 8",
         "A100-40GB",
@@ -42,16 +35,24 @@ PUBLISHED_TPOT = [
         1088,
         8 * (1000 / 75) / 6.6,
         0.25,
-        "same sweep: 6.6x the concurrency-1 throughput at concurrency 8; the measured TPOT "
-        "includes prefill interference the decode prior leaves out, so the prior runs low",
+        "johnmusgrave.com 'vLLM throughput-latency sweep on NVIDIA A100' (vLLM 0.23, 1024 in /"
+        " 128 out): 6.6x the concurrency-1 throughput at concurrency 8",
     ),
 ]
 
 
+@pytest.mark.parametrize(("gpu", "batch", "context", "figure_ms", "source"), CALIBRATION_TPOT)
+def test_tpot_prior_reproduces_its_calibration(
+    gpu: str, batch: int, context: int, figure_ms: float, source: str
+) -> None:
+    prior_ms = LatencyPrior(LLAMA_8B, gpu_spec(gpu)).tpot_s(batch, context) * 1000
+    assert abs(prior_ms - figure_ms) / figure_ms <= 0.10, (gpu, prior_ms, figure_ms, source)
+
+
 @pytest.mark.parametrize(
-    ("what", "gpu", "batch", "context", "published_ms", "tolerance", "source"), PUBLISHED_TPOT
+    ("what", "gpu", "batch", "context", "published_ms", "tolerance", "source"), OUT_OF_SAMPLE_TPOT
 )
-def test_tpot_prior_against_published(
+def test_tpot_prior_against_a_point_it_was_not_tuned_on(
     what: str,
     gpu: str,
     batch: int,
@@ -66,6 +67,8 @@ def test_tpot_prior_against_published(
         f"{what} on {gpu}: prior {prior_ms:.2f} ms vs published {published_ms:.2f} ms "
         f"({error:+.1%}, tolerance {tolerance:.0%}; {source})"
     )
+    # batching must cost something: the out-of-sample point is not the batch-1 figure again
+    assert prior_ms > LatencyPrior(LLAMA_8B, gpu_spec(gpu)).tpot_s(1, context) * 1000
 
 
 def test_decode_at_batch_1_is_bandwidth_bound() -> None:
