@@ -1,14 +1,19 @@
-"""kvcache_model against real CPU vLLM engines: predicted KV blocks vs what each engine reports.
+"""kvcache_model against real CPU vLLM engines: KV blocks predicted from what gpupool configured,
+never from what the engine reports, against the engine's own `num_gpu_blocks`; and the start-up
+refusal `check-config` predicts against the one vLLM makes.
 
-Each engine of the `real_engines` fixture serves the tiny dev model with a 64 MiB KV cache
-(`--kv-cache-memory-bytes`) and max_model_len 4096; `vllm:cache_config_info` reports its block
-size, `num_gpu_blocks` and `kv_cache_max_concurrency`. The prediction (1024 B/token for the tiny
-model: 2 layers x 2 x 2 KV heads x 64 x 2 B) must match; the assertion states the error.
+The prediction's inputs: the 64 MiB `kv_cache_bytes` the fixture configures, the tiny model's
+config.json at the dtype gpupool told each engine to run (`--dtype` on its command line: float32
+or bfloat16 by the CPU), and vLLM's CPU block size (128 tokens). The engine's labels
+(`vllm:cache_config_info`) are only the measurement.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +22,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache_model.capacity import capacity_from_kv_cache_bytes
-from kvcache_model.engine_view import instance_capacity
 from kvcache_model.geometry import ModelGeometry
+from pools.config import parse_config
+from pools.launchers import InstanceSpec
+from pools.launchers.engine_args import build_engine_command, supported_vllm_flags
+from pools.launchers.engine_plan import arg_value, engine_problems, probe_host
+from pools.launchers.health import wait_healthy
+from pools.launchers.local import EngineProcess
+from tests.integration.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MODEL_DIR, EngineFleet
 
 pytestmark = pytest.mark.integration
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / ".gpupool" / "models" / "tiny"
-DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024  # what the fixture starts engines with
+CPU_BLOCK_SIZE = 128  # vLLM's CPU default (vllm/platforms/cpu.py)
 
 
 def cache_config_info(url: str) -> dict[str, str]:
@@ -36,49 +46,108 @@ def cache_config_info(url: str) -> dict[str, str]:
     raise AssertionError(f"{url}/metrics has no vllm:cache_config_info")
 
 
-def served_max_model_len(url: str) -> int:
-    models: list[dict[str, Any]] = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
-    return int(models[0]["max_model_len"])
+def test_predicted_kv_blocks_match_real_engines(engine_fleet: EngineFleet) -> None:
+    assert engine_fleet.instances, "no engines"
+    for engine, spec in zip(engine_fleet.launcher.engines, engine_fleet.instances, strict=True):
+        dtype = arg_value(engine.command.argv, "--dtype")
+        assert dtype in ("float32", "bfloat16"), dtype
+        geometry = ModelGeometry.from_path(MODEL_DIR, dtype=dtype)
+        # by hand: 2 layers x (K, V) x 2 KV heads x head_dim 64 x the dtype's width
+        assert (
+            geometry.kv_bytes_per_token() == 2 * 2 * 2 * 64 * {"float32": 4, "bfloat16": 2}[dtype]
+        )
+        predicted = capacity_from_kv_cache_bytes(geometry, KV_CACHE_BYTES, CPU_BLOCK_SIZE)
+
+        info = cache_config_info(spec.url)
+        engine_blocks = int(info["num_gpu_blocks"])
+        assert int(info["block_size"]) == CPU_BLOCK_SIZE
+        assert predicted.num_blocks == engine_blocks, (
+            f"{spec.url}: predicted {predicted.num_blocks} blocks of {CPU_BLOCK_SIZE} tokens from"
+            f" {KV_CACHE_BYTES} B at {geometry.kv_bytes_per_token()} B/token ({dtype}); the"
+            f" engine reports {engine_blocks}"
+            f" ({(predicted.num_blocks - engine_blocks) / engine_blocks:+.2%})"
+        )
+        concurrency = float(info["kv_cache_max_concurrency"])
+        assert predicted.max_concurrent_sequences(MAX_MODEL_LEN) == math.floor(concurrency)
+        print(f"{spec.url} ({dtype}): {engine_blocks} blocks, predicted {predicted.num_blocks}")
 
 
-def check_engine(url: str, geometry: ModelGeometry) -> str:
-    """Compare prediction and engine for one engine; returns a one-line summary."""
-    info = cache_config_info(url)
-    block_size = int(info["block_size"])
-    engine_blocks = int(info["num_gpu_blocks"])
-    kv_bytes_label = info.get("kv_cache_memory_bytes", "None")
-    kv_cache_bytes = int(kv_bytes_label) if kv_bytes_label.isdigit() else DEFAULT_KV_CACHE_BYTES
+async def _starts(kv_cache_bytes: int, port: int, run_dir: Path, flags: frozenset[str]) -> bool:
+    """Whether a real engine with this KV size becomes healthy (False: it exits at start)."""
+    config = _config(kv_cache_bytes, port, run_dir)
+    command = build_engine_command(
+        model=config.model,
+        local=config.engines.local,
+        index=0,
+        gpu_ids=None,
+        flags=flags,
+        api_key="calibration",
+    )
+    spec = InstanceSpec(instance_id=f"kv-{port}", url=f"http://127.0.0.1:{port}", gpus=1)
+    engine = EngineProcess(
+        spec,
+        command,
+        log_path=run_dir / f"kv-{port}.log",
+        pid_path=run_dir / f"kv-{port}.pid",
+        cpus=None,
+        backoff_s=600.0,  # never restarted within the test
+        backoff_max_s=600.0,
+        grace_s=10.0,
+    )
+    try:
+        await engine.spawn()
+        missing = await wait_healthy(
+            {spec.instance_id: spec.url},
+            time.monotonic() + 300,
+            alive=lambda _: engine.down_reason(),
+        )
+        return not missing
+    finally:
+        await engine.stop()
 
-    predicted = capacity_from_kv_cache_bytes(geometry, kv_cache_bytes, block_size)
-    error = (predicted.num_blocks - engine_blocks) / engine_blocks
-    assert predicted.num_blocks == engine_blocks, (
-        f"{url}: predicted {predicted.num_blocks} blocks of {block_size} tokens from "
-        f"{kv_cache_bytes} B at {geometry.kv_bytes_per_token()} B/token; engine reports "
-        f"{engine_blocks} (error {error:+.2%})"
+
+def _config(kv_cache_bytes: int, port: int, run_dir: Path) -> Any:
+    return parse_config(
+        {
+            "model": {
+                "name": "tiny",
+                "path": str(MODEL_DIR),
+                "max_model_len_tokens": MAX_MODEL_LEN,
+                "dtype": "bfloat16",
+            },
+            "engines": {
+                "local": {
+                    "count": 1,
+                    "base_port": port,
+                    "kv_cache_bytes": kv_cache_bytes,
+                    "run_dir": str(run_dir),
+                }
+            },
+            "pools": {"normal": {"classes": ["normal"], "share": {"initial_frac": 1.0}}},
+            "classification": {"tools_class": "normal", "run_class": "normal"},
+        }
     )
 
-    max_len = served_max_model_len(url)
-    engine_concurrency = float(info["kv_cache_max_concurrency"])
-    predicted_concurrency = predicted.max_concurrent_sequences(max_len)
-    assert predicted_concurrency == math.floor(engine_concurrency), (
-        f"{url}: predicted {predicted_concurrency} concurrent {max_len}-token sequences; engine "
-        f"reports kv_cache_max_concurrency {engine_concurrency}"
-    )
 
-    view = instance_capacity(
-        num_gpu_blocks=engine_blocks, block_size=block_size, predicted=predicted
-    )
-    assert view.source == "engine" and view.prediction_error_frac == 0.0
-    return (
-        f"{url}: {engine_blocks} blocks x {block_size} tokens, predicted {predicted.num_blocks} "
-        f"(error {error:+.2%}), max concurrency {engine_concurrency} at {max_len} tokens"
-    )
+def test_check_config_refuses_exactly_what_vllm_refuses(tmp_path: Path) -> None:
+    """A 4096-token sequence is 32 blocks of 128 tokens; vLLM also holds one null block back.
+    At bfloat16 (128 KiB a block) 33 blocks start and 32 do not: check-config must say so."""
+    block = CPU_BLOCK_SIZE * 2 * 2 * 2 * 64 * 2
+    fits, short = 33 * block, 32 * block
+    host = dataclasses.replace(probe_host(), gpu_count=0)
+    assert engine_problems(_config(fits, 8170, tmp_path), host) == []
+    (problem,) = engine_problems(_config(short, 8171, tmp_path), host)
+    assert "less than one 4096-token sequence" in problem
+    flags = supported_vllm_flags(tmp_path)
 
+    async def both() -> list[bool]:
+        return list(
+            await asyncio.gather(
+                _starts(fits, 8170, tmp_path, flags), _starts(short, 8171, tmp_path, flags)
+            )
+        )
 
-def test_predicted_kv_blocks_match_real_engines(real_engines: list[Any]) -> None:
-    assert (MODEL_DIR / "config.json").is_file(), "the fixture makes the dev model"
-    geometry = ModelGeometry.from_path(MODEL_DIR)
-    assert geometry.kv_bytes_per_token() == 1024
-    assert real_engines, "no engines"
-    for engine in real_engines:
-        print(check_engine(engine.url, geometry))
+    started_fits, started_short = asyncio.run(both())
+    assert started_fits, (tmp_path / "kv-8170.log").read_text()[-2000:]
+    assert not started_short, "vLLM started a cache check-config refuses"
+    assert "estimated maximum model length is 3968" in (tmp_path / "kv-8171.log").read_text()
