@@ -1,6 +1,7 @@
 """The whole stack through the CLI, as a newcomer runs it: `gpupool up` on the embedded default
 (three real CPU engines), the official OpenAI client through it, Ctrl-C, and no engine left
-behind; also when gpupool itself is killed; and bad configs exiting 2."""
+behind; also when gpupool itself is killed; two CPU engines configured without a KV size; and
+bad configs exiting 2."""
 
 from __future__ import annotations
 
@@ -166,6 +167,63 @@ def test_engines_die_with_a_killed_parent(tmp_path: Path) -> None:
     for pid in survivors:  # do not leave them behind for the rest of the suite
         os.kill(pid, signal.SIGKILL)
     assert survivors == [], "engines outlived a SIGKILLed gpupool"
+
+
+def test_two_cpu_engines_without_a_kv_size_start_closed_and_log_no_prompt(
+    tmp_path: Path,
+) -> None:
+    """A new user's config: `local: {count: 2}`, no kv_cache_bytes, no dtype. Before gpupool
+    chose the CPU KV size each engine reserved 92 % of memory and the second one died. Both
+    start; each refuses a request without its key; the prompt reaches no log."""
+    marker = "zq-e2e-prompt-marker-51c9"
+    config = {
+        "model": {"name": "tiny", "path": str(REPO / ".gpupool/models/tiny")},
+        "engines": {
+            "launcher": "local",
+            "local": {"count": 2, "base_port": 8180, "run_dir": str(tmp_path / "run")},
+        },
+        "pools": {
+            "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
+            "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
+        },
+        "router": {
+            "port": _free_port(),
+            "ledger_path": str(tmp_path / "ledger.sqlite"),
+            "state_path": str(tmp_path / "state.json"),
+        },
+    }
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(config))
+    url = f"http://127.0.0.1:{config['router']['port']}"
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [GPUPOOL, "up", "--config", str(path)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        _wait_ready(url, proc, log, timeout_s=400)
+        text = log.read_text()
+        assert "engine dtype " in text and "KV cache: " in text and "split across 2" in text
+        assert len(_engines_on(range(8180, 8182))) == 2
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": marker}], max_tokens=3
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+        for port in (8180, 8181):  # around the router: refused without the engine's key
+            direct = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+                timeout=30,
+            )
+            assert direct.status_code == 401, direct.text
+            assert httpx.post(f"http://127.0.0.1:{port}/invocations", timeout=30).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=90)
+    assert code == 0, log.read_text()
+    for written in [log, *(tmp_path / "run").glob("*.log")]:
+        assert marker not in written.read_text(errors="replace"), written
 
 
 def test_bad_config_exits_2_with_a_clear_message(tmp_path: Path) -> None:
