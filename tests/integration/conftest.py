@@ -35,10 +35,14 @@ from pools.launchers import InstanceSpec, LocalLauncher
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / ".gpupool" / "models" / "tiny"
-ENGINE_BASE_PORT = 8150
+ENGINE_BASE_PORT = int(os.environ.get("GPUPOOL_TEST_ENGINE_BASE_PORT", "8150"))
 ENGINE_COUNT = 3
 KV_CACHE_BYTES = 64 * 1024 * 1024
 MAX_MODEL_LEN = 4096
+# The engines require a key (as every launched engine does); tests give it through the
+# environment so routers started as subprocesses (`gpupool serve`) can name the same variable.
+ENGINE_KEY_ENV = "GPUPOOL_TEST_ENGINE_KEY"
+os.environ.setdefault(ENGINE_KEY_ENV, "test-engine-key-" + os.urandom(6).hex())
 
 T = TypeVar("T")
 
@@ -69,6 +73,7 @@ class EngineFleet:
                         "count": ENGINE_COUNT,
                         "base_port": ENGINE_BASE_PORT,
                         "kv_cache_bytes": KV_CACHE_BYTES,
+                        "api_key_env": ENGINE_KEY_ENV,
                         "run_dir": str(run_dir),
                         "restart_backoff_s": 1.0,
                         "stop_grace_s": 10.0,
@@ -149,7 +154,10 @@ def real_engines(engine_fleet: EngineFleet) -> list[InstanceSpec]:
 def write_router_config(path: Path, urls: list[str], **extra: Any) -> Path:
     config: dict[str, Any] = {
         "model": {"name": "tiny", "path": str(MODEL_DIR), "max_model_len_tokens": MAX_MODEL_LEN},
-        "engines": {"launcher": "static", "static": {"urls": urls}},
+        "engines": {
+            "launcher": "static",
+            "static": {"urls": urls, "api_key_env": ENGINE_KEY_ENV},
+        },
         "pools": {
             "agent": {"classes": ["agent"], "share": {"initial_frac": 0.34}},
             "normal": {"classes": ["normal"], "share": {"initial_frac": 0.66}},
