@@ -8,17 +8,20 @@ Prompt tokens come from one of two sources, fixed when the estimator is built:
   byte-level BPE, almost all of it in the pre-tokenizer regex), so counts are memoised twice:
   per space-separated chunk (a word and the punctuation glued to it; with the space in front,
   a chunk is always a pre-token boundary for byte-level and SentencePiece tokenizers, so
-  chunk counts add up to the text's count up to runs of spaces) and per whole piece of text of
+  chunk counts add up to the text's count up to runs of spaces; a piece's first chunk, with
+  no space in front, gets its own memoised correction) and per whole piece of text of
   `PIECE_CACHE_MIN_CHARS` or more (an agent resends its whole history every step). Only the
-  chunks not seen before are encoded, all at once.
+  chunks not seen before are encoded, all at once. With the dev tokenizer text counts are exact.
 - `heuristic`: UTF-8 bytes divided by a bytes-per-token ratio that starts at
   `HEURISTIC_BYTES_PER_TOKEN` and is corrected online.
 
 What the engine counts on top of the text (the chat template's header and end tokens around
 every message and tool call, the tool-list preamble, BOS) depends on the model's template, so
-it is learned too: the prompt estimate is `exact + θ·x`, with `x` = (content: tokens or bytes,
-1 for a chat request, messages, tool calls, 1 if the request has tools, text prompts of a
-completions request) and `exact` the token-id prompts, which are counted as given. `θ` is
+it is learned too: the prompt estimate is `exact + θ·x`, with `x` the `FEATURES` (message text
+and JSON text, in tokens or bytes: tool schemas and arguments tokenize denser than prose, so
+the heuristic gets a ratio for each; 1 for a chat request; messages; tool calls; 1 if the
+request has tools; text prompts of a completions request) and `exact` the token-id prompts,
+which are counted as given. `θ` is
 tracked by a small Kalman filter with random-walk coefficients (`_OnlineLinear`): its steady
 state is an EWMA of the residual, and while few requests have been seen it spreads the residual
 over the coefficients by how sure it is of each, so the error falls within a few requests
@@ -44,10 +47,12 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import accumulate, repeat
 from operator import mul
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvcache_model import blocks_for_tokens
 from pools.config import Config
@@ -55,6 +60,7 @@ from pools.config import Config
 __all__ = [
     "ASYNC_TEXT_CHARS",
     "DEFAULT_OUTPUT_TOKENS",
+    "FEATURES",
     "HEURISTIC_BYTES_PER_TOKEN",
     "MIN_P95_SAMPLES",
     "Estimate",
@@ -70,8 +76,8 @@ HEURISTIC_BYTES_PER_TOKEN = 4.0
 MIN_P95_SAMPLES = 20  # completion samples a class needs before its p95 replaces the default
 P95_RECOMPUTE_EVERY = 16  # observations between two p95 recomputations (a sorted copy)
 # Never-seen text above this is encoded in a worker thread by `estimate_async` (encoding costs
-# ~0.3 µs a character on the dev tokenizer, so this is about 1 ms; `encode` drops the GIL).
-ASYNC_TEXT_CHARS = 4 * 1024
+# 0.3-0.8 µs a character on the dev tokenizer here, so under 1 ms; `encode` drops the GIL).
+ASYNC_TEXT_CHARS = 1024
 DEFAULT_OUTPUT_TOKENS = 256  # a class missing from `expected_output_tokens` (the config default)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's and OpenAI's default on /v1/completions
 MAX_SEQUENCES = 256  # `n` beyond this is read as this (vLLM rejects such requests anyway)
@@ -82,8 +88,8 @@ CHUNK_MAX_CHARS = 64  # longer chunks (base64, minified JSON) are counted but no
 
 _MISS = 1 << 32  # a chunk-cache miss in a summed lookup: misses = total >> 32
 
-# Feature order of `Estimate.features` and the filter's coefficients.
-_CONTENT, _CHAT, _MESSAGES, _TOOL_CALLS, _TOOLS, _PROMPTS = range(6)
+# What `Estimate.features` holds, in order, and what `TokenEstimator.coefficients` weighs.
+FEATURES = ("text", "json", "chat_request", "message", "tool_call", "tools", "text_prompt")
 # Priors: a Llama-3-style template (BOS + the assistant header per request, a header, "\n\n"
 # and an end token per message, tags around a JSON object per tool call, a preamble for tools).
 _OVERHEAD_PRIOR = (5.0, 5.0, 8.0, 12.0)
@@ -142,7 +148,6 @@ class _OnlineLinear:
         self._noise_abs = noise_abs_sd**2
         self._noise_rel = noise_rel_sd**2
         self._bounds = list(bounds)
-        self.updates = 0
 
     def predict(self, x: Sequence[float]) -> float:
         return float(sum(map(mul, self.theta, x)))
@@ -173,7 +178,6 @@ class _OnlineLinear:
         for i in range(n):
             if p[i][i] < self._p_max[i]:
                 p[i][i] = min(p[i][i] + self._q[i], self._p_max[i])
-        self.updates += 1
 
 
 def _utf8_bytes(text: str) -> int:
@@ -197,6 +201,9 @@ class _TokenCounter:
         self.special_tokens = self._encode_len("", special=True)
         # A run of spaces splits into empty chunks; what one extra space costs.
         self._space_tokens = max(0.0, (self._encode_len("x     y") - self._encode_len("x y")) / 4)
+        # A piece's first chunk has no space before it: tokens alone minus tokens after a
+        # space. A leading space is not an extra one: it joins the first word.
+        self._first_delta: dict[str, float] = {"": -self._space_tokens}
 
     def _encode_len(self, text: str, special: bool = False) -> int:
         try:
@@ -204,61 +211,114 @@ class _TokenCounter:
         except Exception:  # lone surrogates and the like: the tokenizer refuses them
             return -(-_utf8_bytes(text) // 4)
 
-    def count(self, pieces: Sequence[str], max_new_chars: int | None = None) -> float | None:
-        """Tokens in `pieces`, each encoded on its own (no special tokens). With
+    def count(
+        self, groups: Sequence[Sequence[str]], max_new_chars: int | None = None
+    ) -> list[float] | None:
+        """Tokens in each group of text pieces, each piece as encoded on its own (no special
+        tokens), with one encoding of all never-seen chunks. Pieces under
+        `PIECE_CACHE_MIN_CHARS` are counted joined by spaces (the same chunks). With
         `max_new_chars`, None instead when more text than that has never been seen (the caller
         then counts in a worker thread): lookups are cheap, encoding is not."""
-        total = 0.0
-        pending: list[tuple[tuple[int, int] | None, float, list[str]]] = []
-        new: dict[str, int] = {}
-        chunk_counts = self._chunks
-        for piece in pieces:
-            key = None
-            if len(piece) >= PIECE_CACHE_MIN_CHARS:
-                key = (hash(piece), len(piece))
-                known = self._pieces.get(key)
-                if known is not None:
-                    total += known
+        totals = [0.0] * len(groups)
+        work: list[tuple[int, tuple[int, int] | None, str, list[str]]] = []
+        pieces_seen = self._pieces
+        for group, pieces in enumerate(groups):
+            small = []
+            for piece in pieces:
+                if len(piece) < PIECE_CACHE_MIN_CHARS:
+                    small.append(piece)
                     continue
-            chunks = piece.split(" ")
+                piece_key = (hash(piece), len(piece))
+                known = pieces_seen.get(piece_key)
+                if known is None:
+                    work.append((group, piece_key, piece, [piece.partition(" ")[0]]))
+                else:
+                    totals[group] += known
+            if small:
+                firsts = [piece.partition(" ")[0] for piece in small]
+                work.append((group, None, " ".join(small), firsts))
+        pending: list[tuple[int, tuple[int, int] | None, float, list[str], list[str]]] = []
+        new: dict[str, int] = {}
+        new_firsts: dict[str, None] = {}
+        chunk_counts = self._chunks
+        first_delta = self._first_delta
+        for group, key, text, firsts in work:
+            chunks = text.split(" ")
             misses, hits = divmod(sum(map(chunk_counts.get, chunks, repeat(_MISS))), _MISS)
             partial = hits + self._space_tokens * chunks.count("")
             missing = [c for c in chunks if c not in chunk_counts] if misses else []
             if missing:
                 new.update(dict.fromkeys(missing, 0))
-            if missing or key is not None:
-                pending.append((key, partial, missing))
+            first_missing = []
+            for first in firsts:
+                delta = first_delta.get(first)
+                if delta is None:
+                    first_missing.append(first)
+                else:
+                    partial += delta
+            new_firsts.update(dict.fromkeys(first_missing))
+            if missing or first_missing or key is not None:
+                pending.append((group, key, partial, missing, first_missing))
             else:
-                total += partial
-        if new:
-            if max_new_chars is not None and sum(map(len, new)) + len(new) > max_new_chars:
+                totals[group] += partial
+        if max_new_chars is not None and (new or new_firsts):
+            new_chars = sum(map(len, new)) + len(new) + sum(map(len, new_firsts))
+            if new_chars > max_new_chars:
                 return None
+        if new:
             new = self._encode_chunks(list(new))
-        for key, partial, missing in pending:
+        for group, key, partial, missing, first_missing in pending:
             if missing:
                 partial += sum(map(new.__getitem__, missing))
+            for first in first_missing:
+                partial += self._learn_first(first, new)
             if key is not None:
-                if len(self._pieces) >= PIECE_CACHE_ENTRIES:
+                if len(pieces_seen) >= PIECE_CACHE_ENTRIES:
                     # FIFO eviction; another thread may have evicted first
                     with contextlib.suppress(KeyError, RuntimeError, StopIteration):
-                        del self._pieces[next(iter(self._pieces))]
-                self._pieces[key] = partial
-            total += partial
-        return total
+                        del pieces_seen[next(iter(pieces_seen))]
+                pieces_seen[key] = partial
+            totals[group] += partial
+        return totals
+
+    def _learn_first(self, chunk: str, fresh: Mapping[str, int]) -> float:
+        """What a piece's first chunk costs alone minus what it costs after a space."""
+        known = self._first_delta.get(chunk)
+        if known is not None:
+            return known
+        spaced = self._chunks.get(chunk)
+        if spaced is None:
+            spaced = fresh.get(chunk)
+        if spaced is None:
+            spaced = self._encode_len(" " + chunk)
+        delta = float(self._encode_len(chunk) - spaced)
+        if len(chunk) <= CHUNK_MAX_CHARS:
+            if len(self._first_delta) >= CHUNK_CACHE_ENTRIES:
+                self._first_delta.clear()
+                self._first_delta[""] = -self._space_tokens
+            self._first_delta[chunk] = delta
+        return delta
 
     def _encode_chunks(self, chunks: list[str]) -> dict[str, int]:
-        """Counts of `chunks`, each as preceded by a space, from one encoding of them all."""
-        starts: list[int] = []
-        pos = 0
-        for chunk in chunks:
-            starts.append(pos)
-            pos += len(chunk) + 1
-        counts = [0] * len(chunks)
+        """Counts of `chunks`, each as preceded by a space, from one encoding of them all: a
+        token belongs to the chunk its first character is in."""
         try:
             encoding = self._tok.encode(" " + " ".join(chunks), add_special_tokens=False)
-            for start, _ in encoding.offsets:
-                counts[max(0, bisect.bisect_right(starts, start) - 1)] += 1
-        except Exception:
+            offsets = encoding.offsets
+            if len(offsets) < 256:  # a few new words: plain Python is quicker than numpy
+                ends = list(accumulate(len(c) + 1 for c in chunks))
+                counts = [0] * len(chunks)
+                last = len(chunks) - 1
+                for start, _ in offsets:
+                    counts[min(bisect.bisect_right(ends, start), last)] += 1
+            else:
+                ends_np = np.cumsum(np.fromiter(map(len, chunks), np.int64, len(chunks)) + 1)
+                starts = np.asarray(offsets, dtype=np.int64)[:, 0]
+                owners = np.minimum(np.searchsorted(ends_np, starts, side="right"), len(chunks) - 1)
+                counts = np.bincount(owners, minlength=len(chunks)).tolist()
+        except Exception:  # a chunk it refuses (a lone surrogate): one by one, if few
+            if len(chunks) > 256:
+                return {c: -(-_utf8_bytes(" " + c) // 4) for c in chunks}
             counts = [self._encode_len(" " + c) for c in chunks]
         if len(self._chunks) >= CHUNK_CACHE_ENTRIES:
             self._chunks.clear()
@@ -274,7 +334,8 @@ class _TokenCounter:
 class _Parsed:
     """What an estimate needs from a body, read once."""
 
-    pieces: list[str]
+    pieces: list[str]  # message text and prompts
+    json_pieces: list[str]  # tool-call names and arguments, the tools list as JSON
     chars: int
     exact_tokens: int
     chat: bool
@@ -305,7 +366,9 @@ def _dumps(value: Any) -> str:
         return ""
 
 
-def _read_chat(body: dict[str, Any], pieces: list[str]) -> tuple[int, int, bool]:
+def _read_chat(
+    body: dict[str, Any], pieces: list[str], json_pieces: list[str]
+) -> tuple[int, int, bool]:
     messages = body.get("messages")
     n_messages = n_calls = 0
     if isinstance(messages, list):
@@ -336,17 +399,17 @@ def _read_chat(body: dict[str, Any], pieces: list[str]) -> tuple[int, int, bool]
                         continue
                     name = function.get("name")
                     if isinstance(name, str) and name:
-                        pieces.append(name)
+                        json_pieces.append(name)
                     arguments = function.get("arguments")
                     if isinstance(arguments, str):
                         if arguments:
-                            pieces.append(arguments)
+                            json_pieces.append(arguments)
                     elif isinstance(arguments, dict | list):
-                        pieces.append(_dumps(arguments))
+                        json_pieces.append(_dumps(arguments))
     tools = body.get("tools")
     has_tools = isinstance(tools, list) and bool(tools)
     if has_tools:
-        pieces.append(_dumps(tools))
+        json_pieces.append(_dumps(tools))
     return n_messages, n_calls, has_tools
 
 
@@ -376,10 +439,11 @@ def _read(body: Any, chat: bool) -> _Parsed:
     if not isinstance(body, dict):
         body = {}
     pieces: list[str] = []
+    json_pieces: list[str] = []
     n_messages = n_calls = texts = ids = 0
     has_tools = False
     if chat:
-        n_messages, n_calls, has_tools = _read_chat(body, pieces)
+        n_messages, n_calls, has_tools = _read_chat(body, pieces, json_pieces)
         prompts = 1
         requested = _positive_int(body.get("max_completion_tokens")) or _positive_int(
             body.get("max_tokens")
@@ -392,7 +456,8 @@ def _read(body: Any, chat: bool) -> _Parsed:
     sequences = min(max(n, best_of), MAX_SEQUENCES) * max(prompts, 1)
     return _Parsed(
         pieces=pieces,
-        chars=sum(map(len, pieces)),
+        json_pieces=json_pieces,
+        chars=sum(map(len, pieces)) + sum(map(len, json_pieces)),
         exact_tokens=ids,
         chat=chat,
         messages=n_messages,
@@ -409,9 +474,10 @@ def _read(body: Any, chat: bool) -> _Parsed:
 class TokenEstimator:
     """Estimates requests before admission and learns from the usage vLLM returns.
 
-    One per router, built in `create_app`; `estimate()` is synchronous and costs microseconds
-    (a typical chat request ~20-60 µs warm), `estimate_async()` moves big uncounted bodies to
-    a worker thread. Not for concurrent use from several event loops.
+    One per router, built in `create_app`. `estimate()` is synchronous: tens of µs for a chat
+    request whose words were seen before, about 1 µs a token of never-seen text (the
+    tokenizer's own speed here); `estimate_async()` hands more than `ASYNC_TEXT_CHARS` of
+    never-seen text to a worker thread. `observe()` and the estimates belong to one event loop.
     """
 
     def __init__(
@@ -443,12 +509,12 @@ class TokenEstimator:
             prompts_prior = 1.0  # BOS, on most models
             noise_abs, noise_rel = 2.0, 0.1
         self._model = _OnlineLinear(
-            prior=(content_prior, *_OVERHEAD_PRIOR, prompts_prior),
-            prior_sd=(content_sd, *_OVERHEAD_PRIOR_SD, 5.0),
-            drift_sd=(content_drift, *([_OVERHEAD_DRIFT_SD] * 5)),
+            prior=(content_prior, content_prior, *_OVERHEAD_PRIOR, prompts_prior),
+            prior_sd=(content_sd, content_sd, *_OVERHEAD_PRIOR_SD, 5.0),
+            drift_sd=(content_drift, content_drift, *([_OVERHEAD_DRIFT_SD] * 5)),
             noise_abs_sd=noise_abs,
             noise_rel_sd=noise_rel,
-            bounds=(content_bounds, *([(-1e4, 1e4)] * 5)),
+            bounds=(content_bounds, content_bounds, *([(-1e4, 1e4)] * 5)),
         )
 
     @classmethod
@@ -463,19 +529,18 @@ class TokenEstimator:
 
     @property
     def source(self) -> str:
-        """ "tokenizer" or "heuristic"."""
+        """Where prompt counts come from: "tokenizer" or "heuristic"."""
         return "tokenizer" if self._counter is not None else "heuristic"
 
     @property
-    def coefficients(self) -> tuple[float, ...]:
-        """The learned θ: (per content token or byte, per chat request, per message, per tool
-        call, per request with tools, per text prompt)."""
-        return tuple(self._model.theta)
+    def coefficients(self) -> dict[str, float]:
+        """The learned θ: tokens per unit of each of `FEATURES` (per token or byte of content)."""
+        return dict(zip(FEATURES, self._model.theta, strict=True))
 
     def estimate(self, body: dict[str, Any], *, chat: bool, class_name: str) -> Estimate:
         """Estimate a /v1/chat/completions (`chat`) or /v1/completions body. Never raises."""
         parsed = _read(body, chat)
-        return self._finish(parsed, self._content(parsed.pieces), class_name)
+        return self._finish(parsed, self._content(parsed), class_name)
 
     async def estimate_async(
         self, body: dict[str, Any], *, chat: bool, class_name: str
@@ -485,11 +550,11 @@ class TokenEstimator:
         parsed = _read(body, chat)
         counter = self._counter
         if counter is None or parsed.chars <= ASYNC_TEXT_CHARS:
-            return self._finish(parsed, self._content(parsed.pieces), class_name)
-        content = counter.count(parsed.pieces, ASYNC_TEXT_CHARS)
-        if content is None:
-            content = await asyncio.to_thread(self._content, parsed.pieces)
-        return self._finish(parsed, content, class_name)
+            return self._finish(parsed, self._content(parsed), class_name)
+        counts = counter.count((parsed.pieces, parsed.json_pieces), ASYNC_TEXT_CHARS)
+        if counts is None:
+            return self._finish(parsed, await asyncio.to_thread(self._content, parsed), class_name)
+        return self._finish(parsed, (counts[0], counts[1]), class_name)
 
     def observe(
         self,
@@ -517,18 +582,23 @@ class TokenEstimator:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _content(self, pieces: list[str]) -> float:
+    def _content(self, parsed: _Parsed) -> tuple[float, float]:
+        """(text, JSON) in tokens, or in UTF-8 bytes without a tokenizer."""
         if self._counter is not None:
-            return self._counter.count(pieces) or 0.0
-        return float(sum(map(_utf8_bytes, pieces)))
+            counts = self._counter.count((parsed.pieces, parsed.json_pieces)) or [0.0, 0.0]
+            return counts[0], counts[1]
+        return (
+            float(sum(map(_utf8_bytes, parsed.pieces))),
+            float(sum(map(_utf8_bytes, parsed.json_pieces))),
+        )
 
-    def _finish(self, parsed: _Parsed, content: float, class_name: str) -> Estimate:
+    def _finish(self, parsed: _Parsed, content: tuple[float, float], class_name: str) -> Estimate:
         text_prompts = parsed.text_prompts
         exact = parsed.exact_tokens
         if self._counter is not None:
             exact += text_prompts * self._counter.special_tokens
         features = (
-            content,
+            *content,
             1.0 if parsed.chat else 0.0,
             float(parsed.messages),
             float(parsed.tool_calls),
