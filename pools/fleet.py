@@ -251,6 +251,7 @@ class Fleet:
             hit = (after.prefix_cache_hits_total - before.prefix_cache_hits_total) / queries
             old_hit = state.prefix_hit_frac
             state.prefix_hit_frac = hit if old_hit is None else old_hit + 0.3 * (hit - old_hit)
+        state.op.observe_queue(after.running, after.waiting)
         tokens = after.itl_count - before.itl_count
         if tokens > 0:
             itl_s = (after.itl_sum_s - before.itl_sum_s) / tokens

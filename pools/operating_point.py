@@ -13,6 +13,13 @@ weighted least-squares line over those buckets. Until two distinct batch sizes h
 the line is the prior's (when there is one), else the limit stays at the seed, lowered to one
 below the only batch size seen if that one already missed the target. The limit is clamped to
 [1, max_num_seqs]. Pure: no clock, no I/O.
+
+The engine's own ceiling is learned too, because the router may not know the engine's flags
+(static engines) and its KV may bind first: the most sequences seen running while the engine
+also had requests waiting is where it stops taking more (`saturation`). The limit is then at
+most one above it, so at most one request waits inside the engine, in the engine's FIFO order,
+and the rest wait in the router's queue, in the router's order. Seeing more running than that
+(with none waiting) forgets the ceiling until the engine saturates again.
 """
 
 from __future__ import annotations
@@ -60,6 +67,14 @@ class OperatingPoint:
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
     _line: TpotLine | None = None
     samples: int = 0
+    saturation: int | None = None  # most running seen while the engine had requests waiting
+
+    def observe_queue(self, running: int, waiting: int) -> None:
+        """One scrape's running and waiting counts."""
+        if waiting > 0 and running > 0:
+            self.saturation = max(self.saturation or 0, running)
+        elif self.saturation is not None and running > self.saturation + 1:
+            self.saturation = None  # it took more than it used to: the ceiling moved
 
     def observe(self, running_mean: float, itl_s: float, tokens: float) -> None:
         """One scrape interval: mean ITL `itl_s` over `tokens` decode steps at a mean of
@@ -110,10 +125,13 @@ class OperatingPoint:
     def limit(self, target_s: float) -> int:
         line = self.line
         if line is not None:
-            return line.max_running(target_s, self.max_num_seqs)
-        limit = self.seed_limit if self.seed_limit is not None else self.max_num_seqs
-        if len(self._buckets) == 1:
-            ((n, bucket),) = self._buckets.items()
-            if bucket.tpot_s > target_s:
-                limit = min(limit, max(1, n - 1))
+            limit = line.max_running(target_s, self.max_num_seqs)
+        else:
+            limit = self.seed_limit if self.seed_limit is not None else self.max_num_seqs
+            if len(self._buckets) == 1:
+                ((n, bucket),) = self._buckets.items()
+                if bucket.tpot_s > target_s:
+                    limit = min(limit, max(1, n - 1))
+        if self.saturation is not None:
+            limit = min(limit, self.saturation + 1)
         return max(1, min(limit, self.max_num_seqs))

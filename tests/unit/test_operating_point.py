@@ -38,3 +38,17 @@ def test_prior_until_measured_and_tiny_samples_ignored() -> None:
     op.observe(4, 1.0, 2)  # two tokens: noise, ignored
     op.observe(0.2, 1.0, 100)  # nothing running: ignored
     assert op.samples == 0 and op.limit(0.05) == 40
+
+
+def test_the_engines_own_ceiling_is_learned_from_waiting_requests() -> None:
+    op = OperatingPoint(max_num_seqs=256)
+    assert op.limit(0.1) == 256
+    op.observe_queue(running=3, waiting=0)
+    assert op.limit(0.1) == 256  # nothing waiting: no ceiling seen
+    op.observe_queue(running=2, waiting=1)  # a momentary reading
+    op.observe_queue(running=4, waiting=5)  # the engine's --max-num-seqs 4
+    assert op.saturation == 4 and op.limit(0.1) == 5  # one may wait inside the engine
+    op.observe_queue(running=5, waiting=0)
+    assert op.limit(0.1) == 5  # within the one allowed above
+    op.observe_queue(running=7, waiting=0)  # it takes more now (shorter sequences, say)
+    assert op.saturation is None and op.limit(0.1) == 256
