@@ -69,7 +69,9 @@ def test_smoke_scenario_writes_a_comparison_report(
             assert summary["output_tokens_mean"] == 24, (name, cls)  # exact output lengths
             for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
                 assert {"p50", "p90", "p95", "p99"} <= set(summary[metric]), (name, metric)
-                assert 0 < summary[metric]["p50"] <= summary[metric]["p99"], (name, metric)
+                assert 0 <= summary[metric]["p50"] <= summary[metric]["p99"], (name, metric)
+            # (an ITL can be 0: several tokens may arrive in one chunk)
+            assert summary["ttft_ms"]["p50"] > 0 and summary["e2e_ms"]["p50"] > 0, name
         runs = target["runs"]["agent"]
         assert runs["runs"] > 0 and runs["completed"] == runs["runs"], (name, runs)
     assert engine["runs"]["agent"]["gpu_seconds"] is None  # a bare engine has no /v1/runs
