@@ -844,7 +844,9 @@ def contract_problems(config: Config) -> list[str]:
     - for every class: its pool's max queue wait + expected execution (TTFT target plus the
       expected output tokens at the TPOT target) fits the class timeout;
     - each pool can hold at least one instance's worth of capacity (ceiling >= 1/instances)
-      when there is more than one instance.
+      when there is more than one instance;
+    - no tenant sets a limit that is not enforced yet (`tokens_per_minute`,
+      `max_concurrent_runs`).
     """
     problems: list[str] = []
     eps = 1e-6
@@ -878,6 +880,13 @@ def contract_problems(config: Config) -> list[str]:
                 problems.append(
                     f"pools.{pool.name}.share.ceiling_frac: {pool.share.ceiling_frac:g} of {n}"
                     f" instances is less than one instance ({1 / n:.3f})"
+                )
+    for tenant in config.tenants:
+        for name in ("tokens_per_minute", "max_concurrent_runs"):
+            if getattr(tenant, name) is not None:
+                problems.append(
+                    f"tenants.{tenant.name}.{name}: not enforced yet (tenant token budgets and"
+                    " run limits are a later issue); remove it rather than rely on it"
                 )
     affinity = config.engines.local.cpu_affinity
     if config.engines.launcher == "local" and affinity is not None and len(affinity) != n:

@@ -147,6 +147,7 @@ async def run_stack(config: Config, *, launch: bool) -> int:
                 lifespan="on",
                 http="httptools",
                 timeout_graceful_shutdown=10,
+                limit_concurrency=rc.max_connections,
             )
         )
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))

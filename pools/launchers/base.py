@@ -10,7 +10,7 @@ started. `local` starts vLLM processes here, `static` adopts engines that run el
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 __all__ = ["InstanceSpec", "Launcher", "LauncherError", "ProgressFn"]
@@ -29,7 +29,8 @@ class InstanceSpec:
     instance_id: str  # stable name, e.g. "engine-0"; used as a metric label
     url: str  # base URL without trailing slash, e.g. "http://127.0.0.1:8100"
     gpus: int  # GPUs the engine holds (a CPU engine counts as configured, default 1)
-    api_key: str | None = None  # the engine's own API key (vLLM --api-key); the router sends it
+    # the engine's own API key (VLLM_API_KEY); the router sends it; never printed
+    api_key: str | None = field(default=None, repr=False)
 
 
 class Launcher(Protocol):

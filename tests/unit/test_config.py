@@ -126,3 +126,14 @@ def test_check_config_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["check-config", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read the file" in capsys.readouterr().err
     assert load_config(None).source == "<built-in default>"
+
+
+def test_limits_not_enforced_yet_are_refused_by_the_contract_check() -> None:
+    data = {
+        **DEFAULT_CPU_CONFIG,
+        "tenants": [{"name": "a", "api_key_env": "HOME", "tokens_per_minute": 1000}],
+    }
+    problems = contract_problems(parse_config(data))
+    assert any(p.startswith("tenants.a.tokens_per_minute: not enforced yet") for p in problems)
+    data["tenants"] = [{"name": "a", "api_key_env": "HOME"}]
+    assert not any("not enforced" in p for p in contract_problems(parse_config(data)))
