@@ -42,6 +42,7 @@ __all__ = [
     "contract_problems",
     "default_config",
     "load_config",
+    "not_yet_in_effect",
 ]
 
 
@@ -835,6 +836,23 @@ def default_config() -> Config:
 # ---------------------------------------------------------------------------------------------
 # Contract consistency (gpupool check-config)
 # ---------------------------------------------------------------------------------------------
+
+
+def not_yet_in_effect(config: Config) -> list[str]:
+    """Settings that are validated but do not steer anything yet (printed by check-config).
+
+    The pool ratio stays at `initial_frac` until the rebalancer exists: `floor_frac` and
+    `ceiling_frac` are checked for consistency only, and nothing reads `router.state_path`.
+    """
+    notes = []
+    bounded = [p.name for p in config.pools if p.share.floor_frac > 0 or p.share.ceiling_frac < 1]
+    if bounded:
+        notes.append(
+            f"pools {', '.join(bounded)}: share.floor_frac / share.ceiling_frac are checked for"
+            " consistency but not used yet: the ratio stays at initial_frac (no rebalancer yet)"
+        )
+    notes.append("router.state_path: not used yet (it will hold the rebalancer's SRE settings)")
+    return notes
 
 
 def contract_problems(config: Config) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from pools.config import not_yet_in_effect
 from router.commands._config import load_checked_or_report
 
 
@@ -30,4 +31,6 @@ def run(args: argparse.Namespace) -> int:
         f"{config.source}: ok; {config.engines.instance_count} instances "
         f"({config.engines.launcher}); pools: {pools}"
     )
+    for note in not_yet_in_effect(config):
+        print(f"  note: {note}")
     return 0
