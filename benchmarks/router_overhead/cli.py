@@ -42,6 +42,7 @@ log = logging.getLogger("benchmarks.router_overhead")
 ALL_TARGETS = (
     "direct",
     "gpupool",
+    "gpupool-admission-off",
     "vllm-router",
     "production-stack",
     "litellm",

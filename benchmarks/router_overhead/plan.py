@@ -13,6 +13,7 @@ PORTS: dict[str, int] = {
     "engine": 8510,
     "gpupool": 8520,
     "gpupool-real": 8521,
+    "gpupool-admission-off": 8522,
     "vllm-router": 8530,
     "vllm-router-metrics": 8531,
     "vllm-router-real": 8532,

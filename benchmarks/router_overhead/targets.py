@@ -70,7 +70,7 @@ class TargetSpec:
         return None
 
 
-def gpupool_config(engine_url: str, state_dir: Path) -> dict[str, object]:
+def gpupool_config(engine_url: str, state_dir: Path, admission: str = "on") -> dict[str, object]:
     """One static engine shared by both pools (the single-GPU split)."""
     return {
         "model": {"name": MODEL, "path": "./.gpupool/models/tiny"},
@@ -82,6 +82,7 @@ def gpupool_config(engine_url: str, state_dir: Path) -> dict[str, object]:
         "router": {
             "ledger_path": str(state_dir / "ledger.sqlite"),
             "state_path": str(state_dir / "state.json"),
+            "admission": admission,
         },
     }
 
@@ -104,13 +105,18 @@ def _litellm_config(engine_url: str) -> str:
 
 
 def gpupool_target(
-    name: str, port: int, engine_url: str, paths: PeerPaths, workdir: Path
+    name: str,
+    port: int,
+    engine_url: str,
+    paths: PeerPaths,
+    workdir: Path,
+    admission: str = "on",
 ) -> TargetSpec:
-    """`gpupool serve` over one static engine."""
+    """`gpupool serve` over one static engine (admission on, or off for comparison)."""
     state = workdir / f"{name}-state"
     state.mkdir(parents=True, exist_ok=True)
     cfg = workdir / f"{name}.json"
-    cfg.write_text(json.dumps(gpupool_config(engine_url, state)))
+    cfg.write_text(json.dumps(gpupool_config(engine_url, state, admission)))
     exe = paths.gpupool_venv / "bin" / "gpupool"
     return TargetSpec(
         name=name,
@@ -120,7 +126,8 @@ def gpupool_target(
         cwd=paths.repo,
         needs=(exe,),
         install_hint="pip install -e . into .venv",
-        note="gpupool serve, one static engine split between the agent and normal pools",
+        note="gpupool serve, one static engine split between the agent and normal pools"
+        f", admission {admission}",
     )
 
 
@@ -169,6 +176,14 @@ def make_targets(
             name="direct", port=engine_port, argv=None, note="the fake engine itself (the limit)"
         ),
         gpupool_target("gpupool", ports["gpupool"], engine_url, paths, workdir),
+        gpupool_target(
+            "gpupool-admission-off",
+            ports["gpupool-admission-off"],
+            engine_url,
+            paths,
+            workdir,
+            admission="off",
+        ),
         vllm_router_target(
             "vllm-router", ports["vllm-router"], ports["vllm-router-metrics"], engine_url, paths
         ),
