@@ -1,0 +1,317 @@
+"""agent-flood on 3 CPU engines with admission on vs off, side by side on the same engines.
+
+Three real CPU vLLM engines (the local launcher's flags, 64 MiB KV each) are started once.
+Two `gpupool serve` routers front them with gpupool's default pools (agent pool on one engine,
+normal pool on two): one with `router.admission: on`, one with `off`. The committed
+`agent-flood.yaml` workload (optionally scaled with `--rate-scale`) runs against each in turn,
+for `--rounds` rounds in alternating order. Around each run the engines' own `/metrics` are
+scraped (preemptions, prefix-cache hits) and sampled every 0.5 s (KV usage, running, waiting),
+and the router's rejections by reason are read from its `/metrics`.
+
+The issue's targets: with admission, the agent engine never preempts, chat SLO attainment
+stays >= 99 %, and 429s appear only where the queue limits say so.
+
+    python -m benchmarks.agent_flood_admission --out benchmarks/results/agent-flood-admission-DATE
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import yaml
+
+from pools.config import parse_config
+from pools.launchers import InstanceSpec, LocalLauncher
+
+SCENARIO = "benchmarks/scenarios/agent-flood.yaml"
+KEY_ENV = "GPUPOOL_BENCH_ENGINE_KEY"
+ENGINE_BASE_PORT = 8401
+ROUTER_PORTS = {"admission-on": 8410, "admission-off": 8411}
+BASELINE_CONFIG = Path("benchmarks/results/agent-flood-2026-11-29/gpupool-pools.yaml")
+
+T = TypeVar("T")
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name:
+            total += float(value)
+    return total
+
+
+def _labelled(text: str, name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and "{" in head:
+            out[head[head.index("{") :]] = float(value)
+    return out
+
+
+def _router_config(mode: str, urls: list[str], state: Path) -> dict[str, Any]:
+    base: dict[str, Any] = yaml.safe_load(BASELINE_CONFIG.read_text())
+    base["engines"] = {"launcher": "static", "static": {"urls": urls, "api_key_env": KEY_ENV}}
+    base["router"] = {
+        "ledger_path": str(state / f"ledger-{mode}.sqlite"),
+        "state_path": str(state / f"state-{mode}.json"),
+        "admission": "on" if mode == "admission-on" else "off",
+    }
+    return base
+
+
+class Sampler:
+    """Samples each engine's KV usage, running and waiting every 0.5 s (a thread)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.peak: dict[str, dict[str, float]] = {u: {} for u in urls}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=2) as client:
+            while not self._stop.wait(0.5):
+                for url in self.urls:
+                    try:
+                        text = client.get(f"{url}/metrics").text
+                    except httpx.HTTPError:
+                        continue
+                    peak = self.peak[url]
+                    for key, name in (
+                        ("kv", "vllm:kv_cache_usage_perc"),
+                        ("running", "vllm:num_requests_running"),
+                        ("waiting", "vllm:num_requests_waiting"),
+                    ):
+                        peak[key] = max(peak.get(key, 0.0), _metric(text, name))
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Loop:
+    """An event loop in a thread, for the launcher (its supervisor runs there)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 900) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+def _engine_counters(urls: list[str]) -> dict[str, dict[str, float]]:
+    out = {}
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        out[url] = {
+            "preemptions": _metric(text, "vllm:num_preemptions_total"),
+            "prefix_hits": _metric(text, "vllm:prefix_cache_hits_total"),
+            "prefix_queries": _metric(text, "vllm:prefix_cache_queries_total"),
+        }
+    return out
+
+
+def _run_one(
+    mode: str, url: str, engines: list[str], agent_engine: str, out: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    before = _engine_counters(engines)
+    router_before = httpx.get(f"{url}/metrics", timeout=5).text
+    with Sampler(engines) as sampler:
+        harness = [sys.executable, "-m", "benchmarks", "--scenario", SCENARIO]
+        harness += ["--target", url, "--target-name", mode, "--rate-scale", str(args.rate_scale)]
+        subprocess.run([*harness, "--no-progress", "--out", str(out)], check=True)
+    after = _engine_counters(engines)
+    router_after = httpx.get(f"{url}/metrics", timeout=5).text
+    report = json.loads((out / "report.json").read_text())
+    target = report["targets"][0]
+    normal, agent = target["classes"]["normal"], target["classes"]["agent"]
+    rejections = {
+        k: v - _labelled(router_before, "gpupool_rejections_total").get(k, 0.0)
+        for k, v in _labelled(router_after, "gpupool_rejections_total").items()
+    }
+    per_engine = {}
+    for engine in engines:
+        b, a = before[engine], after[engine]
+        queries = a["prefix_queries"] - b["prefix_queries"]
+        per_engine[engine] = {
+            "role": "agent" if engine == agent_engine else "normal",
+            "preemptions": a["preemptions"] - b["preemptions"],
+            "prefix_hit_frac": (a["prefix_hits"] - b["prefix_hits"]) / queries if queries else None,
+            **{f"peak_{k}": v for k, v in sampler.peak[engine].items()},
+        }
+    return {
+        "mode": mode,
+        "chat": {
+            "requests": normal["requests"],
+            "ok": normal["ok"],
+            "rejected_429": normal["rejected_429"],
+            "slo_attainment": normal["slo_attainment_frac"],
+            "ttft_ms": {k: normal["ttft_ms"][k] for k in ("p50", "p95", "p99")},
+            "tpot_ms": {k: normal["tpot_ms"][k] for k in ("p50", "p95", "p99")},
+        },
+        "agent_steps": {
+            "requests": agent["requests"],
+            "ok": agent["ok"],
+            "rejected_429": agent["rejected_429"],
+            "slo_attainment": agent["slo_attainment_frac"],
+            "ttft_ms": {k: agent["ttft_ms"][k] for k in ("p50", "p95", "p99")},
+            "output_tokens_per_s": agent["output_tokens_per_s"],
+        },
+        "agent_runs": {
+            "runs": target["runs"]["agent"]["runs"],
+            "outcomes": target["runs"]["agent"]["outcomes"],
+            "completion_s": {k: target["runs"]["agent"]["completion_s"][k] for k in ("p50", "p95")},
+        },
+        "rejections_by_reason": rejections,
+        "engines": per_engine,
+        "load_avg_1m": target.get("load_avg_1m"),
+    }
+
+
+def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        "# agent-flood on 3 CPU engines: admission on vs off",
+        "",
+        f"Command: `python -m benchmarks.agent_flood_admission {' '.join(sys.argv[1:])}`",
+        "",
+        f"Workload `{SCENARIO}` at rate scale {args.rate_scale:g}; the same three engines for"
+        " both routers (agent pool on one engine, normal pool on two); runs alternate.",
+        "",
+        "| run | mode | chat SLO | chat TTFT p50/p95/p99 ms | chat 429 | agent steps ok/sent"
+        " | agent 429 | agent step TTFT p95 ms | agent out tok/s | run p50 s | agent-engine"
+        " preemptions | all preemptions | agent-engine KV peak | 429 reasons |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for i, r in enumerate(results, 1):
+        chat, agent = r["chat"], r["agent_steps"]
+        agent_engine = next(e for e in r["engines"].values() if e["role"] == "agent")
+        lines.append(
+            f"| {i} | {r['mode']} | {chat['slo_attainment']:.1%} | "
+            f"{chat['ttft_ms']['p50']:.0f} / {chat['ttft_ms']['p95']:.0f} / "
+            f"{chat['ttft_ms']['p99']:.0f} | {chat['rejected_429']} | "
+            f"{agent['ok']}/{agent['requests']} | {agent['rejected_429']} | "
+            f"{agent['ttft_ms']['p95']:.0f} | {agent['output_tokens_per_s']:.0f} | "
+            f"{r['agent_runs']['completion_s']['p50']:.1f} | {agent_engine['preemptions']:.0f} | "
+            f"{sum(e['preemptions'] for e in r['engines'].values()):.0f} | "
+            f"{agent_engine.get('peak_kv', 0):.0%} | {r['rejections_by_reason'] or '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _main(args: argparse.Namespace) -> int:
+    os.environ.setdefault(KEY_ENV, "bench-" + os.urandom(8).hex())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = Path(".gpupool/bench-admission")
+    state.mkdir(parents=True, exist_ok=True)
+    config = parse_config(
+        {
+            "model": {"name": "tiny", "path": ".gpupool/models/tiny", "max_model_len_tokens": 4096},
+            "engines": {
+                "launcher": "local",
+                "local": {
+                    "count": 3,
+                    "base_port": ENGINE_BASE_PORT,
+                    "kv_cache_bytes": 64 * 1024 * 1024,
+                    "api_key_env": KEY_ENV,
+                    "run_dir": str(state / "run"),
+                    "vllm_args": ["--max-num-seqs", "64"],
+                },
+            },
+            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
+        }
+    )
+    launcher = LocalLauncher(
+        config.engines.local, config.model, progress=lambda m: print(f"[engines] {m}"), gpu_count=0
+    )
+    loop = Loop()
+    specs: list[InstanceSpec] = loop.run(launcher.start())
+    engines = [s.url for s in specs]
+    routers: dict[str, subprocess.Popen[bytes]] = {}
+    results = []
+    try:
+        for mode, port in ROUTER_PORTS.items():
+            path = out / f"router-{mode}.yaml"
+            path.write_text(yaml.safe_dump(_router_config(mode, engines, state)))
+            log = (out / f"router-{mode}.log").open("wb")
+            gpupool = str(Path(sys.executable).parent / "gpupool")
+            routers[mode] = subprocess.Popen(
+                [gpupool, "serve", "--config", str(path), "--port", str(port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        for port in ROUTER_PORTS.values():
+            _wait_ready(f"http://127.0.0.1:{port}")
+        view = httpx.get(f"http://127.0.0.1:{ROUTER_PORTS['admission-on']}/admin/pools").json()
+        (agent_id,) = view["pools"]["agent"]["instances"]
+        agent_engine = view["instances"][agent_id]["url"]
+        order = list(ROUTER_PORTS)
+        for round_ in range(args.rounds):
+            for mode in order if round_ % 2 == 0 else list(reversed(order)):
+                print(f"round {round_ + 1}: {mode}", flush=True)
+                url = f"http://127.0.0.1:{ROUTER_PORTS[mode]}"
+                result = _run_one(
+                    mode, url, engines, agent_engine, out / f"r{round_ + 1}-{mode}", args
+                )
+                result["round"] = round_ + 1
+                results.append(result)
+                print(json.dumps(result), flush=True)
+                time.sleep(args.pause_s)
+    finally:
+        for proc in routers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+        loop.run(launcher.aclose())
+        loop.close()
+    (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "summary.md").write_text(_markdown(results, args))
+    print((out / "summary.md").read_text())
+    return 0
+
+
+def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"router {url} not ready after {timeout_s:g} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rate-scale", type=float, default=1.0)
+    parser.add_argument("--pause-s", type=float, default=10.0)
+    return _main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
