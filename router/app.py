@@ -9,6 +9,7 @@ gateway.aclose()` stops them; the ASGI lifespan calls both, and tests may call t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import random
@@ -315,6 +316,7 @@ class Gateway:
 
     def _refresh_gauges(self) -> None:
         m = self.metrics
+        m.asyncio_tasks.set(len(asyncio.all_tasks()))
         allocation = self.pool_map.current
         capacity = self.fleet.capacity_gpus()
         for pool in self.config.pools:

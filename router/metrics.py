@@ -156,6 +156,12 @@ class RouterMetrics:
             buckets=_ERROR_BUCKETS,
             registry=r,
         )
+        self.asyncio_tasks = Gauge(
+            "gpupool_asyncio_tasks",
+            "asyncio tasks alive in the router's event loop when /metrics was read (a leak"
+            " shows as growth under steady load)",
+            registry=r,
+        )
         self._children: dict[tuple[str, ...], object] = {}
         self._preemptions_exported: dict[str, float] = {}
 

@@ -405,9 +405,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=16, help="default when a request has none"
     )
+    parser.add_argument(
+        "--num-gpu-blocks", type=int, default=1024, help="KV blocks the engine reports"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     args = parser.parse_args(argv)
     state = FakeEngineState(
         model=args.model,
+        num_gpu_blocks=args.num_gpu_blocks,
+        block_size=args.block_size,
         ttft_s=args.ttft_ms / 1e3,
         itl_s=args.itl_ms / 1e3,
         default_max_tokens=args.max_tokens,
