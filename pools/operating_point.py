@@ -9,7 +9,12 @@ mean running count at its two ends, so every scrape with decode activity is a sa
 streaming and non-streaming requests alike, without touching the request path.
 
 Samples are kept per batch size (rounded) as an exponentially weighted mean; the fit is a
-weighted least-squares line over those buckets. Until two distinct batch sizes have been seen
+weighted least-squares line over those buckets. One sample may move its bucket toward at most
+twice what the bucket (or the line, for a new batch size) expected, so one stall of the machine
+cannot collapse the limit; a lasting slowdown still gets through in a few samples. The limit is
+never below the largest batch size whose own bucket meets the target (measured to work, and
+re-measured whenever it runs, so a real slowdown there takes it away). Until two distinct
+batch sizes have been seen
 the line is the prior's (when there is one), else the limit stays at the seed, lowered to one
 below the only batch size seen if that one already missed the target. The limit is clamped to
 [1, max_num_seqs]. Pure: no clock, no I/O.
@@ -31,6 +36,7 @@ __all__ = ["OperatingPoint", "TpotLine"]
 
 _EWMA_ALPHA = 0.3  # weight of a new sample in its batch-size bucket
 _MIN_TOKENS_PER_SAMPLE = 8  # a scrape interval with fewer decode steps is noise
+_OUTLIER_FACTOR = 2.0  # one sample moves its bucket toward at most 2x what it expected
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +90,11 @@ class OperatingPoint:
         n = max(1, round(running_mean))
         bucket = self._buckets.get(n)
         if bucket is None:
+            if self._line is not None:
+                itl_s = min(itl_s, _OUTLIER_FACTOR * max(self._line.tpot_s(n), 1e-6))
             self._buckets[n] = _Bucket(itl_s, 1.0)
         else:
+            itl_s = min(itl_s, _OUTLIER_FACTOR * bucket.tpot_s)
             bucket.tpot_s += _EWMA_ALPHA * (itl_s - bucket.tpot_s)
             bucket.weight = min(bucket.weight + 1.0, 20.0)
         self.samples += 1
@@ -126,6 +135,9 @@ class OperatingPoint:
         line = self.line
         if line is not None:
             limit = line.max_running(target_s, self.max_num_seqs)
+            proven = [n for n, b in self._buckets.items() if b.tpot_s <= target_s]
+            if proven:
+                limit = max(limit, max(proven))
         else:
             limit = self.seed_limit if self.seed_limit is not None else self.max_num_seqs
             if len(self._buckets) == 1:

@@ -52,3 +52,19 @@ def test_the_engines_own_ceiling_is_learned_from_waiting_requests() -> None:
     assert op.limit(0.1) == 5  # within the one allowed above
     op.observe_queue(running=7, waiting=0)  # it takes more now (shorter sequences, say)
     assert op.saturation is None and op.limit(0.1) == 256
+
+
+def test_one_stall_does_not_collapse_the_limit_but_a_lasting_slowdown_lowers_it() -> None:
+    rng = random.Random(5)
+    op = OperatingPoint(max_num_seqs=64)
+    for _ in range(200):
+        n = rng.randint(1, 20)
+        op.observe(n, 0.01 + 0.002 * n, 50)  # 0.01 + 0.002 n <= 0.05  ->  n <= 20
+    before = op.limit(0.05)
+    assert before >= 19
+    op.observe(19, 0.5, 50)  # the machine stalled for one scrape interval: 10x
+    assert op.limit(0.05) >= before - 2
+    for _ in range(200):  # the engine really is 3x slower now
+        n = rng.randint(1, 20)
+        op.observe(n, 3 * (0.01 + 0.002 * n), 50)
+    assert op.limit(0.05) <= 5  # 0.03 + 0.006 n <= 0.05  ->  n <= 3
