@@ -975,9 +975,10 @@ async def amain(args: argparse.Namespace) -> int:
             local = cfg.engines.local
             if args.kv_cache_bytes:
                 local = dataclasses.replace(local, kv_cache_bytes=args.kv_cache_bytes)
-                cfg = dataclasses.replace(
-                    cfg, engines=dataclasses.replace(cfg.engines, local=local)
-                )
+            if args.engine_args:
+                extra = tuple(args.engine_args.split())
+                local = dataclasses.replace(local, vllm_args=(*local.vllm_args, *extra))
+            cfg = dataclasses.replace(cfg, engines=dataclasses.replace(cfg.engines, local=local))
             launcher = LocalLauncher(local, cfg.model, progress=lambda m: log.info("%s", m))
             specs = await launcher.start()
             engines[key] = (cfg, launcher, specs[0].url, specs[0].api_key)
@@ -1089,6 +1090,7 @@ def _write(
             "kv_cache_bytes": kv_bytes,
             "num_gpu_blocks": info.get("cache_config_info.num_gpu_blocks"),
             "block_size": info.get("cache_config_info.block_size"),
+            "extra_vllm_args": args.engine_args,
         },
         "scenario": {
             "source": scenario.source,
@@ -1123,6 +1125,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=None, help="override the arrival window")
     p.add_argument(
         "--kv-cache-bytes", type=int, default=None, help="override the engines' KV cache size"
+    )
+    p.add_argument(
+        "--engine-args",
+        default="",
+        help="extra vLLM arguments for every engine, e.g. '--max-num-batched-tokens 512'",
     )
     p.add_argument("--pause-s", type=float, default=3.0, help="pause after each run")
     p.add_argument(
