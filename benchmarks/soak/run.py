@@ -7,8 +7,8 @@ calibration of capacity, then an open-loop mix of chat and agent runs at ~70 % o
 
 Capacity: the mix (two chat requests per agent step) is sent open-loop at rising total rates
 (requests per second, agent steps counted as requests), `--step-s` each; the capacity is the
-last rate at which chat TTFT p90 stayed under max(2 x the first step's, first + 0.25 s) with
-no failure. The soak sends `--load-frac` (0.7) of that rate.
+rate at which chat TTFT starts to climb: its p90 first exceeds twice the first step's (a step
+with a failed request stops at the rate before it). The soak sends `--load-frac` (0.7) of it.
 
 Writes to `--out`: `samples.csv` (every 10 s: time, phase, RSS, fds, asyncio tasks, sent,
 failed), `calibration.json`, `summary.json` (slopes per hour, start and end values, requests
@@ -224,21 +224,27 @@ async def calibrate(
         }
         if base is None and not math.isnan(p90):
             base = p90
-        bound = None if base is None else max(2 * base, base + 0.25)
-        climbed = load.failed[load.phase] > 0 or (bound is not None and p90 > bound)
+        bound = None if base is None else 2 * base
+        failed = load.failed[load.phase] > 0
+        climbed = bound is not None and p90 > bound
         step["bound_s"] = bound
         step["climbed"] = climbed
         steps.append(step)
         log(f"calibration {json.dumps(step)}")
-        if climbed:
+        if failed:  # past capacity: keep the rate before
             break
         capacity = rate
+        if climbed:
+            break
         rate *= factor
     return {
         "steps": steps,
         "capacity_req_per_s": capacity,
-        "rule": "last total rate (chat + agent steps, 2:1) whose chat TTFT p90 stayed under"
-        " max(2 x first step's p90, first + 0.25 s) with no failed request",
+        "climbed": any(st["climbed"] for st in steps),
+        "rule": "the total rate (chat + agent steps, 2:1) at which chat TTFT p90 first exceeds"
+        " 2 x the first step's p90 (TTFT starts to climb); a step with a failed request stops"
+        " the calibration at the rate before it; with neither within --max-steps, the last"
+        " rate tried (climbed: false)",
     }
 
 
@@ -424,8 +430,13 @@ def _summarize(
         pts = [(s.t_s, getattr(s, name)) for s in window if getattr(s, name) is not None]
         ts = [p[0] for p in pts]
         vs = [float(p[1]) for p in pts]
+        half = [i for i, t in enumerate(ts) if t >= (soak_start + soak_end) / 2]
         slopes[name] = {
             "slope_per_hour": fit_per_hour(ts, vs),
+            # growth that is warm-up (caches filling) flattens: the second half tells
+            "second_half_slope_per_hour": fit_per_hour(
+                [ts[i] for i in half], [vs[i] for i in half]
+            ),
             "unit": unit,
             "start": vs[0] if vs else None,
             "end": vs[-1] if vs else None,
@@ -481,13 +492,14 @@ def _report(summary: dict[str, Any]) -> str:
         f"Capacity {summary['capacity_req_per_s']} req/s (see calibration.json);"
         f" load {summary['load_frac']:.0%} of it. Mix: {summary['mix']}.",
         "",
-        "| router reading | start | end | min | max | slope per hour |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| router reading | start | end | min | max | slope per hour | second half's slope |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, s in summary["slopes_per_hour"].items():
         lines.append(
             f"| {name} | {s['start']} | {s['end']} | {s['min']} | {s['max']} |"
             f" {s['slope_per_hour']:+.3f} {s['unit']}/h |"
+            f" {s['second_half_slope_per_hour']:+.3f} {s['unit']}/h |"
         )
     r = summary["requests"]
     lines += [
@@ -515,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-rate", type=float, default=0.5, help="calibration start req/s")
     parser.add_argument("--factor", type=float, default=1.3, help="calibration rate step")
     parser.add_argument("--step-s", type=float, default=20.0, help="calibration step length")
-    parser.add_argument("--max-steps", type=int, default=14)
+    parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--fake-engine",
