@@ -365,8 +365,8 @@ async def soak(args: argparse.Namespace) -> int:
         plot_samples(
             samples,
             out / "soak.png",
-            f"gpupool soak: {args.minutes} min at {rate:.2f} req/s "
-            f"(70 % of {cal.get('capacity_req_per_s')})",
+            f"gpupool soak: {args.minutes:g} min at {rate:.2f} req/s"
+            f" ({args.load_frac:.0%} of {cal.get('capacity_req_per_s') or 0:.2f})",
         )
         (out / "report.md").write_text(_report(summary))
         log(json.dumps(summary["slopes_per_hour"]))
