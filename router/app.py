@@ -42,6 +42,7 @@ from router.errors import (
     BadRequest,
     GpupoolError,
     MethodNotAllowed,
+    NoHealthyInstance,
     NotFound,
     error_for_status,
 )
@@ -49,6 +50,7 @@ from router.estimate import TokenEstimator
 from router.identity import OperatorAccess, Tenants
 from router.ledger import Ledger
 from router.metrics import RouterMetrics
+from router.openapi import openapi_document
 from router.picking import RunAffinity, default_picker
 from router.proxy import CompletionsHandler
 from router.request import Message, Receive, RequestObserver, Scope, Send
@@ -340,7 +342,13 @@ class Gateway:
                 m.telemetry_age.labels(iid).set(self.fleet.age_s(state) or 0.0)
 
     def _build_api(self) -> FastAPI:
-        api = FastAPI(title="gpupool", docs_url=None, redoc_url=None, openapi_url=None)
+        api = FastAPI(
+            title="gpupool",
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,
+            redirect_slashes=False,  # `/v1/runs/` is an unknown path (404), not a 307
+        )
         access = OperatorAccess.from_config(self.tenants, self.config.router)
 
         # Every error answers OpenAI's shape; routing's own 404/405 and validation too.
@@ -364,6 +372,12 @@ class Gateway:
         @api.get("/health")
         async def health() -> dict[str, str]:
             return {"status": "ok"}
+
+        document = openapi_document(self.config, access)
+
+        @api.get("/openapi.json")
+        async def openapi() -> dict[str, Any]:
+            return document
 
         @api.get("/ready")
         async def ready() -> Response:
@@ -438,24 +452,29 @@ class Gateway:
             )
             return report
 
-        @api.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
-        async def unknown_v1(rest: str) -> Response:
-            raise NotFound(f"/v1/{rest} is not served by gpupool", "unknown_endpoint")
+        # The Gateway serves these two itself once started; declared here so that another
+        # method on them answers 405 (an unknown path answers 404 through _http_error).
+        @api.post("/v1/chat/completions")
+        @api.post("/v1/completions")
+        async def not_started() -> Response:
+            raise NoHealthyInstance("the router has not started yet", "not_started")
 
         return api
 
 
 def _float_param(raw: str | None, name: str) -> float | None:
-    """A finite number from a query parameter; None when absent. Raises `BadRequest`."""
+    """A number of magnitude at most 2**53 (SQLite's integers hold it, and it is finite) from a
+    query parameter; None when absent. Raises `BadRequest`."""
     if raw is None or raw == "":
         return None
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value):
+    if not abs(value) <= 2**53:  # nan fails too
         raise BadRequest(
-            f"query parameter {name} must be a finite number, got {raw[:40]!r}",
+            f"query parameter {name} must be a finite number (at most 2**53 either side of 0),"
+            f" got {raw[:40]!r}",
             "invalid_param",
             param=name,
         )

@@ -64,7 +64,7 @@ def _rule_header(
         return None
     if wanted not in config.class_names:
         raise BadRequest(
-            f"x-gpupool-class {wanted!r} is not a known class (known: "
+            f"x-gpupool-class {wanted[:40]!r} is not a known class (known: "
             f"{', '.join(config.class_names)})",
             "unknown_class",
             param="x-gpupool-class",
@@ -104,16 +104,23 @@ RULES: dict[str, Rule] = {
 }
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _int_header(headers: Headers, name: str) -> int | None:
+    """A signed 64-bit whole number from a header; None when absent. Raises `BadRequest`."""
     raw = headers.get(name)
     if raw is None or raw == "":
         return None
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
+        value = None
+    if value is None or not _INT64_MIN <= value <= _INT64_MAX:
         raise BadRequest(
-            f"{name} must be an integer, got {raw!r}", "invalid_header", param=name
-        ) from None
+            f"{name} must be a 64-bit integer, got {raw[:40]!r}", "invalid_header", param=name
+        )
+    return value
 
 
 def classify(

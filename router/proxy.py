@@ -127,9 +127,12 @@ class CompletionsHandler:
             read_s = self.clock()
             body = self._parse(body_bytes, chat)
             ctx = classify(headers, body, tenant, self.config, request_id=request_id, now_s=now)
-            estimate = await self.estimator.estimate_async(
-                body, chat=chat, class_name=ctx.class_name
-            )
+            try:
+                estimate = await self.estimator.estimate_async(
+                    body, chat=chat, class_name=ctx.class_name
+                )
+            except RecursionError:  # it re-encodes JSON it reads (tools): a body nested too deep
+                raise _too_deep() from None
         except GpupoolError as err:
             await _send_error(send, err, [(b"x-gpupool-request-id", request_id.encode())])
             self.metrics.request_done(
@@ -227,8 +230,6 @@ class CompletionsHandler:
         if engine_priority is not None and "priority" not in body:
             body["priority"] = engine_priority  # vLLM schedules lower values first
             changed = True
-        if changed:
-            body_bytes = orjson.dumps(body)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         estimate = outcome.estimate
         assert estimate is not None
@@ -237,6 +238,11 @@ class CompletionsHandler:
         attempts = 0
         lease: Lease | None = None
         try:
+            if changed:
+                try:
+                    body_bytes = orjson.dumps(body)
+                except orjson.JSONEncodeError:  # nested deeper than orjson writes (254 levels)
+                    raise _too_deep() from None
             admit_start_s = self.clock()
             lease = await self.admitter.admit(ctx, estimate)
             outcome.admitted_at_s = self.clock()
@@ -575,6 +581,10 @@ class CompletionsHandler:
                 obs.finished(outcome)
             except Exception:
                 log.exception("request observer failed for %s", ctx.request_id)
+
+
+def _too_deep() -> BadRequest:
+    return BadRequest("request body is nested too deeply", "invalid_body")
 
 
 def _add_usage(raw: bytes, extra: dict[str, Any]) -> bytes:
