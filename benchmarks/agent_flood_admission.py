@@ -269,6 +269,8 @@ def _main(args: argparse.Namespace) -> int:
         (agent_id,) = view["pools"]["agent"]["instances"]
         agent_engine = view["instances"][agent_id]["url"]
         order = list(ROUTER_PORTS)
+        if args.first == "admission-off":
+            order.reverse()
         for round_ in range(args.rounds):
             for mode in order if round_ % 2 == 0 else list(reversed(order)):
                 print(f"round {round_ + 1}: {mode}", flush=True)
@@ -310,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--pause-s", type=float, default=10.0)
+    parser.add_argument(
+        "--first", choices=list(ROUTER_PORTS), default="admission-on", help="mode run first"
+    )
     return _main(parser.parse_args(argv))
 
 
