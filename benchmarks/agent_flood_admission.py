@@ -186,6 +186,12 @@ def _run_one(
             "completion_s": {k: target["runs"]["agent"]["completion_s"][k] for k in ("p50", "p95")},
         },
         "rejections_by_reason": rejections,
+        "router_queue_wait": {
+            f"{series}{k}": v
+            - _labelled(router_before, f"gpupool_queue_wait_seconds_{series}").get(k, 0)
+            for series in ("count", "sum")
+            for k, v in _labelled(router_after, f"gpupool_queue_wait_seconds_{series}").items()
+        },
         "engines": per_engine,
         "load_avg_1m": target.get("load_avg_1m"),
     }
