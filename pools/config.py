@@ -255,6 +255,8 @@ class RouterSchema(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)  # larger bodies: 413
     body_read_timeout_s: float = Field(default=30.0, gt=0)  # a slower upload: 408
+    head_timeout_s: float = Field(default=10.0, gt=0)  # request line + headers slower: 408
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)  # larger request heads: 431
     max_connections: int = Field(default=4096, ge=1)  # concurrent client connections; then 503
     # on: KV-headroom and operating-point admission with per-pool queues; off: every request is
     # forwarded at once (the behaviour before admission, kept for comparison)
@@ -496,6 +498,8 @@ class RouterConfig:
     kv_margin_frac: float = 0.05
     max_body_bytes: int = 16 * 1024 * 1024
     body_read_timeout_s: float = 30.0
+    head_timeout_s: float = 10.0
+    max_header_bytes: int = 64 * 1024
     max_connections: int = 4096
     admin_api_key_sha256: str | None = None  # hex SHA-256 of the admin key; None: none set
     metrics_api_key_sha256: str | None = None  # hex SHA-256 of the scrape key; None: none set
@@ -754,6 +758,8 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
             kv_margin_frac=r.kv_margin_frac,
             max_body_bytes=r.max_body_bytes,
             body_read_timeout_s=r.body_read_timeout_s,
+            head_timeout_s=r.head_timeout_s,
+            max_header_bytes=r.max_header_bytes,
             max_connections=r.max_connections,
             admin_api_key_sha256=admin_sha256,
             metrics_api_key_sha256=metrics_sha256,

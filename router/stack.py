@@ -21,6 +21,7 @@ import uvicorn
 from pools.config import Config
 from pools.launchers import InstanceSpec, LauncherError, make_launcher
 from router.app import create_app
+from router.http_protocol import guarded_protocol
 
 __all__ = ["instances_without_launching", "run_blocking", "run_stack"]
 
@@ -145,7 +146,9 @@ async def run_stack(config: Config, *, launch: bool) -> int:
                 log_level="warning",
                 access_log=False,
                 lifespan="on",
-                http="httptools",
+                http=guarded_protocol(
+                    head_timeout_s=rc.head_timeout_s, max_head_bytes=rc.max_header_bytes
+                ),
                 timeout_graceful_shutdown=10,
                 limit_concurrency=rc.max_connections,
             )

@@ -8,8 +8,9 @@ shape, never a 5xx, an exception or a hang; and what it echoes or forwards carri
 - bodies nested as deep as JSON parsers go;
 - header injection: CR/LF in a value never reaches a response header, uvicorn refuses
   malformed header bytes before the router sees them, no client header reaches an engine;
-- 100 KiB headers through uvicorn, oversized bodies (413 before the rest arrives), slow
-  uploads (408 after `router.body_read_timeout_s`), the key checked before the body is read.
+- 60 KiB headers through uvicorn (431 over 64 KiB), oversized bodies (413 before the rest
+  arrives), slow uploads (408 after `router.body_read_timeout_s`), the key checked before the
+  body is read.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=False,
 )
-ERROR_STATUSES = {400, 401, 403, 404, 405, 408, 413, 429}
+ERROR_STATUSES = {400, 401, 403, 404, 405, 408, 413, 429, 431}
 GP_HEADERS = ("x-gpupool-class", "x-gpupool-priority", "x-gpupool-deadline-ms", "x-gpupool-usage")
 
 
@@ -428,7 +429,7 @@ def test_no_client_header_reaches_an_engine(live: LiveRouter) -> None:
 # Oversized headers and bodies, slow uploads
 # ------------------------------------------------------------------------------------------------
 
-KIB_100 = 100 * 1024
+BIG_HEADER = 60 * 1024  # under router.max_header_bytes (64 KiB): reaches the router
 
 
 @pytest.mark.parametrize(
@@ -441,8 +442,8 @@ KIB_100 = 100 * 1024
         ("x-unknown", 200),
     ],
 )
-def test_100_kib_headers_through_uvicorn(live: LiveRouter, header: str, status: int) -> None:
-    value = ("9" if header == "x-gpupool-deadline-ms" else "h") * KIB_100
+def test_big_headers_through_uvicorn(live: LiveRouter, header: str, status: int) -> None:
+    value = ("9" if header == "x-gpupool-deadline-ms" else "h") * BIG_HEADER
     answer = _raw_exchange(live, _request(live, f"{header}: {value}\r\n".encode()))
     assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:200]
     head, _, body = answer.partition(b"\r\n\r\n")
@@ -452,16 +453,27 @@ def test_100_kib_headers_through_uvicorn(live: LiveRouter, header: str, status: 
         _assert_openai_answer(status, [(b"content-type", b"application/json")], body)
 
 
-def test_100_kib_authorization_is_a_401(live: LiveRouter) -> None:
+def test_a_head_over_max_header_bytes_is_a_431_in_openai_shape(live: LiveRouter) -> None:
+    value = "h" * (live.gateway.config.router.max_header_bytes + 1)
+    answer = _raw_exchange(live, _request(live, f"x-big: {value}\r\n".encode()))
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    _, _, body = answer.partition(b"\r\n\r\n")
+    _assert_openai_answer(431, [(b"content-type", b"application/json")], body)
+    assert orjson.loads(body)["error"]["code"] == "headers_too_large"
+
+
+def test_big_authorization_is_a_401(live: LiveRouter) -> None:
     for path in ("/v1/models", "/admin/pools", "/metrics", "/v1/runs"):
-        data = f"GET {path} HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer {'k' * KIB_100}\r\n\r\n"
+        data = (
+            f"GET {path} HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer {'k' * BIG_HEADER}\r\n\r\n"
+        )
         answer = _raw_exchange(live, data.encode())
         assert answer.startswith(b"HTTP/1.1 401 "), (path, answer[:200])
         assert len(answer) < 1024
 
 
-def test_100_kib_run_id_is_kept_to_256_characters(live: LiveRouter) -> None:
-    run_id = "r" * KIB_100
+def test_big_run_id_is_kept_to_256_characters(live: LiveRouter) -> None:
+    run_id = "r" * BIG_HEADER
     auth = {"authorization": f"Bearer {TENANT_KEY}"}
     resp = httpx.post(
         f"{live.url}/v1/chat/completions", json=CHAT, headers={**auth, "x-gpupool-run-id": run_id}

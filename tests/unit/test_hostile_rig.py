@@ -32,6 +32,7 @@ from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.app import Gateway, create_app
+from router.http_protocol import guarded_protocol
 
 T = TypeVar("T")
 ASGIApp = Callable[..., Awaitable[None]]
@@ -179,7 +180,10 @@ def router_server(gateway: Gateway, config: Config) -> uvicorn.Server:
             log_level="critical",
             access_log=False,
             lifespan="on",
-            http="httptools",
+            http=guarded_protocol(
+                head_timeout_s=config.router.head_timeout_s,
+                max_head_bytes=config.router.max_header_bytes,
+            ),
             timeout_graceful_shutdown=1,
             limit_concurrency=config.router.max_connections,
         )

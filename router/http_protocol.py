@@ -1,0 +1,116 @@
+"""uvicorn's httptools protocol with the two guards it lacks: a deadline for a request's head
+and a cap on its size.
+
+uvicorn has no timeout for receiving a request line and headers (its keep-alive timer stops at
+the first byte; Kludex/uvicorn#157), and httptools no limit on their size. A client that
+trickles its headers therefore holds a connection for as long as it likes, and
+`router.max_connections` such clients lock everyone else out. Here:
+
+- the head of every request (and the first byte of a new connection) must arrive within
+  `head_timeout_s` of the connection opening or the previous response ending, else the
+  connection gets a 408 and is closed;
+- a head over `max_head_bytes` gets a 431 and the connection is closed.
+
+Both answers are OpenAI-shaped JSON, like every other gpupool error. The body has its own
+deadline on the request path (`router.body_read_timeout_s`, router/proxy.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = ["guarded_protocol"]
+
+
+def _error(status: int, reason: str, message: str, code: str) -> bytes:
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "code": code,
+                "param": None,
+            }
+        }
+    )
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode("ascii") + body
+
+
+class _GuardedHttpToolsProtocol(HttpToolsProtocol):
+    head_timeout_s: float = 30.0
+    max_head_bytes: int = 64 * 1024
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._in_head = True
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.transport.is_closing():
+            message = f"the request head did not arrive within {self.head_timeout_s:g} s"
+            self.transport.write(_error(408, "Request Timeout", message, "head_timeout"))
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            room = self.max_head_bytes - self._head_bytes
+            self._head_bytes += len(data)
+            end = data.find(b"\r\n\r\n")
+            if self._head_bytes > self.max_head_bytes and not 0 <= end <= room - 4:
+                self._disarm_head_timer()
+                message = f"request line and headers larger than {self.max_head_bytes} bytes"
+                self.transport.write(
+                    _error(431, "Request Header Fields Too Large", message, "headers_too_large")
+                )
+                self.transport.close()
+                return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # the next request's head (on a kept-alive connection) gets its own deadline
+        self._in_head = True
+        self._head_bytes = 0
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+
+def guarded_protocol(*, head_timeout_s: float, max_head_bytes: int) -> type[HttpToolsProtocol]:
+    """A protocol class for `uvicorn.Config(http=...)` with these limits."""
+    return type(
+        "GuardedHttpToolsProtocol",
+        (_GuardedHttpToolsProtocol,),
+        {"head_timeout_s": head_timeout_s, "max_head_bytes": max_head_bytes},
+    )
