@@ -257,7 +257,9 @@ class RouterSchema(_Strict):
     body_read_timeout_s: float = Field(default=30.0, gt=0)  # a slower upload: 408
     head_timeout_s: float = Field(default=10.0, gt=0)  # request line + headers slower: 408
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)  # larger request heads: 431
-    max_connections: int = Field(default=4096, ge=1)  # concurrent client connections; then 503
+    # concurrent client connections (uvicorn limit_concurrency; it counts the arriving one, so N
+    # admits N - 1 others); beyond it uvicorn answers a plain-text 503
+    max_connections: int = Field(default=4096, ge=2)
     # on: KV-headroom and operating-point admission with per-pool queues; off: every request is
     # forwarded at once (the behaviour before admission, kept for comparison)
     admission: Literal["on", "off"] = "on"
