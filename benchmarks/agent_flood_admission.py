@@ -245,6 +245,8 @@ def _main(args: argparse.Namespace) -> int:
                     "api_key_env": KEY_ENV,
                     "run_dir": str(state / "run"),
                     "vllm_args": ["--max-num-seqs", "64"],
+                    # the agent pool's engine (engine-1 in gpupool's default plan) on its own core
+                    "cpu_affinity": [[0], [1], [0]] if args.pin else None,
                 },
             },
             "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
@@ -318,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--pause-s", type=float, default=10.0)
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the agent engine to CPU 1 and both normal engines to CPU 0",
+    )
     parser.add_argument(
         "--first", choices=list(ROUTER_PORTS), default="admission-on", help="mode run first"
     )
