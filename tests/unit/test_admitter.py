@@ -363,3 +363,39 @@ async def test_on_a_known_gpu_the_operating_point_starts_from_the_roofline_prior
     for target_s in (0.012, 0.02, 0.04):
         expected = prior.max_batch_for_tpot(target_s, 2048, max_batch=64)
         assert abs(state.op.limit(target_s) - expected) <= max(1, 0.1 * expected)
+
+
+async def test_a_deadline_hit_mid_stream_is_a_timeout_not_an_engine_error(make_rig: Any) -> None:
+    """Issue 10: the outcome of a stream cut by its deadline is `timeout`."""
+    rig = await make_rig()
+    rig.normal.itl_s = 0.05  # 40 tokens take 2 s; the deadline is 0.5 s
+    reply = await asgi_post(
+        rig.gateway,
+        {**CHAT, "max_tokens": 40, "stream": True},
+        headers={"x-gpupool-deadline-ms": "500"},
+    )
+    assert reply.status == 200  # the stream had started
+    assert b'"deadline_exceeded"' in reply.body and reply.body.endswith(b"data: [DONE]\n\n")
+    requests = rig.gateway.metrics.requests
+    assert requests.labels("normal", "normal", "timeout", "deadline_exceeded")._value.get() == 1  # type: ignore[attr-defined]
+    assert requests.labels("normal", "normal", "engine_error", "midstream")._value.get() == 0  # type: ignore[attr-defined]
+    assert _leases(rig) == (0, 0)
+
+
+async def test_router_overhead_is_recorded_once_per_request(make_rig: Any) -> None:
+    """Issue 10: once per request, not per attempt, and never the client's upload or the
+    queue wait (a request that waited ~0.4 s in the queue records well under that)."""
+    rig = await make_rig()
+    body = {**CHAT, "max_tokens": 100}
+    first = asyncio.ensure_future(asgi_post(rig.gateway, body))
+    await _wait_until(lambda: _leases(rig)[0] == 1)
+    second = await asgi_post(rig.gateway, body)
+    assert second.status == 200 and (await first).status == 200
+    samples = {
+        s.name: s.value
+        for m in rig.gateway.metrics.overhead.collect()
+        for s in m.samples
+        if s.name.endswith(("_count", "_sum"))
+    }
+    assert samples["gpupool_router_overhead_seconds_count"] == 2
+    assert samples["gpupool_router_overhead_seconds_sum"] < 0.1
