@@ -127,7 +127,10 @@ def parse_vllm_metrics(text: str, taken_at_s: float) -> InstanceReading:
 
 class TelemetryScraper:
     """Scrapes every instance of `fleet` each `interval_s`, each with `timeout_s`; a failed or
-    unparsable scrape counts against the instance's health, a good one restores it."""
+    unparsable scrape counts against the instance's health, a good one restores it.
+
+    Each instance is scraped on its own schedule: one slow `/metrics` must not hold back the
+    readings of the others (they would go stale, and stale counts as full)."""
 
     def __init__(
         self,
@@ -143,26 +146,30 @@ class TelemetryScraper:
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         await self.scrape_all()
-        self._task = asyncio.create_task(self._loop(), name="telemetry-scraper")
+        self._tasks = [
+            asyncio.create_task(self._loop(i), name=f"telemetry-scraper-{i}")
+            for i in self._fleet.instance_ids()
+        ]
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
 
-    async def _loop(self) -> None:
+    async def _loop(self, instance_id: str) -> None:
         while True:
             started = self._clock()
             try:
-                await self.scrape_all()
+                await self.scrape(instance_id)
             except Exception:  # a bug here must not stop telemetry for good
-                log.exception("telemetry scrape round failed")
+                log.exception("telemetry scrape of %s failed", instance_id)
             await asyncio.sleep(max(0.0, self._interval_s - (self._clock() - started)))
 
     async def scrape_all(self) -> None:

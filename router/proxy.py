@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -263,6 +264,9 @@ class CompletionsHandler:
                 timeout = aiohttp.ClientTimeout(
                     total=min(remaining_s, self._upstream_timeout_s),
                     sock_connect=self._connect_timeout_s,
+                    # aiohttp rounds timeouts over 5 s up to the next whole second: a deadline
+                    # would end up to 1 s late
+                    ceil_threshold=math.inf,
                 )
                 self.metrics.set_inflight(instance_id, instance.inflight)
                 outcome.dispatched_at_s = self.clock()
@@ -362,11 +366,24 @@ class CompletionsHandler:
             type(err).__name__,
         )
         new = self.admitter.repick(ctx, estimate, frozenset(tried))
-        if new is None and tried != refused:
+        # An instance that failed without refusing is tried again only when no other healthy
+        # one serves the pool; else the request waits for one (a dead engine's pooled
+        # connections fail one by one: retrying it would spend the retries there).
+        others = self._others_healthy(ctx.pool, tried)
+        if new is None and tried != refused and not others:
             new = self.admitter.repick(ctx, estimate, frozenset(refused))
         if new is None:
-            new = await self.admitter.admit(ctx, estimate, exclude=frozenset(refused))
+            exclude = tried if others else refused
+            new = await self.admitter.admit(ctx, estimate, exclude=frozenset(exclude))
         return new
+
+    def _others_healthy(self, pool: str, tried: set[str]) -> bool:
+        """A healthy instance of `pool` this request has not tried (it may be busy now)."""
+        for instance_id in self.admitter.pool_map.current.instances_for(pool):
+            state = self.fleet.get(instance_id)
+            if instance_id not in tried and state is not None and state.healthy:
+                return True
+        return False
 
     async def _relay(
         self,
