@@ -521,7 +521,22 @@ def markdown(report: JsonDict) -> str:
         f"Grace period: {results[-1].get('grace_s', 10) if results else 10} s (uvicorn's "
         "`timeout_graceful_shutdown` in `router/stack.py`).",
         "",
+        "## Commands",
+        "",
+        "```",
+        "# this report (waits for other heavy runs on a shared machine)",
+        f"flock /tmp/gpupool-heavy.lock .venv/bin/{report['command']}",
+        "# re-render report.md from report.json (and the notes)",
+        f".venv/bin/python -m benchmarks.reliability.run --out {report.get('out', 'DIR')} "
+        f"--render --notes {report.get('out', 'DIR')}/notes.md",
+        "# the same scenarios, smaller, as tests (part of `make test`)",
+        "GPUPOOL_TEST_ENGINE_BASE_PORT=8550 .venv/bin/pytest -q "
+        "tests/integration/test_faults_real.py",
+        "```",
+        "",
     ]
+    if report.get("notes"):
+        lines += [report["notes"].rstrip(), ""]
     return "\n".join(lines)
 
 
@@ -541,8 +556,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-load-s", type=float, default=6.0)
     parser.add_argument("--engine-port", type=int, default=8560)
     parser.add_argument("--skip-up", action="store_true", help="no `gpupool up` scenario")
+    parser.add_argument("--notes", help="a markdown file appended to the report")
+    parser.add_argument(
+        "--render", action="store_true", help="only re-render report.md from report.json"
+    )
     args = parser.parse_args(argv)
-    return _write(Path(args.out), asyncio.run(_main(args)))
+    out = Path(args.out)
+    if args.render:
+        report = json.loads((out / "report.json").read_text())
+        report.setdefault("out", str(out))
+    else:
+        report = asyncio.run(_main(args))
+        report["out"] = str(out)
+    if args.notes:
+        report["notes"] = Path(args.notes).read_text()
+    return _write(out, report)
 
 
 if __name__ == "__main__":
