@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,10 +17,9 @@ import psutil
 import pytest
 import yaml
 
-pytestmark = pytest.mark.e2e
+from tests.e2e.stack import GPUPOOL, REPO, wait_ready
 
-REPO = Path(__file__).resolve().parents[2]
-GPUPOOL = str(Path(sys.executable).parent / "gpupool")
+pytestmark = pytest.mark.e2e
 
 
 def _free_port() -> int:
@@ -50,20 +48,6 @@ def _engine_children_alive(pids: list[int]) -> list[int]:
     ]
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"gpupool up exited {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"not ready after {timeout_s} s:\n{log.read_text()}")
-
-
 def _process_tree(pid: int) -> list[int]:
     try:
         return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
@@ -80,7 +64,7 @@ def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Pat
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc, log, timeout_s=400)
+        wait_ready(url, proc, log, timeout_s=400)
         deadline = time.monotonic() + 10
         while "press Ctrl-C" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -155,7 +139,7 @@ def test_engines_die_with_a_killed_parent(tmp_path: Path) -> None:
         proc = subprocess.Popen(
             [GPUPOOL, "up", "--config", str(path)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
         )
-    _wait_ready(f"http://127.0.0.1:{config['router']['port']}", proc, log, timeout_s=300)
+    wait_ready(f"http://127.0.0.1:{config['router']['port']}", proc, log, timeout_s=300)
     (engine,) = _engines_on(range(8175, 8176))
     tree = _process_tree(engine.pid)
     os.kill(proc.pid, signal.SIGKILL)
@@ -201,7 +185,7 @@ def test_two_cpu_engines_without_a_kv_size_start_closed_and_log_no_prompt(
             [GPUPOOL, "up", "--config", str(path)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
         )
     try:
-        _wait_ready(url, proc, log, timeout_s=400)
+        wait_ready(url, proc, log, timeout_s=400)
         text = log.read_text()
         assert "engine dtype " in text and "KV cache: " in text and "split across 2" in text
         assert len(_engines_on(range(8180, 8182))) == 2

@@ -15,8 +15,6 @@ import secrets
 import signal
 import sqlite3
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,26 +22,12 @@ import psutil
 import pytest
 import yaml
 
+from tests.e2e.stack import GPUPOOL, REPO, wait_ready
+
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-GPUPOOL = str(Path(sys.executable).parent / "gpupool")
 ENGINE_PORT = 8790
 ROUTER_PORT = 8792
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"gpupool up exited {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"not ready after {timeout_s} s:\n{log.read_text()}")
 
 
 def test_prompt_and_key_markers_reach_no_log(tmp_path: Path) -> None:
@@ -96,7 +80,7 @@ def test_prompt_and_key_markers_reach_no_log(tmp_path: Path) -> None:
     prompt = f"please repeat {prompt_marker} back to me"
     chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
     try:
-        _wait_ready(url, proc, log, timeout_s=300)
+        wait_ready(url, proc, log, timeout_s=300)
         with httpx.Client(base_url=url, timeout=60) as client:
             plain = client.post("/v1/chat/completions", json=chat, headers=auth)
             assert plain.status_code == 200, plain.text
