@@ -1,0 +1,300 @@
+"""The rebalancer's decision, pure: given each pool's signals, where should the ratio go?
+
+No clock, no I/O, no randomness: `decide(state, signals, bounds, settings, now_s)` returns a
+`Decision` (the new target shares, the move if any, the reason, and the pressures behind it)
+and the next `LoopState`. The shell (`router.rebalancer`) gathers the signals, calls it once
+per `interval_s`, places the result (`pools.allocation.plan_moves`) and logs the decision.
+
+Pressure (>= 1 means the pool misses a target) is the max of normalised signals:
+
+    queue_wait  queue wait (p95 over the interval, or the oldest still waiting) / target
+    kv          KV-cache use on the pool's instances / 0.8
+    ttft        TTFT p95 / the pool's `slo.ttft_p95_ms`
+    tpot        TPOT p95 / the pool's `slo.tpot_p95_ms`
+    rejections  fraction of the pool's requests refused (429) / 0.01
+
+smoothed as the mean over `smoothing_window_s` (the window restarts after a move: pressures
+measured at the old ratio say nothing about the new one). When the gap between the most and
+the least pressured pool exceeds `hysteresis_frac`, share moves from the least to the most
+pressured pool: the step that would equalise their pressures if each pool's pressure were
+proportional to load / share (the receiver's load `p_r * s_r`, the giver's `p_g * s_g`:
+`x = (L_r s_g - L_g s_r) / (L_r + L_g)`), capped by `max_step_frac` and both pools' bounds.
+Then nothing moves for `cooldown_s`. An idle pool (pressure 0) gives share down to its floor.
+
+Bounds: a pool never leaves [floor_frac, ceiling_frac] (the schedule's bounds at that time of
+day, see `bounds_at`), and a pool that had traffic in the window never goes below one
+instance's worth of capacity (where the bounds leave room for that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+__all__ = [
+    "SIGNALS",
+    "Bounds",
+    "Decision",
+    "LoopState",
+    "Move",
+    "PoolSignals",
+    "RebalanceSettings",
+    "ScheduleWindow",
+    "bounds_at",
+    "clamp_shares",
+    "decide",
+    "effective_bounds",
+    "pressure_by_signal",
+]
+
+SIGNALS = ("queue_wait", "kv", "ttft", "tpot", "rejections")
+KV_TARGET_FRAC = 0.8
+REJECTION_TARGET_FRAC = 0.01
+_EPS = 1e-9
+_MIN_STEP_FRAC = 0.005  # smaller steps are not worth a move
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSignals:
+    """What one pool looked like over the last interval. Times in seconds."""
+
+    queue_wait_s: float = 0.0  # p95 of waits in the interval, or the oldest waiter's age
+    queue_wait_target_s: float = 1.0
+    kv_usage_frac: float = 0.0  # KV use on the pool's instances, [0, 1]
+    ttft_p95_s: float | None = None  # None: nothing measured in the interval
+    ttft_target_s: float = 1.0
+    tpot_p95_s: float | None = None
+    tpot_target_s: float = 0.1
+    rejected_frac: float = 0.0  # requests refused / offered, [0, 1]
+    requests: int = 0  # requests offered in the interval (finished, rejected or waiting)
+
+    @property
+    def has_traffic(self) -> bool:
+        return self.requests > 0
+
+
+def pressure_by_signal(s: PoolSignals) -> dict[str, float]:
+    """Each signal over its target: 1.0 is exactly at target, 0 is idle."""
+    return {
+        "queue_wait": s.queue_wait_s / max(s.queue_wait_target_s, _EPS),
+        "kv": s.kv_usage_frac / KV_TARGET_FRAC,
+        "ttft": 0.0 if s.ttft_p95_s is None else s.ttft_p95_s / max(s.ttft_target_s, _EPS),
+        "tpot": 0.0 if s.tpot_p95_s is None else s.tpot_p95_s / max(s.tpot_target_s, _EPS),
+        "rejections": s.rejected_frac / REJECTION_TARGET_FRAC,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    floor_frac: float
+    ceiling_frac: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleWindow:
+    """Bounds that apply from `start_min` (minutes after midnight, UTC) up to `end_min`; a
+    window with end < start wraps past midnight (e.g. 20:00 to 08:00)."""
+
+    start_min: int
+    end_min: int
+    bounds: Bounds
+
+    def covers(self, minute_of_day: float) -> bool:
+        if self.start_min <= self.end_min:
+            return self.start_min <= minute_of_day < self.end_min
+        return minute_of_day >= self.start_min or minute_of_day < self.end_min
+
+
+def bounds_at(default: Bounds, schedule: Sequence[ScheduleWindow], minute_of_day: float) -> Bounds:
+    """The first schedule window covering the time of day, else the default bounds."""
+    for window in schedule:
+        if window.covers(minute_of_day % 1440):
+            return window.bounds
+    return default
+
+
+@dataclass(frozen=True, slots=True)
+class RebalanceSettings:
+    interval_s: float = 30.0
+    hysteresis_frac: float = 0.2  # pressure gap below which nothing moves
+    cooldown_s: float = 60.0  # after a move, no other move for this long
+    smoothing_window_s: float = 90.0
+    max_step_frac: float = 0.1  # largest share moved in one step
+
+
+@dataclass(frozen=True, slots=True)
+class LoopState:
+    """What the loop remembers between decisions."""
+
+    shares: Mapping[str, float]
+    history: tuple[tuple[float, Mapping[str, float], Mapping[str, bool]], ...] = ()
+    last_decision_at_s: float | None = None
+    last_move_at_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    from_pool: str
+    to_pool: str
+    share_frac: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    at_s: float
+    shares: Mapping[str, float]  # target shares after this decision
+    move: Move | None
+    reason: str  # moved | pinned | bounds | frozen | cooldown | within_hysteresis | at_bound
+    # | not_due | step_too_small
+    pressure: Mapping[str, Mapping[str, float]]  # pool -> signal -> normalised value (raw)
+    smoothed: Mapping[str, float]  # pool -> smoothed pressure
+    bounds: Mapping[str, tuple[float, float]]  # pool -> effective (low, high)
+    state: LoopState = field(repr=False)
+
+    @property
+    def changed(self) -> bool:
+        return self.reason in ("moved", "pinned", "bounds")
+
+
+def effective_bounds(
+    bounds: Mapping[str, Bounds], has_traffic: Mapping[str, bool], instance_frac: float
+) -> dict[str, tuple[float, float]]:
+    """(low, high) per pool: the bounds, with the low raised to one instance's worth
+    (`instance_frac`) for a pool that has traffic, as far as the others' lows leave room."""
+    low = {p: b.floor_frac for p, b in bounds.items()}
+    high = {p: b.ceiling_frac for p, b in bounds.items()}
+    for pool in sorted(bounds):
+        if not has_traffic.get(pool, False):
+            continue
+        wanted = min(max(low[pool], instance_frac), high[pool])
+        room = 1.0 - sum(v for q, v in low.items() if q != pool)
+        low[pool] = max(low[pool], min(wanted, room))
+    return {p: (low[p], high[p]) for p in bounds}
+
+
+def clamp_shares(
+    shares: Mapping[str, float], limits: Mapping[str, tuple[float, float]]
+) -> dict[str, float]:
+    """The shares projected into their (low, high) limits, still summing to 1: each is clipped,
+    then the surplus or deficit is spread over the pools with room, in proportion to it."""
+    out = {p: min(max(shares.get(p, 0.0), lo), hi) for p, (lo, hi) in limits.items()}
+    diff = 1.0 - sum(out.values())
+    if abs(diff) > _EPS:
+        if diff > 0:
+            room = {p: limits[p][1] - v for p, v in out.items()}
+        else:
+            room = {p: v - limits[p][0] for p, v in out.items()}
+        total = sum(room.values())
+        if total > _EPS:
+            frac = min(1.0, abs(diff) / total)
+            for p, r in room.items():
+                out[p] += (1 if diff > 0 else -1) * r * frac
+    return out
+
+
+def _smooth(
+    history: Sequence[tuple[float, Mapping[str, float], Mapping[str, bool]]], pools: Sequence[str]
+) -> tuple[dict[str, float], dict[str, bool]]:
+    smoothed = {p: sum(h[1].get(p, 0.0) for h in history) / len(history) for p in pools}
+    traffic = {p: any(h[2].get(p, False) for h in history) for p in pools}
+    return smoothed, traffic
+
+
+def _frozen(values: Mapping[str, float]) -> Mapping[str, float]:
+    return MappingProxyType(dict(values))
+
+
+def decide(
+    state: LoopState,
+    signals: Mapping[str, PoolSignals],
+    bounds: Mapping[str, Bounds],
+    settings: RebalanceSettings,
+    now_s: float,
+    *,
+    instance_frac: float = 0.0,
+    frozen: bool = False,
+    pinned: Mapping[str, float] | None = None,
+) -> Decision:
+    """One step of the loop. `bounds` names every pool; `signals` may lack an idle pool.
+    `instance_frac` is one instance's share of total capacity (the smallest instance).
+    `frozen` holds the shares as they are; `pinned` (shares summing to 1) replaces the loop's
+    judgement with the SRE's ratio, still within bounds."""
+    pools = sorted(bounds)
+    raw = {p: pressure_by_signal(signals.get(p, PoolSignals())) for p in pools}
+    now_pressure = {p: max(raw[p].values()) for p in pools}
+    now_traffic = {p: signals.get(p, PoolSignals()).has_traffic for p in pools}
+    window_start = now_s - settings.smoothing_window_s
+    history = (
+        *(h for h in state.history if h[0] > window_start),
+        (now_s, _frozen(now_pressure), MappingProxyType(now_traffic)),
+    )
+    smoothed, traffic = _smooth(history, pools)
+    limits = effective_bounds(bounds, traffic, instance_frac)
+    current = {p: state.shares.get(p, 0.0) for p in pools}
+
+    def result(
+        reason: str, shares: Mapping[str, float], move: Move | None, moved: bool
+    ) -> Decision:
+        next_state = LoopState(
+            shares=_frozen(shares),
+            history=() if moved else history,
+            last_decision_at_s=now_s,
+            last_move_at_s=now_s if moved else state.last_move_at_s,
+        )
+        return Decision(
+            at_s=now_s,
+            shares=next_state.shares,
+            move=move,
+            reason=reason,
+            pressure=MappingProxyType({p: _frozen(v) for p, v in raw.items()}),
+            smoothed=_frozen(smoothed),
+            bounds=MappingProxyType(limits),
+            state=next_state,
+        )
+
+    if frozen:
+        return result("frozen", current, None, False)
+    if pinned is not None:
+        target = clamp_shares(pinned, limits)
+        if _differs(target, current):
+            return result("pinned", target, _largest_move(current, target), True)
+        return result("pinned", current, None, False)
+    clamped = clamp_shares(current, limits)
+    if _differs(clamped, current):
+        return result("bounds", clamped, _largest_move(current, clamped), True)
+    if (
+        state.last_decision_at_s is not None
+        and now_s - state.last_decision_at_s < settings.interval_s - _EPS
+    ):
+        return replace(result("not_due", current, None, False), state=state)
+    if state.last_move_at_s is not None and now_s - state.last_move_at_s < settings.cooldown_s:
+        return result("cooldown", current, None, False)
+    receiver = max(pools, key=lambda p: (smoothed[p], p))
+    giver = min(pools, key=lambda p: (smoothed[p], p))
+    gap = smoothed[receiver] - smoothed[giver]
+    if receiver == giver or gap <= settings.hysteresis_frac:
+        return result("within_hysteresis", current, None, False)
+    s_r, s_g = current[receiver], current[giver]
+    load_r, load_g = smoothed[receiver] * s_r, smoothed[giver] * s_g
+    equalise = (load_r * s_g - load_g * s_r) / max(load_r + load_g, _EPS)
+    room = min(s_g - limits[giver][0], limits[receiver][1] - s_r)
+    if room < _MIN_STEP_FRAC:
+        return result("at_bound", current, None, False)
+    step = min(equalise, settings.max_step_frac, room)
+    if step < _MIN_STEP_FRAC:
+        return result("step_too_small", current, None, False)
+    shares = dict(current)
+    shares[receiver] = s_r + step
+    shares[giver] = s_g - step
+    return result("moved", shares, Move(giver, receiver, step), True)
+
+
+def _differs(a: Mapping[str, float], b: Mapping[str, float]) -> bool:
+    return any(abs(a[p] - b.get(p, 0.0)) > 1e-6 for p in a)
+
+
+def _largest_move(before: Mapping[str, float], after: Mapping[str, float]) -> Move:
+    gain = max(after, key=lambda p: (after[p] - before.get(p, 0.0), p))
+    loss = min(after, key=lambda p: (after[p] - before.get(p, 0.0), p))
+    return Move(loss, gain, after[gain] - before.get(gain, 0.0))
