@@ -260,6 +260,8 @@ class RouterSchema(_Strict):
     # concurrent client connections (uvicorn limit_concurrency; it counts the arriving one, so N
     # admits N - 1 others); beyond it uvicorn answers a plain-text 503
     max_connections: int = Field(default=4096, ge=2)
+    # on SIGTERM / Ctrl-C: new requests get 503, in-flight ones have this long to finish
+    shutdown_grace_s: float = Field(default=10.0, gt=0)
     # on: KV-headroom and operating-point admission with per-pool queues; off: every request is
     # forwarded at once (the behaviour before admission, kept for comparison)
     admission: Literal["on", "off"] = "on"
@@ -503,6 +505,7 @@ class RouterConfig:
     head_timeout_s: float = 10.0
     max_header_bytes: int = 64 * 1024
     max_connections: int = 4096
+    shutdown_grace_s: float = 10.0
     admin_api_key_sha256: str | None = None  # hex SHA-256 of the admin key; None: none set
     metrics_api_key_sha256: str | None = None  # hex SHA-256 of the scrape key; None: none set
 
@@ -763,6 +766,7 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
             head_timeout_s=r.head_timeout_s,
             max_header_bytes=r.max_header_bytes,
             max_connections=r.max_connections,
+            shutdown_grace_s=r.shutdown_grace_s,
             admin_api_key_sha256=admin_sha256,
             metrics_api_key_sha256=metrics_sha256,
         ),

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import signal
 import socket
 import sys
@@ -149,7 +150,7 @@ async def run_stack(config: Config, *, launch: bool) -> int:
                 http=guarded_protocol(
                     head_timeout_s=rc.head_timeout_s, max_head_bytes=rc.max_header_bytes
                 ),
-                timeout_graceful_shutdown=10,
+                timeout_graceful_shutdown=max(1, math.ceil(rc.shutdown_grace_s)),
                 limit_concurrency=rc.max_connections,
             )
         )
