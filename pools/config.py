@@ -168,8 +168,30 @@ class QueueSchema(_Strict):
     max_depth: int = Field(default=256, ge=0)  # waiting requests; 0: no queue, refuse at once
     max_wait_s: float = Field(default=10.0, ge=0)  # longest wait before a 429 queue_timeout
     # fifo: priority bands, then arrival; wfq: priority bands, then weighted fair queuing across
-    # tenants by estimated token cost (tenant `weight`), then arrival
-    order: Literal["fifo", "wfq"] = "wfq"
+    # tenants by estimated token cost (tenant `weight`), then arrival; run_las: priority bands,
+    # tenant turns as in wfq, then the step whose run has received the fewest GPU-seconds
+    order: Literal["fifo", "wfq", "run_las"] = "wfq"
+    # run_las only: a step that has waited this long goes ahead of its tenant's other steps
+    # (oldest first), so long runs are never starved; must be below max_wait_s
+    run_las_aging_s: float = Field(default=5.0, gt=0)
+    # run_las only: a run idle (no step in flight) longer than this has its attained
+    # GPU-seconds halved per further run_las_idle_decay_s of idleness
+    run_las_idle_decay_s: float = Field(default=60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _run_las_fields(self) -> QueueSchema:
+        las_fields = {"run_las_aging_s", "run_las_idle_decay_s"} & self.model_fields_set
+        if self.order != "run_las" and las_fields:
+            raise ValueError(
+                f"{', '.join(sorted(las_fields))} only apply with order: run_las"
+                f" (order is {self.order})"
+            )
+        if self.order == "run_las" and self.max_wait_s and self.run_las_aging_s >= self.max_wait_s:
+            raise ValueError(
+                f"run_las_aging_s ({self.run_las_aging_s:g} s) must be below max_wait_s"
+                f" ({self.max_wait_s:g} s): a step would time out before it ages"
+            )
+        return self
 
 
 class PoolSchema(_Strict):
@@ -441,6 +463,8 @@ class QueueConfig:
     max_depth: int
     max_wait_s: float
     order: str = "wfq"
+    run_las_aging_s: float = 5.0
+    run_las_idle_decay_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -682,7 +706,13 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
             classes=tuple(p.classes),
             share=ShareConfig(p.share.initial_frac, p.share.floor_frac, p.share.ceiling_frac),
             slo=SloConfig(p.slo.ttft_p95_ms, p.slo.tpot_p95_ms),
-            queue=QueueConfig(p.queue.max_depth, p.queue.max_wait_s, p.queue.order),
+            queue=QueueConfig(
+                p.queue.max_depth,
+                p.queue.max_wait_s,
+                p.queue.order,
+                p.queue.run_las_aging_s,
+                p.queue.run_las_idle_decay_s,
+            ),
             engine_priority=p.engine_priority,
         )
         for name, p in schema.pools.items()

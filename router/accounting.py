@@ -16,14 +16,21 @@ Conservation (exact up to float rounding, checked by `conservation`):
 
 Instances removed while sequences are still in flight stop accruing at removal: those
 sequences are charged up to the removal time, the time after it is nobody's capacity.
+
+Per run (a sequence begun with a `run_key`), the accountant also keeps the run's attained
+service: its ended steps' GPU-seconds plus its in-flight steps' share so far
+(`run_usage`, what `queue.order: run_las` orders by). An LRU of the `max_runs` runs seen last.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from router.queueing import RunUsage
 
 __all__ = [
     "UNALLOCATED_POOL",
@@ -60,6 +67,13 @@ class _Instance:
 
 
 @dataclass(slots=True, eq=False)
+class _RunService:
+    ended_gpu_s: float = 0.0
+    last_active_s: float = 0.0
+    in_flight: list[SequenceToken] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
 class SequenceToken:
     """One sequence in flight, from `Accountant.begin`. Hand it back to `Accountant.end`."""
 
@@ -68,6 +82,7 @@ class SequenceToken:
     _instance: _Instance = field(repr=False)
     _start_counter_gpu_s: float = field(repr=False)
     cost_gpu_seconds: float | None = None  # set by `end`
+    _run: _RunService | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +139,11 @@ class Accountant:
     clock; a `now_s` earlier than the last one seen for an instance counts as no time passing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_runs: int = 100_000) -> None:
+        if max_runs < 1:
+            raise AccountingError(f"max_runs must be >= 1, got {max_runs}")
+        self._runs: OrderedDict[Hashable, _RunService] = OrderedDict()
+        self._max_runs = max_runs
         self._instances: dict[str, _Instance] = {}
         self._draining: set[_Instance] = set()  # removed, sequences still in flight
         self._retired_capacity_gpu_s = 0.0  # capacity of removed instances
@@ -176,14 +195,29 @@ class Accountant:
 
     # -- sequences -----------------------------------------------------------------------------
 
-    def begin(self, instance_id: str, now_s: float) -> SequenceToken:
-        """A sequence starts occupying the instance at `now_s`. O(1)."""
+    def begin(
+        self, instance_id: str, now_s: float, run_key: Hashable | None = None
+    ) -> SequenceToken:
+        """A sequence starts occupying the instance at `now_s`, as a step of run `run_key`
+        when given. O(1)."""
         inst = self._get(instance_id)
         self._advance(inst, now_s)
         start = inst.counter_gpu_s
         inst.in_flight += 1
         inst.start_counter_sum_gpu_s += start
-        return SequenceToken(instance_id, now_s, inst, start)
+        token = SequenceToken(instance_id, now_s, inst, start)
+        if run_key is not None:
+            run = self._runs.get(run_key)
+            if run is None:
+                run = self._runs[run_key] = _RunService()
+                if len(self._runs) > self._max_runs:
+                    self._runs.popitem(last=False)
+            else:
+                self._runs.move_to_end(run_key)
+            run.in_flight.append(token)
+            run.last_active_s = now_s
+            token._run = run
+        return token
 
     def end(self, token: SequenceToken, now_s: float) -> float:
         """The sequence stops at `now_s`; returns its GPU-seconds (>= 0). O(1).
@@ -205,7 +239,25 @@ class Accountant:
             inst.start_counter_sum_gpu_s -= token._start_counter_gpu_s
         token.cost_gpu_seconds = cost
         self._ended_gpu_s += cost
+        run = token._run
+        if run is not None:
+            run.in_flight.remove(token)
+            run.ended_gpu_s += cost
+            run.last_active_s = max(run.last_active_s, now_s)
         return cost
+
+    def run_usage(self, run_key: Hashable, now_s: float) -> RunUsage | None:
+        """A run's attained service up to `now_s` (None: no step of it seen, or forgotten).
+        O(steps in flight)."""
+        run = self._runs.get(run_key)
+        if run is None:
+            return None
+        partial = 0.0
+        for token in run.in_flight:
+            inst = token._instance
+            self._advance(inst, now_s)
+            partial += inst.counter_gpu_s - token._start_counter_gpu_s
+        return RunUsage(run.ended_gpu_s + partial, len(run.in_flight), run.last_active_s)
 
     # -- totals --------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Connects the request path to GPU-seconds accounting and the ledger.
 
 `AccountingObserver` is a `RequestObserver`: at dispatch it starts the request's processor-
-sharing clock on its instance (and numbers the run's step in arrival order); when the last
+sharing clock on its instance, as a step of its run (tenant, run id) whose attained service
+`queue.order: run_las` reads (and numbers the run's step in arrival order); when the last
 usage is known it stops the clock, so the cost can go in the response (`x-gpupool-gpu-seconds`
 header, `usage.gpu_seconds` with `x-gpupool-usage: 1`); at the end it writes one
 `RequestRecord` to the ledger and counts the GPU-seconds in Prometheus. O(1) per event.
@@ -47,7 +48,8 @@ class AccountingObserver:
         if ctx.run_id is not None and outcome.step_index is None:
             outcome.step_index = self.ledger.next_step_index(ctx.tenant, ctx.run_id)
         if outcome.instance_id is not None and self.accountant.has_instance(outcome.instance_id):
-            outcome.acct_token = self.accountant.begin(outcome.instance_id, now)
+            run_key = None if ctx.run_id is None else (ctx.tenant, ctx.run_id)
+            outcome.acct_token = self.accountant.begin(outcome.instance_id, now, run_key)
 
     def _settle(self, outcome: RequestOutcome) -> float:
         token: SequenceToken | None = outcome.acct_token

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from pools.allocation import PoolMap
@@ -34,7 +34,7 @@ from router.errors import CapacityExceeded, NoHealthyInstance
 from router.estimate import Estimate
 from router.metrics import RouterMetrics
 from router.picking import Picker, PickRequest, RunAffinity
-from router.queueing import PoolQueue, QueueEntry, QueueFull
+from router.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
 from router.request import RequestContext
 
 __all__ = ["Admitter"]
@@ -63,7 +63,10 @@ class Admitter:
         affinity: RunAffinity,
         *,
         clock: Callable[[], float] = time.monotonic,
+        run_usage: Callable[[Hashable, float], RunUsage | None] | None = None,
     ) -> None:
+        """`run_usage((tenant, run_id), now_s)`: a run's attained service (the accountant's
+        `run_usage`), which `queue.order: run_las` pools order their queue by."""
         self.config = config
         self.enabled = config.router.admission == "on"
         self.fleet = fleet
@@ -75,8 +78,18 @@ class Admitter:
         self.margin_frac = config.router.kv_margin_frac
         self.pools: dict[str, PoolConfig] = {p.name: p for p in config.pools}
         self.queues = {
-            p.name: PoolQueue(p.name, max_depth=p.queue.max_depth, order=p.queue.order)
+            p.name: PoolQueue(
+                p.name,
+                max_depth=p.queue.max_depth,
+                order=p.queue.order,
+                aging_s=p.queue.run_las_aging_s,
+            )
             for p in config.pools
+        }
+        self._attained = {
+            p.name: AttainedService(run_usage, idle_decay_s=p.queue.run_las_idle_decay_s)
+            for p in config.pools
+            if p.queue.order == "run_las" and run_usage is not None
         }
         self._tpot_target_s = {p.name: p.slo.tpot_p95_ms / 1e3 for p in config.pools}
         self._pump_scheduled = False
@@ -239,6 +252,7 @@ class Admitter:
             weight=ctx.tenant_weight,
             enqueued_at_s=now_s,
             payload=_Waiter(ctx, need, future, exclude),
+            attained_gpu_s=self._attained_gpu_s(ctx, now_s),
         )
         try:
             shed = queue.push(entry)
@@ -273,6 +287,14 @@ class Admitter:
             )
         self.metrics.observe_queue_wait(ctx.pool, ctx.class_name, self.clock() - now_s)
         return future.result()
+
+    def _attained_gpu_s(self, ctx: RequestContext, now_s: float) -> float:
+        """The GPU-seconds the request's run has received (run_las pools; 0 otherwise or for a
+        request without a run, which counts as a run of its own)."""
+        attained = self._attained.get(ctx.pool)
+        if attained is None or ctx.run_id is None:
+            return 0.0
+        return attained.attained_gpu_s((ctx.tenant, ctx.run_id), now_s)
 
     def _abandon(self, queue: PoolQueue, entry: QueueEntry, future: asyncio.Future[Lease]) -> None:
         if future.done() and not future.cancelled() and future.exception() is None:
@@ -311,7 +333,7 @@ class Admitter:
         self._pump_scheduled = False
         now = self.clock()
         for queue in self.queues.values():
-            while (entry := queue.peek()) is not None:
+            while (entry := queue.peek(now)) is not None:
                 waiter: _Waiter = entry.payload
                 if waiter.future.done():
                     queue.remove(entry)

@@ -98,11 +98,18 @@ class Gateway:
         max_num_seqs = _max_num_seqs(config)
         for state in self.fleet:
             state.op = OperatingPoint(max_num_seqs=max_num_seqs)
+        self.accountant = Accountant()
         self.admitter = Admitter(
-            config, self.fleet, self.pool_map, self.picker, self.metrics, self.affinity, clock=clock
+            config,
+            self.fleet,
+            self.pool_map,
+            self.picker,
+            self.metrics,
+            self.affinity,
+            clock=clock,
+            run_usage=self.accountant.run_usage,
         )
         self.estimator = estimator or TokenEstimator.from_config(config)
-        self.accountant = Accountant()
         self.accounting_metrics = AccountingMetrics(self.metrics.registry)
         self.ledger = Ledger.from_config(
             rc, snapshot_source=lambda: self.accountant.conservation(self.clock())

@@ -49,6 +49,7 @@ from router.errors import (
     RequestTimeout,
 )
 from router.estimate import Estimate, TokenEstimator
+from router.governance import Governor, StepSignals
 from router.identity import Tenants
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity
@@ -97,8 +98,10 @@ class CompletionsHandler:
         metrics: RouterMetrics,
         observers: list[RequestObserver] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        governor: Governor | None = None,
     ) -> None:
         self.config = config
+        self.governor = governor
         self.tenants = tenants
         self.fleet = fleet
         self.admitter = admitter
@@ -122,12 +125,17 @@ class CompletionsHandler:
         now = self.clock()
         request_id = "gp-" + os.urandom(8).hex()
         headers = _headers(scope)
+        signals: StepSignals | None = None
+        tenant_name: str | None = None
         try:
             tenant = self.tenants.authenticate(headers.get("authorization"))
+            tenant_name = tenant.name
             body_bytes = await self._read_body(receive)
             read_s = self.clock()
             body = self._parse(body_bytes, chat)
             ctx = classify(headers, body, tenant, self.config, request_id=request_id, now_s=now)
+            if self.governor is not None:
+                ctx, signals = self.governor.prepare(ctx, tenant, headers, body)
             try:
                 estimate = await self.estimator.estimate_async(
                     body, chat=chat, class_name=ctx.class_name
@@ -135,7 +143,10 @@ class CompletionsHandler:
             except RecursionError:  # it re-encodes JSON it reads (tools): a body nested too deep
                 raise _too_deep() from None
         except GpupoolError as err:
-            await _send_error(send, err, [(b"x-gpupool-request-id", request_id.encode())])
+            extra = [(b"x-gpupool-request-id", request_id.encode())]
+            if self.governor is not None and tenant_name is not None:
+                extra += self.governor.rate_headers(tenant_name)
+            await _send_error(send, err, extra)
             self.metrics.request_done(
                 "none", "none", _outcome_of(err.status), err.code, self.clock() - now
             )
@@ -144,7 +155,7 @@ class CompletionsHandler:
             return  # the client left while sending its body
         outcome = RequestOutcome(ctx=ctx, estimate=estimate)
         task = asyncio.ensure_future(
-            self._serve(ctx, body, body_bytes, chat, send, outcome, read_s)
+            self._serve(ctx, body, body_bytes, chat, send, outcome, read_s, signals)
         )
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
@@ -212,6 +223,7 @@ class CompletionsHandler:
         send: Send,
         outcome: RequestOutcome,
         read_s: float,
+        signals: StepSignals | None = None,
     ) -> None:
         gp_headers = [
             (b"x-gpupool-request-id", ctx.request_id.encode()),
@@ -244,10 +256,16 @@ class CompletionsHandler:
                     body_bytes = orjson.dumps(body)
                 except orjson.JSONEncodeError:  # nested deeper than orjson writes (254 levels)
                     raise _too_deep() from None
+            governed_s = 0.0  # waited for the tenant's budget (not router overhead)
+            if self.governor is not None and signals is not None:
+                try:
+                    governed_s = await self.governor.enter(ctx, estimate, signals)
+                finally:
+                    gp_headers.extend(self.governor.rate_headers(ctx.tenant))
             admit_start_s = self.clock()
             lease = await self.admitter.admit(ctx, estimate)
             outcome.admitted_at_s = self.clock()
-            queued_s = outcome.admitted_at_s - admit_start_s
+            queued_s = outcome.admitted_at_s - admit_start_s + governed_s
             self.metrics.overhead.observe(outcome.admitted_at_s - read_s - queued_s)
             while True:
                 instance = lease.state
@@ -400,7 +418,9 @@ class CompletionsHandler:
             raw = await _read_upstream(resp)
             if status >= 500:
                 detail = _engine_message(raw)
-                self.fleet.record_failure(outcome.instance_id or "", f"engine answered {status}")
+                # this request's failure, not the engine's health: a client's bad input that
+                # the engine did not catch must not take it out (scrapes and connects decide)
+                log.warning("engine %s answered %d", outcome.instance_id, status)
                 raise EngineFailure(
                     f"engine {outcome.instance_id} failed: {detail}", "engine_error"
                 )

@@ -1,11 +1,20 @@
 """One bounded admission queue per pool: priority bands, then weighted fair queuing across
-tenants by estimated token cost, then FIFO.
+tenants by estimated token cost, then FIFO (or, with `order: run_las`, least attained service
+per run).
 
 Order (`order: wfq`, the default): a higher `priority` always goes first; within a band each
 entry carries a virtual finish tag `F = max(V, F_tenant) + cost / weight` (start-time fair
 queuing: `V` is the tag of the entry last taken out, `F_tenant` the tenant's last tag, `cost`
 the estimated tokens, `weight` the tenant's), so tenants that all keep the queue busy are served
 tokens in proportion to their weights; ties go by arrival. `order: fifo` drops the tags.
+
+`order: run_las` (least attained service per run, after Autellix's PLAS): bands first and the
+same tenant tags, but the tags are the tenant's turns, not its entries': when a tenant's turn
+comes, the tenant's entry whose run has received the fewest GPU-seconds so far goes
+(`QueueEntry.attained_gpu_s`, read when it queued; ties by arrival), unless one of the tenant's
+entries has waited `aging_s` or longer: those go first, oldest first, so a long run is never
+starved. `AttainedService` turns the accountant's per-run counters into those numbers and
+forgets service a run received before it went idle for long (halving per `idle_decay_s`).
 
 Bounds: at most `max_depth` entries. When full, an arriving entry evicts the queue's last entry
 if that one has a negative (sheddable) priority lower than the newcomer's ("shed"), else it is
@@ -19,13 +28,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PoolQueue", "QueueEntry", "QueueFull"]
+__all__ = ["ORDERS", "AttainedService", "PoolQueue", "QueueEntry", "QueueFull", "RunUsage"]
 
 _RATE_WINDOW_S = 60.0
+ORDERS = ("fifo", "wfq", "run_las")
 
 
 class QueueFull(Exception):
@@ -47,15 +59,22 @@ class QueueEntry:
     finish_tag: float = 0.0
     removed: bool = False
     key: tuple[float, float, int] = field(default=(0.0, 0.0, 0))
+    attained_gpu_s: float = 0.0  # run_las: GPU-seconds the entry's run had received when queued
 
 
 class PoolQueue:
-    def __init__(self, pool: str, *, max_depth: int, order: str = "wfq") -> None:
-        if order not in ("wfq", "fifo"):
+    def __init__(
+        self, pool: str, *, max_depth: int, order: str = "wfq", aging_s: float = math.inf
+    ) -> None:
+        if order not in ORDERS:
             raise ValueError(f"unknown queue order {order!r}")
+        if not aging_s > 0:
+            raise ValueError(f"aging_s must be > 0, got {aging_s}")
         self.pool = pool
         self.max_depth = max_depth
         self.order = order
+        self.aging_s = aging_s  # run_las: a step waiting this long goes ahead of its tenant's
+        self._lanes: _RunLasLanes | None = _RunLasLanes() if order == "run_las" else None
         self._heap: list[tuple[tuple[float, float, int], QueueEntry]] = []
         self._live = 0
         self._seq = itertools.count()
@@ -81,32 +100,46 @@ class PoolQueue:
             self.remove(last)
             shed = last
         entry.seq = next(self._seq)
-        if self.order == "wfq":
+        if self.order != "fifo":
             start = max(self._virtual_time, self._tenant_finish.get(entry.tenant, 0.0))
             entry.start_tag = start
             entry.finish_tag = start + entry.cost_tokens / max(entry.weight, 1e-9)
             self._tenant_finish[entry.tenant] = entry.finish_tag
             if len(self._tenant_finish) > 4 * max(64, self.max_depth):
                 self._forget_idle_tenants()
-        entry.key = (-float(entry.priority), entry.finish_tag, entry.seq)
+        if self._lanes is not None:  # run_las: order by (band, tenant turn, attained, arrival)
+            entry.key = (-float(entry.priority), entry.attained_gpu_s, entry.seq)
+            self._lanes.push(entry)
+        else:
+            entry.key = (-float(entry.priority), entry.finish_tag, entry.seq)
         heapq.heappush(self._heap, (entry.key, entry))
         self._live += 1
         return shed
 
-    def peek(self) -> QueueEntry | None:
+    def peek(self, now_s: float | None = None) -> QueueEntry | None:
+        """The entry to dispatch next. `now_s` (run_las) lets entries waiting `aging_s` or
+        longer go ahead; without it nothing counts as aged."""
         while self._heap and self._heap[0][1].removed:
             heapq.heappop(self._heap)
+        if self._lanes is not None:
+            aged_before_s = -math.inf if now_s is None else now_s - self.aging_s
+            return self._lanes.peek(aged_before_s)
         return self._heap[0][1] if self._heap else None
 
     def pop(self, entry: QueueEntry, now_s: float) -> None:
         """Take `entry` out because it is dispatched (advances virtual time, measures rate)."""
+        turn_start = self._lanes.dispatched(entry) if self._lanes is not None else None
         self._take(entry)
         if self.order == "wfq":
             self._virtual_time = max(self._virtual_time, entry.start_tag)
+        elif turn_start is not None:
+            self._virtual_time = max(self._virtual_time, turn_start)
         self._pops.append(now_s)
 
     def remove(self, entry: QueueEntry) -> None:
         """Take `entry` out without dispatching it (timeout, disconnect, shed)."""
+        if self._lanes is not None and not entry.removed:
+            self._lanes.removed(entry)
         self._take(entry)
 
     def _take(self, entry: QueueEntry) -> None:
@@ -114,7 +147,8 @@ class PoolQueue:
             return
         entry.removed = True
         self._live -= 1
-        self.peek()
+        while self._heap and self._heap[0][1].removed:
+            heapq.heappop(self._heap)
 
     def _last(self) -> QueueEntry | None:
         live = [e for _, e in self._heap if not e.removed]
@@ -127,7 +161,9 @@ class PoolQueue:
         }
 
     def position(self, entry: QueueEntry) -> int:
-        """Entries ahead of `entry` (O(n); for diagnostics and Retry-After)."""
+        """Entries ahead of `entry` (O(n); for diagnostics and Retry-After). Under run_las this
+        ignores tenant turns and aging: entries of higher bands, then of less attained
+        service."""
         return sum(1 for _, e in self._heap if not e.removed and e.key < entry.key)
 
     def drain_rate_per_s(self, now_s: float) -> float:
@@ -145,3 +181,137 @@ class PoolQueue:
         if rate <= 0:
             return default_s if ahead else 0.0
         return ahead / rate
+
+
+@dataclass(eq=False, slots=True)
+class _Lane:
+    """One tenant's entries in one band (run_las): its turns, least attained first, arrivals."""
+
+    turns: deque[tuple[float, float, int]] = field(default_factory=deque)  # (finish, start, seq)
+    by_service: list[tuple[float, int, QueueEntry]] = field(default_factory=list)  # a heap
+    arrivals: deque[QueueEntry] = field(default_factory=deque)
+    live: int = 0
+
+    def oldest(self) -> QueueEntry | None:
+        while self.arrivals and self.arrivals[0].removed:
+            self.arrivals.popleft()
+        return self.arrivals[0] if self.arrivals else None
+
+    def least_served(self) -> QueueEntry | None:
+        while self.by_service and self.by_service[0][2].removed:
+            heapq.heappop(self.by_service)
+        return self.by_service[0][2] if self.by_service else None
+
+
+class _RunLasLanes:
+    """The run_las order: bands (higher first) of tenant lanes. Each entry adds a turn (its WFQ
+    tags) to its tenant's lane; the lane whose earliest turn finishes first goes next, with
+    its aged entry (oldest first) or else its least-served entry. O(tenants in the band + log
+    n) per peek."""
+
+    def __init__(self) -> None:
+        self._bands: dict[int, dict[str, _Lane]] = {}
+
+    def push(self, entry: QueueEntry) -> None:
+        lane = self._bands.setdefault(entry.priority, {}).setdefault(entry.tenant, _Lane())
+        lane.turns.append((entry.finish_tag, entry.start_tag, entry.seq))
+        heapq.heappush(lane.by_service, (entry.attained_gpu_s, entry.seq, entry))
+        lane.arrivals.append(entry)
+        lane.live += 1
+
+    def peek(self, aged_before_s: float) -> QueueEntry | None:
+        if not self._bands:
+            return None
+        lanes = self._bands[max(self._bands)]
+        lane = min(lanes.values(), key=lambda ln: ln.turns[0])
+        oldest = lane.oldest()
+        if oldest is not None and oldest.enqueued_at_s <= aged_before_s:
+            return oldest
+        return lane.least_served()
+
+    def dispatched(self, entry: QueueEntry) -> float | None:
+        """`entry` leaves to be served: its lane spends its earliest turn. Returns that turn's
+        start tag (the queue's virtual time moves to it)."""
+        if entry.removed:
+            return None
+        lane = self._bands[entry.priority][entry.tenant]
+        _, start, _ = lane.turns.popleft()
+        self._drop(entry, lane)
+        return start
+
+    def removed(self, entry: QueueEntry) -> None:
+        """`entry` leaves unserved: its lane gives back its latest turn."""
+        lane = self._bands[entry.priority][entry.tenant]
+        lane.turns.pop()
+        self._drop(entry, lane)
+
+    def _drop(self, entry: QueueEntry, lane: _Lane) -> None:
+        lane.live -= 1
+        if lane.live == 0:
+            band = self._bands[entry.priority]
+            del band[entry.tenant]
+            if not band:
+                del self._bands[entry.priority]
+
+
+@dataclass(frozen=True, slots=True)
+class RunUsage:
+    """A run's service so far, as the accountant reports it."""
+
+    gpu_seconds: float  # ended steps plus the in-flight steps' share up to now
+    in_flight: int  # steps executing now
+    last_active_s: float  # when a step last ended (or began); the run is idle since then
+
+
+@dataclass(slots=True)
+class _Forgiven:
+    idle_since_s: float  # the idle period the amount below was computed for
+    before_gpu_s: float  # attained (less earlier forgiveness) when that idle period began
+    gpu_s: float  # service forgiven in total
+
+
+class AttainedService:
+    """Each run's attained GPU-seconds as run_las orders by them: the accountant's counter
+    (`source(run_key, now_s)`, None for a run it does not know) less what idle decay forgave.
+
+    A run idle (no step in flight) for `idle_decay_s` or less keeps all its service (tool
+    calls between steps are short); past that, what it had halves per further
+    `idle_decay_s` idle, and stays forgiven when the run comes back. Only runs that were
+    forgiven something are remembered here (an LRU of `max_runs`).
+    """
+
+    def __init__(
+        self,
+        source: Callable[[Hashable, float], RunUsage | None],
+        *,
+        idle_decay_s: float,
+        max_runs: int = 100_000,
+    ) -> None:
+        if not idle_decay_s > 0:
+            raise ValueError(f"idle_decay_s must be > 0, got {idle_decay_s}")
+        self._source = source
+        self.idle_decay_s = idle_decay_s
+        self._max_runs = max_runs
+        self._forgiven: OrderedDict[Hashable, _Forgiven] = OrderedDict()
+
+    def attained_gpu_s(self, run_key: Hashable, now_s: float) -> float:
+        usage = self._source(run_key, now_s)
+        if usage is None:
+            self._forgiven.pop(run_key, None)
+            return 0.0
+        known = self._forgiven.get(run_key)
+        forgiven_gpu_s = known.gpu_s if known is not None else 0.0
+        current = max(0.0, usage.gpu_seconds - forgiven_gpu_s)
+        idle_s = 0.0 if usage.in_flight else now_s - usage.last_active_s
+        if idle_s <= self.idle_decay_s:
+            return current
+        if known is None or known.idle_since_s != usage.last_active_s:
+            known = _Forgiven(usage.last_active_s, current, forgiven_gpu_s)
+            self._forgiven[run_key] = known
+        halvings = (idle_s - self.idle_decay_s) / self.idle_decay_s
+        decayed = known.before_gpu_s * math.pow(0.5, halvings)
+        known.gpu_s = usage.gpu_seconds - decayed
+        self._forgiven.move_to_end(run_key)
+        if len(self._forgiven) > self._max_runs:
+            self._forgiven.popitem(last=False)
+        return decayed

@@ -7,7 +7,10 @@ benchmarks/reliability) found, reproduced here against fake engines:
   busy, and ended as 502 `engine_unreachable`);
 - a deadline over 5 s ends on time (aiohttp rounded it up to a whole second);
 - one engine's slow `/metrics` does not hold back the other engines' readings (they went
-  stale, and stale counts as full).
+  stale, and stale counts as full);
+- an engine's 500 to one request fails that request (502) but does not take the engine out of
+  rotation: three bad inputs in a row used to mark a healthy engine unhealthy until its next
+  scrape.
 """
 
 from __future__ import annotations
@@ -149,3 +152,36 @@ async def test_a_slow_metrics_endpoint_does_not_hold_back_the_other_engines() ->
                 ages.append(fleet.age_s(state) or 0.0)
             await scraper.aclose()
     assert max(ages) < 0.5, ages  # scraped every 0.1 s, not every 2 s with the slow one
+
+
+async def test_engine_500s_answer_502_but_do_not_take_a_scraped_healthy_engine_out(
+    tmp_path: Path,
+) -> None:
+    """A request the engine fails with 500 (a bad input it did not catch) is that request's
+    failure: a client sending several must not take a healthy engine out of rotation, which
+    only its scrapes and refused connections decide."""
+    state = FakeEngineState()
+    async with serve_asgi(make_fake_engine(state)) as url:
+        data = {
+            **DEFAULT_CPU_CONFIG,
+            "router": {"ledger_path": str(tmp_path / "l.sqlite")},
+            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
+        }
+        gateway = create_app(parse_config(data), [InstanceSpec("only", url, 1)], scrape=False)
+        gateway.fleet.record_reading(
+            "only", parse_vllm_metrics(FakeEngineState().metrics_text(), gateway.clock())
+        )
+        await gateway.start()
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        state.failure, state.fail_next = "http500", 5
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+        ) as client:
+            failed = [(await client.post("/v1/chat/completions", json=body)) for _ in range(5)]
+            after = await client.post("/v1/chat/completions", json=body)
+        await gateway.aclose()
+    assert [r.status_code for r in failed] == [502] * 5
+    assert {r.json()["error"]["code"] for r in failed} == {"engine_error"}
+    assert after.status_code == 200
+    only = gateway.fleet.get("only")
+    assert only is not None and only.healthy

@@ -1,0 +1,112 @@
+"""`queue.order: run_las` on the request path, through the gateway over fake engines: the
+accountant's per-run GPU-seconds reach the queue, so a fresh run's step overtakes a step of a
+run that has already been served, where `fifo` keeps arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pools.config import DEFAULT_CPU_CONFIG, ConfigError, parse_config
+from pools.launchers.base import InstanceSpec
+from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from pools.testing.serve import serve_asgi
+from router.app import Gateway, create_app
+from tests.unit.test_admitter import asgi_post
+
+# ~0.4 s on the fake engine; the agent engine's 12 KV blocks hold one such step at a time
+STEP = {"model": "tiny", "messages": [{"role": "user", "content": "next step"}], "max_tokens": 100}
+
+
+def _config(tmp_path: Path, queue: dict[str, Any]) -> Any:
+    data: dict[str, Any] = {
+        **DEFAULT_CPU_CONFIG,
+        "router": {
+            "ledger_path": str(tmp_path / "l.sqlite"),
+            "state_path": str(tmp_path / "s.json"),
+            "scrape_interval_s": 0.05,
+        },
+    }
+    data["pools"] = {
+        "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}, "queue": queue},
+        "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
+    }
+    return parse_config(data)
+
+
+@pytest.fixture
+async def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Gateway]:
+    states = [FakeEngineState(num_gpu_blocks=12, itl_s=0.004) for _ in range(2)]
+    cms = [serve_asgi(make_fake_engine(s)) for s in states]
+    urls = [await cm.__aenter__() for cm in cms]
+    gw = create_app(
+        _config(tmp_path, request.param),
+        [InstanceSpec(f"engine-{i}", u, 1) for i, u in enumerate(urls)],
+    )
+    await gw.start()
+    try:
+        yield gw
+    finally:
+        await gw.aclose()
+        for cm in reversed(cms):
+            await cm.__aexit__(None, None, None)
+
+
+async def _step(gw: Gateway, run: str, done: list[str]) -> None:
+    reply = await asgi_post(gw, STEP, headers={"x-gpupool-run-id": run})
+    assert reply.status == 200, reply.body
+    done.append(run)
+
+
+async def _until(cond: Any) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+async def _served_order(gw: Gateway) -> list[str]:
+    done: list[str] = []
+    for _ in range(3):  # the long run has three steps behind it
+        await _step(gw, "long", done)
+    queue = gw.admitter.queues["agent"]
+    blocker = asyncio.ensure_future(_step(gw, "blocker", done))
+    await _until(lambda: gw.accountant.run_usage(("default", "blocker"), 0.0) is not None)
+    later = [asyncio.ensure_future(_step(gw, "long", done))]
+    await _until(lambda: len(queue) == 1)
+    later.append(asyncio.ensure_future(_step(gw, "fresh", done)))
+    await _until(lambda: len(queue) == 2)
+    await asyncio.gather(blocker, *later)
+    return done[3:]
+
+
+@pytest.mark.parametrize(
+    "gateway", [{"order": "run_las", "run_las_aging_s": 4, "max_wait_s": 10}], indirect=True
+)
+async def test_run_las_serves_the_fresh_run_before_the_served_one(gateway: Gateway) -> None:
+    usage = gateway.accountant.run_usage(("default", "long"), 0.0)
+    assert usage is None
+    assert await _served_order(gateway) == ["blocker", "fresh", "long"]
+    long_usage = gateway.accountant.run_usage(("default", "long"), 1e12)
+    assert long_usage is not None and long_usage.gpu_seconds > 0.4 * 4 * 0.5
+
+
+@pytest.mark.parametrize("gateway", [{"order": "fifo"}], indirect=True)
+async def test_fifo_keeps_arrival_order(gateway: Gateway) -> None:
+    assert await _served_order(gateway) == ["blocker", "long", "fresh"]
+
+
+def test_run_las_fields_are_refused_where_they_take_no_effect(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="only apply with order: run_las"):
+        _config(tmp_path, {"order": "wfq", "run_las_aging_s": 3})
+    with pytest.raises(ConfigError, match="must be below max_wait_s"):
+        _config(tmp_path, {"order": "run_las", "run_las_aging_s": 30, "max_wait_s": 10})
+    cfg = _config(tmp_path, {"order": "run_las", "run_las_aging_s": 3, "run_las_idle_decay_s": 9})
+    agent = next(p for p in cfg.pools if p.name == "agent")
+    assert (agent.queue.order, agent.queue.run_las_aging_s) == ("run_las", 3.0)
+    assert agent.queue.run_las_idle_decay_s == 9.0
