@@ -25,15 +25,21 @@ from pydantic import (
     model_validator,
 )
 
+from pools.rebalance import Bounds, RebalanceSettings, ScheduleWindow, bounds_at
+
 __all__ = [
     "ClassConfig",
     "ClassificationConfig",
     "Config",
     "ConfigError",
     "EnginesConfig",
+    "KubernetesEnginesConfig",
+    "KubernetesServiceConfig",
     "LocalEnginesConfig",
     "ModelConfig",
     "PoolConfig",
+    "RayEnginesConfig",
+    "RebalancerConfig",
     "RouterConfig",
     "ShareConfig",
     "SloConfig",
@@ -121,26 +127,106 @@ class StaticEnginesSchema(_Strict):
         return self
 
 
+class KubernetesServiceSchema(_Strict):
+    name: str = Field(min_length=1, max_length=63)  # a headless Service of one engine group
+    port: int = Field(default=8000, ge=1, le=65535)  # the engines' HTTP port
+    gpus_per_instance: int = Field(default=1, ge=1, le=16)  # a CPU engine counts as 1
+
+
+class KubernetesEnginesSchema(_Strict):
+    """Engines found in Kubernetes (the Helm chart's engine groups): every ready endpoint of
+    the listed headless Services is an instance; one that goes away drains, then leaves."""
+
+    services: list[KubernetesServiceSchema] = Field(default_factory=list)
+    namespace: str | None = None  # None: the router pod's own (its service account's)
+    # api: EndpointSlices through the API server (read-only RBAC; instance ids are pod names);
+    # dns: the headless Service's A records (no RBAC; instance ids follow pod IPs)
+    discovery: Literal["api", "dns"] = "api"
+    poll_interval_s: float = Field(default=2.0, gt=0)
+    drain_timeout_s: float = Field(default=600.0, ge=0)  # a leaving engine's in-flight work
+    cluster_domain: str = "cluster.local"  # dns discovery: <service>.<namespace>.svc.<domain>
+    api_key_env: str | None = None  # env var holding the engines' key (VLLM_API_KEY)
+
+
+class RayEnginesSchema(_Strict):
+    """Engines as Ray actors, one per instance, each holding `gpus_per_instance` GPUs (0: a
+    CPU engine holding `cpus_per_instance` CPUs); Ray restarts a dead one."""
+
+    address: str | None = None  # None: start a local Ray cluster; "auto" or "host:port": join
+    count: int = Field(default=1, ge=1, le=256)
+    gpus_per_instance: int = Field(default=1, ge=0, le=16)
+    cpus_per_instance: float = Field(default=1.0, gt=0)
+    kv_cache_bytes: int | None = Field(default=None, gt=0)  # None: engine default
+    vllm_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    max_restarts: int = Field(default=-1, ge=-1)  # Ray's max_restarts per actor; -1: forever
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    poll_interval_s: float = Field(default=2.0, gt=0)  # addresses re-read this often
+    drain_timeout_s: float = Field(default=600.0, ge=0)
+    namespace: str = "gpupool"  # Ray namespace of the engine actors
+    api_key_env: str | None = None  # None: a random key per launch
+
+    @model_validator(mode="after")
+    def _no_forbidden_flags(self) -> RayEnginesSchema:
+        if "--disable-log-stats" in self.vllm_args:
+            raise ValueError(
+                "vllm_args: --disable-log-stats removes every vllm:* metric gpupool's telemetry"
+                " and admission need; remove it"
+            )
+        return self
+
+
 class EnginesSchema(_Strict):
-    launcher: Literal["local", "static", "ray"] = "local"  # ray: refused until it exists
+    launcher: Literal["local", "static", "ray", "kubernetes"] = "local"
     local: LocalEnginesSchema = Field(default_factory=LocalEnginesSchema)
     static: StaticEnginesSchema = Field(default_factory=StaticEnginesSchema)
-
-    @field_validator("launcher")
-    @classmethod
-    def _launcher_available(cls, value: str) -> str:
-        if value == "ray":
-            raise ValueError(
-                "'ray' is not available yet in this version of gpupool; use 'local', or start"
-                " the engines with Ray yourself and list their URLs in engines.static.urls"
-                " (launcher: static)"
-            )
-        return value
+    kubernetes: KubernetesEnginesSchema = Field(default_factory=KubernetesEnginesSchema)
+    ray: RayEnginesSchema = Field(default_factory=RayEnginesSchema)
 
     @model_validator(mode="after")
     def _static_has_urls(self) -> EnginesSchema:
         if self.launcher == "static" and not self.static.urls:
             raise ValueError("launcher 'static' needs at least one URL in engines.static.urls")
+        if self.launcher == "kubernetes" and not self.kubernetes.services:
+            raise ValueError(
+                "launcher 'kubernetes' needs at least one headless Service in"
+                " engines.kubernetes.services"
+            )
+        names = [s.name for s in self.kubernetes.services]
+        if len(set(names)) != len(names):
+            raise ValueError("engines.kubernetes.services: a Service is listed twice")
+        return self
+
+
+def _minute_of_day(value: str) -> int:
+    """"HH:MM" (UTC) as minutes after midnight. Raises `ValueError`."""
+    hours, sep, minutes = value.partition(":")
+    if not sep or not hours.isdigit() or not minutes.isdigit() or len(minutes) != 2:
+        raise ValueError(f"expected a time of day as HH:MM (UTC), got {value!r}")
+    h, m = int(hours), int(minutes)
+    if not (0 <= h <= 24 and 0 <= m < 60) or h * 60 + m > 1440:
+        raise ValueError(f"time of day {value!r} is out of range (00:00 to 24:00)")
+    return h * 60 + m
+
+
+class ShareWindowSchema(_Strict):
+    """Bounds that apply between two times of day (UTC); `end` before `start` wraps past
+    midnight (night: start 20:00, end 08:00)."""
+
+    start: str  # "HH:MM", UTC
+    end: str
+    floor_frac: float = Field(default=0.0, ge=0.0, le=1.0)
+    ceiling_frac: float = Field(default=1.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _valid(self) -> ShareWindowSchema:
+        if _minute_of_day(self.start) == _minute_of_day(self.end):
+            raise ValueError(f"schedule window {self.start} to {self.end} is empty")
+        if self.floor_frac > self.ceiling_frac:
+            raise ValueError(
+                f"schedule window {self.start} to {self.end}: floor_frac {self.floor_frac} is"
+                f" above ceiling_frac {self.ceiling_frac}"
+            )
         return self
 
 
@@ -148,6 +234,9 @@ class ShareSchema(_Strict):
     initial_frac: float = Field(ge=0.0, le=1.0)
     floor_frac: float = Field(default=0.0, ge=0.0, le=1.0)
     ceiling_frac: float = Field(default=1.0, ge=0.0, le=1.0)
+    # time-of-day bounds for the rebalancer (the first window covering the time wins; outside
+    # every window floor_frac / ceiling_frac apply)
+    schedule: list[ShareWindowSchema] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _ordered(self) -> ShareSchema:
@@ -157,6 +246,25 @@ class ShareSchema(_Strict):
                 f"{self.initial_frac} / {self.ceiling_frac}"
             )
         return self
+
+
+class RebalancerSchema(_Strict):
+    """The loop that moves the pool ratio with demand (pools/rebalance.py)."""
+
+    enabled: bool = False  # off: the ratio stays where initial_frac and the SREs put it
+    interval_s: float = Field(default=30.0, gt=0)  # one decision (at most one step) per interval
+    hysteresis_frac: float = Field(default=0.2, ge=0)  # pressure gap below which nothing moves
+    cooldown_s: float = Field(default=60.0, ge=0)  # after a move, none for this long
+    smoothing_window_s: float = Field(default=90.0, gt=0)  # pressure averaged over this window
+    max_step_frac: float = Field(default=0.1, gt=0, le=1.0)  # largest share moved per step
+    # a whole instance moving pools joins its new pool when its old sequences finish, or after
+    # this long (they then finish where they are)
+    drain_timeout_s: float = Field(default=60.0, ge=0)
+    # a pool's overflow may use up to this fraction of another pool's instance while that pool
+    # has nothing waiting (0: no borrowing)
+    borrow_max_frac: float = Field(default=0.0, ge=0.0, le=1.0)
+    decision_log_path: str = "./.gpupool/decisions.sqlite"  # SQLite, one row per decision
+    decision_log_retention_days: float = Field(default=30.0, gt=0)
 
 
 class SloSchema(_Strict):
@@ -199,16 +307,70 @@ class PoolSchema(_Strict):
     share: ShareSchema
     slo: SloSchema = Field(default_factory=SloSchema)
     queue: QueueSchema = Field(default_factory=QueueSchema)
+    # instance ids (engine-0, ...) that always belong to this pool, whole: placed here first
+    # and never moved by the rebalancer
+    pinned_instances: list[str] = Field(default_factory=list)
     # vLLM request `priority` sent with this pool's requests (lower is scheduled first inside
     # the engine); None sends none. Needs engines started with `--scheduling-policy priority`
     # (the local launcher adds it when any pool sets this).
     engine_priority: int | None = None
 
 
+class RunGuardsSchema(_Strict):
+    """Limits on one agent run (requests sharing a run id); null: no limit. A stopped run's
+    next step gets 403 with code run_steps / run_tokens / run_gpu_seconds / run_duration /
+    run_loop (router/governance/guards.py)."""
+
+    max_steps: int | None = Field(default=50, gt=0)  # the 51st step is refused
+    max_tokens: int | None = Field(default=None, gt=0)  # prompt + completion, settled
+    max_gpu_seconds: float | None = Field(default=None, gt=0)
+    max_duration_s: float | None = Field(default=600.0, gt=0)  # from the run's first step
+    loop_repeats: int = Field(default=3, ge=0)  # same tool call + arguments N times; 0: off
+
+
+class TierSchema(_Strict):
+    """A concurrency tier (tenants pick one with `tier`)."""
+
+    max_concurrent_runs: int = Field(gt=0)  # active agent runs at once
+    max_concurrent_requests: int = Field(gt=0)  # requests in flight at once
+    queue_weight: float = Field(default=1.0, gt=0)  # multiplies the tenant's WFQ weight
+
+
+DEFAULT_TIERS: dict[str, dict[str, float]] = {
+    "free": {"max_concurrent_runs": 1, "max_concurrent_requests": 2, "queue_weight": 1.0},
+    "paid": {"max_concurrent_runs": 3, "max_concurrent_requests": 8, "queue_weight": 2.0},
+    "enterprise": {"max_concurrent_runs": 10, "max_concurrent_requests": 32, "queue_weight": 4.0},
+}
+DEFAULT_TASK_TYPES_S: dict[str, float] = {"short": 180.0, "standard": 600.0, "long": 1800.0}
+
+
+class GovernanceSchema(_Strict):
+    # merged over DEFAULT_TIERS (a tier given here replaces the default of that name)
+    tiers: dict[str, TierSchema] = Field(default_factory=dict)
+    # a run with no step for this long is no longer active (frees its concurrency slot)
+    run_idle_timeout_s: float = Field(default=120.0, gt=0)
+    # x-gpupool-task-type (or the tenant's task_type) -> the run's max_duration_s; merged over
+    # DEFAULT_TASK_TYPES_S
+    task_types_s: dict[str, float] = Field(default_factory=dict)
+    cost_alert_frac: float = Field(default=0.8, gt=0, le=1)  # of the hourly cost cap
+    # a daily budget scales the tenant's token and request rates by (1 - spent fraction),
+    # never below this fraction of them
+    daily_min_rate_frac: float = Field(default=0.1, gt=0, le=1)
+
+    @field_validator("task_types_s")
+    @classmethod
+    def _positive_durations(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, seconds in value.items():
+            if not seconds > 0:
+                raise ValueError(f"task type {name!r}: duration must be > 0 seconds")
+        return value
+
+
 class ClassSchema(_Strict):
     timeout_s: float = Field(default=300.0, gt=0)  # whole request, queue wait included
     expected_output_tokens: int = Field(default=256, gt=0)  # used before p95 is observed
     default_priority: int = 0
+    run_guards: RunGuardsSchema = Field(default_factory=RunGuardsSchema)
 
 
 class TenantSchema(_Strict):
@@ -218,8 +380,16 @@ class TenantSchema(_Strict):
     api_key: str | None = Field(default=None, repr=False)  # literal key: warns at load
     api_key_sha256: str | None = None  # hex SHA-256 of the key: the config holds no secret
     weight: float = Field(default=1.0, gt=0)
-    tokens_per_minute: int | None = Field(default=None, gt=0)
-    max_concurrent_runs: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)  # prompt + completion
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tier: str | None = None  # a governance tier (free / paid / enterprise or one configured)
+    max_concurrent_runs: int | None = Field(default=None, gt=0)  # overrides the tier's
+    cost_cap_gpu_seconds_per_hour: float | None = Field(default=None, gt=0)
+    daily_budget_gpu_seconds: float | None = Field(default=None, gt=0)
+    borrow_max_frac: float | None = Field(default=None, ge=0, le=1)
+    task_type: str | None = None  # default x-gpupool-task-type of its runs
+    # overrides of its classes' run guards (only the fields given)
+    run_guards: RunGuardsSchema | None = None
     default_class: str | None = None
     may_set_class: bool = True
     admin: bool = False  # may read /admin/* and /metrics (router.admin_api_key_env may too)
@@ -327,6 +497,21 @@ class ConfigSchema(_Strict):
     tenants: list[TenantSchema] = Field(default_factory=list)
     classification: ClassificationSchema = Field(default_factory=ClassificationSchema)
     router: RouterSchema = Field(default_factory=RouterSchema)
+    governance: GovernanceSchema = Field(default_factory=GovernanceSchema)
+    rebalancer: RebalancerSchema = Field(default_factory=RebalancerSchema)
+
+    @model_validator(mode="after")
+    def _pins_are_unique(self) -> ConfigSchema:
+        owner: dict[str, str] = {}
+        for name, pool in self.pools.items():
+            for instance_id in pool.pinned_instances:
+                if instance_id in owner:
+                    raise ValueError(
+                        f"instance {instance_id!r} is pinned to two pools ({owner[instance_id]!r}"
+                        f" and {name!r})"
+                    )
+                owner[instance_id] = name
+        return self
 
     @model_validator(mode="after")
     def _engine_priority_needs_the_policy(self) -> ConfigSchema:
@@ -371,6 +556,18 @@ class ConfigSchema(_Strict):
                 raise ValueError(
                     f"tenant {tenant.name!r}: default_class {tenant.default_class!r} is not served"
                     " by any pool"
+                )
+            tiers = {**DEFAULT_TIERS, **self.governance.tiers}
+            if tenant.tier is not None and tenant.tier not in tiers:
+                raise ValueError(
+                    f"tenant {tenant.name!r}: tier {tenant.tier!r} is not a governance tier"
+                    f" (known: {', '.join(sorted(tiers))})"
+                )
+            task_types = {**DEFAULT_TASK_TYPES_S, **self.governance.task_types_s}
+            if tenant.task_type is not None and tenant.task_type not in task_types:
+                raise ValueError(
+                    f"tenant {tenant.name!r}: task_type {tenant.task_type!r} is not in"
+                    f" governance.task_types_s (known: {', '.join(sorted(task_types))})"
                 )
         c = self.classification
         for what, cls in (
@@ -429,20 +626,74 @@ class StaticEnginesConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KubernetesServiceConfig:
+    name: str
+    port: int
+    gpus_per_instance: int
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesEnginesConfig:
+    services: tuple[KubernetesServiceConfig, ...] = ()
+    namespace: str | None = None
+    discovery: str = "api"
+    poll_interval_s: float = 2.0
+    drain_timeout_s: float = 600.0
+    cluster_domain: str = "cluster.local"
+    api_key: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class RayEnginesConfig:
+    address: str | None = None
+    count: int = 1
+    gpus_per_instance: int = 1  # 0: CPU engines
+    cpus_per_instance: float = 1.0
+    kv_cache_bytes: int | None = None
+    vllm_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    max_restarts: int = -1
+    startup_timeout_s: float = 600.0
+    poll_interval_s: float = 2.0
+    drain_timeout_s: float = 600.0
+    namespace: str = "gpupool"
+    api_key: str | None = field(default=None, repr=False)  # None: a random key per launch
+    secret_env: frozenset[str] = frozenset()  # env vars never passed to engines
+
+
+@dataclass(frozen=True, slots=True)
 class EnginesConfig:
     launcher: str
     local: LocalEnginesConfig
     static: StaticEnginesConfig
+    kubernetes: KubernetesEnginesConfig = KubernetesEnginesConfig()
+    ray: RayEnginesConfig = RayEnginesConfig()
 
     @property
     def instance_count(self) -> int:
-        return len(self.static.urls) if self.launcher == "static" else self.local.count
+        """Instances the config names; 0 for kubernetes (they are discovered at run time)."""
+        if self.launcher == "static":
+            return len(self.static.urls)
+        if self.launcher == "ray":
+            return self.ray.count
+        if self.launcher == "kubernetes":
+            return 0
+        return self.local.count
 
     @property
     def gpus_per_instance(self) -> int:
         if self.launcher == "static":
             return self.static.gpus_per_instance
+        if self.launcher == "ray":
+            return max(1, self.ray.gpus_per_instance)
+        if self.launcher == "kubernetes":
+            return max(s.gpus_per_instance for s in self.kubernetes.services)
         return self.local.gpus_per_instance
+
+    @property
+    def vllm_args(self) -> tuple[str, ...]:
+        """The engines' extra vLLM arguments where gpupool starts them (local, ray)."""
+        return self.ray.vllm_args if self.launcher == "ray" else self.local.vllm_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,6 +701,35 @@ class ShareConfig:
     initial_frac: float
     floor_frac: float
     ceiling_frac: float
+    schedule: tuple[ScheduleWindow, ...] = ()
+
+    @property
+    def bounds(self) -> Bounds:
+        return Bounds(self.floor_frac, self.ceiling_frac)
+
+
+@dataclass(frozen=True, slots=True)
+class RebalancerConfig:
+    enabled: bool = False
+    interval_s: float = 30.0
+    hysteresis_frac: float = 0.2
+    cooldown_s: float = 60.0
+    smoothing_window_s: float = 90.0
+    max_step_frac: float = 0.1
+    drain_timeout_s: float = 60.0
+    borrow_max_frac: float = 0.0
+    decision_log_path: Path = Path("./.gpupool/decisions.sqlite")
+    decision_log_retention_days: float = 30.0
+
+    @property
+    def settings(self) -> RebalanceSettings:
+        return RebalanceSettings(
+            interval_s=self.interval_s,
+            hysteresis_frac=self.hysteresis_frac,
+            cooldown_s=self.cooldown_s,
+            smoothing_window_s=self.smoothing_window_s,
+            max_step_frac=self.max_step_frac,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,6 +755,40 @@ class PoolConfig:
     slo: SloConfig
     queue: QueueConfig
     engine_priority: int | None = None
+    pinned_instances: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RunGuardsConfig:
+    max_steps: int | None = 50
+    max_tokens: int | None = None
+    max_gpu_seconds: float | None = None
+    max_duration_s: float | None = 600.0
+    loop_repeats: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    name: str
+    max_concurrent_runs: int
+    max_concurrent_requests: int
+    queue_weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class GovernanceConfig:
+    tiers: tuple[TierConfig, ...] = tuple(
+        TierConfig(name, int(t["max_concurrent_runs"]), int(t["max_concurrent_requests"]),
+                   t["queue_weight"])
+        for name, t in DEFAULT_TIERS.items()
+    )  # fmt: skip
+    run_idle_timeout_s: float = 120.0
+    task_types_s: tuple[tuple[str, float], ...] = tuple(DEFAULT_TASK_TYPES_S.items())
+    cost_alert_frac: float = 0.8
+    daily_min_rate_frac: float = 0.1
+
+    def tier(self, name: str | None) -> TierConfig | None:
+        return next((t for t in self.tiers if t.name == name), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -483,6 +797,7 @@ class ClassConfig:
     timeout_s: float
     expected_output_tokens: int
     default_priority: int
+    run_guards: RunGuardsConfig = RunGuardsConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -496,6 +811,14 @@ class TenantConfig:
     may_set_class: bool
     admin: bool = False
     api_key_sha256: str | None = None  # hex SHA-256 of the key however given; None: no key
+    requests_per_minute: int | None = None
+    tier: str | None = None
+    cost_cap_gpu_seconds_per_hour: float | None = None
+    daily_budget_gpu_seconds: float | None = None
+    borrow_max_frac: float | None = None
+    task_type: str | None = None
+    # the run guard fields the tenant overrides, as (field, value) pairs
+    run_guards: tuple[tuple[str, float | int | None], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -544,6 +867,8 @@ class Config:
     classification: ClassificationConfig
     router: RouterConfig
     source: str = field(default="<default>")
+    governance: GovernanceConfig = GovernanceConfig()
+    rebalancer: RebalancerConfig = RebalancerConfig()
 
     def pool(self, name: str) -> PoolConfig:
         for pool in self.pools:
@@ -645,6 +970,19 @@ def _freeze_keys(
                 may_set_class=t.may_set_class,
                 admin=t.admin,
                 api_key_sha256=digest,
+                requests_per_minute=t.requests_per_minute,
+                tier=t.tier,
+                cost_cap_gpu_seconds_per_hour=t.cost_cap_gpu_seconds_per_hour,
+                daily_budget_gpu_seconds=t.daily_budget_gpu_seconds,
+                borrow_max_frac=t.borrow_max_frac,
+                task_type=t.task_type,
+                run_guards=(
+                    ()
+                    if t.run_guards is None
+                    else tuple(
+                        (k, getattr(t.run_guards, k)) for k in sorted(t.run_guards.model_fields_set)
+                    )
+                ),
             )
         )
     r = schema.router
@@ -690,11 +1028,13 @@ def _secret_env_names(node: Any) -> frozenset[str]:
 def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
     problems: list[str] = []
     tenants, admin_sha256, metrics_sha256 = _freeze_keys(schema, source, problems)
-    local_key, static_key = (
+    local_key, static_key, kubernetes_key, ray_key = (
         _env_key(var, f"engines.{which}.api_key_env", problems) if var else None
         for which, var in (
             ("local", schema.engines.local.api_key_env),
             ("static", schema.engines.static.api_key_env),
+            ("kubernetes", schema.engines.kubernetes.api_key_env),
+            ("ray", schema.engines.ray.api_key_env),
         )
     )
     if problems:
@@ -704,7 +1044,19 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
         PoolConfig(
             name=name,
             classes=tuple(p.classes),
-            share=ShareConfig(p.share.initial_frac, p.share.floor_frac, p.share.ceiling_frac),
+            share=ShareConfig(
+                p.share.initial_frac,
+                p.share.floor_frac,
+                p.share.ceiling_frac,
+                tuple(
+                    ScheduleWindow(
+                        _minute_of_day(w.start),
+                        _minute_of_day(w.end),
+                        Bounds(w.floor_frac, w.ceiling_frac),
+                    )
+                    for w in p.share.schedule
+                ),
+            ),
             slo=SloConfig(p.slo.ttft_p95_ms, p.slo.tpot_p95_ms),
             queue=QueueConfig(
                 p.queue.max_depth,
@@ -714,6 +1066,7 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
                 p.queue.run_las_idle_decay_s,
             ),
             engine_priority=p.engine_priority,
+            pinned_instances=tuple(p.pinned_instances),
         )
         for name, p in schema.pools.items()
     )
@@ -726,6 +1079,9 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
                 schema.classes[c].expected_output_tokens if c in schema.classes else 256
             ),
             default_priority=schema.classes[c].default_priority if c in schema.classes else 0,
+            run_guards=_freeze_run_guards(
+                schema.classes[c].run_guards if c in schema.classes else RunGuardsSchema()
+            ),
         )
         for c in class_names
     )
@@ -764,6 +1120,8 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
                 gpus_per_instance=schema.engines.static.gpus_per_instance,
                 api_key=static_key,
             ),
+            kubernetes=_freeze_kubernetes(schema.engines.kubernetes, kubernetes_key),
+            ray=_freeze_ray(schema.engines.ray, ray_key, _secret_env_names(schema)),
         ),
         pools=pools,
         classes=classes,
@@ -801,6 +1159,81 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
             metrics_api_key_sha256=metrics_sha256,
         ),
         source=source,
+        governance=_freeze_governance(schema.governance),
+        rebalancer=_freeze_rebalancer(schema.rebalancer, base),
+    )
+
+
+def _freeze_rebalancer(r: RebalancerSchema, base: Path) -> RebalancerConfig:
+    return RebalancerConfig(
+        enabled=r.enabled,
+        interval_s=r.interval_s,
+        hysteresis_frac=r.hysteresis_frac,
+        cooldown_s=r.cooldown_s,
+        smoothing_window_s=r.smoothing_window_s,
+        max_step_frac=r.max_step_frac,
+        drain_timeout_s=r.drain_timeout_s,
+        borrow_max_frac=r.borrow_max_frac,
+        decision_log_path=_resolve(base, r.decision_log_path),
+        decision_log_retention_days=r.decision_log_retention_days,
+    )
+
+
+def _freeze_kubernetes(k: KubernetesEnginesSchema, key: str | None) -> KubernetesEnginesConfig:
+    return KubernetesEnginesConfig(
+        services=tuple(
+            KubernetesServiceConfig(s.name, s.port, s.gpus_per_instance) for s in k.services
+        ),
+        namespace=k.namespace,
+        discovery=k.discovery,
+        poll_interval_s=k.poll_interval_s,
+        drain_timeout_s=k.drain_timeout_s,
+        cluster_domain=k.cluster_domain,
+        api_key=key,
+    )
+
+
+def _freeze_ray(
+    r: RayEnginesSchema, key: str | None, secret_env: frozenset[str]
+) -> RayEnginesConfig:
+    return RayEnginesConfig(
+        address=r.address,
+        count=r.count,
+        gpus_per_instance=r.gpus_per_instance,
+        cpus_per_instance=r.cpus_per_instance,
+        kv_cache_bytes=r.kv_cache_bytes,
+        vllm_args=tuple(r.vllm_args),
+        env=tuple(sorted(r.env.items())),
+        max_restarts=r.max_restarts,
+        startup_timeout_s=r.startup_timeout_s,
+        poll_interval_s=r.poll_interval_s,
+        drain_timeout_s=r.drain_timeout_s,
+        namespace=r.namespace,
+        api_key=key,
+        secret_env=secret_env,
+    )
+
+
+def _freeze_run_guards(g: RunGuardsSchema) -> RunGuardsConfig:
+    return RunGuardsConfig(
+        g.max_steps, g.max_tokens, g.max_gpu_seconds, g.max_duration_s, g.loop_repeats
+    )
+
+
+def _freeze_governance(g: GovernanceSchema) -> GovernanceConfig:
+    tiers = {
+        **{name: TierSchema.model_validate(t) for name, t in DEFAULT_TIERS.items()},
+        **g.tiers,
+    }
+    return GovernanceConfig(
+        tiers=tuple(
+            TierConfig(name, t.max_concurrent_runs, t.max_concurrent_requests, t.queue_weight)
+            for name, t in tiers.items()
+        ),
+        run_idle_timeout_s=g.run_idle_timeout_s,
+        task_types_s=tuple({**DEFAULT_TASK_TYPES_S, **g.task_types_s}.items()),
+        cost_alert_frac=g.cost_alert_frac,
+        daily_min_rate_frac=g.daily_min_rate_frac,
     )
 
 
@@ -881,20 +1314,74 @@ def default_config() -> Config:
 
 
 def not_yet_in_effect(config: Config) -> list[str]:
-    """Settings that are validated but do not steer anything yet (printed by check-config).
-
-    The pool ratio stays at `initial_frac` until the rebalancer exists: `floor_frac` and
-    `ceiling_frac` are checked for consistency only, and nothing reads `router.state_path`.
-    """
+    """Settings that are validated but do not steer anything in this config (printed by
+    check-config): with `rebalancer.enabled: false` the ratio moves only when an SRE moves it
+    (`gpupool pools move` / `pin`), so the bounds bind only those moves."""
     notes = []
-    bounded = [p.name for p in config.pools if p.share.floor_frac > 0 or p.share.ceiling_frac < 1]
-    if bounded:
-        notes.append(
-            f"pools {', '.join(bounded)}: share.floor_frac / share.ceiling_frac are checked for"
-            " consistency but not used yet: the ratio stays at initial_frac (no rebalancer yet)"
-        )
-    notes.append("router.state_path: not used yet (it will hold the rebalancer's SRE settings)")
+    if not config.rebalancer.enabled:
+        bounded = [
+            p.name
+            for p in config.pools
+            if p.share.floor_frac > 0 or p.share.ceiling_frac < 1 or p.share.schedule
+        ]
+        if bounded:
+            notes.append(
+                f"pools {', '.join(bounded)}: share bounds and schedules bind only SRE moves:"
+                " rebalancer.enabled is false, so the ratio does not follow demand"
+            )
     return notes
+
+
+def _rebalancer_problems(config: Config) -> list[str]:
+    """Schedules keep floors summing to at most 1 and ceilings to at least 1 at every minute
+    of the day; pinned instances exist (static and local launchers name them engine-N)."""
+    problems: list[str] = []
+    eps = 1e-6
+    edges = sorted({0} | {w.start_min for p in config.pools for w in p.share.schedule})
+    edges += sorted({w.end_min for p in config.pools for w in p.share.schedule})
+    for minute in sorted(set(edges)):
+        at = {p.name: bounds_at(p.share.bounds, p.share.schedule, minute) for p in config.pools}
+        floors = sum(b.floor_frac for b in at.values())
+        ceilings = sum(b.ceiling_frac for b in at.values())
+        if floors > 1 + eps or ceilings < 1 - eps:
+            problems.append(
+                f"pools: at {minute // 60:02d}:{minute % 60:02d} UTC the scheduled floors sum to"
+                f" {floors:.3f} and ceilings to {ceilings:.3f} (floors must sum to at most 1,"
+                " ceilings to at least 1)"
+            )
+            break
+    if config.engines.launcher in ("local", "static"):
+        known = {f"engine-{i}" for i in range(config.engines.instance_count)}
+        for pool in config.pools:
+            for instance_id in pool.pinned_instances:
+                if instance_id not in known:
+                    problems.append(
+                        f"pools.{pool.name}.pinned_instances: no instance {instance_id!r} (the"
+                        f" {config.engines.launcher} launcher names engine-0 to"
+                        f" engine-{config.engines.instance_count - 1})"
+                    )
+    return problems
+
+
+def _governance_problems(config: Config, tenant: TenantConfig) -> list[str]:
+    """A tenant's limits that are not enforced yet, or that the engines cannot honour."""
+    problems = []
+    if tenant.borrow_max_frac is not None:
+        problems.append(
+            f"tenants.{tenant.name}.borrow_max_frac: not enforced yet (borrowing between"
+            " tenants is not built); remove it rather than rely on it"
+        )
+    tier = config.governance.tier(tenant.tier)
+    args = config.engines.local.vllm_args
+    seqs = next((int(args[i + 1]) for i, a in enumerate(args[:-1]) if a == "--max-num-seqs"), 256)
+    engine_seqs = seqs * config.engines.instance_count
+    if tier is not None and engine_seqs and tier.max_concurrent_requests > engine_seqs:
+        problems.append(
+            f"tenants.{tenant.name}.tier: tier {tier.name!r} allows"
+            f" {tier.max_concurrent_requests} requests in flight, more than the engines run at"
+            f" once ({engine_seqs}: --max-num-seqs x instances)"
+        )
+    return problems
 
 
 def contract_problems(config: Config) -> list[str]:
@@ -905,8 +1392,9 @@ def contract_problems(config: Config) -> list[str]:
       expected output tokens at the TPOT target) fits the class timeout;
     - each pool can hold at least one instance's worth of capacity (ceiling >= 1/instances)
       when there is more than one instance;
-    - no tenant sets a limit that is not enforced yet (`tokens_per_minute`,
-      `max_concurrent_runs`).
+    - no tenant sets a limit that is not enforced yet (`borrow_max_frac`);
+    - a class's run guard `max_duration_s` is not shorter than one request of it may take
+      (`timeout_s`); a tenant's tier allows no more requests in flight than the engines run.
     """
     problems: list[str] = []
     eps = 1e-6
@@ -942,12 +1430,16 @@ def contract_problems(config: Config) -> list[str]:
                     f" instances is less than one instance ({1 / n:.3f})"
                 )
     for tenant in config.tenants:
-        for name in ("tokens_per_minute", "max_concurrent_runs"):
-            if getattr(tenant, name) is not None:
-                problems.append(
-                    f"tenants.{tenant.name}.{name}: not enforced yet (tenant token budgets and"
-                    " run limits are a later issue); remove it rather than rely on it"
-                )
+        problems.extend(_governance_problems(config, tenant))
+    for cls in config.classes:
+        guard_s = cls.run_guards.max_duration_s
+        if guard_s is not None and guard_s < cls.timeout_s:
+            problems.append(
+                f"classes.{cls.name}.run_guards.max_duration_s: {guard_s:g} s is shorter than"
+                f" one request's timeout_s {cls.timeout_s:g}: a single step could outlive its"
+                " run"
+            )
+    problems.extend(_rebalancer_problems(config))
     affinity = config.engines.local.cpu_affinity
     if config.engines.launcher == "local" and affinity is not None and len(affinity) != n:
         problems.append(
