@@ -9,33 +9,57 @@ trickles its headers therefore holds a connection for as long as it likes, and
 - the head of every request (and the first byte of a new connection) must arrive within
   `head_timeout_s` of the connection opening or the previous response ending, else the
   connection gets a 408 and is closed;
-- a head over `max_head_bytes` gets a 431 and the connection is closed.
+- a head over `max_head_bytes` gets a 431 and the connection is closed;
+- uvicorn's own answers, a 400 for bytes that are not HTTP and the 503 beyond
+  `limit_concurrency` (`router.max_connections`), are OpenAI-shaped JSON too instead of its
+  plain text.
 
-Both answers are OpenAI-shaped JSON, like every other gpupool error. The body has its own
+Every answer here is OpenAI-shaped JSON, like every other gpupool error. The body has its own
 deadline on the request path (`router.body_read_timeout_s`, router/proxy.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 __all__ = ["guarded_protocol"]
 
+log = logging.getLogger(__name__)
 
-def _error(status: int, reason: str, message: str, code: str) -> bytes:
-    body = orjson.dumps(
+
+def _error_body(message: str, code: str, kind: str = "invalid_request_error") -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "code": code, "param": None}})
+
+
+_OVERLOADED = _error_body(
+    "the router is at router.max_connections; retry shortly", "too_many_connections", "overloaded"
+)
+
+
+async def _overloaded(scope: Any, receive: Any, send: Any) -> None:
+    """The ASGI answer past the connection cap (uvicorn's `service_unavailable`, as JSON)."""
+    await send(
         {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error",
-                "code": code,
-                "param": None,
-            }
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(_OVERLOADED)).encode("ascii")),
+                (b"connection", b"close"),
+                (b"retry-after", b"1"),
+            ],
         }
     )
+    await send({"type": "http.response.body", "body": _OVERLOADED})
+
+
+def _error(status: int, reason: str, message: str, code: str) -> bytes:
+    body = _error_body(message, code)
     return (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
@@ -47,6 +71,10 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
     max_head_bytes: int = 64 * 1024
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        # the cap is checked here (on_headers_complete), so that the answer is ours, not
+        # uvicorn's plain-text one: the same test as uvicorn's, on connections and tasks
+        self._max_concurrency = self.limit_concurrency
+        self.limit_concurrency = None
         super().connection_made(transport)
         self._in_head = True
         self._head_bytes = 0
@@ -93,7 +121,27 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0
         self._disarm_head_timer()
+        cap = self._max_concurrency
+        if cap is not None and (len(self.connections) >= cap or len(self.tasks) >= cap):
+            log.warning("over router.max_connections (%d): 503", cap)
+            app, self.app = self.app, _overloaded
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+            return
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        body = _error_body(f"not a valid HTTP request: {msg}", "invalid_http")
+        self.transport.write(
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"content-length: "
+            + str(len(body)).encode("ascii")
+            + b"\r\nconnection: close\r\n\r\n"
+            + body
+        )
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

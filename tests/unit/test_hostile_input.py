@@ -401,6 +401,9 @@ def test_uvicorn_refuses_malformed_header_bytes(live: LiveRouter, extra: bytes) 
     seen = len(live.engine_headers)
     answer = _raw_exchange(live, _request(live, extra))
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower()
+    assert orjson.loads(body)["error"]["code"] == "invalid_http"  # OpenAI's shape
     assert b"x-injected" not in answer.lower()
     assert len(live.engine_headers) == seen  # nothing went upstream
 
