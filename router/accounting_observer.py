@@ -6,12 +6,17 @@ sharing clock on its instance, as a step of its run (tenant, run id) whose attai
 usage is known it stops the clock, so the cost can go in the response (`x-gpupool-gpu-seconds`
 header, `usage.gpu_seconds` with `x-gpupool-usage: 1`); at the end it writes one
 `RequestRecord` to the ledger and counts the GPU-seconds in Prometheus. O(1) per event.
+
+It also keeps each run's span (class of its first step, first arrival, last byte out; an LRU
+of `max_runs`), so when governance ends a run, `run_completed` says how long it took.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from router.accounting import Accountant, SequenceToken
@@ -20,6 +25,13 @@ from router.ledger import Ledger, RequestRecord
 from router.request import RequestOutcome
 
 __all__ = ["AccountingObserver"]
+
+
+@dataclass(slots=True)
+class _RunSpan:
+    class_name: str  # of the run's first step
+    first_arrival_s: float
+    last_end_s: float
 
 
 class AccountingObserver:
@@ -31,7 +43,10 @@ class AccountingObserver:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        max_runs: int = 100_000,
     ) -> None:
+        self._runs: OrderedDict[tuple[str, str], _RunSpan] = OrderedDict()
+        self._max_runs = max_runs
         self.accountant = accountant
         self.ledger = ledger
         self.metrics = metrics
@@ -61,9 +76,34 @@ class AccountingObserver:
     def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
         return {"gpu_seconds": round(self._settle(outcome), 6)}
 
+    def run_completed(self, tenant: str, run_id: str) -> tuple[str, float] | None:
+        """A run ended: the class of its first step and its completion time in seconds (first
+        step's arrival to the last step's last byte), or None when no step of it finished
+        here. Forgets the run (its next step starts a new span)."""
+        span = self._runs.pop((tenant, run_id), None)
+        if span is None:
+            return None
+        return span.class_name, max(0.0, span.last_end_s - span.first_arrival_s)
+
+    def _note_step(self, outcome: RequestOutcome) -> None:
+        ctx = outcome.ctx
+        if ctx.run_id is None:
+            return
+        key = (ctx.tenant, ctx.run_id)
+        span = self._runs.get(key)
+        if span is None:
+            self._runs[key] = _RunSpan(ctx.class_name, ctx.received_at_s, outcome.ended_at_s)
+            if len(self._runs) > self._max_runs:
+                self._runs.popitem(last=False)
+            return
+        span.first_arrival_s = min(span.first_arrival_s, ctx.received_at_s)
+        span.last_end_s = max(span.last_end_s, outcome.ended_at_s)
+        self._runs.move_to_end(key)
+
     def finished(self, outcome: RequestOutcome) -> None:
         gpu_s = self._settle(outcome)
         ctx = outcome.ctx
+        self._note_step(outcome)
         offset = self._wall_clock() - self._clock()
         self.metrics.observe_request(ctx.pool, ctx.class_name, ctx.tenant, gpu_s)
         self.ledger.submit(

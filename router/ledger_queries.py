@@ -93,11 +93,37 @@ def run_summary(conn: sqlite3.Connection, run_id: str, tenant: str | None) -> Js
             "completion_tokens": sum(r["completion_tokens"] for r in requests),
             "gpu_seconds": math.fsum(r["gpu_seconds"] for r in requests),
             "wall_s": last_s - first_s,
-            "queue_s": math.fsum(r["queue_s"] for r in requests),
+            **_time_split(requests, last_s - first_s),
         },
         "ttft_s": _distribution(r["ttft_s"] for r in requests),
         "tpot_s": _distribution(r["tpot_s"] for r in requests),
         "requests": requests,
+    }
+
+
+def _time_split(requests: Sequence[JsonDict], wall_s: float) -> JsonDict:
+    """Where a run's wall time went: `queue_s` (its steps waiting in the router's queue),
+    `exec_s` (its steps from dispatch to their last byte) and `between_steps_s` (no step of
+    it at the router: tool calls and the client's own time, seen as gaps). Queue and exec are
+    sums over steps; for a run whose steps do not overlap the three add up to `wall_s`."""
+    queue_s = math.fsum(r["queue_s"] for r in requests)
+    exec_s = math.fsum(
+        max(0.0, r["ended_at_s"] - r["started_at_s"] - r["queue_s"]) for r in requests
+    )
+    spans = sorted((r["started_at_s"], r["ended_at_s"]) for r in requests)
+    busy_s = 0.0  # the union of the steps' [arrival, last byte] spans
+    span_start, span_end = spans[0]
+    for start, end in spans[1:]:
+        if start > span_end:
+            busy_s += span_end - span_start
+            span_start, span_end = start, end
+        else:
+            span_end = max(span_end, end)
+    busy_s += span_end - span_start
+    return {
+        "queue_s": queue_s,
+        "exec_s": exec_s,
+        "between_steps_s": max(0.0, wall_s - busy_s),
     }
 
 

@@ -15,6 +15,7 @@ _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
 _OVERHEAD_BUCKETS_S = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
 _QUEUE_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+_RUN_BUCKETS_S = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 
 
 class RouterMetrics:
@@ -110,6 +111,15 @@ class RouterMetrics:
             "Time requests waited for admission (those that waited at all)",
             ["pool", "class"],
             buckets=_QUEUE_BUCKETS_S,
+            registry=r,
+        )
+        self.run_completion = Histogram(
+            "gpupool_run_completion_seconds",
+            "Agent runs by the class of their first step: first step's arrival to last step's"
+            " last byte, observed when the run ends (closed by the client, idle timeout or a"
+            " run guard)",
+            ["class"],
+            buckets=_RUN_BUCKETS_S,
             registry=r,
         )
         self.rejections = Counter(
@@ -209,6 +219,9 @@ class RouterMetrics:
 
     def observe_queue_wait(self, pool: str, cls: str, wait_s: float) -> None:
         self.queue_wait.labels(pool, cls).observe(wait_s)
+
+    def observe_run_completion(self, cls: str, completion_s: float) -> None:
+        self.run_completion.labels(cls).observe(completion_s)
 
     def rejected(self, pool: str, reason: str) -> None:
         self.rejections.labels(pool, reason).inc()

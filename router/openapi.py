@@ -239,6 +239,8 @@ def _schemas(config: Config) -> dict[str, Schema]:
                         "gpu_seconds": _NUM,
                         "wall_s": _NUM,
                         "queue_s": _NUM,
+                        "exec_s": _NUM,
+                        "between_steps_s": _NUM,
                     },
                 ),
                 "ttft_s": _ref("Distribution"),
