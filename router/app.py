@@ -30,6 +30,7 @@ from gpu_probe.sampler import GpuSampler
 from kvcache_model import KVCacheModelError, LatencyPrior, gpu_spec, load_geometry
 from pools.allocation import PoolMap, plan_allocation
 from pools.config import Config
+from pools.discovery import DiscoveryLoop, EngineSource
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.operating_point import OperatingPoint, TpotLine
@@ -47,13 +48,19 @@ from router.errors import (
     error_for_status,
 )
 from router.estimate import TokenEstimator
+from router.governance import GovernanceMetrics, Governor, RunEnd
+from router.history import History, reading_from
 from router.identity import OperatorAccess, Tenants
 from router.ledger import Ledger
+from router.membership import Membership, forget_instance_series
 from router.metrics import RouterMetrics
 from router.openapi import openapi_document
 from router.picking import RunAffinity, default_picker
 from router.proxy import CompletionsHandler
+from router.rebalancer import Rebalancer
+from router.rebalancer_api import register_pools_admin
 from router.request import Message, Receive, RequestObserver, Scope, Send
+from router.ui import register_ui
 
 __all__ = ["Gateway", "create_app"]
 
@@ -76,6 +83,7 @@ class Gateway:
         observers: list[RequestObserver] | None = None,
         scrape: bool = True,
         nvml: NvmlApi | None = None,
+        source: EngineSource | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -92,7 +100,8 @@ class Gateway:
             lambda iid, ok: self.metrics.healthy.labels(iid).set(1 if ok else 0)
         )
         shares = {p.name: p.share.initial_frac for p in config.pools}
-        self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares))
+        pinned = {i: p.name for p in config.pools for i in p.pinned_instances}
+        self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares, pinned=pinned))
         self.affinity = RunAffinity()
         self.picker = default_picker(self.fleet, self.affinity, rng or random.Random())
         max_num_seqs = _max_num_seqs(config)
@@ -109,21 +118,52 @@ class Gateway:
             clock=clock,
             run_usage=self.accountant.run_usage,
         )
+        # the pool ratio follows demand; SRE controls; the decision log (router/rebalancer.py)
+        self.rebalancer = Rebalancer(
+            config, self.fleet, self.pool_map, self.admitter.queues, self.metrics, clock=clock
+        )
         self.estimator = estimator or TokenEstimator.from_config(config)
         self.accounting_metrics = AccountingMetrics(self.metrics.registry)
         self.ledger = Ledger.from_config(
             rc, snapshot_source=lambda: self.accountant.conservation(self.clock())
         )
         self.gpu_sampler = GpuSampler(registry=self.metrics.registry, nvml=nvml)
-        self._observers = [
+        self.governor = Governor(
+            config,
+            GovernanceMetrics(self.metrics.registry),
+            clock=clock,
+            on_run_end=self._run_ended,
+        )
+        self._observers: list[RequestObserver] = [
             AccountingObserver(self.accountant, self.ledger, self.accounting_metrics, clock=clock),
+            self.governor,  # after accounting: it settles with the request's GPU-seconds
+            self.rebalancer.signals,
             *(observers or []),
         ]
+        # engines that come and go (Kubernetes, Ray): the fleet follows `source`
+        self.membership = Membership(
+            self.fleet,
+            self.pool_map,
+            self.accountant,
+            target_shares=lambda: shares,
+            pinned=self.rebalancer.pinned_instances,
+            drain_timeout_s=source.drain_timeout_s if source is not None else 0.0,
+            registry=self.metrics.registry,
+            new_operating_point=lambda: OperatingPoint(max_num_seqs=max_num_seqs),
+            on_join=lambda iid: self.scraper.track(iid) if self.scraper is not None else None,
+            on_gone=lambda iid: forget_instance_series(self.metrics, iid),
+            clock=clock,
+        )
+        self.discovery = (
+            DiscoveryLoop(source, self.membership.reconcile) if source is not None else None
+        )
         self._scrape = scrape
         self.session: aiohttp.ClientSession | None = None
         self.scraper: TelemetryScraper | None = None
         self.handler: CompletionsHandler | None = None
         self.max_model_len_tokens: int | None = config.model.max_model_len_tokens
+        # the last hour for the status page's plots (GET /admin/history)
+        self.history = History(lambda: reading_from(self.pools_view(), self.metrics.registry))
         self.api = self._build_api()
         self._started = False
 
@@ -141,8 +181,10 @@ class Gateway:
                 iid, float(state.spec.gpus), dict(allocation.pools_of(iid)), now
             )
         self.pool_map.on_change(self._shares_changed)
+        await self.rebalancer.start()
         await self.ledger.start()
         await self.gpu_sampler.start()
+        await self.governor.start()
         self._seed_operating_points()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
@@ -157,6 +199,8 @@ class Gateway:
         )
         if self._scrape:
             await self.scraper.start()
+        if self.discovery is not None:
+            await self.discovery.start()
         self.handler = CompletionsHandler(
             config=self.config,
             tenants=self.tenants,
@@ -168,9 +212,11 @@ class Gateway:
             metrics=self.metrics,
             observers=self._observers,
             clock=self.clock,
+            governor=self.governor,
         )
         if self.tenants.open:
             log.warning("no API keys configured: the router is open to anyone who can reach it")
+        await self.history.start()
         self._started = True
 
     def _seed_operating_points(self) -> None:
@@ -203,13 +249,31 @@ class Gateway:
         )
 
     async def aclose(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.aclose()
+        await self.history.aclose()
         if self.scraper is not None:
             await self.scraper.aclose()
         if self.session is not None:
             await self.session.close()
+        await self.governor.aclose()
+        await self.rebalancer.aclose()
         await self.ledger.aclose()
         await self.gpu_sampler.aclose()
         self._started = False
+
+    def _run_ended(self, end: RunEnd) -> None:
+        """The ledger records why each run ended (governance: client_end, idle_timeout, or the
+        run guard's code)."""
+        self.ledger.submit_run_end(
+            tenant=end.tenant,
+            run_id=end.run_id,
+            reason=end.reason,
+            ended_at_s=time.time() - (self.clock() - end.ended_at_s),
+            steps=end.steps,
+            tokens=end.tokens,
+            gpu_seconds=end.gpu_seconds,
+        )
 
     def _shares_changed(self, allocation: Any) -> None:
         now = self.clock()
@@ -309,6 +373,7 @@ class Gateway:
             "admission": self.config.router.admission,
             "pools": pools,
             "instances": instances,
+            "rebalancer": self.rebalancer.view(),
         }
 
     def _queue_view(self, pool: str) -> dict[str, Any]:
@@ -331,6 +396,7 @@ class Gateway:
         for pool in self.config.pools:
             m.pool_share.labels(pool.name).set(allocation.share_of(pool.name, capacity))
             m.queue_depth(pool.name, len(self.admitter.queues[pool.name]))
+        self.rebalancer.refresh_gauges()
         for state in self.fleet:
             iid = state.spec.instance_id
             m.healthy.labels(iid).set(1 if state.healthy else 0)
@@ -418,6 +484,16 @@ class Gateway:
             access.authorize_admin(request.headers.get("authorization"))
             return self.pools_view()
 
+        register_pools_admin(api, access, self.rebalancer)
+
+        @api.get("/admin/history")
+        async def admin_history(request: Request) -> dict[str, Any]:
+            access.authorize_admin(request.headers.get("authorization"))
+            since_s = _float_param(request.query_params.get("since_s"), "since_s")
+            return self.history.view(since_s)
+
+        register_ui(api, access)
+
         @api.get("/admin/gpus")
         async def admin_gpus(request: Request) -> dict[str, Any]:
             access.authorize_admin(request.headers.get("authorization"))
@@ -425,6 +501,29 @@ class Gateway:
             return {
                 "object": "gpupool.gpus",
                 "snapshot": None if latest is None else latest.to_dict(),
+            }
+
+        @api.get("/v1/budget")
+        async def budget(request: Request) -> dict[str, Any]:
+            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            return self.governor.budget(tenant)
+
+        @api.post("/v1/runs/{run_id}/end")
+        async def end_run(run_id: str, request: Request) -> dict[str, Any]:
+            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            run = self.governor.end_run(tenant.name, run_id)
+            if run is None:
+                raise NotFound(
+                    f"no active or recent run {run_id[:64]!r} for tenant {tenant.name!r}",
+                    "run_not_found",
+                )
+            return {
+                "object": "gpupool.run_end",
+                "run_id": run_id,
+                "reason": run.ended,
+                "steps": run.steps,
+                "tokens": run.tokens,
+                "gpu_seconds": round(run.gpu_seconds, 6),
             }
 
         @api.get("/v1/runs/{run_id}")

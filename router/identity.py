@@ -23,6 +23,7 @@ here logs a key, a header or a digest.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import ipaddress
@@ -62,13 +63,28 @@ def _tenant_digest(tenant: TenantConfig) -> bytes | None:
 
 
 def _presented_key(authorization: str | None) -> str:
-    """The key in an `Authorization: Bearer <key>` value. Raises `Unauthorized`."""
+    """The key in an `Authorization: Bearer <key>` value, or the password of `Basic` credentials
+    (any user name: a browser asks for them on the status page, `GET /ui`, and then sends them
+    with the page's own calls to /admin/*). Raises `Unauthorized`."""
     if not authorization:
         raise Unauthorized("missing API key: send `Authorization: Bearer <key>`", "missing_api_key")
     scheme, _, key = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
+    if scheme.lower() == "basic":
+        key = _basic_password(key.strip())
+    elif scheme.lower() != "bearer":
+        key = ""
+    if not key.strip():
         raise Unauthorized("malformed Authorization header: use `Bearer <key>`", "invalid_api_key")
     return key.strip()
+
+
+def _basic_password(credentials: str) -> str:
+    """The password in base64 `user:password` (empty when it does not decode)."""
+    try:
+        decoded = base64.b64decode(credentials, validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return ""
+    return decoded.partition(":")[2]
 
 
 def is_loopback_host(host: str) -> bool:
