@@ -29,9 +29,10 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.engines import one_cpu_engine
 from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
-from pools.launchers import InstanceSpec, LocalLauncher
+from pools.launchers import InstanceSpec
 from pools.testing.serve import serve_asgi
 from router.app import create_app
 
@@ -164,28 +165,13 @@ async def _main(args: argparse.Namespace) -> int:
 
     os.environ.setdefault(key_env, "fairness-" + os.urandom(6).hex())
     tmp = Path(tempfile.mkdtemp(prefix="gpupool-fairness-"))
-    engine_config = parse_config(
-        {
-            "model": {"name": "tiny", "path": str(MODEL_DIR), "max_model_len_tokens": 4096},
-            "engines": {
-                "launcher": "local",
-                "local": {
-                    "count": 1,
-                    "base_port": args.engine_port,
-                    "kv_cache_bytes": 64 * 1024 * 1024,
-                    "api_key_env": key_env,
-                    "run_dir": str(tmp / "run"),
-                    "vllm_args": ["--max-num-seqs", str(args.max_num_seqs)],
-                },
-            },
-            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
-        }
-    )
-    launcher = LocalLauncher(
-        engine_config.engines.local,
-        engine_config.model,
+    launcher = one_cpu_engine(
+        MODEL_DIR,
+        port=args.engine_port,
+        key_env=key_env,
+        run_dir=tmp / "run",
+        max_num_seqs=args.max_num_seqs,
         progress=lambda m: print(f"[engine] {m}", file=sys.stderr, flush=True),
-        gpu_count=0,
     )
     (engine,) = await launcher.start()
     results = []

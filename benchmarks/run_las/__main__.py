@@ -1,0 +1,3 @@
+from benchmarks.run_las.run import main
+
+raise SystemExit(main())
