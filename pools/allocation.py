@@ -257,7 +257,7 @@ class PoolMap:
         self._listeners.append(listener)
 
     def replace(self, allocation: Allocation) -> Allocation:
-        self._current = Allocation(allocation.fracs, self._current.version + 1)
+        self._current = Allocation(allocation.fracs, self._current.version + 1, allocation.draining)
         for listener in self._listeners:
             listener(self._current)
         return self._current

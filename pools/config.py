@@ -199,7 +199,7 @@ class EnginesSchema(_Strict):
 
 
 def _minute_of_day(value: str) -> int:
-    """"HH:MM" (UTC) as minutes after midnight. Raises `ValueError`."""
+    """Minutes after midnight of a time of day "HH:MM" (UTC). Raises `ValueError`."""
     hours, sep, minutes = value.partition(":")
     if not sep or not hours.isdigit() or not minutes.isdigit() or len(minutes) != 2:
         raise ValueError(f"expected a time of day as HH:MM (UTC), got {value!r}")
@@ -263,7 +263,9 @@ class RebalancerSchema(_Strict):
     # a pool's overflow may use up to this fraction of another pool's instance while that pool
     # has nothing waiting (0: no borrowing)
     borrow_max_frac: float = Field(default=0.0, ge=0.0, le=1.0)
-    decision_log_path: str = "./.gpupool/decisions.sqlite"  # SQLite, one row per decision
+    # SQLite, one row per decision and per SRE change; None: decisions.sqlite beside
+    # router.state_path
+    decision_log_path: str | None = None
     decision_log_retention_days: float = Field(default=30.0, gt=0)
 
 
@@ -1160,11 +1162,11 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
         ),
         source=source,
         governance=_freeze_governance(schema.governance),
-        rebalancer=_freeze_rebalancer(schema.rebalancer, base),
+        rebalancer=_freeze_rebalancer(schema.rebalancer, base, _resolve(base, r.state_path)),
     )
 
 
-def _freeze_rebalancer(r: RebalancerSchema, base: Path) -> RebalancerConfig:
+def _freeze_rebalancer(r: RebalancerSchema, base: Path, state_path: Path) -> RebalancerConfig:
     return RebalancerConfig(
         enabled=r.enabled,
         interval_s=r.interval_s,
@@ -1174,7 +1176,11 @@ def _freeze_rebalancer(r: RebalancerSchema, base: Path) -> RebalancerConfig:
         max_step_frac=r.max_step_frac,
         drain_timeout_s=r.drain_timeout_s,
         borrow_max_frac=r.borrow_max_frac,
-        decision_log_path=_resolve(base, r.decision_log_path),
+        decision_log_path=(
+            state_path.with_name("decisions.sqlite")
+            if r.decision_log_path is None
+            else _resolve(base, r.decision_log_path)
+        ),
         decision_log_retention_days=r.decision_log_retention_days,
     )
 

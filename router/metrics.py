@@ -97,6 +97,44 @@ class RouterMetrics:
             ["pool"],
             registry=r,
         )
+        # the rebalancer (router/rebalancer.py)
+        self.pool_target_share = Gauge(
+            "gpupool_pool_target_share_frac",
+            "The rebalancer's target share per pool (the placed share follows it, one whole"
+            " instance at a time, after drains)",
+            ["pool"],
+            registry=r,
+        )
+        self.pool_pressure = Gauge(
+            "gpupool_pool_pressure",
+            "Pressure per pool and signal at the last decision (queue_wait, kv, ttft, tpot,"
+            " rejections, each over its target; smoothed: the window mean of their max)",
+            ["pool", "signal"],
+            registry=r,
+        )
+        self.rebalance_moves = Counter(
+            "gpupool_rebalance_moves_total",
+            "Ratio moves by kind: auto (the loop), bounds, pinned, forced (an SRE move)",
+            ["from_pool", "to_pool", "kind"],
+            registry=r,
+        )
+        self.drains_in_progress = Gauge(
+            "gpupool_drains_in_progress",
+            "Instances moving pools, waiting for their old pool's sequences",
+            registry=r,
+        )
+        self.drains_done = Counter(
+            "gpupool_drains_total",
+            "Drains ended, by how: finished (old sequences done) or timeout",
+            ["ended_by"],
+            registry=r,
+        )
+        self.borrowed_frac = Gauge(
+            "gpupool_borrowed_frac",
+            "Capacity a pool uses on other pools' instances (borrowed), as a share of all GPUs",
+            ["pool"],
+            registry=r,
+        )
         self.retries = Counter(
             "gpupool_upstream_retries_total",
             "Connect failures retried on another instance",

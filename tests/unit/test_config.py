@@ -129,18 +129,30 @@ def test_check_config_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_limits_not_enforced_yet_are_refused_by_the_contract_check() -> None:
+    # tokens_per_minute and max_concurrent_runs are enforced (router/governance): accepted;
+    # borrowing is not built yet: refused
     data = {
         **DEFAULT_CPU_CONFIG,
-        "tenants": [{"name": "a", "api_key_env": "HOME", "tokens_per_minute": 1000}],
+        "tenants": [
+            {
+                "name": "a",
+                "api_key_env": "HOME",
+                "tokens_per_minute": 1000,
+                "max_concurrent_runs": 2,
+                "borrow_max_frac": 0.5,
+            }
+        ],
     }
     problems = contract_problems(parse_config(data))
-    assert any(p.startswith("tenants.a.tokens_per_minute: not enforced yet") for p in problems)
-    data["tenants"] = [{"name": "a", "api_key_env": "HOME"}]
+    assert any(p.startswith("tenants.a.borrow_max_frac: not enforced yet") for p in problems)
+    assert not any("tokens_per_minute" in p or "max_concurrent_runs" in p for p in problems)
+    data["tenants"] = [{"name": "a", "api_key_env": "HOME", "tokens_per_minute": 1000}]
     assert not any("not enforced" in p for p in contract_problems(parse_config(data)))
 
 
 def test_check_config_names_settings_not_in_effect_yet(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config"]) == 0
     out = capsys.readouterr().out
-    assert "share.floor_frac / share.ceiling_frac are checked for consistency but not used" in out
-    assert "router.state_path: not used yet" in out
+    # the built-in default runs without the rebalancer: its bounds bind SRE moves only
+    assert "share bounds and schedules bind only SRE moves" in out
+    assert "router.state_path" not in out  # SRE settings live there now
