@@ -183,6 +183,17 @@ class EnginesSchema(_Strict):
     kubernetes: KubernetesEnginesSchema = Field(default_factory=KubernetesEnginesSchema)
     ray: RayEnginesSchema = Field(default_factory=RayEnginesSchema)
 
+    @field_validator("launcher")
+    @classmethod
+    def _launcher_available(cls, value: str) -> str:
+        if value == "ray":
+            raise ValueError(
+                "'ray' is not available yet in this version of gpupool; use 'local', or start"
+                " the engines with Ray yourself and list their URLs in engines.static.urls"
+                " (launcher: static)"
+            )
+        return value
+
     @model_validator(mode="after")
     def _static_has_urls(self) -> EnginesSchema:
         if self.launcher == "static" and not self.static.urls:

@@ -7,6 +7,7 @@ for capacity errors). Nothing else in the router picks a status code.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import orjson
@@ -24,7 +25,9 @@ __all__ = [
     "NoHealthyInstance",
     "NotFound",
     "PayloadTooLarge",
+    "RateLimited",
     "RequestTimeout",
+    "RunStopped",
     "Unauthorized",
     "error_for_status",
 ]
@@ -124,6 +127,32 @@ class CapacityExceeded(GpupoolError):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"retry-after", str(max(1, round(self.retry_after_s))).encode())]
+
+
+class RateLimited(CapacityExceeded):
+    """A tenant's own limit (token_rate, request_rate, tenant_concurrency, cost_cap). Retryable:
+    `Retry-After` (whole seconds, rounded up: the limit has room by then) and OpenAI's
+    `retry-after-ms`, which the official clients read first."""
+
+    type = "rate_limit_error"
+
+    def payload(self) -> dict[str, Any]:
+        return {**super().payload(), "retry_after_seconds": max(1, math.ceil(self.retry_after_s))}
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        seconds = max(1, math.ceil(self.retry_after_s))
+        ms = max(1, math.ceil(self.retry_after_s * 1000))
+        return [(b"retry-after", str(seconds).encode()), (b"retry-after-ms", str(ms).encode())]
+
+
+class RunStopped(Forbidden):
+    """A run guard stopped the agent run (run_steps, run_tokens, run_gpu_seconds, run_duration,
+    run_loop): not retryable as it is; the message says why, for the agent framework to show."""
+
+    type = "run_stopped"
+
+    def payload(self) -> dict[str, Any]:
+        return {**super().payload(), "retryable": False}
 
 
 class EngineFailure(GpupoolError):

@@ -138,6 +138,16 @@ CREATE TABLE IF NOT EXISTS capacity_hourly (
     hour_start_s INTEGER PRIMARY KEY,
     capacity_gpu_seconds REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS run_ends (
+    tenant TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    ended_at_s REAL NOT NULL,
+    steps INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    gpu_seconds REAL NOT NULL,
+    PRIMARY KEY (tenant, run_id, ended_at_s)
+);
 """
 
 _INSERT = (
@@ -148,6 +158,10 @@ _ADD_IDLE = (
     "INSERT INTO idle_hourly (hour_start_s, pool, idle_gpu_seconds) VALUES (?, ?, ?) "
     "ON CONFLICT (hour_start_s, pool) DO UPDATE SET "
     "idle_gpu_seconds = idle_gpu_seconds + excluded.idle_gpu_seconds"
+)
+_ADD_RUN_END = (
+    "INSERT OR REPLACE INTO run_ends (tenant, run_id, reason, ended_at_s, steps, tokens,"
+    " gpu_seconds) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _ADD_CAPACITY = (
     "INSERT INTO capacity_hourly (hour_start_s, capacity_gpu_seconds) VALUES (?, ?) "
@@ -217,6 +231,7 @@ class _Batch:
     idle_by_pool_gpu_s: Mapping[str, float]  # deltas since the last batch
     capacity_gpu_s: float  # delta since the last batch
     hour_start_s: int
+    run_ends: Sequence[_Row] = ()  # (tenant, run_id, reason, ended_at_s, steps, tokens, gpu_s)
 
 
 def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> int:
@@ -237,6 +252,7 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> int:
             conn.execute(_ADD_IDLE, (batch.hour_start_s, pool, idle_gpu_s))
         if batch.capacity_gpu_s > 0.0:
             conn.execute(_ADD_CAPACITY, (batch.hour_start_s, batch.capacity_gpu_s))
+        conn.executemany(_ADD_RUN_END, batch.run_ends)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -251,6 +267,7 @@ def _delete_older_than(conn: sqlite3.Connection, cutoff_s: float) -> int:
         hour = math.floor(cutoff_s / HOUR_S) * HOUR_S
         conn.execute("DELETE FROM idle_hourly WHERE hour_start_s < ?", (hour,))
         conn.execute("DELETE FROM capacity_hourly WHERE hour_start_s < ?", (hour,))
+        conn.execute("DELETE FROM run_ends WHERE ended_at_s < ?", (cutoff_s,))
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -321,6 +338,7 @@ class Ledger:
         self._step_memory_s = step_memory_s
         self._max_buffered = max_buffered_records
         self._buffer: list[_Row] = []
+        self._run_ends: list[_Row] = []  # why runs ended, written with the next batch
         # Step numbering. `_steps` is an LRU of (tenant, run_id) -> next step index, at most
         # `max_tracked_runs` long. A run not in it continues after the highest step stored: in
         # the file, in the buffer (`_unwritten`) or in the batch being written (`_writing`);
@@ -471,6 +489,23 @@ class Ledger:
                 self._unwritten[key] = step + 1
         self._buffer.append((*_record_fields(record), step))
 
+    def submit_run_end(
+        self,
+        *,
+        tenant: str,
+        run_id: str,
+        reason: str,
+        ended_at_s: float,
+        steps: int,
+        tokens: int,
+        gpu_seconds: float,
+    ) -> None:
+        """Record why a run ended (client_end, idle_timeout, or the run guard's code: run_steps,
+        run_tokens, run_gpu_seconds, run_duration, run_loop); `ended_at_s` is unix seconds.
+        O(1); written with the next batch."""
+        if len(self._run_ends) < self._max_buffered:
+            self._run_ends.append((tenant, run_id, reason, ended_at_s, steps, tokens, gpu_seconds))
+
     @property
     def buffered(self) -> int:
         """Records submitted and not yet written."""
@@ -489,16 +524,18 @@ class Ledger:
             raise RuntimeError("ledger not started")
         idle, capacity = self._snapshot_deltas()
         rows, self._buffer = self._buffer, []
-        if not rows and not idle and capacity <= 0.0:
+        run_ends, self._run_ends = self._run_ends, []
+        if not rows and not idle and capacity <= 0.0 and not run_ends:
             return 0
         self._writing, self._unwritten = self._unwritten, {}
-        batch = _Batch(rows, idle, capacity, math.floor(self._clock() / HOUR_S) * HOUR_S)
+        batch = _Batch(rows, idle, capacity, math.floor(self._clock() / HOUR_S) * HOUR_S, run_ends)
         work = asyncio.ensure_future(asyncio.to_thread(_write_batch, self._conn, batch))
         try:
             skipped = await _finish(work)
         finally:
             if work.done() and (work.cancelled() or work.exception() is not None):
                 self._buffer[:0] = rows  # the transaction rolled back: try again next time
+                self._run_ends[:0] = run_ends
                 self._unsnapshot(idle, capacity)
                 for key, step in self._writing.items():
                     if step > self._unwritten.get(key, 0):

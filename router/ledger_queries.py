@@ -97,8 +97,26 @@ def run_summary(conn: sqlite3.Connection, run_id: str, tenant: str | None) -> Js
         },
         "ttft_s": _distribution(r["ttft_s"] for r in requests),
         "tpot_s": _distribution(r["tpot_s"] for r in requests),
+        "end": _run_end(conn, run_id, tenant),
         "requests": requests,
     }
+
+
+def _run_end(conn: sqlite3.Connection, run_id: str, tenant: str | None) -> JsonDict | None:
+    """How the run last ended (governance: client_end, idle_timeout, or the run guard's
+    code), or None while it has not ended; files older than the run_ends table have none."""
+    where = "run_id = ?" + ("" if tenant is None else " AND tenant = ?")
+    params: tuple[str, ...] = (run_id,) if tenant is None else (run_id, tenant)
+    try:
+        cur = conn.execute(
+            "SELECT reason, ended_at_s, steps, tokens, gpu_seconds FROM run_ends"
+            f" WHERE {where} ORDER BY ended_at_s DESC LIMIT 1",
+            params,
+        )
+    except sqlite3.OperationalError:  # a read-only file written before the table existed
+        return None
+    rows = _dicts(cur)
+    return rows[0] if rows else None
 
 
 def _time_split(requests: Sequence[JsonDict], wall_s: float) -> JsonDict:

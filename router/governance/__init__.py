@@ -1,0 +1,12 @@
+"""Tenant and run governance: token budgets reserved then settled, concurrency tiers, run
+guards, cost caps (docs/governance.md).
+
+Pure cores: `bucket` (token bucket, sliding window), `guards` (when a run must stop),
+`loops` (a repeated tool call), `limits` (which limits apply), `headers` (OpenAI's
+x-ratelimit-* headers). The shell: `governor.Governor`, on the request path.
+"""
+
+from router.governance.governor import Governor, RunEnd, StepSignals
+from router.governance.metrics import GovernanceMetrics
+
+__all__ = ["GovernanceMetrics", "Governor", "RunEnd", "StepSignals"]

@@ -1,0 +1,626 @@
+"""The governance shell: tenant budgets and run guards on the request path.
+
+    prepare(ctx, tenant, headers, body)  read the step's signals (run end, task type, history)
+    await enter(ctx, estimate, signals)  guards, cost cap, concurrency, then reserve the
+                                         tenant's tokens and request (waiting while its bucket
+                                         refills, within the deadline); raises a refusal
+    finished(outcome)                    settle to the real usage, count the run's step
+    rate_headers(tenant)                 OpenAI's x-ratelimit-* headers for a response
+
+It is a `RequestObserver` (its `finished` runs after accounting's, so the request's
+GPU-seconds are known). State lives in memory per tenant and per run; a background task
+(`start()`/`aclose()`) ends runs that stay idle past `governance.run_idle_timeout_s`. Every
+decision is made by the pure cores (`bucket`, `guards`, `loops`); this module only holds state
+and answers in errors from `router.errors`.
+
+A tenant's token bucket holds one minute of its `tokens_per_minute` and refills at that rate;
+a request reserves its estimate (prompt + expected output) and settles to `usage` when it
+ends. A request whose reservation does not fit waits (FIFO per tenant) while the bucket refills,
+as long as the wait ends before both its deadline and its pool's `queue.max_wait_s`; else it is
+refused at once with 429 `token_rate` (or `request_rate`) and the `Retry-After` at which the
+bucket will hold it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pools.config import Config, TenantConfig
+from router.errors import BadRequest, RateLimited, RunStopped
+from router.estimate import Estimate
+from router.governance.bucket import TokenBucket, WindowSum
+from router.governance.guards import RunState, Stop, check_step
+from router.governance.headers import rate_limit_headers
+from router.governance.limits import TenantLimits, run_limits, tenant_limits
+from router.governance.loops import repeated_tool_call
+from router.governance.metrics import GovernanceMetrics
+from router.request import RequestContext, RequestOutcome
+
+__all__ = ["Governor", "RunEnd", "StepSignals"]
+
+log = logging.getLogger(__name__)
+
+RUN_END_HEADER = "x-gpupool-run-end"
+TASK_TYPE_HEADER = "x-gpupool-task-type"
+HOUR_S = 3600.0
+DAY_S = 86_400.0
+MAX_RUNS_PER_TENANT = 10_000  # run states kept per tenant (stopped runs stay refused while kept)
+
+
+@dataclass(frozen=True, slots=True)
+class StepSignals:
+    """What the governor reads from one request besides its context."""
+
+    tenant: TenantConfig
+    run_end: bool = False  # x-gpupool-run-end: 1 (this is the run's last step)
+    task_type: str | None = None  # x-gpupool-task-type
+    messages: list[Any] | None = field(default=None, repr=False)  # chat history (loops)
+
+
+@dataclass(frozen=True, slots=True)
+class RunEnd:
+    """Why and when a run ended (`ended_at_s` on the governor's clock), with its totals."""
+
+    tenant: str
+    run_id: str
+    reason: str  # client_end, idle_timeout, or a guard's code (run_steps, ...)
+    ended_at_s: float
+    started_at_s: float
+    steps: int
+    tokens: int
+    gpu_seconds: float
+
+
+@dataclass(slots=True)
+class _Ticket:
+    tenant: str
+    reserved_tokens: float
+    reserved_request: bool
+    run: RunState | None
+    run_end: bool
+
+
+@dataclass(eq=False)
+class _Tenant:
+    config: TenantConfig
+    limits: TenantLimits
+    tokens: TokenBucket | None
+    requests: TokenBucket | None
+    hour: WindowSum = field(default_factory=lambda: WindowSum(HOUR_S, 60))
+    day: WindowSum = field(default_factory=lambda: WindowSum(DAY_S, 96))
+    inflight: int = 0
+    reserved_tokens: float = 0.0
+    runs: OrderedDict[str, RunState] = field(default_factory=OrderedDict)
+    active: dict[str, RunState] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # FIFO among its rate waiters
+    refilled: asyncio.Event = field(default_factory=asyncio.Event)
+    alerted: bool = False
+
+
+class Governor:
+    def __init__(
+        self,
+        config: Config,
+        metrics: GovernanceMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_run_end: Callable[[RunEnd], None] | None = None,
+        sweep_interval_s: float = 1.0,
+        max_runs_per_tenant: int = MAX_RUNS_PER_TENANT,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.on_run_end = on_run_end
+        self._sweep_interval_s = sweep_interval_s
+        self._max_runs = max_runs_per_tenant
+        self._task_types = dict(config.governance.task_types_s)
+        self._idle_timeout_s = config.governance.run_idle_timeout_s
+        self._max_wait_s = {p.name: p.queue.max_wait_s for p in config.pools}
+        self._tenants: dict[str, _Tenant] = {}
+        self._tickets: dict[str, _Ticket] = {}
+        self._task: asyncio.Task[None] | None = None
+        for tenant in config.tenants:
+            self._state(tenant)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._sweep_loop(), name="gpupool-governance-sweep")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_interval_s)
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("governance sweep failed")
+
+    def sweep(self) -> None:
+        """End the runs idle past `run_idle_timeout_s` (no step in flight, none arrived)."""
+        now = self.clock()
+        for st in self._tenants.values():
+            self._expire_idle(st, now)
+            self.metrics.active_runs.labels(st.config.name).set(len(st.active))
+
+    # ------------------------------------------------------------------ the request path
+
+    def prepare(
+        self,
+        ctx: RequestContext,
+        tenant: TenantConfig,
+        headers: Mapping[str, str],
+        body: dict[str, Any],
+    ) -> tuple[RequestContext, StepSignals]:
+        """The step's signals, and the context with the tier's queue weight. Raises
+        `BadRequest` for an unknown task type."""
+        task_type = headers.get(TASK_TYPE_HEADER) or None
+        if task_type is not None and task_type not in self._task_types:
+            raise BadRequest(
+                f"{TASK_TYPE_HEADER} {task_type[:40]!r} is not a task type (known:"
+                f" {', '.join(sorted(self._task_types))})",
+                "invalid_header",
+                param=TASK_TYPE_HEADER,
+            )
+        messages = body.get("messages")
+        signals = StepSignals(
+            tenant=tenant,
+            run_end=headers.get(RUN_END_HEADER, "").strip().lower() in ("1", "true", "yes"),
+            task_type=task_type,
+            messages=messages if isinstance(messages, list) else None,
+        )
+        weight = self._state(tenant).limits.queue_weight
+        if weight != 1.0:
+            ctx = dataclasses.replace(ctx, tenant_weight=ctx.tenant_weight * weight)
+        return ctx, signals
+
+    async def enter(self, ctx: RequestContext, estimate: Estimate, signals: StepSignals) -> float:
+        """Let the request through its tenant's and run's limits, or raise `RunStopped` (403)
+        or `RateLimited` (429). Holds a reservation until `finished(outcome)`. Returns the
+        seconds it waited for the tenant's bucket (0.0 when it did not)."""
+        st = self._state(signals.tenant)
+        now = self.clock()
+        self._apply_daily_budget(st, now)
+        self._check(st, ctx, signals, now)
+        need = float(estimate.total_tokens)
+        waited_s = await self._take_rate(st, ctx, need, now)
+        now = self.clock()
+        try:  # the wait may have let another step stop the run or take the last slot
+            run, new_run = self._check(st, ctx, signals, now)
+        except BaseException:
+            self._give_back(st, need, True, now)
+            raise
+        if run is not None:
+            if new_run:
+                if run.ended is not None:  # back after an idle timeout: active again
+                    run.ended = None
+                st.runs[run.run_id] = run
+                st.active[run.run_id] = run
+            st.runs.move_to_end(run.run_id)
+            run.steps += 1
+            run.inflight += 1
+            run.last_seen_s = now
+            self._forget_old_runs(st)
+        st.inflight += 1
+        st.reserved_tokens += need if st.tokens is not None else 0.0
+        self._tickets[ctx.request_id] = _Ticket(
+            ctx.tenant,
+            need if st.tokens is not None else 0.0,
+            st.requests is not None,
+            run,
+            signals.run_end,
+        )
+        self._export(st, now)
+        return waited_s
+
+    def _check(
+        self, st: _Tenant, ctx: RequestContext, signals: StepSignals, now_s: float
+    ) -> tuple[RunState | None, bool]:
+        """Guards, cost caps and concurrency (no state changes but a run's stop). Returns the
+        request's run (None: no run id) and whether it starts (or restarts) being active."""
+        run: RunState | None = None
+        new_run = True
+        if ctx.run_id is not None:
+            run = st.runs.get(ctx.run_id)
+            if run is None or run.ended == "client_end":
+                run = RunState(
+                    run_id=ctx.run_id,
+                    started_at_s=now_s,
+                    last_seen_s=now_s,
+                    limits=run_limits(
+                        self.config, ctx.class_name, signals.tenant, signals.task_type
+                    ),
+                )
+            else:
+                new_run = run.ended is not None
+            looping = None
+            if signals.messages is not None:
+                looping = repeated_tool_call(signals.messages, run.limits.loop_repeats)
+            stop = check_step(run, now_s, looping)
+            if stop is not None:
+                self._stop(st, run, stop, now_s)
+                raise RunStopped(stop.message, stop.code)
+        if new_run:
+            self._check_cost(st, now_s)
+            self._check_runs(st, now_s, ctx.run_id is not None)
+        limit = st.limits.max_concurrent_requests
+        if limit is not None and st.inflight >= limit:
+            self._refuse(
+                st,
+                "tenant_concurrency",
+                f"tenant {st.config.name!r} has {st.inflight} requests in flight, its tier's"
+                f" limit is {limit} (max_concurrent_requests)",
+                1.0,
+            )
+        return run, new_run
+
+    def _check_cost(self, st: _Tenant, now_s: float) -> None:
+        lim = st.limits
+        for cap, window, what in (
+            (
+                lim.cost_cap_gpu_seconds_per_hour,
+                st.hour,
+                "this hour (cost_cap_gpu_seconds_per_hour)",
+            ),
+            (lim.daily_budget_gpu_seconds, st.day, "of the last 24 h (daily_budget_gpu_seconds)"),
+        ):
+            if cap is not None and (used := window.total(now_s)) >= cap:
+                self._refuse(
+                    st,
+                    "cost_cap",
+                    f"tenant {st.config.name!r} used {used:.1f} of its {cap:g} GPU-seconds"
+                    f" {what}: new runs wait, running ones may finish",
+                    window.wait_below_s(cap, now_s),
+                )
+
+    def _check_runs(self, st: _Tenant, now_s: float, is_run: bool) -> None:
+        limit = st.limits.max_concurrent_runs
+        if not is_run or limit is None:
+            return
+        self._expire_idle(st, now_s)
+        if len(st.active) < limit:
+            return
+        idle_ends = [
+            r.last_seen_s + self._idle_timeout_s - now_s
+            for r in st.active.values()
+            if r.inflight == 0
+        ]
+        self._refuse(
+            st,
+            "tenant_concurrency",
+            f"tenant {st.config.name!r} has {len(st.active)} agent runs active, its limit is"
+            f" {limit} (max_concurrent_runs): end one (x-gpupool-run-end: 1 on its last step,"
+            " or POST /v1/runs/{run_id}/end) or wait for it to go idle",
+            min(idle_ends, default=1.0),
+        )
+
+    async def _take_rate(
+        self, st: _Tenant, ctx: RequestContext, need: float, now_s: float
+    ) -> float:
+        """Reserve `need` tokens and one request, waiting (FIFO) while the buckets refill.
+        Returns the seconds waited."""
+        tokens, requests = st.tokens, st.requests
+        if tokens is None and requests is None:
+            return 0.0
+
+        def wait_s(at_s: float) -> tuple[float, str]:
+            t = tokens.wait_s(need, at_s) if tokens is not None else 0.0
+            r = requests.wait_s(1, at_s) if requests is not None else 0.0
+            return (t, "token_rate") if t >= r else (r, "request_rate")
+
+        def reserve(at_s: float) -> None:
+            if tokens is not None:
+                tokens.try_reserve(need, at_s)
+            if requests is not None:
+                requests.try_reserve(1, at_s)
+
+        wait, reason = wait_s(now_s)
+        if wait == 0.0 and not st.lock.locked():
+            reserve(now_s)
+            return 0.0
+        end_s = min(ctx.deadline_s, now_s + self._max_wait_s.get(ctx.pool, 0.0))
+        if now_s + wait > end_s:
+            self._refuse_rate(st, reason, need, wait)
+        name = st.config.name
+        self.metrics.waits.labels(name, reason).inc()
+        waiting = self.metrics.waiting.labels(name, reason)
+        waiting.inc()
+        try:
+            try:
+                await asyncio.wait_for(st.lock.acquire(), timeout=max(0.0, end_s - now_s))
+            except TimeoutError:
+                wait, reason = wait_s(self.clock())
+                self._refuse_rate(st, reason, need, max(wait, 1.0))
+            try:
+                while True:
+                    at_s = self.clock()
+                    wait, reason = wait_s(at_s)
+                    if wait == 0.0:
+                        reserve(at_s)
+                        return at_s - now_s
+                    if at_s + wait > end_s:
+                        self._refuse_rate(st, reason, need, wait)
+                    st.refilled.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(st.refilled.wait(), timeout=wait)
+            finally:
+                st.lock.release()
+        finally:
+            waiting.dec()
+            self.metrics.wait_seconds.labels(reason).observe(self.clock() - now_s)
+
+    def _refuse_rate(self, st: _Tenant, reason: str, need: float, wait_s: float) -> None:
+        name = st.config.name
+        if reason == "token_rate":
+            assert st.tokens is not None
+            message = (
+                f"tenant {name!r} is over its {st.limits.tokens_per_minute} tokens per minute:"
+                f" this request reserves ~{need:.0f} tokens (prompt + expected output), the"
+                f" budget holds {max(0.0, st.tokens.level(self.clock())):.0f} now"
+            )
+        else:
+            message = (
+                f"tenant {name!r} is over its {st.limits.requests_per_minute} requests per minute"
+            )
+        self._refuse(st, reason, f"{message}; retry after {wait_s:.1f} s", wait_s)
+
+    def _refuse(self, st: _Tenant, code: str, message: str, retry_after_s: float) -> None:
+        self.metrics.refusals.labels(st.config.name, code).inc()
+        raise RateLimited(message, code, retry_after_s=max(retry_after_s, 0.001))
+
+    def _stop(self, st: _Tenant, run: RunState, stop: Stop, now_s: float) -> None:
+        self.metrics.refusals.labels(st.config.name, stop.code).inc()
+        if run.stopped is not None:
+            return
+        run.stopped = stop
+        st.runs[run.run_id] = run
+        st.runs.move_to_end(run.run_id)
+        self._forget_old_runs(st)
+        log.info("run stopped (%s) for tenant %s", stop.code, st.config.name)
+        self._end(st, run, stop.code, now_s)
+
+    # ------------------------------------------------------------------ settling
+
+    def dispatched(self, outcome: RequestOutcome) -> None:
+        pass
+
+    def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
+        return {}
+
+    def finished(self, outcome: RequestOutcome) -> None:
+        """Settle the request's reservation to its real usage; add its tokens and
+        GPU-seconds to its run and its tenant's cost windows."""
+        ticket = self._tickets.pop(outcome.ctx.request_id, None)
+        if ticket is None:
+            return
+        st = self._tenants[ticket.tenant]
+        now = self.clock()
+        used = outcome.prompt_tokens + outcome.completion_tokens
+        if used == 0 and outcome.dispatched_at_s is not None and outcome.estimate is not None:
+            used = outcome.estimate.prompt_tokens  # the engine read the prompt, usage unknown
+        if st.tokens is not None:
+            st.tokens.settle(ticket.reserved_tokens, used, now)
+            st.reserved_tokens -= ticket.reserved_tokens
+        if st.requests is not None and ticket.reserved_request and outcome.dispatched_at_s is None:
+            st.requests.settle(1, 0, now)  # never reached an engine: the request is given back
+        st.inflight -= 1
+        gpu_s = outcome.gpu_seconds
+        st.hour.add(gpu_s, now)
+        st.day.add(gpu_s, now)
+        self.metrics.tokens_settled.labels(st.config.name).inc(used)
+        run = ticket.run
+        if run is not None:
+            run.inflight -= 1
+            run.tokens += used
+            run.gpu_seconds += gpu_s
+            run.last_seen_s = now
+            if ticket.run_end:
+                self._end(st, run, "client_end", now)
+        self._check_alert(st, now)
+        st.refilled.set()
+        self._export(st, now)
+
+    def _give_back(self, st: _Tenant, need: float, request: bool, now_s: float) -> None:
+        if st.tokens is not None:
+            st.tokens.settle(need, 0, now_s)
+        if st.requests is not None and request:
+            st.requests.settle(1, 0, now_s)
+        st.refilled.set()
+
+    def _check_alert(self, st: _Tenant, now_s: float) -> None:
+        cap = st.limits.cost_cap_gpu_seconds_per_hour
+        if cap is None:
+            return
+        used_frac = st.hour.total(now_s) / cap
+        self.metrics.cost_used_frac.labels(st.config.name).set(used_frac)
+        alert_frac = self.config.governance.cost_alert_frac
+        if used_frac >= alert_frac and not st.alerted:
+            st.alerted = True
+            self.metrics.cost_alerts.labels(st.config.name).inc()
+            log.warning(
+                "tenant %s used %.0f%% of its hourly cost cap (%g GPU-seconds; alert at %.0f%%)",
+                st.config.name,
+                used_frac * 100,
+                cap,
+                alert_frac * 100,
+            )
+        elif used_frac < alert_frac:
+            st.alerted = False
+
+    # ------------------------------------------------------------------ runs
+
+    def end_run(self, tenant: str, run_id: str) -> RunState | None:
+        """End a run now (`POST /v1/runs/{run_id}/end`). Returns it, None when unknown."""
+        st = self._tenants.get(tenant)
+        run = None if st is None else st.runs.get(run_id)
+        if st is None or run is None:
+            return None
+        self._end(st, run, "client_end", self.clock())
+        return run
+
+    def _end(self, st: _Tenant, run: RunState, reason: str, now_s: float) -> None:
+        if run.ended is not None and run.ended != "idle_timeout":
+            return
+        if run.ended == "idle_timeout" and reason == "idle_timeout":
+            return
+        run.ended = reason
+        st.active.pop(run.run_id, None)
+        self.metrics.runs_ended.labels(st.config.name, reason).inc()
+        self.metrics.active_runs.labels(st.config.name).set(len(st.active))
+        if self.on_run_end is not None:
+            self.on_run_end(
+                RunEnd(
+                    st.config.name,
+                    run.run_id,
+                    reason,
+                    now_s,
+                    run.started_at_s,
+                    run.steps,
+                    run.tokens,
+                    run.gpu_seconds,
+                )
+            )
+
+    def _expire_idle(self, st: _Tenant, now_s: float) -> None:
+        idle = [
+            r
+            for r in st.active.values()
+            if r.inflight == 0 and now_s - r.last_seen_s >= self._idle_timeout_s
+        ]
+        for run in idle:
+            self._end(st, run, "idle_timeout", now_s)
+
+    def _forget_old_runs(self, st: _Tenant) -> None:
+        while len(st.runs) > self._max_runs:
+            run_id, run = next(iter(st.runs.items()))
+            if run.inflight > 0 or run_id in st.active:
+                st.runs.move_to_end(run_id)  # still working: keep it
+                if len(st.active) >= len(st.runs):
+                    return
+                continue
+            del st.runs[run_id]
+
+    # ------------------------------------------------------------------ reading
+
+    def rate_headers(self, tenant: str) -> list[tuple[bytes, bytes]]:
+        st = self._tenants.get(tenant)
+        if st is None:
+            return []
+        now = self.clock()
+        self._apply_daily_budget(st, now)
+        return rate_limit_headers(st.requests, st.tokens, now)
+
+    def budget(self, tenant: TenantConfig) -> dict[str, Any]:
+        """`GET /v1/budget`: what the tenant has left and when each limit refills."""
+        st = self._state(tenant)
+        now = self.clock()
+        self._apply_daily_budget(st, now)
+        self._expire_idle(st, now)
+        lim = st.limits
+
+        def bucket(b: TokenBucket | None) -> dict[str, Any] | None:
+            if b is None:
+                return None
+            return {
+                "limit_per_minute": round(b.rate_per_s * 60),
+                "remaining": max(0, int(b.level(now))),
+                "reset_s": round(b.reset_s(now), 3),
+            }
+
+        def window(total: float, cap: float | None, w: WindowSum) -> dict[str, Any] | None:
+            if cap is None:
+                return None
+            return {
+                "cap_gpu_seconds": cap,
+                "used_gpu_seconds": round(total, 6),
+                "used_frac": round(total / cap, 6),
+                "reset_s": round(w.wait_below_s(cap, now), 3) if total >= cap else 0.0,
+            }
+
+        return {
+            "object": "gpupool.budget",
+            "tenant": tenant.name,
+            "tier": tenant.tier,
+            "tokens": bucket(st.tokens),
+            "tokens_reserved": round(st.reserved_tokens),
+            "requests": bucket(st.requests),
+            "concurrency": {
+                "runs": {"limit": lim.max_concurrent_runs, "active": len(st.active)},
+                "requests": {"limit": lim.max_concurrent_requests, "in_flight": st.inflight},
+                "run_idle_timeout_s": self._idle_timeout_s,
+            },
+            "cost": {
+                "hourly": window(st.hour.total(now), lim.cost_cap_gpu_seconds_per_hour, st.hour),
+                "daily": window(st.day.total(now), lim.daily_budget_gpu_seconds, st.day),
+            },
+            "active_runs": [
+                {
+                    "run_id": r.run_id,
+                    "steps": r.steps,
+                    "max_steps": r.limits.max_steps,
+                    "tokens": r.tokens,
+                    "gpu_seconds": round(r.gpu_seconds, 6),
+                    "age_s": round(now - r.started_at_s, 3),
+                    "max_duration_s": r.limits.max_duration_s,
+                    "idle_s": round(now - r.last_seen_s, 3),
+                }
+                for r in st.active.values()
+            ],
+        }
+
+    # ------------------------------------------------------------------ state
+
+    def _state(self, tenant: TenantConfig) -> _Tenant:
+        st = self._tenants.get(tenant.name)
+        if st is not None:
+            return st
+        limits = tenant_limits(self.config, tenant)
+        now = self.clock()
+        tpm, rpm = limits.tokens_per_minute, limits.requests_per_minute
+        st = _Tenant(
+            config=tenant,
+            limits=limits,
+            tokens=None if tpm is None else TokenBucket(tpm, tpm / 60.0, now),
+            requests=None if rpm is None else TokenBucket(rpm, rpm / 60.0, now),
+        )
+        self._tenants[tenant.name] = st
+        return st
+
+    def _apply_daily_budget(self, st: _Tenant, now_s: float) -> None:
+        """A daily budget scales the tenant's rates by what is left of it (never below
+        `governance.daily_min_rate_frac`)."""
+        daily = st.limits.daily_budget_gpu_seconds
+        if daily is None:
+            return
+        floor = self.config.governance.daily_min_rate_frac
+        frac = max(floor, 1.0 - st.day.total(now_s) / daily)
+        for bucket, per_minute in (
+            (st.tokens, st.limits.tokens_per_minute),
+            (st.requests, st.limits.requests_per_minute),
+        ):
+            if bucket is not None and per_minute is not None:
+                bucket.set_rate(per_minute * frac, per_minute * frac / 60.0, now_s)
+
+    def _export(self, st: _Tenant, now_s: float) -> None:
+        name = st.config.name
+        if st.tokens is not None:
+            self.metrics.tokens_remaining.labels(name).set(max(0.0, st.tokens.level(now_s)))
+            self.metrics.tokens_reserved.labels(name).set(st.reserved_tokens)
+        self.metrics.inflight.labels(name).set(st.inflight)
+        self.metrics.active_runs.labels(name).set(len(st.active))

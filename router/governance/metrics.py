@@ -1,0 +1,91 @@
+"""Prometheus metrics of tenant and run governance, on the router's registry.
+
+Labels are bounded: tenant (from the config), reason / code (a fixed set); never a run id.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GovernanceMetrics"]
+
+_WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GovernanceMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.refusals = Counter(
+            "gpupool_governance_refusals_total",
+            "Requests refused by a tenant or run limit, by code (token_rate, request_rate,"
+            " tenant_concurrency, cost_cap, run_steps, run_tokens, run_gpu_seconds,"
+            " run_duration, run_loop)",
+            ["tenant", "code"],
+            registry=r,
+        )
+        self.waits = Counter(
+            "gpupool_governance_waits_total",
+            "Requests that waited for their tenant's bucket to refill, by reason"
+            " (token_rate, request_rate)",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "gpupool_governance_waiting",
+            "Requests waiting now for their tenant's bucket, by reason",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.wait_seconds = Histogram(
+            "gpupool_governance_wait_seconds",
+            "Time requests waited for their tenant's bucket (those that waited)",
+            ["reason"],
+            buckets=_WAIT_BUCKETS_S,
+            registry=r,
+        )
+        self.tokens_remaining = Gauge(
+            "gpupool_tenant_tokens_remaining",
+            "Tokens left in the tenant's per-minute bucket",
+            ["tenant"],
+            registry=r,
+        )
+        self.tokens_reserved = Gauge(
+            "gpupool_tenant_tokens_reserved",
+            "Tokens reserved by the tenant's requests in flight, not yet settled",
+            ["tenant"],
+            registry=r,
+        )
+        self.tokens_settled = Counter(
+            "gpupool_tenant_tokens_settled_total",
+            "Tokens the tenant's requests used (prompt + completion), as settled",
+            ["tenant"],
+            registry=r,
+        )
+        self.active_runs = Gauge(
+            "gpupool_tenant_active_runs", "Agent runs active now", ["tenant"], registry=r
+        )
+        self.inflight = Gauge(
+            "gpupool_tenant_inflight_requests",
+            "Requests of the tenant past governance and not finished",
+            ["tenant"],
+            registry=r,
+        )
+        self.cost_used_frac = Gauge(
+            "gpupool_tenant_cost_cap_used_frac",
+            "GPU-seconds of the last hour over the tenant's hourly cost cap",
+            ["tenant"],
+            registry=r,
+        )
+        self.cost_alerts = Counter(
+            "gpupool_tenant_cost_alerts_total",
+            "Times the tenant's last-hour GPU-seconds crossed governance.cost_alert_frac of its"
+            " cap",
+            ["tenant"],
+            registry=r,
+        )
+        self.runs_ended = Counter(
+            "gpupool_runs_ended_total",
+            "Agent runs ended, by reason (client_end, idle_timeout, or the guard that stopped it)",
+            ["tenant", "reason"],
+            registry=r,
+        )
