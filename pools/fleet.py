@@ -53,6 +53,8 @@ class InstanceState:
     # KV blocks reserved / released since the last reading (see the module docstring)
     added_since_reading: int = 0
     released_since_reading: int = 0
+    # the engine left its source (Kubernetes, Ray): no new work; removed once drained
+    leaving: bool = False
 
     @property
     def instance_id(self) -> str:
@@ -155,6 +157,36 @@ class Fleet:
         self._health_listeners: list[Callable[[str, bool], None]] = []
         self._change_listeners: list[Callable[[str], None]] = []
 
+    # -- membership at run time (engines discovered in Kubernetes or placed by Ray) ------------
+
+    def add(self, spec: InstanceSpec) -> InstanceState:
+        """A new instance: unhealthy until its first good scrape. Raises `KeyError` if known."""
+        if spec.instance_id in self._states:
+            raise KeyError(f"instance {spec.instance_id!r} is already in the fleet")
+        state = InstanceState(spec=spec)
+        self._states[spec.instance_id] = state
+        log.info("%s joined the fleet (%s)", spec.instance_id, spec.url)
+        return state
+
+    def remove(self, instance_id: str) -> InstanceState | None:
+        """Forget the instance. Leases still held on it release normally."""
+        state = self._states.pop(instance_id, None)
+        if state is not None:
+            log.info(
+                "%s left the fleet (%d sequences still in flight)", instance_id, state.inflight
+            )
+        return state
+
+    def replace_spec(self, spec: InstanceSpec) -> None:
+        """The same instance at a new address (an engine restarted elsewhere): its telemetry
+        starts over and it is unhealthy until the new address answers a scrape."""
+        state = self._states[spec.instance_id]
+        state.spec = spec
+        state.reading = None
+        state.failures = 0
+        state.last_error = "moved to a new address; waiting for its first scrape"
+        self._set_health(state, False)
+
     def on_health_change(self, listener: Callable[[str, bool], None]) -> None:
         self._health_listeners.append(listener)
 
@@ -207,7 +239,8 @@ class Fleet:
         return iter(self._states.values())
 
     def capacity_gpus(self) -> dict[str, float]:
-        return {i: float(s.spec.gpus) for i, s in self._states.items()}
+        """GPUs per instance, leaving instances excluded."""
+        return {i: float(s.spec.gpus) for i, s in self._states.items() if not s.leaving}
 
     def _set_health(self, state: InstanceState, healthy: bool) -> None:
         if state.healthy == healthy:

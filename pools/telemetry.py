@@ -146,17 +146,28 @@ class TelemetryScraper:
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._running = False
 
     async def start(self) -> None:
         await self.scrape_all()
-        self._tasks = [
-            asyncio.create_task(self._loop(i), name=f"telemetry-scraper-{i}")
-            for i in self._fleet.instance_ids()
-        ]
+        self._running = True
+        for instance_id in self._fleet.instance_ids():
+            self.track(instance_id)
+
+    def track(self, instance_id: str) -> None:
+        """Scrape an instance that joined the fleet after `start` (its loop ends when it
+        leaves the fleet). No-op before `start` and for an instance already scraped."""
+        task = self._tasks.get(instance_id)
+        if not self._running or (task is not None and not task.done()):
+            return
+        self._tasks[instance_id] = asyncio.create_task(
+            self._loop(instance_id), name=f"telemetry-scraper-{instance_id}"
+        )
 
     async def aclose(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        self._running = False
+        tasks, self._tasks = list(self._tasks.values()), {}
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -164,7 +175,7 @@ class TelemetryScraper:
                 await task
 
     async def _loop(self, instance_id: str) -> None:
-        while True:
+        while self._fleet.get(instance_id) is not None:
             started = self._clock()
             try:
                 await self.scrape(instance_id)

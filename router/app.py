@@ -146,6 +146,7 @@ class Gateway:
             self.pool_map,
             self.accountant,
             target_shares=lambda: dict(self.rebalancer.loop_state.shares),
+            initial_shares=shares,
             pinned=self.rebalancer.pinned_instances,
             drain_timeout_s=source.drain_timeout_s if source is not None else 0.0,
             registry=self.metrics.registry,

@@ -20,7 +20,7 @@ from collections.abc import Generator
 import uvicorn
 
 from pools.config import Config
-from pools.launchers import InstanceSpec, LauncherError, make_launcher
+from pools.launchers import DiscoveringLauncher, InstanceSpec, LauncherError, make_launcher
 from router.app import create_app
 from router.http_protocol import guarded_protocol
 
@@ -120,7 +120,9 @@ async def run_stack(config: Config, *, launch: bool) -> int:
         _say(str(err))
         return 1
     try:
-        launcher = make_launcher(config, progress=_say) if launch else None
+        # kubernetes: `serve` too follows the engine groups (there is nothing to launch)
+        follows = config.engines.launcher == "kubernetes"
+        launcher = make_launcher(config, progress=_say) if launch or follows else None
     except LauncherError as err:
         _say(f"error: {err}")
         sock.close()
@@ -140,7 +142,8 @@ async def run_stack(config: Config, *, launch: bool) -> int:
             instances = start.result()
         else:
             instances = instances_without_launching(config)
-        gateway = create_app(config, instances)
+        source = launcher.source if isinstance(launcher, DiscoveringLauncher) else None
+        gateway = create_app(config, instances, source=source)
         server = _Server(
             uvicorn.Config(
                 gateway,

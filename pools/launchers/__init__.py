@@ -1,14 +1,22 @@
 """Engine launchers: `local` (child processes here), `static` (URLs of engines run elsewhere),
-and the seam for `ray`. `make_launcher(config)` picks one from `engines.launcher`."""
+`kubernetes` (the Helm chart's engine groups, followed at run time) and `ray` (engines as Ray
+actors). `make_launcher(config)` picks one from `engines.launcher`. The last two are
+`DiscoveringLauncher`s: their `source` tells the router when engines come and go."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pools.config import Config
 from pools.launchers.base import InstanceSpec, Launcher, LauncherError, ProgressFn
 from pools.launchers.local import LocalLauncher
 from pools.launchers.static import StaticLauncher
 
+if TYPE_CHECKING:  # pools.discovery imports this package's base
+    from pools.discovery.base import EngineSource
+
 __all__ = [
+    "DiscoveringLauncher",
     "InstanceSpec",
     "Launcher",
     "LauncherError",
@@ -18,12 +26,25 @@ __all__ = [
 ]
 
 
+@runtime_checkable
+class DiscoveringLauncher(Protocol):
+    """A launcher whose engines change at run time: the router polls its `source`."""
+
+    @property
+    def source(self) -> EngineSource: ...
+
+
 def make_launcher(config: Config, progress: ProgressFn | None = None) -> Launcher:
     kind = config.engines.launcher
     if kind == "local":
         return LocalLauncher(config.engines.local, config.model, progress=progress)
     if kind == "static":
         return StaticLauncher(config.engines.static, progress=progress)
+    if kind == "kubernetes":
+        # imported here: pools.discovery (which it uses) imports this package's base
+        from pools.launchers.kubernetes import KubernetesLauncher
+
+        return KubernetesLauncher(config.engines.kubernetes, progress=progress)
     raise LauncherError(
         f"engines.launcher {kind!r} is not available in this version of gpupool; use 'local' or"
         " 'static' (for Ray, start engines with Ray and list their URLs under engines.static)"
