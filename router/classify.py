@@ -108,9 +108,10 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _int_header(headers: Headers, name: str) -> int | None:
-    """A signed 64-bit whole number from a header; None when absent. Raises `BadRequest`."""
+    """A signed 64-bit whole number from a header; None when absent. Raises `BadRequest`
+    (an empty value too: the OpenAPI description says integer)."""
     raw = headers.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         return None
     try:
         value = int(raw)

@@ -86,6 +86,10 @@ def test_priority_and_deadline_headers() -> None:
         classify(
             {"x-gpupool-deadline-ms": "0"}, dict(BODY), tenant, CONFIG, request_id="r", now_s=0.0
         )
+    with pytest.raises(BadRequest, match="64-bit integer"):  # empty is not absent
+        classify(
+            {"x-gpupool-deadline-ms": ""}, dict(BODY), tenant, CONFIG, request_id="r", now_s=0.0
+        )
 
 
 def test_authentication() -> None:
