@@ -1,0 +1,169 @@
+"""Faults on real CPU vLLM engines under load: about 20 concurrent streams plus queued
+requests through `gpupool serve`, then `kill -9` of an engine, `SIGSTOP` of an engine, a slow
+`/metrics`, `kill -9` of the router and a graceful `SIGTERM` (of `serve`, and of `gpupool up`
+with its own engine).
+
+The scenarios live in `benchmarks/reliability/faults.py`, which the reliability benchmark runs
+with heavier load; here they run on the session's shared engines, and each test leaves every
+engine it faulted running and healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.reliability import faults
+from tests.integration.conftest import ENGINE_KEY_ENV, MODEL_DIR, EngineFleet
+
+pytestmark = pytest.mark.integration
+
+# 20 streams, then 4 non-streaming requests, fill the normal pool's two engines (12 each);
+# 10 more wait in its queue
+LOAD = faults.Load(streams=20, plain=4, queued=10, later=10, max_tokens=300, slots=12)
+
+
+@pytest.fixture
+def setup(engine_fleet: EngineFleet, tmp_path: Path) -> faults.Setup:
+    return faults.Setup(
+        engine_fleet,
+        tmp_path,
+        MODEL_DIR,
+        ENGINE_KEY_ENV,
+        say=lambda m: print(f"[faults] {m}", file=sys.stderr, flush=True),
+    )
+
+
+def _all_engines_healthy(engine_fleet: EngineFleet) -> None:
+    for index in range(len(engine_fleet.instances)):
+        engine_fleet.wait_healthy(index, timeout_s=240)
+
+
+def test_kill_9_of_an_engine_loses_no_request_that_had_not_started_there(
+    setup: faults.Setup, engine_fleet: EngineFleet
+) -> None:
+    try:
+        r = asyncio.run(faults.engine_kill(setup, LOAD))
+    finally:
+        _all_engines_healthy(engine_fleet)
+    print(r)
+    flight = r["in_flight_on_victim"]
+    assert flight["sent"] >= LOAD.slots // 2, "the kill should catch streams on the engine"
+    # every stream cut by the kill ends with an OpenAI-shaped error event, then [DONE]
+    assert flight["failed_by_kind"] == {"error_event_engine_error": flight["failed"]}, flight
+    assert flight["ended_with_openai_error_event"] == flight["failed"]
+    assert flight["ended_with_done"] == flight["sent"]
+    # queued at the kill, running elsewhere, non-streaming (no byte had reached the client:
+    # retried elsewhere), or sent after: every one served in full
+    rest = r["not_started_on_victim"]
+    assert rest["lost"] == 0 and rest["served"] == rest["sent"], rest
+    assert rest["sent"] == LOAD.streams + LOAD.plain + LOAD.queued + LOAD.later - flight["sent"]
+    retried = r["retried_on_another_engine"]
+    assert retried["served"] == retried["requests"], retried
+    assert retried["non_streaming"] >= 1, "no non-streaming request was cut on the engine"
+    # the launcher restarted it and the router readmitted it
+    assert r["restarted"]
+    assert r["probes_until_served_by_it"] >= 1, "the restarted engine got no traffic back"
+    assert r["probe_failures"] == 0
+
+
+def test_a_frozen_engine_times_out_by_deadline_leaves_rotation_and_returns(
+    setup: faults.Setup, engine_fleet: EngineFleet
+) -> None:
+    deadline_s = 12.0
+    try:
+        r = asyncio.run(faults.engine_freeze(setup, LOAD, deadline_s=deadline_s))
+    finally:
+        _all_engines_healthy(engine_fleet)
+    print(r)
+    frozen = r["on_frozen_engine"]
+    assert frozen["sent"] >= LOAD.slots // 2
+    # its requests end by their deadline, in OpenAI's error shape, not before and not hanging
+    assert frozen["ended_by_deadline"] == frozen["sent"], frozen
+    assert frozen["openai_error_shape"] == frozen["sent"]
+    late = frozen["ended_after_deadline_s"]
+    assert late["min"] >= -0.1 and late["max"] <= 1.5, late
+    assert r["router_timeouts_metric"] == frozen["sent"]  # counted as timeouts
+    # it leaves rotation (failed scrapes) and nothing is sent to it after; the rest is served
+    assert r["seconds"]["stop_to_out_of_rotation"] is not None
+    assert r["seconds"]["stop_to_out_of_rotation"] < 6
+    after = r["sent_after_it_left_rotation"]
+    assert after["sent"] > 20 and after["dispatched_to_it"] == 0, after
+    assert r["elsewhere"]["served"] == r["elsewhere"]["sent"], r["elsewhere"]
+    # SIGCONT: back in rotation, serving, and the engine kept none of the abandoned sequences
+    assert r["probes_until_served_by_it"] >= 1 and r["probe_failures"] == 0
+    assert r["seconds"]["engine_drained_after_healthy"] is not None
+
+
+def test_an_engine_with_a_slow_metrics_endpoint_counts_as_full_while_stale(
+    setup: faults.Setup,
+) -> None:
+    stale_after_s = 1.5
+    r = asyncio.run(faults.slow_metrics(setup, stale_after_s=stale_after_s, delay_s=4.0))
+    print(r)
+    slow = r["dispatches_to_slow_engine"]
+    assert r["all"]["failed"] == 0, r["all"]
+    # nothing dispatched to it while its last reading was stale (it was stale most of the time)
+    assert slow["while_its_telemetry_was_stale"] == 0, slow
+    assert r["slow_engine_share_of_time_stale"] > 0.4
+    assert r["slow_engine_stayed_healthy"]  # stale, not failed: the scrapes succeeded
+    # the other engine's telemetry stays fresh (one slow engine does not hold back the rest)
+    ages: dict[str, Any] = r["telemetry_age_s_while_slow"]
+    for instance, age in ages.items():
+        if instance != r["victim"]:
+            assert age["share_stale"] == 0, (instance, age)
+    assert r["dispatches_to_others_while_slow"] > slow["while_slow"]
+    # fast again: it gets traffic again
+    assert slow["after"] > 0
+
+
+def test_router_kill_9_loses_at_most_one_flush_interval_and_the_next_start_serves(
+    setup: faults.Setup,
+) -> None:
+    r = asyncio.run(faults.router_kill(setup, clients=20, load_s=4.0, flush_interval_s=0.5))
+    print(r)
+    ledger = r["ledger"]
+    assert r["served_before_kill"] > 50
+    assert ledger["lost_beyond_one_flush_interval"] == 0, ledger
+    assert ledger["records_lost"] < r["served_before_kill"] / 2
+    assert r["engines_drained_s"] is not None  # the engines dropped the dead router's work
+    restart = r["restart"]
+    assert restart["served_after"] == restart["sent_after"]
+    assert restart["run_step_served"]
+    # the run's steps continue after the last one stored
+    assert restart["run_last_stored_step"] is not None
+    assert restart["run_next_step"] == restart["run_last_stored_step"] + 1
+
+
+def test_sigterm_of_serve_refuses_new_work_drains_streams_and_flushes_the_ledger(
+    setup: faults.Setup,
+) -> None:
+    r = asyncio.run(faults.graceful_stop(setup, LOAD, mode="serve"))
+    print(r)
+    _check_graceful(r)
+
+
+def test_sigterm_of_up_drains_streams_then_stops_its_engines(setup: faults.Setup) -> None:
+    # one engine for both pools: the normal pool gets its share of the engine's 16 sequences
+    load = faults.Load(streams=8, plain=2, queued=2, slots=16, max_tokens=300)
+    r = asyncio.run(faults.graceful_stop(setup, load, mode="up", engine_count=1))
+    print(r)
+    _check_graceful(r)
+    engines = r["engines"]
+    assert engines["started"] == 1 and engines["alive_after_exit"] == 0, engines
+    assert engines["stopped_after_shutdown"], engines
+
+
+def _check_graceful(r: dict[str, Any]) -> None:
+    assert r["streaming_at_sigterm"] >= 4, r
+    assert r["all"]["failed"] == 0, r["all"]  # every stream (and queued request) finished
+    new = r["new_connections_while_draining"]
+    assert new["tried"] >= 1 and new["answered"] == 0, new
+    assert r["last_stream_ended_s_after_sigterm"] <= r["grace_s"]
+    assert r["exit_code"] == 0
+    assert r["ledger"]["records_lost"] == 0, r["ledger"]
+    assert r["log_says_shutting_down"]
