@@ -198,13 +198,15 @@ def _label_sums(
 
 
 def reading_from(pools_view: JsonDict, registry: CollectorRegistry) -> Reading:
-    """A `Reading` from the body of `GET /admin/pools` and the router's metrics registry."""
+    """A `Reading` from the body of `GET /admin/pools` and the router's metrics registry (a
+    pool's pressure is the rebalancer's smoothed pressure, where there is a rebalancer)."""
+    pressure = (pools_view.get("rebalancer") or {}).get("smoothed_pressure") or {}
     pools = {
         name: {
             "share_frac": p["share_frac"],
             "queue_depth": p["queue"]["depth"],
             "healthy_instances": p["healthy_instances"],
-            **({"pressure": p["pressure"]} if "pressure" in p else {}),
+            **({"pressure": pressure[name]} if name in pressure else {}),
         }
         for name, p in pools_view["pools"].items()
     }

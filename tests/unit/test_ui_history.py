@@ -100,13 +100,9 @@ def test_a_reading_from_the_router_metrics_and_pools_view() -> None:
     view: dict[str, Any] = {
         "pools": {
             "agent": {"share_frac": 0.34, "queue": {"depth": 1}, "healthy_instances": 1},
-            "normal": {
-                "share_frac": 0.66,
-                "queue": {"depth": 0},
-                "healthy_instances": 2,
-                "pressure": 0.7,
-            },
+            "normal": {"share_frac": 0.66, "queue": {"depth": 0}, "healthy_instances": 2},
         },
+        "rebalancer": {"smoothed_pressure": {"normal": 0.7}},
         "instances": {
             "e0": {
                 "healthy": True,
@@ -123,7 +119,7 @@ def test_a_reading_from_the_router_metrics_and_pools_view() -> None:
     }
     reading = reading_from(view, metrics.registry)
     assert reading.pools["agent"] == {"share_frac": 0.34, "queue_depth": 1, "healthy_instances": 1}
-    assert reading.pools["normal"]["pressure"] == 0.7
+    assert reading.pools["normal"]["pressure"] == 0.7  # the rebalancer's smoothed pressure
     assert reading.instances["e0"] == {
         "healthy": True,
         "kv_usage_frac": 0.5,

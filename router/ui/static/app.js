@@ -2,10 +2,11 @@
  *
  * Data: GET /admin/pools (pools, instances, queues) every REFRESH_MS, /admin/accounting (top
  * runs, tenants) and /admin/history (the last hour, fetched whole once, then only newer
- * samples) every SLOW_MS, and /admin/decisions where the router serves it: the page looks the
- * path up in /openapi.json once, so a router without a rebalancer gets no call that answers
- * 404 (a browser logs each as a console error) and the panel stays hidden. Same-origin calls:
- * the browser sends the credentials it gave for /ui.
+ * samples) every SLOW_MS, and /admin/decisions when /admin/pools says the router has a
+ * rebalancer (its "rebalancer" object): a router without one gets no call that would answer
+ * 404 (a browser logs each as a console error), and the pressure column, the pressure plot and
+ * the decisions panel stay hidden. Same-origin calls: the browser sends the credentials it gave
+ * for /ui.
  *
  * Every figure in the tables sits in a cell marked data-field="…" inside a row marked
  * data-pool="…" or data-instance="…", so a test can read what the page shows.
@@ -20,7 +21,7 @@
 
   const state = {
     pools: null, accounting: null, history: [], historyInterval: null, decisions: null,
-    hasDecisions: false, lastSlow: 0, timer: null, live: true, inFlight: null,
+    lastSlow: 0, timer: null, live: true, inFlight: null,
   };
 
   // ---------------------------------------------------------------- formatting
@@ -77,39 +78,41 @@
     return state.history.length ? state.history[state.history.length - 1] : null;
   }
 
-  function pressureOf(p) {
-    const v = p.pressure;
-    if (isNum(v)) return v;
-    if (v && typeof v === "object") {
-      if (isNum(v.smoothed)) return v.smoothed;
-      if (isNum(v.value)) return v.value;
-      const nums = Object.values(v).filter(isNum);
-      if (nums.length) return Math.max(...nums);
-    }
-    return null;
+  const hasRebalancer = () => Boolean(state.pools && state.pools.rebalancer);
+
+  function describe(v) {
+    if (v === null || v === undefined) return "";
+    if (typeof v !== "object") return isNum(v) ? v.toFixed(2) : String(v);
+    return Object.entries(v).map(([k, x]) => `${k} ${describe(x)}`).join(", ");
   }
 
   // ---------------------------------------------------------------- tables
   function renderPools(view) {
     const body = document.querySelector("#pools tbody");
     const pools = Object.entries(view.pools);
-    const showPressure = pools.some(([, p]) => p.pressure !== undefined);
+    const reb = view.rebalancer || null;
+    const smoothed = (reb && reb.smoothed_pressure) || {};
+    const showPressure = Boolean(reb);
     document.querySelectorAll(".pressure").forEach(e => { e.hidden = !showPressure; });
     const rates = (latestSample() || {rates: {}}).rates.requests_per_s || {};
     body.replaceChildren(...pools.map(([name, p]) => {
       const q = p.queue || {};
       const total = Object.keys(p.instances || {}).length;
-      const pressure = pressureOf(p);
+      const pressure = isNum(smoothed[name]) ? smoothed[name] : null;
+      const signals = reb && reb.pressure ? describe(reb.pressure[name]) : "";
+      // the rebalancer's bounds (SRE overrides, schedules, one instance's worth) where it runs
+      const inForce = reb && reb.bounds && Array.isArray(reb.bounds[name]) ? reb.bounds[name] : null;
       return node("tr", {"data-pool": name},
         node("td", {field: "name", class: "text"}, name),
         node("td", {field: "classes", class: "text"}, (p.classes || []).join(", ")),
-        node("td", {},
+        node("td", {title: inForce ? `bounds in force ${pct(inForce[0])} – ${pct(inForce[1])}`
+          : null},
           node("span", {field: "share_frac"}, pct(p.share_frac)),
-          meter(p.share_frac, [p.floor_frac, p.ceiling_frac])),
+          meter(p.share_frac, inForce || [p.floor_frac, p.ceiling_frac])),
         node("td", {field: "floor_frac"}, pct(p.floor_frac)),
         node("td", {field: "ceiling_frac"}, pct(p.ceiling_frac)),
         node("td", {field: "pressure", class: "pressure" + (pressure >= 1 ? " warn" : ""),
-          hidden: !showPressure}, num(pressure, 2)),
+          hidden: !showPressure, title: signals}, num(pressure, 2)),
         node("td", {field: "healthy_instances",
           class: p.healthy_instances === 0 ? "bad" : null}, `${p.healthy_instances} / ${total}`),
         node("td", {field: "queue_depth", class: q.depth > 0 ? "warn" : null},
@@ -187,19 +190,17 @@
     const section = document.getElementById("decisions-section");
     const list = Array.isArray(body) ? body : body.data || body.decisions || [];
     section.hidden = false;
-    const describe = v => v === null || v === undefined ? "" : typeof v === "object" ?
-      Object.entries(v).map(([k, x]) => `${k} ${isNum(x) ? x.toFixed(2) : describe(x)}`)
-        .join(", ") : String(v);
-    const rows = list.slice(-20).reverse().map(d => {
-      const t = d.t_s ?? d.at_s ?? d.time_s ?? d.wall_s;
-      const move = d.move ? (d.move.from_pool && d.move.to_pool ?
-        `${d.move.from_pool} → ${d.move.to_pool} ${pct(d.move.frac ?? d.move.share_frac)}` :
-        describe(d.move)) : "no move";
+    const when = d => d.at_unix_s ?? d.t_s;
+    const rows = list.slice().sort((a, b) => when(b) - when(a)).slice(0, 20).map(d => {
+      const t = when(d);
+      const move = d.move ? `${d.move.from_pool} → ${d.move.to_pool} ${pct(d.move.share_frac)}`
+        : "no move";
       return node("tr", {"data-decision": ""},
         node("td", {class: "text"}, isNum(t) ? new Date(t * 1000).toLocaleTimeString() : DASH),
         node("td", {class: "text"}, move),
-        node("td", {class: "text"}, d.reason || ""),
-        node("td", {class: "text"}, describe(d.smoothed || d.pressure)));
+        node("td", {class: "text"}, [d.kind, d.who].filter(Boolean).join(" by ") +
+          (d.reason ? ": " + d.reason : "")),
+        node("td", {class: "text"}, describe(d.smoothed_pressure)));
     });
     document.querySelector("#decisions tbody").replaceChildren(...(rows.length ? rows :
       [node("tr", {}, node("td", {colspan: 4, class: "text muted"}, "no decisions yet"))]));
@@ -257,7 +258,7 @@
     const [acc, hist, dec] = await Promise.all([
       getJson("/admin/accounting?top=10"),
       getJson("/admin/history" + since),
-      state.hasDecisions ? getJson("/admin/decisions") : Promise.resolve(null),
+      hasRebalancer() ? getJson("/admin/decisions?limit=20") : Promise.resolve(null),
     ]);
     if (acc.body) { state.accounting = acc.body; renderCost(acc.body); }
     if (hist.body) {
@@ -267,10 +268,8 @@
       while (state.history.length && state.history[0].t_s < cutoff) state.history.shift();
       renderPlots();
     }
-    if (dec && dec.absent) {
-      state.hasDecisions = false;
-      document.getElementById("decisions-section").hidden = true;
-    } else if (dec && dec.body) {
+    document.getElementById("decisions-section").hidden = !(dec && dec.body);
+    if (dec && dec.body) {
       state.decisions = dec.body;
       renderDecisions(dec.body);
     }
@@ -281,15 +280,16 @@
     try {
       const slowDue = Date.now() - state.lastSlow >= SLOW_MS;
       const pools = await getJson("/admin/pools");
+      if (pools.body) state.pools = pools.body;
       if (slowDue) { await refreshSlow(); state.lastSlow = Date.now(); }
       if (pools.body) {
-        state.pools = pools.body;
         renderPools(pools.body);
         renderInstances(pools.body);
         const ratio = Object.entries(pools.body.pools)
           .map(([n, p]) => `${n} ${pct(p.share_frac)}`).join(" · ");
         document.getElementById("summary").textContent =
-          `${ratio} · admission ${pools.body.admission} · allocation v${pools.body.allocation_version}`;
+          `${ratio} · admission ${pools.body.admission} · allocation v${pools.body.allocation_version}`
+          + rebalancerSummary(pools.body.rebalancer);
       }
       document.getElementById("updated").textContent =
         "updated " + new Date().toLocaleTimeString();
@@ -318,16 +318,24 @@
   function resume() { state.live = true; liveBox().checked = true; refresh().then(schedule); }
   const liveBox = () => document.getElementById("live");
 
-  async function discover() {
-    try {
-      const doc = await getJson("/openapi.json");
-      state.hasDecisions = Boolean(doc.body && doc.body.paths && doc.body.paths["/admin/decisions"]);
-    } catch (_) {
-      state.hasDecisions = false;
+  function rebalancerSummary(reb) {
+    if (!reb) return "";
+    const parts = [reb.enabled === false ? "rebalancer off" : reb.frozen ? "rebalancer frozen"
+      : `rebalancer every ${reb.interval_s} s`];
+    if (isNum(reb.moves)) parts.push(`${reb.moves} moves`);
+    if (isNum(reb.cooldown_left_s) && reb.cooldown_left_s > 0) {
+      parts.push(`cooldown ${reb.cooldown_left_s.toFixed(0)} s`);
     }
+    const draining = Object.entries(reb.draining || {});
+    if (draining.length) {
+      parts.push("draining " + draining.map(([i, d]) => `${i} ${d.from_pool}→${d.to_pool}`)
+        .join(", "));
+    }
+    if (reb.pinned_shares) parts.push("pinned");
+    return " · " + parts.join(" · ");
   }
 
   liveBox().addEventListener("change", e => (e.target.checked ? resume() : pause()));
   window.gpupoolUI = {refresh, pause, resume, state};
-  discover().then(refresh).then(schedule);
+  refresh().then(schedule);
 })();
