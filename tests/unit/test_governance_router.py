@@ -32,6 +32,12 @@ TENANTS: list[dict[str, Any]] = [
     {"name": "gpu", "api_key": "k-gpu", "run_guards": {"max_gpu_seconds": 1e-9}},
     {"name": "capped", "api_key": "k-capped", "cost_cap_gpu_seconds_per_hour": 1e-9},
     {"name": "open", "api_key": "k-open"},
+    {
+        "name": "daily",
+        "api_key": "k-daily",
+        "tokens_per_minute": 600,
+        "daily_budget_gpu_seconds": 1e-9,
+    },
 ]
 
 
@@ -284,3 +290,17 @@ async def test_budget_shows_what_is_left(rig: Rig) -> None:
     mid = (await rig.get("mid", "/v1/budget")).json()
     assert mid["tokens"] == {"limit_per_minute": 600, "remaining": 600, "reset_s": 0.0}
     assert (await rig.client.get("/v1/budget")).status_code == 401
+
+
+async def test_a_spent_daily_budget_tightens_the_rate_and_refuses_new_work(rig: Rig) -> None:
+    fresh = await rig.post("daily")
+    assert fresh.status_code == 200
+    assert fresh.headers["x-ratelimit-limit-tokens"] == "600"  # nothing spent yet
+    spent = await rig.post("daily")
+    assert spent.status_code == 429 and spent.json()["error"]["code"] == "cost_cap"
+    assert "daily_budget_gpu_seconds" in spent.json()["error"]["message"]
+    # all of the day's budget is spent: the rate is down to governance.daily_min_rate_frac
+    assert spent.headers["x-ratelimit-limit-tokens"] == "60"
+    budget = (await rig.get("daily", "/v1/budget")).json()
+    assert budget["tokens"]["limit_per_minute"] == 60
+    assert budget["cost"]["daily"]["used_frac"] > 1
