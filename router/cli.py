@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "router.commands.plan",
     "router.commands.probe",
     "router.commands.runs",
+    "router.commands.top",
     "router.commands.pools",
     "router.commands.bench",
 )
