@@ -33,7 +33,7 @@ from router.admission import Grant, InstanceView, Need, Reject, Wait, decide
 from router.errors import CapacityExceeded, NoHealthyInstance
 from router.estimate import Estimate
 from router.metrics import RouterMetrics
-from router.picking import Picker, PickRequest, RunAffinity
+from router.picking import Candidate, Picker, PickRequest, RunAffinity
 from router.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
 from router.request import RequestContext
 
@@ -76,6 +76,7 @@ class Admitter:
         self.affinity = affinity
         self.clock = clock
         self.margin_frac = config.router.kv_margin_frac
+        self.borrow_max_frac = config.rebalancer.borrow_max_frac
         self.pools: dict[str, PoolConfig] = {p.name: p for p in config.pools}
         self.queues = {
             p.name: PoolQueue(
@@ -154,33 +155,52 @@ class Admitter:
 
     def _views(self, pool: str, now_s: float) -> list[InstanceView]:
         allocation = self.pool_map.current
-        p = self.pools[pool]
         views = []
         for instance_id in allocation.instances_for(pool):
             state = self.fleet.get(instance_id)
             if state is None:
                 continue
-            views.append(
-                InstanceView(
-                    instance_id=instance_id,
-                    frac=allocation.frac(instance_id, pool),
-                    healthy=state.healthy,
-                    fresh=self.fleet.is_fresh(state),
-                    capacity_blocks=state.capacity_blocks or 0,
-                    block_size=self._block_size(state),
-                    used_blocks=state.used_blocks(),
-                    pool_reserved_blocks=state.reserved_by_pool.get(pool, 0),
-                    pool_running=state.running_by_pool.get(pool, 0),
-                    running=state.inflight,
-                    pool_limit=state.op.limit(self._tpot_target_s[pool]),
-                    instance_limit=self.instance_limit(state),
-                    pending_prefill_tokens=state.pending_prefill_tokens(now_s),
-                    prefill_tokens_per_s=state.prefill_tokens_per_s,
-                    ttft_target_s=p.slo.ttft_p95_ms / 1e3,
-                    margin_frac=self.margin_frac,
-                )
-            )
+            views.append(self._view(pool, state, allocation.frac(instance_id, pool), now_s))
         return views
+
+    def _borrow_views(self, pool: str, now_s: float) -> list[InstanceView]:
+        """Other pools' instances that `pool`'s overflow may borrow: `rebalancer.borrow_max_frac`
+        of the lenders' part, and only of lenders with nobody waiting, so the owner's queue
+        always wins a free slot. A borrowed sequence is never preempted by the router; it is
+        capped, and admitted only after the request fits nowhere in its own pool."""
+        if self.borrow_max_frac <= 0:
+            return []
+        allocation = self.pool_map.current
+        views = []
+        for instance_id, by_pool in allocation.fracs.items():
+            if by_pool.get(pool, 0.0) > 0 or instance_id in allocation.draining:
+                continue
+            lent = sum(f for q, f in by_pool.items() if f > 0 and len(self.queues[q]) == 0)
+            state = self.fleet.get(instance_id)
+            if lent > 0 and state is not None:
+                views.append(self._view(pool, state, self.borrow_max_frac * lent, now_s))
+        return views
+
+    def _view(self, pool: str, state: InstanceState, frac: float, now_s: float) -> InstanceView:
+        p = self.pools[pool]
+        return InstanceView(
+            instance_id=state.spec.instance_id,
+            frac=frac,
+            healthy=state.healthy,
+            fresh=self.fleet.is_fresh(state),
+            capacity_blocks=state.capacity_blocks or 0,
+            block_size=self._block_size(state),
+            used_blocks=state.used_blocks(),
+            pool_reserved_blocks=state.reserved_by_pool.get(pool, 0),
+            pool_running=state.running_by_pool.get(pool, 0),
+            running=state.inflight,
+            pool_limit=state.op.limit(self._tpot_target_s[pool]),
+            instance_limit=self.instance_limit(state),
+            pending_prefill_tokens=state.pending_prefill_tokens(now_s),
+            prefill_tokens_per_s=state.prefill_tokens_per_s,
+            ttft_target_s=p.slo.ttft_p95_ms / 1e3,
+            margin_frac=self.margin_frac,
+        )
 
     def instance_limit(self, state: InstanceState) -> int:
         """The operating point for the strictest TPOT target among the instance's pools."""
@@ -194,17 +214,54 @@ class Admitter:
         return (reading.block_size if reading else None) or _DEFAULT_BLOCK_SIZE
 
     def _try(
-        self, ctx: RequestContext, need: Need, now_s: float, exclude: frozenset[str]
+        self,
+        ctx: RequestContext,
+        need: Need,
+        now_s: float,
+        exclude: frozenset[str],
+        waited_s: float = 0.0,
     ) -> Lease | Reject | None:
         """Lease at once if the sequence fits; a `Reject`; or None (it must wait)."""
         views = self._views(ctx.pool, now_s)
         decision = decide(views, need, now_s)
         if not isinstance(decision, Grant):
-            return decision if isinstance(decision, Reject) else None
+            if isinstance(decision, Reject):
+                return decision
+            return self._borrow(ctx, need, now_s, exclude)
         allowed = frozenset(decision.instance_ids) - exclude
         if not allowed:
             return None
-        return self._lease(ctx, need, allowed, exclude)
+        return self._lease(ctx, need, allowed, exclude, now_s=now_s, waited_s=waited_s)
+
+    def _borrow(
+        self, ctx: RequestContext, need: Need, now_s: float, exclude: frozenset[str]
+    ) -> Lease | None:
+        """A lease on another pool's idle capacity (see `_borrow_views`), or None. The lease
+        is the borrower's (its pool's counts, its GPU-seconds)."""
+        views = self._borrow_views(ctx.pool, now_s)
+        if not views or not isinstance(decision := decide(views, need, now_s), Grant):
+            return None
+        allowed = frozenset(decision.instance_ids) - exclude
+        cands = [
+            Candidate(state, v.frac)
+            for v in views
+            if v.instance_id in allowed and (state := self.fleet.get(v.instance_id)) is not None
+        ]
+        req = PickRequest(ctx.pool, ctx.run_id, exclude=exclude, allowed=allowed)
+        chosen = self.picker.pick(req, cands)
+        if chosen is None:
+            return None
+        self.metrics.borrowed.labels(ctx.pool).inc()
+        return self._acquire(chosen.state, ctx.pool, need)
+
+    def _home_wait_s(self, pool: str, now_s: float) -> float | None:
+        """Expected wait for one instance of `pool` to free a slot: the pool's instances over
+        its queue's measured dispatch rate (None while nothing was dispatched from the queue:
+        then there was no wait to speak of, or no measure of it)."""
+        rate = self.queues[pool].drain_rate_per_s(now_s)
+        if rate <= 0:
+            return None
+        return len(self.pool_map.current.instances_for(pool)) / rate
 
     def _lease(
         self,
@@ -212,17 +269,26 @@ class Admitter:
         need: Need,
         allowed: frozenset[str] | None,
         exclude: frozenset[str],
+        *,
+        now_s: float | None = None,
+        waited_s: float = 0.0,
     ) -> Lease | None:
         cands = self.picker.candidates(self.pool_map.current, ctx.pool)
-        chosen = self.picker.pick(PickRequest(ctx.pool, ctx.run_id, exclude, allowed), cands)
+        home_wait_s = (
+            None if now_s is None or ctx.run_id is None else self._home_wait_s(ctx.pool, now_s)
+        )
+        req = PickRequest(ctx.pool, ctx.run_id, exclude, allowed, waited_s, home_wait_s)
+        chosen = self.picker.pick(req, cands)
         if chosen is None:
             return None
-        state = chosen.state
+        return self._acquire(chosen.state, ctx.pool, need)
+
+    def _acquire(self, state: InstanceState, pool: str, need: Need) -> Lease:
         rate = state.prefill_tokens_per_s
-        prefill = need.prefill_tokens(chosen.instance_id)
+        prefill = need.prefill_tokens(state.spec.instance_id)
         return self.fleet.acquire(
-            chosen.instance_id,
-            ctx.pool,
+            state.spec.instance_id,
+            pool,
             blocks=-(-need.total_tokens // self._block_size(state)),
             prompt_tokens=prefill,
             prefill_s=prefill / rate if rate else 0.0,
@@ -338,7 +404,9 @@ class Admitter:
                 if waiter.future.done():
                     queue.remove(entry)
                     continue
-                result = self._try(waiter.ctx, waiter.need, now, waiter.exclude)
+                result = self._try(
+                    waiter.ctx, waiter.need, now, waiter.exclude, now - entry.enqueued_at_s
+                )
                 if isinstance(result, Lease):
                     queue.pop(entry, now)
                     waiter.future.set_result(result)

@@ -5,6 +5,13 @@ Each step is a small function with one contract, in the manner of llm-d's endpoi
 - a `Scorer` gives every candidate a score in [0, 1] (the picker clamps and weights);
 - the `Picker` sums weighted scores and takes the best, ties broken at random (injected rng).
 New policies are new functions, not new branches.
+
+A run's steps stay where its prefix is cached unless that costs more than recomputing it
+(`filter_affinity_or_move`): while the run's last instance ("home") has headroom, run
+affinity scores it first; when admission finds no room there but room elsewhere, the step
+waits for home only if the expected wait there is shorter than prefilling the run's context
+elsewhere at the measured prefill rate, and never longer than that prefill time in total.
+A moved run's affinity follows it (the proxy records where each step ran).
 """
 
 from __future__ import annotations
@@ -18,11 +25,14 @@ from pools.allocation import Allocation
 from pools.fleet import Fleet, InstanceState
 
 __all__ = [
+    "PLACEMENTS",
     "Candidate",
     "PickRequest",
     "Picker",
     "RunAffinity",
     "default_picker",
+    "filter_affinity_or_move",
+    "move_is_faster",
     "score_kv_headroom",
     "score_load",
     "score_run_affinity",
@@ -35,6 +45,8 @@ class PickRequest:
     run_id: str | None
     exclude: frozenset[str] = frozenset()  # instances already tried for this request
     allowed: frozenset[str] | None = None  # admission's grant: where the sequence fits (None: any)
+    waited_s: float = 0.0  # how long the request has waited in the queue so far
+    home_wait_s: float | None = None  # expected wait for a slot on the run's home (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +104,56 @@ def filter_not_tried(req: PickRequest, cands: list[Candidate]) -> list[Candidate
     if not req.exclude:
         return cands
     return [c for c in cands if c.instance_id not in req.exclude]
+
+
+def move_is_faster(
+    *,
+    context_tokens: int,
+    prefill_tokens_per_s: float | None,
+    home_wait_s: float | None,
+    waited_s: float,
+) -> bool:
+    """Whether a run's step should leave its home instance (full now) for another one.
+
+    Moving costs recomputing the run's context there: `context_tokens / prefill_tokens_per_s`.
+    Staying costs the expected wait for a slot at home. Move when moving is faster, when either
+    cost is unknown (no prefill rate measured, no wait estimate: nothing to weigh, so behave as
+    without affinity), or when the step has already waited as long as the prefill would take.
+    """
+    if context_tokens <= 0 or not prefill_tokens_per_s or home_wait_s is None:
+        return True
+    prefill_s = context_tokens / prefill_tokens_per_s
+    return waited_s >= prefill_s or prefill_s < home_wait_s
+
+
+def filter_affinity_or_move(affinity: RunAffinity) -> Filter:
+    """Before `filter_granted`: keep the candidates, unless the run's home instance is among
+    them (healthy, in the pool) but admission granted it no room now, and waiting for it is
+    faster than moving (`move_is_faster`, at the fastest measured prefill rate among the
+    granted others): then none, so the step waits."""
+
+    def keep(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
+        home = affinity.get(req.run_id)
+        if (
+            home is None
+            or home in req.exclude
+            or req.allowed is None
+            or home in req.allowed
+            or all(c.instance_id != home for c in cands)
+        ):
+            return cands
+        others = [c for c in cands if c.instance_id in req.allowed]
+        rates = [r for c in others if (r := c.state.prefill_tokens_per_s)]
+        if move_is_faster(
+            context_tokens=affinity.context_tokens(req.run_id),
+            prefill_tokens_per_s=max(rates) if rates else None,
+            home_wait_s=req.home_wait_s,
+            waited_s=req.waited_s,
+        ):
+            return cands
+        return []
+
+    return keep
 
 
 def score_kv_headroom(fleet: Fleet) -> Scorer:
@@ -167,16 +229,45 @@ class Picker:
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
 
-def default_picker(fleet: Fleet, affinity: RunAffinity, rng: random.Random) -> Picker:
+PLACEMENTS = ("affinity_or_move", "always_affinity", "least_loaded")
+
+
+def default_picker(
+    fleet: Fleet, affinity: RunAffinity, rng: random.Random, placement: str = "affinity_or_move"
+) -> Picker:
     """Healthy, granted and untried instances of the pool; scored by run affinity (weight 2), KV
-    headroom (1) and load (1)."""
+    headroom (1) and load (1).
+
+    `placement` (the others are kept for comparison): `affinity_or_move` waits for a full home
+    instance when that is faster than recomputing the context elsewhere; `always_affinity`
+    waits for it whatever the cost (while it is healthy); `least_loaded` ignores affinity.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}")
+    placed: list[Filter] = {
+        "affinity_or_move": [filter_affinity_or_move(affinity)],
+        "always_affinity": [filter_always_affinity(affinity)],
+        "least_loaded": [],
+    }[placement]
+    scorers: list[tuple[float, Scorer]] = [(1.0, score_kv_headroom(fleet)), (1.0, score_load)]
+    if placement != "least_loaded":
+        scorers.insert(0, (2.0, score_run_affinity(affinity)))
     return Picker(
         fleet,
-        filters=[filter_healthy, filter_granted, filter_not_tried],
-        scorers=[
-            (2.0, score_run_affinity(affinity)),
-            (1.0, score_kv_headroom(fleet)),
-            (1.0, score_load),
-        ],
+        filters=[filter_healthy, *placed, filter_granted, filter_not_tried],
+        scorers=scorers,
         rng=rng,
     )
+
+
+def filter_always_affinity(affinity: RunAffinity) -> Filter:
+    """Before `filter_granted`: only the run's home instance while it is healthy, in the pool
+    and untried (for comparison: a step waits for its home however long that takes)."""
+
+    def keep(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
+        home = affinity.get(req.run_id)
+        if home is None or home in req.exclude:
+            return cands
+        return [c for c in cands if c.instance_id == home] or cands
+
+    return keep
