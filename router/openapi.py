@@ -304,6 +304,21 @@ def _schemas(config: Config) -> dict[str, Schema]:
             ["object", "snapshot"],
             {"object": {"const": "gpupool.gpus"}, "snapshot": {"type": ["object", "null"]}},
         ),
+        "History": _obj(
+            ["object", "interval_s", "window_s", "samples"],
+            {
+                "object": {"const": "gpupool.history"},
+                "interval_s": _NUM,
+                "window_s": _NUM,
+                "samples": {
+                    "type": "array",
+                    "items": _obj(
+                        ["t_s", "pools", "instances", "latency", "rates"],
+                        {"t_s": _NUM, "pools": {"type": "object"}, "latency": {"type": "object"}},
+                    ),
+                },
+            },
+        ),
         "Readiness": _obj(
             ["ready", "pools_without_healthy_instance"],
             {"ready": {"type": "boolean"}, "pools_without_healthy_instance": _STRS},
@@ -539,6 +554,17 @@ def openapi_document(config: Config, access: OperatorAccess) -> dict[str, Any]:
             401,
             403,
             security=admin,
+        ),
+        "/admin/history": _get(
+            "adminHistory",
+            "The last hour for the status page: one sample every 5 s of shares, queues, each"
+            " instance's KV use and load, and each interval's latency quantiles and rates",
+            _json(_ref("History"), "Samples, oldest first"),
+            400,
+            401,
+            403,
+            security=admin,
+            parameters=[_query("since_s", since, "Only samples taken after it (Unix s)")],
         ),
         "/openapi.json": _get(
             "openapi",

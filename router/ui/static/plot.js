@@ -25,7 +25,7 @@
   function niceCeil(v) {
     if (!(v > 0)) return 1;
     const p = Math.pow(10, Math.floor(Math.log10(v)));
-    for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= v) return m * p;
+    for (const m of [1, 2, 2.5, 4, 5, 10]) if (m * p >= v) return m * p;
     return 10 * p;
   }
 
@@ -53,7 +53,7 @@
         .textContent = "no data yet";
       return;
     }
-    if (tMax - tMin < 300) tMin = tMax - 300;  // at least five minutes wide
+    if (tMax - tMin < 120) tMin = tMax - 120;  // at least two minutes wide
     const yMin = opts.yMin ?? 0;
     const yMax = opts.yMax ?? niceCeil(Math.max(vMax, opts.yTopAtLeast ?? 0, yMin + 1e-9));
     const x = t => PAD_L + (t - tMin) / (tMax - tMin) * (W - PAD_L - PAD_R);
@@ -66,7 +66,8 @@
     }
     for (let i = 0; i <= 4; i++) {
       const t = tMin + (tMax - tMin) * i / 4;
-      el("text", {x: x(t), y: H - 6, "text-anchor": "middle", class: "tick"}, svg)
+      const anchor = i === 0 ? "start" : i === 4 ? "end" : "middle";
+      el("text", {x: x(t), y: H - 6, "text-anchor": anchor, class: "tick"}, svg)
         .textContent = clock(t, tMax - tMin < 900);
     }
     series.forEach((s, i) => {
