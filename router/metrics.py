@@ -129,6 +129,12 @@ class RouterMetrics:
             ["ended_by"],
             registry=r,
         )
+        self.borrowed = Counter(
+            "gpupool_borrowed_admissions_total",
+            "Sequences admitted on another pool's idle capacity (rebalancer.borrow_max_frac)",
+            ["pool"],
+            registry=r,
+        )
         self.borrowed_frac = Gauge(
             "gpupool_borrowed_frac",
             "Capacity a pool uses on other pools' instances (borrowed), as a share of all GPUs",
