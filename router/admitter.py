@@ -398,6 +398,7 @@ class Admitter:
         """Give each pool's queue head a lease while it fits (head-of-line order)."""
         self._pump_scheduled = False
         now = self.clock()
+        dispatched = False
         for queue in self.queues.values():
             while (entry := queue.peek(now)) is not None:
                 waiter: _Waiter = entry.payload
@@ -410,6 +411,7 @@ class Admitter:
                 if isinstance(result, Lease):
                     queue.pop(entry, now)
                     waiter.future.set_result(result)
+                    dispatched = True
                     continue
                 if isinstance(result, Reject) and result.code == "deadline_unmeetable":
                     queue.remove(entry)
@@ -418,6 +420,9 @@ class Admitter:
                     continue
                 break
             self.metrics.queue_depth(queue.pool, len(queue))
+        if dispatched and self.borrow_max_frac > 0:
+            # a queue that emptied may lend now to a pool passed over earlier in this pass
+            self.schedule_pump()
 
     # ------------------------------------------------------------------ errors
 

@@ -701,6 +701,7 @@ class Rebalancer:
             "cooldown_s": self.rc.cooldown_s,
             "drain_timeout_s": self.rc.drain_timeout_s,
             "borrow_max_frac": self.rc.borrow_max_frac,
+            "borrowed_frac": _round(self.borrowed_fracs()),
             "frozen": self.sre.frozen,
             "pinned_shares": self.sre.pinned_shares,
             "pinned_instances": self.pinned_instances(),
@@ -736,6 +737,25 @@ class Rebalancer:
         m.drains_in_progress.set(len(self.pool_map.current.draining))
         for pool, share in self.loop_state.shares.items():
             m.pool_target_share.labels(pool).set(share)
+        for pool, frac in self.borrowed_fracs().items():
+            m.borrowed_frac.labels(pool).set(frac)
+
+    def borrowed_fracs(self) -> dict[str, float]:
+        """Per pool, the capacity its sequences hold on instances it has no part of (borrowed
+        KV blocks over the instance's blocks, times its GPUs), as a share of all GPUs."""
+        allocation = self.pool_map.current
+        total = sum(self.fleet.capacity_gpus().values())
+        out = dict.fromkeys(self.pools, 0.0)
+        for state in self.fleet:
+            cap = state.capacity_blocks
+            if not cap or total <= 0:
+                continue
+            for pool in self.pools:
+                if allocation.frac(state.instance_id, pool) > 0:
+                    continue
+                blocks = state.reserved_by_pool.get(pool, 0)
+                out[pool] += min(1.0, blocks / cap) * state.spec.gpus / total
+        return out
 
 
 def _differs(a: Mapping[str, Mapping[str, float]], b: Mapping[str, Mapping[str, float]]) -> bool:
