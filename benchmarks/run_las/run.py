@@ -80,13 +80,13 @@ def router_config(
                 "local": {"vllm_args": ["--max-num-seqs", str(max_num_seqs)]},
             },
             "pools": {
+                # the harness's prompt-sizing requests carry no run id: class normal
                 "agent": {
-                    "classes": ["agent"],
+                    "classes": ["agent", "normal"],
                     "share": {"initial_frac": 1.0},
                     "slo": {"ttft_p95_ms": 600_000, "tpot_p95_ms": 100_000},
                     "queue": queue,
                 },
-                "normal": {"classes": ["normal"], "share": {"initial_frac": 0.0}},
             },
             "classes": {
                 "agent": {"timeout_s": 900, "expected_output_tokens": 32},
@@ -132,6 +132,13 @@ async def _with_gateways(
         await gw.start()
         gateways.append(gw)
         servers.append(serve_asgi(gw))
+    for gw in gateways:  # the first scrape makes the engine healthy and sizes its KV
+        for _ in range(300):
+            if all(st.healthy and st.capacity_blocks for st in gw.fleet):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError("the router never saw the engine healthy")
     return gateways, servers
 
 
