@@ -1346,6 +1346,11 @@ def not_yet_in_effect(config: Config) -> list[str]:
                 f"pools {', '.join(bounded)}: share bounds and schedules bind only SRE moves:"
                 " rebalancer.enabled is false, so the ratio does not follow demand"
             )
+    if config.rebalancer.borrow_max_frac > 0 and config.router.admission == "off":
+        notes.append(
+            "rebalancer.borrow_max_frac: no borrowing with router.admission off (every request"
+            " goes to its own pool's instances at once)"
+        )
     return notes
 
 
