@@ -134,8 +134,11 @@ class Gateway:
             clock=clock,
             on_run_end=self._run_ended,
         )
+        self.accounting_observer = AccountingObserver(
+            self.accountant, self.ledger, self.accounting_metrics, clock=clock
+        )
         self._observers: list[RequestObserver] = [
-            AccountingObserver(self.accountant, self.ledger, self.accounting_metrics, clock=clock),
+            self.accounting_observer,
             self.governor,  # after accounting: it settles with the request's GPU-seconds
             self.rebalancer.signals,
             *(observers or []),
@@ -265,7 +268,10 @@ class Gateway:
 
     def _run_ended(self, end: RunEnd) -> None:
         """The ledger records why each run ended (governance: client_end, idle_timeout, or the
-        run guard's code)."""
+        run guard's code); the metrics its completion time (first arrival to last byte)."""
+        completed = self.accounting_observer.run_completed(end.tenant, end.run_id)
+        if completed is not None:
+            self.metrics.observe_run_completion(*completed)
         self.ledger.submit_run_end(
             tenant=end.tenant,
             run_id=end.run_id,

@@ -110,3 +110,23 @@ def test_run_las_fields_are_refused_where_they_take_no_effect(tmp_path: Path) ->
     agent = next(p for p in cfg.pools if p.name == "agent")
     assert (agent.queue.order, agent.queue.run_las_aging_s) == ("run_las", 3.0)
     assert agent.queue.run_las_idle_decay_s == 9.0
+
+
+@pytest.mark.parametrize("gateway", [{"order": "run_las"}], indirect=True)
+async def test_a_run_that_ends_is_counted_in_the_completion_histogram(gateway: Gateway) -> None:
+    started = asyncio.get_running_loop().time()
+    done: list[str] = []
+    await _step(gateway, "r1", done)
+    await asyncio.sleep(0.3)  # a tool call
+    last = await asgi_post(
+        gateway, STEP, headers={"x-gpupool-run-id": "r1", "x-gpupool-run-end": "1"}
+    )
+    assert last.status == 200
+    took_s = asyncio.get_running_loop().time() - started
+    registry = gateway.metrics.registry
+    labels = {"class": "agent"}
+    assert registry.get_sample_value("gpupool_run_completion_seconds_count", labels) == 1.0
+    observed = registry.get_sample_value("gpupool_run_completion_seconds_sum", labels)
+    assert observed is not None and 0.3 < observed <= took_s
+    # the run ended: ending it again observes nothing more
+    assert gateway.accounting_observer.run_completed("default", "r1") is None
