@@ -547,6 +547,29 @@ def openapi_document(config: Config, access: OperatorAccess) -> dict[str, Any]:
                 _query("since_s", since, "Only requests ending at or after it (s)"),
             ],
         ),
+        "/admin/decisions": _get(
+            "adminDecisions",
+            "The rebalancer's decision log, newest first (docs/rebalancer.md)",
+            _json(
+                _obj(
+                    ["object", "data"],
+                    {
+                        "object": {"const": "list"},
+                        "data": {"type": "array", "items": {"type": "object"}},
+                    },
+                ),
+                "Decisions with the signals behind them",
+            ),
+            400,
+            401,
+            403,
+            security=admin,
+            parameters=[
+                _query("limit", _or_empty(whole, 50), "At most this many decisions"),
+                _query("since_s", since, "Only decisions at or after this unix time (s)"),
+                _query("moves_only", _STR, "1: only decisions that moved share"),
+            ],
+        ),
         "/admin/gpus": _get(
             "adminGpus",
             "The latest GPU snapshot (null before the first sample)",
