@@ -165,9 +165,14 @@ class RayEnginesSchema(_Strict):
     drain_timeout_s: float = Field(default=600.0, ge=0)
     namespace: str = "gpupool"  # Ray namespace of the engine actors
     api_key_env: str | None = None  # None: a random key per launch
+    # the ports an engine may listen on, [first, last], the first free one taken on its node;
+    # None: any free port the node gives
+    port_range: tuple[int, int] | None = None
 
     @model_validator(mode="after")
     def _no_forbidden_flags(self) -> RayEnginesSchema:
+        if self.port_range is not None and not 1024 <= self.port_range[0] <= self.port_range[1]:
+            raise ValueError("port_range: needs [first, last] with 1024 <= first <= last")
         if "--disable-log-stats" in self.vllm_args:
             raise ValueError(
                 "vllm_args: --disable-log-stats removes every vllm:* metric gpupool's telemetry"
@@ -182,17 +187,6 @@ class EnginesSchema(_Strict):
     static: StaticEnginesSchema = Field(default_factory=StaticEnginesSchema)
     kubernetes: KubernetesEnginesSchema = Field(default_factory=KubernetesEnginesSchema)
     ray: RayEnginesSchema = Field(default_factory=RayEnginesSchema)
-
-    @field_validator("launcher")
-    @classmethod
-    def _launcher_available(cls, value: str) -> str:
-        if value == "ray":
-            raise ValueError(
-                "'ray' is not available yet in this version of gpupool; use 'local', or start"
-                " the engines with Ray yourself and list their URLs in engines.static.urls"
-                " (launcher: static)"
-            )
-        return value
 
     @model_validator(mode="after")
     def _static_has_urls(self) -> EnginesSchema:
@@ -672,6 +666,7 @@ class RayEnginesConfig:
     namespace: str = "gpupool"
     api_key: str | None = field(default=None, repr=False)  # None: a random key per launch
     secret_env: frozenset[str] = frozenset()  # env vars never passed to engines
+    port_range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1228,6 +1223,7 @@ def _freeze_ray(
         namespace=r.namespace,
         api_key=key,
         secret_env=secret_env,
+        port_range=r.port_range,
     )
 
 
@@ -1386,12 +1382,12 @@ def _rebalancer_problems(config: Config) -> list[str]:
 
 
 def _governance_problems(config: Config, tenant: TenantConfig) -> list[str]:
-    """A tenant's limits that are not enforced yet, or that the engines cannot honour."""
+    """A tenant's limits that do not fit together, or that the engines cannot honour."""
     problems = []
-    if tenant.borrow_max_frac is not None:
+    if tenant.borrow_max_frac and tenant.tokens_per_minute is None:
         problems.append(
-            f"tenants.{tenant.name}.borrow_max_frac: not enforced yet (borrowing between"
-            " tenants is not built); remove it rather than rely on it"
+            f"tenants.{tenant.name}.borrow_max_frac: borrowing extends a token budget; set"
+            " tokens_per_minute too (it is the base quota the fraction is of)"
         )
     tier = config.governance.tier(tenant.tier)
     args = config.engines.local.vllm_args
@@ -1414,7 +1410,7 @@ def contract_problems(config: Config) -> list[str]:
       expected output tokens at the TPOT target) fits the class timeout;
     - each pool can hold at least one instance's worth of capacity (ceiling >= 1/instances)
       when there is more than one instance;
-    - no tenant sets a limit that is not enforced yet (`borrow_max_frac`);
+    - a tenant's `borrow_max_frac` has a `tokens_per_minute` to be a fraction of;
     - a class's run guard `max_duration_s` is not shorter than one request of it may take
       (`timeout_s`); a tenant's tier allows no more requests in flight than the engines run.
     """

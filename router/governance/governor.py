@@ -36,6 +36,7 @@ from typing import Any
 from pools.config import Config, TenantConfig
 from router.errors import BadRequest, RateLimited, RunStopped
 from router.estimate import Estimate
+from router.governance.borrowing import LenderView, pick_lender
 from router.governance.bucket import TokenBucket, WindowSum
 from router.governance.guards import RunState, Stop, check_step
 from router.governance.headers import rate_limit_headers
@@ -94,6 +95,7 @@ class _Tenant:
     limits: TenantLimits
     tokens: TokenBucket | None
     requests: TokenBucket | None
+    allowance: TokenBucket | None = None  # what it may still borrow (borrow_max_frac)
     hour: WindowSum = field(default_factory=lambda: WindowSum(HOUR_S, 60))
     day: WindowSum = field(default_factory=lambda: WindowSum(DAY_S, 96))
     inflight: int = 0
@@ -334,6 +336,8 @@ class Governor:
         if wait == 0.0 and not st.lock.locked():
             reserve(now_s)
             return 0.0
+        if not st.lock.locked() and self._borrow(st, need, now_s):
+            return 0.0
         end_s = min(ctx.deadline_s, now_s + self._max_wait_s.get(ctx.pool, 0.0))
         if now_s + wait > end_s:
             self._refuse_rate(st, reason, need, wait)
@@ -354,6 +358,8 @@ class Governor:
                     if wait == 0.0:
                         reserve(at_s)
                         return at_s - now_s
+                    if self._borrow(st, need, at_s):
+                        return at_s - now_s
                     if at_s + wait > end_s:
                         self._refuse_rate(st, reason, need, wait)
                     st.refilled.clear()
@@ -364,6 +370,37 @@ class Governor:
         finally:
             waiting.dec()
             self.metrics.wait_seconds.labels(reason).observe(self.clock() - now_s)
+
+    def _borrow(self, st: _Tenant, need: float, now_s: float) -> bool:
+        """Reserve `need` with the shortfall borrowed from an idle tenant's bucket (see
+        `borrowing`), when the tenant may borrow and its requests bucket holds one. Returns
+        whether it did."""
+        tokens, allowance = st.tokens, st.allowance
+        if tokens is None or allowance is None:
+            return False
+        if st.requests is not None and st.requests.wait_s(1, now_s) > 0.0:
+            return False
+        short = need - tokens.level(now_s)
+        if short <= 0.0 or allowance.wait_s(short, now_s) > 0.0 or short > allowance.capacity:
+            return False
+        views = [
+            LenderView(o.config.name, o.tokens.level(now_s), o.tokens.capacity, o.inflight == 0)
+            for o in self._tenants.values()
+            if o is not st and o.tokens is not None and not o.lock.locked()
+        ]
+        lender_name = pick_lender(short, views)
+        if lender_name is None:
+            return False
+        lender = self._tenants[lender_name]
+        assert lender.tokens is not None
+        lender.tokens.settle(0.0, short, now_s)  # the loan leaves the lender's bucket
+        allowance.settle(0.0, short, now_s)
+        tokens.settle(0.0, need - short, now_s)  # the rest (all it holds) from its own
+        if st.requests is not None:
+            st.requests.try_reserve(1, now_s)
+        self.metrics.borrowed.labels(st.config.name).inc(short)
+        self.metrics.lent.labels(lender_name).inc(short)
+        return True
 
     def _refuse_rate(self, st: _Tenant, reason: str, need: float, wait_s: float) -> None:
         name = st.config.name
@@ -593,11 +630,15 @@ class Governor:
         limits = tenant_limits(self.config, tenant)
         now = self.clock()
         tpm, rpm = limits.tokens_per_minute, limits.requests_per_minute
+        frac = tenant.borrow_max_frac
         st = _Tenant(
             config=tenant,
             limits=limits,
             tokens=None if tpm is None else TokenBucket(tpm, tpm / 60.0, now),
             requests=None if rpm is None else TokenBucket(rpm, rpm / 60.0, now),
+            allowance=(
+                None if tpm is None or not frac else TokenBucket(tpm * frac, tpm * frac / 60, now)
+            ),
         )
         self._tenants[tenant.name] = st
         return st

@@ -61,6 +61,18 @@ class GovernanceMetrics:
             ["tenant"],
             registry=r,
         )
+        self.borrowed = Counter(
+            "gpupool_tenant_tokens_borrowed_total",
+            "Tokens the tenant borrowed from idle tenants' budgets (borrow_max_frac)",
+            ["tenant"],
+            registry=r,
+        )
+        self.lent = Counter(
+            "gpupool_tenant_tokens_lent_total",
+            "Tokens other tenants borrowed from this tenant's idle budget",
+            ["tenant"],
+            registry=r,
+        )
         self.active_runs = Gauge(
             "gpupool_tenant_active_runs", "Agent runs active now", ["tenant"], registry=r
         )

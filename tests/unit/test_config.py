@@ -128,9 +128,9 @@ def test_check_config_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert load_config(None).source == "<built-in default>"
 
 
-def test_limits_not_enforced_yet_are_refused_by_the_contract_check() -> None:
-    # tokens_per_minute and max_concurrent_runs are enforced (router/governance): accepted;
-    # borrowing is not built yet: refused
+def test_tenant_limits_are_checked_by_the_contract_check() -> None:
+    # tokens_per_minute, max_concurrent_runs and borrow_max_frac are enforced
+    # (router/governance); borrowing needs a token budget to be a fraction of
     data = {
         **DEFAULT_CPU_CONFIG,
         "tenants": [
@@ -140,14 +140,15 @@ def test_limits_not_enforced_yet_are_refused_by_the_contract_check() -> None:
                 "tokens_per_minute": 1000,
                 "max_concurrent_runs": 2,
                 "borrow_max_frac": 0.5,
-            }
+            },
+            {"name": "b", "api_key_env": "PATH", "borrow_max_frac": 0.5},
         ],
     }
     problems = contract_problems(parse_config(data))
-    assert any(p.startswith("tenants.a.borrow_max_frac: not enforced yet") for p in problems)
-    assert not any("tokens_per_minute" in p or "max_concurrent_runs" in p for p in problems)
-    data["tenants"] = [{"name": "a", "api_key_env": "HOME", "tokens_per_minute": 1000}]
-    assert not any("not enforced" in p for p in contract_problems(parse_config(data)))
+    assert problems == [
+        "tenants.b.borrow_max_frac: borrowing extends a token budget; set tokens_per_minute"
+        " too (it is the base quota the fraction is of)"
+    ]
 
 
 def test_check_config_names_settings_not_in_effect_yet(capsys: pytest.CaptureFixture[str]) -> None:

@@ -320,3 +320,19 @@ def test_unknown_tier_or_task_type_is_a_config_error() -> None:
         tenants=[{"name": "t", "tier": "gold"}],
     )
     assert tenant_limits(config, config.tenants[0]).max_concurrent_runs == 7
+
+
+# ------------------------------------------------------------------------------ borrowing
+
+
+def test_only_an_idle_lender_lends_and_keeps_half_its_bucket() -> None:
+    from router.governance.borrowing import LenderView, lendable, pick_lender
+
+    idle = LenderView("idle", level=900, capacity=1000, idle=True)
+    busy = LenderView("busy", level=1000, capacity=1000, idle=False)
+    low = LenderView("low", level=550, capacity=1000, idle=True)
+    assert lendable(idle) == 400 and lendable(busy) == 0 and lendable(low) == 50
+    assert pick_lender(300, [busy, low, idle]) == "idle"
+    assert pick_lender(401, [busy, low, idle]) is None  # nobody can lend that much
+    assert pick_lender(40, [low]) == "low"
+    assert pick_lender(40, []) is None

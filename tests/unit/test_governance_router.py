@@ -32,6 +32,8 @@ TENANTS: list[dict[str, Any]] = [
     {"name": "gpu", "api_key": "k-gpu", "run_guards": {"max_gpu_seconds": 1e-9}},
     {"name": "capped", "api_key": "k-capped", "cost_cap_gpu_seconds_per_hour": 1e-9},
     {"name": "open", "api_key": "k-open"},
+    {"name": "lender", "api_key": "k-lender", "tokens_per_minute": 600},
+    {"name": "borrower", "api_key": "k-borrower", "tokens_per_minute": 120, "borrow_max_frac": 0.5},
     {
         "name": "daily",
         "api_key": "k-daily",
@@ -304,3 +306,23 @@ async def test_a_spent_daily_budget_tightens_the_rate_and_refuses_new_work(rig: 
     budget = (await rig.get("daily", "/v1/budget")).json()
     assert budget["tokens"]["limit_per_minute"] == 60
     assert budget["cost"]["daily"]["used_frac"] > 1
+
+
+async def test_a_tenant_borrows_from_an_idle_budget_up_to_its_fraction(rig: Rig) -> None:
+    metrics = rig.gateway.governor.metrics
+    first = await rig.post("borrower", _body(max_tokens=100))  # its own 120 a minute
+    assert first.status_code == 200
+    second = await rig.post("borrower", _body(max_tokens=40))  # short: borrowed, no wait
+    assert second.status_code == 200
+    borrowed = metrics.borrowed.labels("borrower")._value.get()
+    assert 20 <= borrowed <= 60  # the shortfall, within 0.5 x 120 a minute
+    # one idle tenant with a full bucket lent it (lender, mid and daily hold 600 each)
+    lent = {t["name"]: metrics.lent.labels(t["name"])._value.get() for t in TENANTS}
+    (lender_name,) = [name for name, amount in lent.items() if amount]
+    assert lender_name in ("lender", "mid", "daily") and lent[lender_name] == borrowed
+    lender = (await rig.get(lender_name, "/v1/budget")).json()["tokens"]
+    assert 600 - borrowed - 1 <= lender["remaining"] <= 600 - borrowed + 1
+    third = await rig.post("borrower", _body(max_tokens=40))  # its allowance is spent
+    assert third.status_code == 429 and third.json()["error"]["code"] == "token_rate"
+    owner = await rig.post("lender", _body(max_tokens=100))  # the owner's tokens are there
+    assert owner.status_code == 200
