@@ -262,6 +262,8 @@ class RebalancerSchema(_Strict):
     cooldown_s: float = Field(default=60.0, ge=0)  # after a move, none for this long
     smoothing_window_s: float = Field(default=90.0, gt=0)  # pressure averaged over this window
     max_step_frac: float = Field(default=0.1, gt=0, le=1.0)  # largest share moved per step
+    # a pool keeps one instance's worth until this long after its last request
+    traffic_memory_s: float = Field(default=600.0, ge=0)
     # a whole instance moving pools joins its new pool when its old sequences finish, or after
     # this long (they then finish where they are)
     drain_timeout_s: float = Field(default=60.0, ge=0)
@@ -724,6 +726,7 @@ class RebalancerConfig:
     cooldown_s: float = 60.0
     smoothing_window_s: float = 90.0
     max_step_frac: float = 0.1
+    traffic_memory_s: float = 600.0
     drain_timeout_s: float = 60.0
     borrow_max_frac: float = 0.0
     decision_log_path: Path = Path("./.gpupool/decisions.sqlite")
@@ -737,6 +740,7 @@ class RebalancerConfig:
             cooldown_s=self.cooldown_s,
             smoothing_window_s=self.smoothing_window_s,
             max_step_frac=self.max_step_frac,
+            traffic_memory_s=self.traffic_memory_s,
         )
 
 
@@ -1180,6 +1184,7 @@ def _freeze_rebalancer(r: RebalancerSchema, base: Path, state_path: Path) -> Reb
         cooldown_s=r.cooldown_s,
         smoothing_window_s=r.smoothing_window_s,
         max_step_frac=r.max_step_frac,
+        traffic_memory_s=r.traffic_memory_s,
         drain_timeout_s=r.drain_timeout_s,
         borrow_max_frac=r.borrow_max_frac,
         decision_log_path=(

@@ -22,12 +22,13 @@ proportional to load / share (the receiver's load `p_r * s_r`, the giver's `p_g 
 Then nothing moves for `cooldown_s`. An idle pool (pressure 0) gives share down to its floor.
 
 Bounds: a pool never leaves [floor_frac, ceiling_frac] (the schedule's bounds at that time of
-day, see `bounds_at`), and a pool that had traffic in the window never goes below one
-instance's worth of capacity (where the bounds leave room for that).
+day, see `bounds_at`), and a pool that had traffic in the last `traffic_memory_s` never goes
+below one instance's worth of capacity (where the bounds leave room for that).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -121,6 +122,9 @@ class RebalanceSettings:
     cooldown_s: float = 60.0  # after a move, no other move for this long
     smoothing_window_s: float = 90.0
     max_step_frac: float = 0.1  # largest share moved in one step
+    # a pool "has traffic" (and keeps one instance's worth) until this long after its last
+    # request, so sparse traffic does not flap it between its floor and one instance
+    traffic_memory_s: float = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +135,7 @@ class LoopState:
     history: tuple[tuple[float, Mapping[str, float], Mapping[str, bool]], ...] = ()
     last_decision_at_s: float | None = None
     last_move_at_s: float | None = None
+    last_traffic_at_s: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +234,13 @@ def decide(
         *(h for h in state.history if h[0] > window_start),
         (now_s, _frozen(now_pressure), MappingProxyType(now_traffic)),
     )
-    smoothed, traffic = _smooth(history, pools)
+    smoothed, in_window = _smooth(history, pools)
+    last_traffic = dict(state.last_traffic_at_s)
+    last_traffic.update({p: now_s for p in pools if now_traffic[p]})
+    traffic = {
+        p: in_window[p] or now_s - last_traffic.get(p, -math.inf) <= settings.traffic_memory_s
+        for p in pools
+    }
     limits = effective_bounds(bounds, traffic, instance_frac)
     current = {p: state.shares.get(p, 0.0) for p in pools}
 
@@ -241,6 +252,7 @@ def decide(
             history=() if moved else history,
             last_decision_at_s=now_s,
             last_move_at_s=now_s if moved else state.last_move_at_s,
+            last_traffic_at_s=MappingProxyType(last_traffic),
         )
         return Decision(
             at_s=now_s,

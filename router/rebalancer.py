@@ -463,6 +463,7 @@ class Rebalancer:
                 shares=self.loop_state.shares,
                 history=self.loop_state.history,
                 last_move_at_s=self.loop_state.last_move_at_s,
+                last_traffic_at_s=self.loop_state.last_traffic_at_s,
             ),
             signals,
             self.bounds(),
@@ -672,6 +673,7 @@ class Rebalancer:
             history=(),
             last_decision_at_s=self.loop_state.last_decision_at_s,
             last_move_at_s=now_s,
+            last_traffic_at_s=self.loop_state.last_traffic_at_s,
         )
         self.moves += 1
         self.metrics.rebalance_moves.labels(move.from_pool, move.to_pool, "forced").inc()

@@ -278,3 +278,22 @@ def test_converges_under_a_step_change(
     at_bound = min(final.values()) <= 0.1 + 1e-6
     assert abs(pa - pb) <= 0.2 + 1e-6 or at_bound, (final, pa, pb)
     assert traj[-1] == pytest.approx(final)
+
+
+def test_sparse_traffic_keeps_one_instance_until_the_memory_expires() -> None:
+    """Agent traffic once, then none: the agent pool keeps one instance's worth for
+    traffic_memory_s (no flapping between its floor and one instance on sparse traffic),
+    then goes to its floor."""
+    cfg = RebalanceSettings(
+        interval_s=10,
+        hysteresis_frac=0.2,
+        cooldown_s=10,
+        smoothing_window_s=10,
+        max_step_frac=0.2,
+        traffic_memory_s=100,
+    )
+    bounds = {"agent": Bounds(0.1, 0.9), "normal": Bounds(0.1, 0.9)}
+    demand = [{"agent": 0.1, "normal": 1.0}] + [{"agent": 0.0, "normal": 1.0}] * 30
+    traj, _ = run_loop(demand, {"agent": 0.5, "normal": 0.5}, bounds, 31, cfg, instance_frac=1 / 3)
+    assert min(t["agent"] for t in traj[:10]) == pytest.approx(1 / 3)  # t <= 90 s
+    assert traj[-1]["agent"] == pytest.approx(0.1)  # long after the last agent request
