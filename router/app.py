@@ -49,6 +49,7 @@ from router.errors import (
 )
 from router.estimate import TokenEstimator
 from router.governance import GovernanceMetrics, Governor, RunEnd
+from router.governance.store import GovernanceStore
 from router.history import History, reading_from
 from router.identity import OperatorAccess, Tenants
 from router.ledger import Ledger
@@ -128,11 +129,14 @@ class Gateway:
             rc, snapshot_source=lambda: self.accountant.conservation(self.clock())
         )
         self.gpu_sampler = GpuSampler(registry=self.metrics.registry, nvml=nvml)
+        # budgets and run states survive a restart: a file next to the ledger
+        ledger_path = rc.ledger_path
         self.governor = Governor(
             config,
             GovernanceMetrics(self.metrics.registry),
             clock=clock,
             on_run_end=self._run_ended,
+            store=GovernanceStore(ledger_path.with_name(ledger_path.stem + ".governance.sqlite")),
         )
         self.accounting_observer = AccountingObserver(
             self.accountant, self.ledger, self.accounting_metrics, clock=clock
@@ -656,7 +660,7 @@ def _validation_message(err: RequestValidationError) -> str:
 
 def _max_num_seqs(config: Config) -> int:
     """The engines' `--max-num-seqs` from the configured vLLM arguments (vLLM's default 256)."""
-    args = list(config.engines.local.vllm_args)
+    args = list(config.engines.vllm_args)
     for i, arg in enumerate(args):
         if arg == "--max-num-seqs" and i + 1 < len(args):
             return int(args[i + 1])

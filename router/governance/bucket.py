@@ -68,6 +68,11 @@ class TokenBucket:
         """Seconds until the bucket is full again (0.0 when it is)."""
         return max(0.0, (self.capacity - self.level(now_s)) / self.rate_per_s)
 
+    def set_level(self, level: float, now_s: float) -> None:
+        """Put the bucket at `level` as of `now_s` (a restart restoring its saved state)."""
+        self._level = min(self.capacity, float(level))
+        self._at_s = now_s
+
     def set_rate(self, capacity: float, rate_per_s: float, now_s: float) -> None:
         """Change the limits (a reload, a daily budget tightening), keeping the level."""
         if capacity <= 0 or rate_per_s <= 0:
@@ -109,6 +114,11 @@ class WindowSum:
         else:
             self._slices.append((index, amount))
         self._total += amount
+
+    def slices(self, now_s: float) -> list[tuple[float, float]]:
+        """The live slices as (start time, amount), oldest first (to save them)."""
+        self._expire(now_s)
+        return [(index * self.slice_s, amount) for index, amount in self._slices]
 
     def total(self, now_s: float) -> float:
         self._expire(now_s)

@@ -38,11 +38,12 @@ from router.errors import BadRequest, RateLimited, RunStopped
 from router.estimate import Estimate
 from router.governance.borrowing import LenderView, pick_lender
 from router.governance.bucket import TokenBucket, WindowSum
-from router.governance.guards import RunState, Stop, check_step
+from router.governance.guards import RunLimits, RunState, Stop, check_step
 from router.governance.headers import rate_limit_headers
 from router.governance.limits import TenantLimits, run_limits, tenant_limits
 from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
+from router.governance.store import GovernanceStore, RunRow, TenantRow
 from router.request import RequestContext, RequestOutcome
 
 __all__ = ["Governor", "RunEnd", "StepSignals"]
@@ -117,6 +118,8 @@ class Governor:
         on_run_end: Callable[[RunEnd], None] | None = None,
         sweep_interval_s: float = 1.0,
         max_runs_per_tenant: int = MAX_RUNS_PER_TENANT,
+        store: GovernanceStore | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -130,14 +133,26 @@ class Governor:
         self._tenants: dict[str, _Tenant] = {}
         self._tickets: dict[str, _Ticket] = {}
         self._task: asyncio.Task[None] | None = None
+        self._store = store
+        self._wall_clock = wall_clock
+        self._dirty: dict[tuple[str, str], RunState] = {}  # runs changed since the last save
+        self._pending_tenants: dict[str, TenantRow] = {}  # restored, applied at first use
+        self._pending_runs: dict[str, list[RunRow]] = {}
+        self._saves = 0
         for tenant in config.tenants:
             self._state(tenant)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._sweep_loop(), name="gpupool-governance-sweep")
+        """Restore the saved state (if a store is given) and start the sweep."""
+        if self._task is not None:
+            return
+        if self._store is not None:
+            await asyncio.to_thread(self._store.open)
+            tenants, runs = await asyncio.to_thread(self._store.load)
+            self._restore(tenants, runs)
+        self._task = asyncio.create_task(self._sweep_loop(), name="gpupool-governance-sweep")
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -145,14 +160,105 @@ class Governor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._store is not None:
+            await self.save()
+            await asyncio.to_thread(self._store.close)
 
     async def _sweep_loop(self) -> None:
         while True:
             await asyncio.sleep(self._sweep_interval_s)
             try:
                 self.sweep()
+                await self.save()
             except Exception:
                 log.exception("governance sweep failed")
+
+    # ------------------------------------------------------------------ durability
+
+    def _unix(self, mono_s: float) -> float:
+        return self._wall_clock() - (self.clock() - mono_s)
+
+    def _mono(self, unix_s: float) -> float:
+        return self.clock() - (self._wall_clock() - unix_s)
+
+    async def save(self) -> None:
+        """Write every tenant's buckets and windows and the runs changed since the last save
+        (a worker thread; the state is copied on the event loop first)."""
+        if self._store is None:
+            return
+        now = self.clock()
+        tenants = [
+            TenantRow(
+                st.config.name,
+                self._unix(now),
+                None if st.tokens is None else st.tokens.level(now),
+                None if st.requests is None else st.requests.level(now),
+                None if st.allowance is None else st.allowance.level(now),
+                [(self._unix(t), a) for t, a in st.hour.slices(now)],
+                [(self._unix(t), a) for t, a in st.day.slices(now)],
+            )
+            for st in self._tenants.values()
+        ]
+        runs = [
+            RunRow(
+                tenant,
+                run.run_id,
+                self._unix(run.started_at_s),
+                self._unix(run.last_seen_s),
+                dataclasses.asdict(run.limits),
+                run.steps,
+                run.tokens,
+                run.gpu_seconds,
+                None if run.stopped is None else run.stopped.code,
+                None if run.stopped is None else run.stopped.message,
+                run.ended,
+            )
+            for (tenant, _), run in self._dirty.items()
+        ]
+        self._dirty = {}
+        await asyncio.to_thread(self._store.save, tenants, runs)
+        self._saves += 1
+        if self._saves % 600 == 1:  # about every 10 minutes: runs idle for a day go
+            await asyncio.to_thread(self._store.forget_runs_before, self._wall_clock() - DAY_S)
+
+    def _restore(self, tenants: list[TenantRow], runs: list[RunRow]) -> None:
+        self._pending_tenants = {t.tenant: t for t in tenants}
+        for row in runs:
+            self._pending_runs.setdefault(row.tenant, []).append(row)
+        for st in list(self._tenants.values()):  # the configured tenants exist already
+            self._apply_saved(st)
+
+    def _apply_saved(self, st: _Tenant) -> None:
+        name = st.config.name
+        row = self._pending_tenants.pop(name, None)
+        if row is not None:
+            at = self._mono(row.saved_at_s)
+            for bucket, level in (
+                (st.tokens, row.tokens_level),
+                (st.requests, row.requests_level),
+                (st.allowance, row.allowance_level),
+            ):
+                if bucket is not None and level is not None:
+                    bucket.set_level(level, at)
+            for window, slices in ((st.hour, row.hour_slices), (st.day, row.day_slices)):
+                for start, amount in slices:
+                    window.add(amount, self._mono(start))
+        for r in self._pending_runs.pop(name, []):
+            run = RunState(
+                run_id=r.run_id,
+                started_at_s=self._mono(r.started_at_s),
+                last_seen_s=self._mono(r.last_seen_s),
+                limits=RunLimits(**r.limits),  # type: ignore[arg-type]
+                steps=r.steps,
+                tokens=r.tokens,
+                gpu_seconds=r.gpu_seconds,
+                stopped=None if r.stop_code is None else Stop(r.stop_code, r.stop_message or ""),
+                ended=r.ended,
+            )
+            st.runs[run.run_id] = run
+            if run.ended is None:
+                st.active[run.run_id] = run
+        self._forget_old_runs(st)
 
     def sweep(self) -> None:
         """End the runs idle past `run_idle_timeout_s` (no step in flight, none arrived)."""
@@ -218,6 +324,7 @@ class Governor:
             run.steps += 1
             run.inflight += 1
             run.last_seen_s = now
+            self._dirty[(st.config.name, run.run_id)] = run
             self._forget_old_runs(st)
         st.inflight += 1
         st.reserved_tokens += need if st.tokens is not None else 0.0
@@ -467,6 +574,7 @@ class Governor:
             run.tokens += used
             run.gpu_seconds += gpu_s
             run.last_seen_s = now
+            self._dirty[(st.config.name, run.run_id)] = run
             if ticket.run_end:
                 self._end(st, run, "client_end", now)
         self._check_alert(st, now)
@@ -518,6 +626,7 @@ class Governor:
             return
         run.ended = reason
         st.active.pop(run.run_id, None)
+        self._dirty[(st.config.name, run.run_id)] = run
         self.metrics.runs_ended.labels(st.config.name, reason).inc()
         self.metrics.active_runs.labels(st.config.name).set(len(st.active))
         if self.on_run_end is not None:
@@ -641,6 +750,7 @@ class Governor:
             ),
         )
         self._tenants[tenant.name] = st
+        self._apply_saved(st)
         return st
 
     def _apply_daily_budget(self, st: _Tenant, now_s: float) -> None:

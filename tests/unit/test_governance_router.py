@@ -326,3 +326,47 @@ async def test_a_tenant_borrows_from_an_idle_budget_up_to_its_fraction(rig: Rig)
     assert third.status_code == 429 and third.json()["error"]["code"] == "token_rate"
     owner = await rig.post("lender", _body(max_tokens=100))  # the owner's tokens are there
     assert owner.status_code == 200
+
+
+async def test_budgets_and_stopped_runs_survive_a_restart_without_a_clean_shutdown(
+    tmp_path: Path,
+) -> None:
+    """The first router is never closed before the second starts (as after `kill -9`): what
+    its once-a-second save wrote is what the second one finds."""
+    engine = FakeEngineState()
+    data = {
+        **DEFAULT_CPU_CONFIG,
+        "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
+        "tenants": TENANTS,
+        "router": {"ledger_path": str(tmp_path / "l.sqlite"), "state_path": str(tmp_path / "s")},
+    }
+    async with serve_asgi(make_fake_engine(engine)) as url:
+        spec = [InstanceSpec("engine-0", url, 1)]
+        first = create_app(parse_config(data), spec)
+        await first.start()
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=first), base_url="http://gw"
+        ) as client:
+            rig = Rig(first, client, engine)
+            assert (await rig.post("slow", _body(max_tokens=100))).status_code == 200
+            for _ in range(3):
+                assert (await rig.post("guarded", x_gpupool_run_id="r")).status_code == 200
+            assert (await rig.post("guarded", x_gpupool_run_id="r")).status_code == 403
+            before = (await rig.get("slow", "/v1/budget")).json()["tokens"]["remaining"]
+            await asyncio.sleep(1.5)  # the sweep saves once a second
+        second = create_app(parse_config(data), spec)
+        await second.start()
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=second), base_url="http://gw"
+            ) as client:
+                rig = Rig(second, client, engine)
+                after = (await rig.get("slow", "/v1/budget")).json()["tokens"]["remaining"]
+                assert before <= after <= before + 8  # not full: refilled 2 a second since
+                stopped = await rig.post("guarded", x_gpupool_run_id="r")
+                assert stopped.status_code == 403
+                assert stopped.json()["error"]["code"] == "run_steps"
+                assert (await rig.post("guarded", x_gpupool_run_id="new")).status_code == 200
+        finally:
+            await second.aclose()
+            await first.aclose()
