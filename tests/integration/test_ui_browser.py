@@ -208,7 +208,7 @@ def test_the_status_page_shows_the_live_pools_in_a_real_browser(
             page.screenshot(path=str(tmp_path / "status_page.png"), full_page=True)
             target = os.environ.get("GPUPOOL_UI_SCREENSHOT")
             if target:
-                page.screenshot(path=target, full_page=False)
+                page.screenshot(path=target, full_page=True)
             browser.close()
     assert not problems, problems
     assert load.done > 0 and not load.failures, load.failures[:5]
