@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                         "vllm_args": ["--max-num-seqs", "64"],
                     },
                 },
-                "pools": {"normal": {"classes": ["normal"], "share": {"initial_frac": 1}}},
+                "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
             }
         )
         launcher = LocalLauncher(
