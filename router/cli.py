@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "router.commands.runs",
     "router.commands.top",
     "router.commands.pools",
+    "router.commands.simulate",
     "router.commands.bench",
 )
 

@@ -1,0 +1,466 @@
+"""The what-if simulator: a scenario replayed in simulated time through gpupool's own fleet,
+admission, picking and rebalancer code, with engines modelled (`benchmarks.simulate.model`).
+
+What is real: `pools.fleet.Fleet` (leases, telemetry freshness, the operating point learned
+from the modelled engines' counters), `router.admitter.Admitter._try` (the admission decision,
+the picker and the lease, in one synchronous step), the per-pool `PoolQueue`s,
+`router.rebalancer.Rebalancer.tick` (signals, `pools.rebalance.decide`, `plan_moves`, drains).
+What is modelled: the engines (processor-sharing batches, a linear TPOT in the batch size, a
+prefill rate), the clients (the harness's workload plan, drawn from the scenario's seed, with
+agent steps following each other after their tool waits), scrapes every
+`router.scrape_interval_s`. Event-driven: time jumps from one event (an arrival, a prefill or a
+sequence ending, a scrape, a rebalancer tick) to the next, so a day of traffic runs in seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from benchmarks.simulate.model import EngineModel, LatencyModel, SimSequence
+from benchmarks.workload import AgentRunPlan, ChatRequestPlan, Plan
+from pools.allocation import PoolMap, plan_allocation
+from pools.config import Config
+from pools.fleet import Fleet, Lease
+from pools.launchers.base import InstanceSpec
+from pools.operating_point import OperatingPoint
+from pools.telemetry import InstanceReading
+from router.admission import Reject
+from router.admitter import Admitter
+from router.app import _max_num_seqs
+from router.estimate import Estimate
+from router.metrics import RouterMetrics
+from router.picking import RunAffinity, default_picker
+from router.queueing import PoolQueue, QueueEntry
+from router.rebalancer import Rebalancer
+from router.request import RequestContext, RequestOutcome
+
+__all__ = ["SimResult", "simulate"]
+
+_BLOCK_SIZE = 16
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    ctx: RequestContext
+    estimate: Estimate
+    class_name: str
+    run: _Run | None = None
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    ended_s: float | None = None
+    rejected: str | None = None
+    lease: Lease | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Run:
+    plan: AgentRunPlan
+    step: int = 0
+    context_tokens: int = 0
+    started_s: float = 0.0
+    ended_s: float | None = None
+    outcome: str = "running"
+
+
+@dataclass(slots=True)
+class SimResult:
+    config_source: str
+    simulated_s: float
+    wall_s: float = 0.0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    shares: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    gpu_seconds_by_pool: dict[str, float] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Sim:
+    def __init__(
+        self,
+        config: Config,
+        plan: Plan,
+        latency: LatencyModel,
+        capacity_blocks: int,
+        seed: int,
+    ) -> None:
+        self.config = config
+        self.plan = plan
+        self.now = 0.0
+        clock: Callable[[], float] = lambda: self.now  # noqa: E731
+        n = config.engines.instance_count
+        gpus = config.engines.gpus_per_instance
+        specs = [InstanceSpec(f"engine-{i}", f"sim://engine-{i}", gpus) for i in range(n)]
+        rc = config.router
+        self.fleet = Fleet(
+            specs,
+            stale_after_s=rc.stale_after_s,
+            unhealthy_after=rc.unhealthy_after_failures,
+            clock=clock,
+        )
+        for state in self.fleet:
+            state.op = OperatingPoint(max_num_seqs=_max_num_seqs(config))
+        shares = {p.name: p.share.initial_frac for p in config.pools}
+        pinned = {i: p.name for p in config.pools for i in p.pinned_instances}
+        self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares, pinned=pinned))
+        affinity = RunAffinity()
+        picker = default_picker(self.fleet, affinity, random.Random(seed))
+        self.affinity = affinity
+        metrics = RouterMetrics()
+        self.admitter = Admitter(
+            config, self.fleet, self.pool_map, picker, metrics, affinity, clock=clock
+        )
+        self.rebalancer = Rebalancer(
+            config,
+            self.fleet,
+            self.pool_map,
+            self.admitter.queues,
+            metrics,
+            clock=clock,
+            wall_clock=clock,
+        )
+        self.engines = {s.instance_id: EngineModel(latency, capacity_blocks) for s in specs}
+        self.capacity_blocks = capacity_blocks
+        self._events: list[tuple[float, int, str, Any]] = []
+        self._seq = itertools.count()
+        self._ids = itertools.count()
+        self.requests: list[_Request] = []
+        self.runs: list[_Run] = []
+        self.result = SimResult(config.source, plan.scenario.duration_s)
+        self._by_seq: dict[int, tuple[_Request, SimSequence]] = {}
+
+    # ------------------------------------------------------------------ events
+
+    def at(self, t_s: float, kind: str, data: Any = None) -> None:
+        heapq.heappush(self._events, (t_s, next(self._seq), kind, data))
+
+    def run(self) -> SimResult:
+        for chat in self.plan.chat:
+            self.at(chat.t_s, "chat", chat)
+        for run_plan in self.plan.runs:
+            self.at(run_plan.t_s, "run", run_plan)
+        self.at(0.0, "scrape")
+        if self.config.rebalancer.enabled:
+            self.at(self.config.rebalancer.interval_s, "tick")
+        self.at(0.0, "sample")
+        horizon = self.plan.scenario.duration_s + self.plan.scenario.drain_timeout_s
+        while True:
+            busy = any(e.running for e in self.engines.values()) or any(
+                len(q) for q in self.admitter.queues.values()
+            )
+            pending = [e for e in self._events if e[2] in ("chat", "run", "step")]
+            if not busy and not pending:
+                break
+            t_engine = self.now + min(e.next_event_s() for e in self.engines.values())
+            t_event = self._events[0][0] if self._events else math.inf
+            t = min(t_engine, t_event)
+            if t == math.inf or t > horizon:
+                break
+            self._advance(t)
+            while self._events and self._events[0][0] <= self.now + 1e-12:
+                _, _, kind, data = heapq.heappop(self._events)
+                self._handle(kind, data)
+            self._pump()
+        self._finish()
+        return self.result
+
+    def _advance(self, t_s: float) -> None:
+        dt = t_s - self.now
+        capacity = self.fleet.capacity_gpus()
+        for pool in self.rebalancer.pools:
+            share = self.pool_map.current.share_of(pool, capacity)
+            gpu_s = share * sum(capacity.values()) * dt
+            self.result.gpu_seconds_by_pool[pool] = (
+                self.result.gpu_seconds_by_pool.get(pool, 0.0) + gpu_s
+            )
+        self.now = t_s
+        for engine in self.engines.values():
+            before = [s for s in engine.running if s.first_token_at_s is None]
+            finished = engine.advance(dt, t_s)
+            for s in before:
+                if s.first_token_at_s is not None:
+                    req, _ = self._by_seq[id(s)]
+                    req.first_token_s = s.first_token_at_s
+                    if req.lease is not None:
+                        req.lease.first_token(t_s)
+            for s in finished:
+                self._done(s)
+
+    def _handle(self, kind: str, data: Any) -> None:
+        if kind == "chat":
+            plan: ChatRequestPlan = data
+            self._arrive(plan.class_name, plan.prompt_tokens, plan.output_tokens, None)
+        elif kind == "run":
+            run = _Run(data, context_tokens=data.prompt_tokens, started_s=self.now)
+            self.runs.append(run)
+            self._step(run)
+        elif kind == "step":
+            self._step(data)
+        elif kind == "scrape":
+            self._scrape()
+            self.at(self.now + self.config.router.scrape_interval_s, "scrape")
+        elif kind == "tick":
+            decision = self.rebalancer.tick()
+            if decision.move is not None and decision.changed:
+                self.result.decisions.append(
+                    {
+                        "t_s": round(self.now, 2),
+                        "reason": decision.reason,
+                        "from": decision.move.from_pool,
+                        "to": decision.move.to_pool,
+                        "share_frac": round(decision.move.share_frac, 4),
+                    }
+                )
+            self.at(self.now + self.config.rebalancer.interval_s, "tick")
+        elif kind == "sample":
+            self.result.shares.append((round(self.now, 2), self.rebalancer.placed_shares()))
+            self.at(self.now + 5.0, "sample")
+
+    def _step(self, run: _Run) -> None:
+        plan = run.plan
+        step = plan.steps[run.step]
+        if run.context_tokens + step.output_tokens > plan.max_context_tokens:
+            run.outcome = "context_limit"
+            run.ended_s = self.now
+            return
+        self._arrive(plan.class_name, run.context_tokens, step.output_tokens, run)
+
+    def _arrive(self, class_name: str, prompt: int, output: int, run: _Run | None) -> None:
+        pool = self.config.pool_for_class(class_name)
+        if pool is None:
+            return
+        cls = self.config.class_config(class_name)
+        ctx = RequestContext(
+            request_id=f"r{next(self._ids)}",
+            tenant="sim",
+            class_name=class_name,
+            pool=pool.name,
+            priority=cls.default_priority,
+            deadline_s=self.now + cls.timeout_s,
+            run_id=None if run is None else f"run-{run.plan.index}",
+            model="sim",
+            stream=True,
+            client_wants_usage=False,
+            received_at_s=self.now,
+        )
+        req = _Request(ctx, Estimate(prompt, output, "heuristic"), class_name, run)
+        self.requests.append(req)
+        queue = self.admitter.queues[pool.name]
+        entry = QueueEntry(
+            tenant="sim",
+            priority=ctx.priority,
+            cost_tokens=float(prompt + output),
+            weight=1.0,
+            enqueued_at_s=self.now,
+            payload=req,
+        )
+        if len(queue) >= queue.max_depth:
+            self._reject(req, "queue_full")
+            return
+        queue.push(entry)
+
+    # ------------------------------------------------------------------ admission
+
+    def _pump(self) -> None:
+        for pool, queue in self.admitter.queues.items():
+            max_wait_s = self.config.pool(pool).queue.max_wait_s
+            while (entry := queue.peek(self.now)) is not None:
+                req: _Request = entry.payload
+                if self.now - entry.enqueued_at_s > max_wait_s:
+                    queue.remove(entry)
+                    self._reject(req, "queue_timeout")
+                    continue
+                need = self.admitter._need(req.ctx, req.estimate)
+                result = self.admitter._try(req.ctx, need, self.now, frozenset())
+                if isinstance(result, Lease):
+                    queue.pop(entry, self.now)
+                    self._start(req, result, need.prefill_tokens(result.instance_id))
+                    continue
+                if isinstance(result, Reject):
+                    queue.remove(entry)
+                    self._reject(req, result.code)
+                    continue
+                break
+            self._expire(queue, max_wait_s)
+
+    def _expire(self, queue: PoolQueue, max_wait_s: float) -> None:
+        """Queue timeouts behind the head (checked at every pump, as the router's timers)."""
+        while (entry := queue.peek(self.now)) is not None:
+            if self.now - entry.enqueued_at_s <= max_wait_s:
+                return
+            queue.remove(entry)
+            self._reject(entry.payload, "queue_timeout")
+
+    def _start(self, req: _Request, lease: Lease, prefill_tokens: int) -> None:
+        req.admitted_s = self.now
+        req.lease = lease
+        seq = SimSequence(
+            prefill_left_tokens=float(max(1, prefill_tokens)),
+            output_tokens=max(1, req.estimate.output_tokens),
+            blocks=lease.blocks,
+            prompt_tokens=req.estimate.prompt_tokens,
+        )
+        self._by_seq[id(seq)] = (req, seq)
+        self.engines[lease.instance_id].add(seq)
+
+    def _reject(self, req: _Request, code: str) -> None:
+        req.rejected = code
+        req.ended_s = self.now
+        self._observe(req, 429)
+        if req.run is not None:
+            req.run.outcome = "failed"
+            req.run.ended_s = self.now
+
+    def _done(self, seq: SimSequence) -> None:
+        req, _ = self._by_seq.pop(id(seq))
+        req.ended_s = self.now
+        lease = req.lease
+        assert lease is not None
+        lease.release()
+        self._observe(req, 200)
+        run = req.run
+        if run is None:
+            return
+        step = run.plan.steps[run.step]
+        self.affinity.record(
+            req.ctx.run_id, lease.instance_id, req.estimate.prompt_tokens + step.output_tokens
+        )
+        run.step += 1
+        run.context_tokens += step.output_tokens + step.tool_result_tokens
+        if run.step >= len(run.plan.steps):
+            run.outcome = "completed"
+            run.ended_s = self.now
+            return
+        self.at(self.now + step.tool_wait_s, "step", run)
+
+    def _observe(self, req: _Request, status: int) -> None:
+        outcome = RequestOutcome(
+            ctx=req.ctx,
+            status=status,
+            outcome="ok" if status == 200 else "rejected",
+            admitted_at_s=req.admitted_s,
+            first_token_at_s=req.first_token_s,
+            ended_at_s=self.now,
+            completion_tokens=req.estimate.output_tokens if status == 200 else 0,
+        )
+        self.rebalancer.signals.finished(outcome)
+
+    def _scrape(self) -> None:
+        for iid, engine in self.engines.items():
+            used = engine.used_blocks()
+            self.fleet.record_reading(
+                iid,
+                InstanceReading(
+                    taken_at_s=self.now,
+                    kv_usage_frac=min(1.0, used / max(1, self.capacity_blocks)),
+                    running=len(engine.running),
+                    waiting=0,
+                    num_gpu_blocks=self.capacity_blocks + 1,
+                    block_size=_BLOCK_SIZE,
+                    preemptions_total=0,
+                    prefix_cache_hits_total=0,
+                    prefix_cache_queries_total=0,
+                    ttft_sum_s=0,
+                    ttft_count=0,
+                    itl_sum_s=engine.itl_sum_s,
+                    itl_count=engine.itl_count,
+                    prompt_tokens_sum=engine.prompt_tokens_sum,
+                    prefill_time_sum_s=engine.prefill_time_sum_s,
+                ),
+            )
+
+    def _finish(self) -> None:
+        self.result.simulated_s = self.now
+        for req in self.requests:
+            ttft = None if req.first_token_s is None else req.first_token_s - req.ctx.received_at_s
+            tpot = None
+            if req.first_token_s is not None and req.ended_s is not None:
+                tokens = req.estimate.output_tokens
+                if tokens > 1:
+                    tpot = (req.ended_s - req.first_token_s) / (tokens - 1)
+            self.result.requests.append(
+                {
+                    "class": req.class_name,
+                    "pool": req.ctx.pool,
+                    "arrived_s": round(req.ctx.received_at_s, 4),
+                    "queue_s": None
+                    if req.admitted_s is None
+                    else round(req.admitted_s - req.ctx.received_at_s, 4),
+                    "ttft_s": None if ttft is None else round(ttft, 4),
+                    "tpot_s": None if tpot is None else round(tpot, 5),
+                    "rejected": req.rejected,
+                    "done": req.ended_s is not None and req.rejected is None,
+                }
+            )
+        for run in self.runs:
+            self.result.runs.append(
+                {
+                    "class": run.plan.class_name,
+                    "started_s": round(run.started_s, 3),
+                    "completion_s": None
+                    if run.ended_s is None or run.outcome != "completed"
+                    else round(run.ended_s - run.started_s, 3),
+                    "outcome": run.outcome,
+                }
+            )
+
+
+def simulate(
+    config: Config,
+    plan: Plan,
+    latency: LatencyModel,
+    *,
+    capacity_blocks: int,
+    seed: int = 0,
+) -> SimResult:
+    """Replay `plan` against a router built from `config` over modelled engines."""
+    return _Sim(config, plan, latency, capacity_blocks, seed).run()
+
+
+def summarize(result: SimResult, config: Config) -> dict[str, Any]:
+    """Per pool: requests, SLO attainment (TTFT and TPOT within the pool's targets), TTFT and
+    queue-wait p95, rejections, GPU-seconds held; agent runs; the ratio over time."""
+    pools: dict[str, Any] = {}
+    for pool in config.pools:
+        rs = [r for r in result.requests if r["pool"] == pool.name]
+        ttft_t, tpot_t = pool.slo.ttft_p95_ms / 1e3, pool.slo.tpot_p95_ms / 1e3
+        good = [
+            r
+            for r in rs
+            if r["done"]
+            and r["ttft_s"] is not None
+            and r["ttft_s"] <= ttft_t
+            and (r["tpot_s"] or 0.0) <= tpot_t
+        ]
+        ttfts = [r["ttft_s"] for r in rs if r["ttft_s"] is not None]
+        waits = [r["queue_s"] for r in rs if r["queue_s"] is not None]
+        pools[pool.name] = {
+            "requests": len(rs),
+            "slo_attainment": len(good) / len(rs) if rs else None,
+            "ttft_p95_s": float(np.percentile(ttfts, 95)) if ttfts else None,
+            "queue_wait_p95_s": float(np.percentile(waits, 95)) if waits else None,
+            "rejected": sum(1 for r in rs if r["rejected"]),
+            "gpu_seconds": round(result.gpu_seconds_by_pool.get(pool.name, 0.0), 1),
+        }
+    done = [r["completion_s"] for r in result.runs if r["completion_s"] is not None]
+    return {
+        "config": result.config_source,
+        "simulated_s": result.simulated_s,
+        "wall_s": round(result.wall_s, 3),
+        "speed_x": round(result.simulated_s / result.wall_s, 1) if result.wall_s else None,
+        "pools": pools,
+        "agent_runs": {
+            "runs": len(result.runs),
+            "completed": len(done),
+            "completion_p50_s": float(np.percentile(done, 50)) if done else None,
+        },
+        "moves": result.decisions,
+        "shares": result.shares,
+    }
