@@ -294,10 +294,17 @@ class QueueSchema(_Strict):
     # run_las only: a run idle (no step in flight) longer than this has its attained
     # GPU-seconds halved per further run_las_idle_decay_s of idleness
     run_las_idle_decay_s: float = Field(default=60.0, gt=0)
+    # run_las only: attained GPU-seconds count up to this; runs past it keep their arrival
+    # order among themselves (None: no cap, pure least attained service)
+    run_las_max_attained_gpu_s: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _run_las_fields(self) -> QueueSchema:
-        las_fields = {"run_las_aging_s", "run_las_idle_decay_s"} & self.model_fields_set
+        las_fields = {
+            "run_las_aging_s",
+            "run_las_idle_decay_s",
+            "run_las_max_attained_gpu_s",
+        } & self.model_fields_set
         if self.order != "run_las" and las_fields:
             raise ValueError(
                 f"{', '.join(sorted(las_fields))} only apply with order: run_las"
@@ -757,6 +764,7 @@ class QueueConfig:
     order: str = "wfq"
     run_las_aging_s: float = 5.0
     run_las_idle_decay_s: float = 60.0
+    run_las_max_attained_gpu_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1076,6 +1084,7 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
                 p.queue.order,
                 p.queue.run_las_aging_s,
                 p.queue.run_las_idle_decay_s,
+                p.queue.run_las_max_attained_gpu_s,
             ),
             engine_priority=p.engine_priority,
             pinned_instances=tuple(p.pinned_instances),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ class Admitter:
                 max_depth=p.queue.max_depth,
                 order=p.queue.order,
                 aging_s=p.queue.run_las_aging_s,
+                max_attained_gpu_s=p.queue.run_las_max_attained_gpu_s or math.inf,
             )
             for p in config.pools
         }

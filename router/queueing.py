@@ -13,7 +13,9 @@ same tenant tags, but the tags are the tenant's turns, not its entries': when a 
 comes, the tenant's entry whose run has received the fewest GPU-seconds so far goes
 (`QueueEntry.attained_gpu_s`, read when it queued; ties by arrival), unless one of the tenant's
 entries has waited `aging_s` or longer: those go first, oldest first, so a long run is never
-starved. `AttainedService` turns the accountant's per-run counters into those numbers and
+starved. Service counts up to `max_attained_gpu_s`: runs past it are "long" and keep their
+arrival order among themselves (as in Autellix's lowest queue), so a new long run's first steps
+overtake an old one's only until it, too, has had that much. `AttainedService` turns the accountant's per-run counters into those numbers and
 forgets service a run received before it went idle for long (halving per `idle_decay_s`).
 
 Bounds: at most `max_depth` entries. When full, an arriving entry evicts the queue's last entry
@@ -64,12 +66,21 @@ class QueueEntry:
 
 class PoolQueue:
     def __init__(
-        self, pool: str, *, max_depth: int, order: str = "wfq", aging_s: float = math.inf
+        self,
+        pool: str,
+        *,
+        max_depth: int,
+        order: str = "wfq",
+        aging_s: float = math.inf,
+        max_attained_gpu_s: float = math.inf,
     ) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown queue order {order!r}")
         if not aging_s > 0:
             raise ValueError(f"aging_s must be > 0, got {aging_s}")
+        if not max_attained_gpu_s > 0:
+            raise ValueError(f"max_attained_gpu_s must be > 0, got {max_attained_gpu_s}")
+        self.max_attained_gpu_s = max_attained_gpu_s
         self.pool = pool
         self.max_depth = max_depth
         self.order = order
@@ -108,8 +119,9 @@ class PoolQueue:
             if len(self._tenant_finish) > 4 * max(64, self.max_depth):
                 self._forget_idle_tenants()
         if self._lanes is not None:  # run_las: order by (band, tenant turn, attained, arrival)
-            entry.key = (-float(entry.priority), entry.attained_gpu_s, entry.seq)
-            self._lanes.push(entry)
+            served = min(entry.attained_gpu_s, self.max_attained_gpu_s)
+            entry.key = (-float(entry.priority), served, entry.seq)
+            self._lanes.push(entry, served)
         else:
             entry.key = (-float(entry.priority), entry.finish_tag, entry.seq)
         heapq.heappush(self._heap, (entry.key, entry))
@@ -212,10 +224,10 @@ class _RunLasLanes:
     def __init__(self) -> None:
         self._bands: dict[int, dict[str, _Lane]] = {}
 
-    def push(self, entry: QueueEntry) -> None:
+    def push(self, entry: QueueEntry, served_gpu_s: float) -> None:
         lane = self._bands.setdefault(entry.priority, {}).setdefault(entry.tenant, _Lane())
         lane.turns.append((entry.finish_tag, entry.start_tag, entry.seq))
-        heapq.heappush(lane.by_service, (entry.attained_gpu_s, entry.seq, entry))
+        heapq.heappush(lane.by_service, (served_gpu_s, entry.seq, entry))
         lane.arrivals.append(entry)
         lane.live += 1
 

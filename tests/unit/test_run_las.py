@@ -57,6 +57,17 @@ def test_least_attained_first_then_arrival() -> None:
     assert _drain(q) == [fresh, short_a, short_b, mid, long_step]
 
 
+def test_past_the_cap_long_runs_keep_their_arrival_order() -> None:
+    q = PoolQueue("agent", max_depth=10, order="run_las", aging_s=100.0, max_attained_gpu_s=10.0)
+    old_long, newer_long = _entry(50.0), _entry(20.0)  # both past the cap: arrival order
+    young_long, short = _entry(2.0), _entry(0.5)  # under the cap: least attained first
+    for e in (old_long, newer_long, young_long, short):
+        q.push(e)
+    assert _drain(q) == [short, young_long, old_long, newer_long]
+    with pytest.raises(ValueError, match="max_attained_gpu_s"):
+        PoolQueue("p", max_depth=1, order="run_las", max_attained_gpu_s=0.0)
+
+
 def test_priority_bands_come_before_attained_service() -> None:
     q = PoolQueue("agent", max_depth=10, order="run_las", aging_s=100.0)
     low_fresh = _entry(0.0, priority=-1)
@@ -155,7 +166,9 @@ class _Run:
     waits_s: list[float] = field(default_factory=list)
 
 
-def _simulate(order: str, *, aging_s: float = 1e9, seed: int = 7) -> list[_Run]:
+def _simulate(
+    order: str, *, aging_s: float = 1e9, seed: int = 7, cap_gpu_s: float = math.inf
+) -> list[_Run]:
     """One server that runs 3 steps at once, each step 1 s of service (1 GPU-second), a tool
     call of 0.5 s between steps; 60 runs of 2 or 20 steps arrive at random, 1:1 by count, about
     twice what the server can take. Steps queue in a `PoolQueue`."""
@@ -166,7 +179,9 @@ def _simulate(order: str, *, aging_s: float = 1e9, seed: int = 7) -> list[_Run]:
     for i in range(60):
         t += rng.expovariate(1.0 / 1.3)  # ~0.77 runs/s x 11 steps/run mean > 4 steps/s
         runs.append(_Run(f"r{i}", 2 if rng.random() < 0.5 else 20, t))
-    q = PoolQueue("agent", max_depth=100_000, order=order, aging_s=aging_s)
+    q = PoolQueue(
+        "agent", max_depth=100_000, order=order, aging_s=aging_s, max_attained_gpu_s=cap_gpu_s
+    )
     events: list[tuple[float, int, str, _Run]] = []
     seq = 0
 
@@ -220,6 +235,30 @@ def test_short_runs_overtake_long_ones_in_a_saturated_pool(seed: int) -> None:
     # the same work ends at about the same time (work-conserving either way)
     end_fifo = max(r.finished_s or 0.0 for r in fifo)
     assert max(r.finished_s or 0.0 for r in las) == pytest.approx(end_fifo, rel=0.02)
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_the_cap_keeps_old_long_runs_from_waiting_behind_new_ones(seed: int) -> None:
+    """Pure LAS serves a new long run's steps before an old one's until it catches up; with
+    service counted up to 3 steps' worth, long runs past it keep arrival order, and the worst
+    run's completion against FIFO drops, while short runs keep their gain."""
+
+    def by_run(runs: list[_Run]) -> dict[str, float]:
+        return {r.name: (r.finished_s or math.inf) - r.arrive_s for r in runs}
+
+    fifo = by_run(_simulate("fifo", seed=seed))
+    pure = by_run(_simulate("run_las", aging_s=30.0, seed=seed))
+    capped_runs = _simulate("run_las", aging_s=30.0, seed=seed, cap_gpu_s=3.0)
+    capped = by_run(capped_runs)
+    worst_pure = max(pure[k] / fifo[k] for k in fifo)
+    worst_capped = max(capped[k] / fifo[k] for k in fifo)
+    assert worst_capped < worst_pure - 0.1
+    short_fifo = statistics.median(v for k, v in fifo.items() if _steps(k, capped_runs) == 2)
+    assert statistics.median(_completion(capped_runs, 2)) * 1.8 <= short_fifo
+
+
+def _steps(name: str, runs: list[_Run]) -> int:
+    return next(r.steps for r in runs if r.name == name)
 
 
 def test_aging_bounds_every_steps_wait() -> None:

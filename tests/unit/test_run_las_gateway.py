@@ -106,10 +106,21 @@ def test_run_las_fields_are_refused_where_they_take_no_effect(tmp_path: Path) ->
         _config(tmp_path, {"order": "wfq", "run_las_aging_s": 3})
     with pytest.raises(ConfigError, match="must be below max_wait_s"):
         _config(tmp_path, {"order": "run_las", "run_las_aging_s": 30, "max_wait_s": 10})
-    cfg = _config(tmp_path, {"order": "run_las", "run_las_aging_s": 3, "run_las_idle_decay_s": 9})
+    with pytest.raises(ConfigError, match="only apply with order: run_las"):
+        _config(tmp_path, {"order": "fifo", "run_las_max_attained_gpu_s": 2})
+    cfg = _config(
+        tmp_path,
+        {
+            "order": "run_las",
+            "run_las_aging_s": 3,
+            "run_las_idle_decay_s": 9,
+            "run_las_max_attained_gpu_s": 2.5,
+        },
+    )
     agent = next(p for p in cfg.pools if p.name == "agent")
     assert (agent.queue.order, agent.queue.run_las_aging_s) == ("run_las", 3.0)
     assert agent.queue.run_las_idle_decay_s == 9.0
+    assert agent.queue.run_las_max_attained_gpu_s == 2.5
 
 
 @pytest.mark.parametrize("gateway", [{"order": "run_las"}], indirect=True)
