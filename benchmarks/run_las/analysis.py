@@ -18,6 +18,7 @@ import numpy as np
 from benchmarks.records import RunRecord
 
 __all__ = [
+    "DONE",
     "SHORT_P50_GAIN_MIN",
     "THROUGHPUT_TOLERANCE_FRAC",
     "WORST_RUN_RATIO_MAX",
@@ -30,6 +31,8 @@ __all__ = [
 SHORT_P50_GAIN_MIN = 2.0  # short-run completion p50: fifo / run_las at least this
 THROUGHPUT_TOLERANCE_FRAC = 0.05  # agent output tok/s within this of fifo's
 WORST_RUN_RATIO_MAX = 1.5  # no run's completion above this times its fifo completion
+# the harness's outcomes of a run that ran to its end (all steps, or its context cap)
+DONE = ("completed", "context_limit")
 
 
 def run_key(run: RunRecord) -> tuple[str, int]:
@@ -66,7 +69,7 @@ def _completions(runs: Iterable[RunRecord], cls: str) -> list[float]:
     return [
         r.completion_s
         for r in runs
-        if r.class_name == cls and r.outcome == "completed" and r.completion_s is not None
+        if r.class_name == cls and r.outcome in DONE and r.completion_s is not None
     ]
 
 
@@ -111,20 +114,20 @@ def compare_modes(
         "fifo": _mode_numbers(fifo, classes),
         "run_las": _mode_numbers(las, classes),
     }
-    fifo_done = {run_key(r): r.completion_s for r in fifo.runs if r.outcome == "completed"}
+    fifo_done = {run_key(r): r.completion_s for r in fifo.runs if r.outcome in DONE}
     ratios: dict[str, list[float]] = {short: [], long: []}
     worst: tuple[float, str] | None = None
     for r in las.runs:
         base = fifo_done.get(run_key(r))
-        if base is None or r.outcome != "completed" or r.completion_s is None or base <= 0:
+        if base is None or r.outcome not in DONE or r.completion_s is None or base <= 0:
             continue
         ratio = r.completion_s / base
         ratios.setdefault(r.class_name, []).append(ratio)
         if worst is None or ratio > worst[0]:
             worst = (ratio, f"{r.class_name}-{run_key(r)[1]}")
     matched = sum(len(v) for v in ratios.values())
-    unmatched = sum(1 for r in las.runs if r.outcome != "completed") + sum(
-        1 for r in fifo.runs if r.outcome != "completed"
+    unmatched = sum(1 for r in las.runs if r.outcome not in DONE) + sum(
+        1 for r in fifo.runs if r.outcome not in DONE
     )
     out["per_run_ratio"] = {
         cls: {

@@ -28,6 +28,7 @@ import os
 import platform
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from benchmarks.compare import run_compare
 from benchmarks.engines import one_cpu_engine
 from benchmarks.prompts import find_tokenizer
 from benchmarks.report import safe_name
-from benchmarks.run_las.analysis import ModeResult, compare_modes, load_runs
+from benchmarks.run_las.analysis import DONE, ModeResult, compare_modes, load_runs
 from benchmarks.runner import Target
 from benchmarks.scenario import Scenario, parse_scenario, scale_rates
 from pools.config import Config, parse_config
@@ -54,18 +55,35 @@ MAX_MODEL_LEN_TOKENS = 4096
 log = logging.getLogger("benchmarks.run_las")
 
 
+@dataclass(frozen=True)
+class LedgerFacts:
+    """What one router's ledger says after a run of the workload."""
+
+    queue_s_by_run: dict[str, float]  # run id -> totals.queue_s
+    gpu_s_per_step: float  # mean GPU-seconds per request
+
+
 def _say(message: str) -> None:
     print(f"[run_las] {message}", file=sys.stderr, flush=True)
 
 
 def router_config(
-    engine_url: str, order: str, *, aging_s: float, max_num_seqs: int, max_wait_s: float, tmp: Path
+    engine_url: str,
+    order: str,
+    *,
+    aging_s: float,
+    max_num_seqs: int,
+    max_wait_s: float,
+    tmp: Path,
+    cap_gpu_s: float | None = None,
 ) -> Config:
     """The whole engine in the agent pool; SLO targets out of the way (they are not what this
     measures), so the queue holds exactly what the engine's `--max-num-seqs` cannot run."""
     queue: dict[str, Any] = {"max_depth": 4096, "max_wait_s": max_wait_s, "order": order}
     if order == "run_las":
         queue["run_las_aging_s"] = aging_s
+        if cap_gpu_s is not None:
+            queue["run_las_max_attained_gpu_s"] = cap_gpu_s
     return parse_config(
         {
             "model": {
@@ -84,7 +102,7 @@ def router_config(
                 "agent": {
                     "classes": ["agent", "normal"],
                     "share": {"initial_frac": 1.0},
-                    "slo": {"ttft_p95_ms": 600_000, "tpot_p95_ms": 100_000},
+                    "slo": {"ttft_p95_ms": 60_000, "tpot_p95_ms": 1_000},
                     "queue": queue,
                 },
             },
@@ -126,6 +144,7 @@ async def _with_gateways(
                 max_num_seqs=args.max_num_seqs,
                 max_wait_s=args.max_wait_s,
                 tmp=tmp,
+                cap_gpu_s=args.cap_gpu_s,
             ),
             [engine],
         )
@@ -149,9 +168,9 @@ async def _serve_and_run(
     out: Path,
     args: argparse.Namespace,
     tmp: Path,
-) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+) -> tuple[dict[str, Any], dict[str, LedgerFacts]]:
     """Run `scenario` against one router per order, in that order. Returns the harness report
-    and, per order, each run's router queue time from the ledger."""
+    and, per order, what its ledger says."""
     gateways, servers = await _with_gateways(engine, orders, args, tmp)
     try:
         urls = [await s.__aenter__() for s in servers]
@@ -165,16 +184,20 @@ async def _serve_and_run(
             pause_s=args.pause_s,
             notes=f"orders {orders}",
         )
-        queue_s = {}
+        ledger = {}
         for order, gw in zip(orders, gateways, strict=True):
             runs = await gw.ledger.list_runs(None, limit=1_000_000)
-            queue_s[order] = {r["run_id"]: float(r["queue_s"]) for r in runs}
+            steps = sum(int(r["requests"]) for r in runs)
+            ledger[order] = LedgerFacts(
+                {r["run_id"]: float(r["queue_s"]) for r in runs},
+                sum(float(r["gpu_seconds"]) for r in runs) / steps if steps else 0.0,
+            )
     finally:
         for s in reversed(servers):
             await s.__aexit__(None, None, None)
         for gw in gateways:
             await gw.aclose()
-    return report, queue_s
+    return report, ledger
 
 
 async def _calibrate(
@@ -183,12 +206,13 @@ async def _calibrate(
     """Long runs at `--calibrate-rate` runs/s (far past the engine) for `--calibrate-s`: the
     steps the engine completed per second of the harness's wall time."""
     scenario = _scenario(args.calibrate_rate, args.calibrate_s, only_long=True)
-    report, queue_s = await _serve_and_run(engine, ["fifo"], scenario, out, args, tmp)
+    report, ledger = await _serve_and_run(engine, ["fifo"], scenario, out, args, tmp)
     target = report["targets"][0]
     steps_per_s = target["classes"]["long"]["throughput_rps"]
-    queued = list(queue_s["fifo"].values())
+    queued = list(ledger["fifo"].queue_s_by_run.values())
     return {
         "steps_per_s": steps_per_s,
+        "gpu_s_per_step": ledger["fifo"].gpu_s_per_step,
         "output_tokens_per_s": target["classes"]["long"]["output_tokens_per_s"],
         "wall_s": target["wall_s"],
         "runs": len(queued),
@@ -221,16 +245,20 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
         mean_steps = (2 + 20) / 2
         runs_per_s = args.load * calibration["steps_per_s"] / mean_steps
         per_class = runs_per_s / 2
-        _say(f"calibration: {calibration}; offering {runs_per_s:.3f} runs/s")
+        args.cap_gpu_s = args.cap_steps * calibration["gpu_s_per_step"] or None
+        _say(
+            f"calibration: {calibration}; offering {runs_per_s:.3f} runs/s; run_las counts "
+            f"service up to {args.cap_gpu_s} GPU-s"
+        )
         scenario = _scenario(per_class, args.duration_s, only_long=False)
         for i in range(args.rounds):
             orders = ["fifo", "run_las"] if i % 2 == 0 else ["run_las", "fifo"]
             round_out = out / f"round-{i + 1}"
             _say(f"round {i + 1}: {orders[0]} then {orders[1]} ...")
-            report, queue_s = await _serve_and_run(engine, orders, scenario, round_out, args, tmp)
+            report, ledger = await _serve_and_run(engine, orders, scenario, round_out, args, tmp)
             result = compare_modes(
-                _mode(report, round_out, "fifo", queue_s["fifo"]),
-                _mode(report, round_out, "run_las", queue_s["run_las"]),
+                _mode(report, round_out, "fifo", ledger["fifo"].queue_s_by_run),
+                _mode(report, round_out, "run_las", ledger["run_las"].queue_s_by_run),
             )
             result["round"] = i + 1
             result["order_of_modes"] = orders
@@ -255,6 +283,8 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
             "offered_runs_per_s": runs_per_s,
             "duration_s": args.duration_s,
             "run_las_aging_s": args.aging_s,
+            "run_las_max_attained_gpu_s": args.cap_gpu_s,
+            "cap_steps": args.cap_steps,
             "max_wait_s": args.max_wait_s,
             "scenario": str(SCENARIO),
         },
@@ -280,9 +310,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"One real CPU vLLM engine (tiny dev model, `--max-num-seqs "
         f"{setup['engine_max_num_seqs']}`), all of it in the agent pool; two gpupool routers in "
         "the benchmark's process, `queue.order: fifo` and `queue.order: run_las` "
-        f"(`run_las_aging_s: {setup['run_las_aging_s']:g}`), served the same drawn plan in turn. "
+        f"(`run_las_aging_s: {setup['run_las_aging_s']:g}`, `run_las_max_attained_gpu_s: "
+        f"{setup['run_las_max_attained_gpu_s']:.3g}`, i.e. {setup['cap_steps']:g} steps' worth "
+        "at the calibration's GPU-seconds per step), served the same drawn plan in turn. "
         "Workload: `benchmarks/run_las/scenario.yaml` (2-step and 20-step runs, 1:1 by count, "
-        "32-token answers, ~96-token tool results, ~0.4 s tool calls).",
+        "32-token answers, ~64-token tool results, ~0.4 s tool calls).",
         "",
         f"Calibration: long runs far past capacity for {cal['wall_s']:.0f} s: the engine "
         f"completed {cal['steps_per_s']:.2f} steps/s ({cal['output_tokens_per_s']:.0f} output "
@@ -297,7 +329,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for mode in ("fifo", "run_las"):
             m = r[mode]
             s, lg = m["classes"]["short"], m["classes"]["long"]
-            not_done = sum(v for k, v in m["outcomes"].items() if k != "completed")
+            not_done = sum(v for k, v in m["outcomes"].items() if k not in DONE)
             lines.append(
                 f"| {r['round']} | {mode} | {_f(s['completion_s_p50'])} | "
                 f"{_f(s['completion_s_p95'])} | {_f(lg['completion_s_p50'])} | "
@@ -330,16 +362,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--load", type=float, default=1.1, help="offered / calibrated steps")
+    parser.add_argument("--load", type=float, default=1.5, help="offered / calibrated steps")
     parser.add_argument("--duration-s", type=float, default=90.0, help="arrival window")
     parser.add_argument("--calibrate-s", type=float, default=25.0)
     parser.add_argument("--calibrate-rate", type=float, default=3.0, help="long runs/s")
-    parser.add_argument("--aging-s", type=float, default=30.0, help="run_las_aging_s")
+    parser.add_argument("--aging-s", type=float, default=20.0, help="run_las_aging_s")
+    parser.add_argument(
+        "--cap-steps",
+        type=float,
+        default=3.0,
+        help="run_las_max_attained_gpu_s in steps' worth of calibrated GPU-seconds",
+    )
     parser.add_argument("--max-wait-s", type=float, default=300.0, help="queue.max_wait_s")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--pause-s", type=float, default=5.0)
     parser.add_argument("--engine-port", type=int, default=8500)
     args = parser.parse_args(argv)
+    args.cap_gpu_s = None  # run_las_max_attained_gpu_s: set from the calibration
     logging.basicConfig(level=logging.WARNING)
     if not is_dev_model(MODEL_DIR):
         make_dev_model(MODEL_DIR, "tiny")
