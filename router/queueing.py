@@ -15,8 +15,9 @@ comes, the tenant's entry whose run has received the fewest GPU-seconds so far g
 entries has waited `aging_s` or longer: those go first, oldest first, so a long run is never
 starved. Service counts up to `max_attained_gpu_s`: runs past it are "long" and keep their
 arrival order among themselves (as in Autellix's lowest queue), so a new long run's first steps
-overtake an old one's only until it, too, has had that much. `AttainedService` turns the accountant's per-run counters into those numbers and
-forgets service a run received before it went idle for long (halving per `idle_decay_s`).
+overtake an old one's only until it, too, has had that much. `AttainedService` turns the
+accountant's per-run counters into those numbers and forgets service a run received before
+it went idle for long (halving per `idle_decay_s`).
 
 Bounds: at most `max_depth` entries. When full, an arriving entry evicts the queue's last entry
 if that one has a negative (sheddable) priority lower than the newcomer's ("shed"), else it is
