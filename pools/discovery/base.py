@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from pools.launchers.base import InstanceSpec
 
-__all__ = ["DiscoveryError", "DiscoveryLoop", "EngineSource"]
+__all__ = ["DiscoveryError", "DiscoveryLoop", "EngineSource", "TimingFromConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,28 @@ class EngineSource(Protocol):
     def drain_timeout_s(self) -> float: ...
 
     async def poll(self) -> list[InstanceSpec]: ...
+
+
+class _Timing(Protocol):
+    @property
+    def poll_interval_s(self) -> float: ...
+
+    @property
+    def drain_timeout_s(self) -> float: ...
+
+
+class TimingFromConfig:
+    """A source's `poll_interval_s` and `drain_timeout_s`, read from its `_config`."""
+
+    _config: _Timing
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self._config.poll_interval_s
+
+    @property
+    def drain_timeout_s(self) -> float:
+        return self._config.drain_timeout_s
 
 
 class DiscoveryLoop:

@@ -30,7 +30,7 @@ from urllib.parse import quote
 import aiohttp
 
 from pools.config import KubernetesEnginesConfig, KubernetesServiceConfig
-from pools.discovery.base import DiscoveryError
+from pools.discovery.base import DiscoveryError, TimingFromConfig
 from pools.launchers.base import InstanceSpec
 
 __all__ = [
@@ -116,27 +116,15 @@ def in_cluster_namespace(account_dir: Path = SERVICE_ACCOUNT_DIR) -> str:
         return "default"
 
 
-class _Timing:
-    """The poll interval and drain timeout every Kubernetes source takes from its config."""
-
-    _config: KubernetesEnginesConfig
-
-    @property
-    def poll_interval_s(self) -> float:
-        return self._config.poll_interval_s
-
-    @property
-    def drain_timeout_s(self) -> float:
-        return self._config.drain_timeout_s
-
-
-class EndpointSliceSource(_Timing):
+class EndpointSliceSource(TimingFromConfig):
     """Lists each Service's EndpointSlices through the API server, every poll.
 
     `api_url` defaults to the in-cluster address (`KUBERNETES_SERVICE_HOST`/`_PORT`); the
     token is re-read from `token_path` on every poll (projected tokens rotate); `ca_path`
     verifies the API server. A `session` may be given (tests); else one is opened on the
     first poll and closed by `aclose()`."""
+
+    _config: KubernetesEnginesConfig
 
     def __init__(
         self,
@@ -238,9 +226,11 @@ async def _getaddrinfo(host: str, port: int) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
-class DnsSource(_Timing):
+class DnsSource(TimingFromConfig):
     """The headless Services' A/AAAA records, every poll. `resolve(host, port)` is injected
     (default: the system resolver through `getaddrinfo`)."""
+
+    _config: KubernetesEnginesConfig
 
     def __init__(
         self,

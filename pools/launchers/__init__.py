@@ -45,7 +45,8 @@ def make_launcher(config: Config, progress: ProgressFn | None = None) -> Launche
         from pools.launchers.kubernetes import KubernetesLauncher
 
         return KubernetesLauncher(config.engines.kubernetes, progress=progress)
-    raise LauncherError(
-        f"engines.launcher {kind!r} is not available in this version of gpupool; use 'local' or"
-        " 'static' (for Ray, start engines with Ray and list their URLs under engines.static)"
-    )
+    if kind == "ray":
+        from pools.launchers.ray import RayLauncher
+
+        return RayLauncher(config.engines.ray, config.model, progress=progress)
+    raise LauncherError(f"engines.launcher {kind!r} is not one of local, static, kubernetes, ray")

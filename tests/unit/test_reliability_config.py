@@ -73,19 +73,31 @@ def test_short_cpu_affinity_is_refused_with_a_clear_message(tmp_path: Path) -> N
     )
 
 
-def test_ray_launcher_is_refused_not_run_as_local(tmp_path: Path) -> None:
+def test_ray_launcher_is_a_ray_config_not_run_as_local() -> None:
     data = copy.deepcopy(DEFAULT_CPU_CONFIG)
     data["engines"]["launcher"] = "ray"
-    _assert_refused(_write(tmp_path, data), "engines.launcher", "'ray' is not available yet")
+    data["engines"]["ray"] = {
+        "count": 2,
+        "gpus_per_instance": 0,
+        "vllm_args": ["--max-num-seqs", "8"],
+    }
+    config = parse_config(data)
+    assert config.engines.instance_count == 2  # engines.ray.count, not engines.local.count
+    assert config.engines.vllm_args == ("--max-num-seqs", "8")
+    from pools.launchers import make_launcher
+    from pools.launchers.ray import RayLauncher
+
+    assert isinstance(make_launcher(config), RayLauncher)
 
 
-def test_ray_launcher_never_becomes_a_config() -> None:
+def test_ray_launcher_refuses_disable_log_stats() -> None:
     data = copy.deepcopy(DEFAULT_CPU_CONFIG)
     data["engines"]["launcher"] = "ray"
+    data["engines"]["ray"] = {"vllm_args": ["--disable-log-stats"]}
     with pytest.raises(ConfigError) as info:
         parse_config(data)
     (problem,) = info.value.problems
-    assert problem.startswith("engines.launcher:") and "engines.static.urls" in problem
+    assert problem.startswith("engines.ray:") and "--disable-log-stats" in problem
 
 
 def test_cpu_affinity_of_the_right_length_passes() -> None:

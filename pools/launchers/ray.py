@@ -1,0 +1,344 @@
+"""The `ray` launcher: each engine is a Ray actor holding `gpus_per_instance` GPUs (tensor
+parallel inside that one actor's bundle; 0: a CPU engine holding `cpus_per_instance` CPUs),
+on an existing cluster (`engines.ray.address`: "auto" or "host:port") or a local one (None).
+
+The actor (`EngineHost`) runs on whichever node Ray chose: it picks a free port there, builds
+the vLLM command with the same launcher-neutral builder as the local launcher
+(`engine_args.build_engine_command`, with `engine_plan.plan_engines` run on that node, so
+dtype and KV size fit the node), and starts the engine as its child. When the engine exits,
+the actor exits too, and Ray restarts the actor (`max_restarts`), which starts a new engine,
+possibly on another node and port.
+
+The router finds the engines through `source` (`RayEngineSource`): every poll asks each
+actor for its address; an actor that is dead or restarting does not answer in time and is
+left out of the answer (the router drains it), and when it answers again, at its new address,
+the router readmits it after a good scrape. Instance ids are stable (`ray-engine-<i>`).
+`aclose()` stops each engine, then kills its actor (no restart); a local cluster is shut down.
+The actors are owned by this process: if it dies, Ray takes them and their engines down (the
+engine also gets SIGTERM when its actor's process dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pools.config import LocalEnginesConfig, ModelConfig, RayEnginesConfig
+from pools.discovery.base import TimingFromConfig
+from pools.launchers.base import InstanceSpec, LauncherError, ProgressFn
+from pools.launchers.engine_args import build_engine_command, engine_environ, supported_vllm_flags
+from pools.launchers.engine_plan import plan_engines, plan_problems, probe_host
+from pools.launchers.health import wait_healthy
+
+__all__ = ["EngineHost", "RayEngineSource", "RayLauncher", "engine_settings"]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def engine_settings(ray: RayEnginesConfig, *, port: int, run_dir: Path) -> LocalEnginesConfig:
+    """The engine settings `build_engine_command` and `plan_engines` read, for one Ray engine
+    listening on `port` on all interfaces (the router reaches it from another node)."""
+    return LocalEnginesConfig(
+        count=ray.count,  # a CPU engine's default KV share assumes `count` engines on a node
+        gpus_per_instance=max(1, ray.gpus_per_instance),
+        host="0.0.0.0",
+        base_port=port,
+        kv_cache_bytes=ray.kv_cache_bytes,
+        vllm_args=ray.vllm_args,
+        env=ray.env,
+        cpu_affinity=None,
+        startup_timeout_s=ray.startup_timeout_s,
+        restart_backoff_s=1.0,
+        restart_backoff_max_s=1.0,
+        stop_grace_s=15.0,
+        run_dir=run_dir,
+        api_key=ray.api_key,
+        secret_env=ray.secret_env,
+    )
+
+
+def _free_port(port_range: tuple[int, int] | None, index: int = 0, count: int = 1) -> int:
+    """A port free on this node now: from `port_range`, engine `index` of `count` tries only
+    `first + index`, `first + index + count`, ... (two engines starting on one node at once
+    never pick the same port: vLLM listens with SO_REUSEPORT, so both would bind it and the
+    kernel would split connections between them); without a range, any free port."""
+    if port_range is None:
+        candidates: range | list[int] = [0]
+    else:
+        candidates = range(port_range[0] + index, port_range[1] + 1, max(1, count))
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise LauncherError(
+        f"engines.ray.port_range {port_range}: no free port for engine {index} on this node"
+    )
+
+
+def _die_with_parent() -> None:
+    """In the engine between fork and exec: SIGTERM when the actor's process dies."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class EngineHost:
+    """The body of one engine actor (wrapped by `ray.remote` at launch). Runs on a Ray node."""
+
+    def __init__(
+        self, index: int, ray_config: RayEnginesConfig, model: ModelConfig, api_key: str
+    ) -> None:
+        import ray
+
+        run_dir = Path(tempfile.gettempdir()) / "gpupool-ray"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        port = _free_port(ray_config.port_range, index, ray_config.count)
+        settings = engine_settings(ray_config, port=port, run_dir=run_dir)
+        host = probe_host()
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()] if ray_config.gpus_per_instance else None
+        if gpu_ids is None:
+            host = dataclasses.replace(host, gpu_count=0)
+        plan = plan_engines(settings, model, host)
+        problems = plan_problems(dataclasses.replace(settings, count=1), plan, host)
+        if problems:
+            raise LauncherError("; ".join(problems))
+        command = build_engine_command(
+            model=model,
+            local=settings,
+            index=0,
+            gpu_ids=gpu_ids,
+            flags=supported_vllm_flags(run_dir),
+            plan=plan,
+            api_key=api_key,
+        )
+        node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        self.url = f"http://{node_ip}:{port}"
+        self.log_path = run_dir / f"engine-{index}-{port}.log"
+        with self.log_path.open("ab") as logfile:
+            self._proc = subprocess.Popen(
+                command.argv,
+                env=engine_environ(os.environ, command),
+                stdin=subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self._stopping = False
+        threading.Thread(target=self._watch, name="engine-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """The engine exited on its own: end this actor, so Ray restarts it (a new engine)."""
+        code = self._proc.wait()
+        if not self._stopping:
+            print(f"gpupool: engine at {self.url} exited with {code}; restarting the actor")
+            os._exit(1)
+
+    def address(self) -> str:
+        return self.url
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        self._stopping = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+
+
+class RayEngineSource(TimingFromConfig):
+    """Each poll asks every engine actor for its address; one that does not answer within
+    `answer_timeout_s` (dead, restarting, or still placing) is left out."""
+
+    _config: RayEnginesConfig
+
+    def __init__(
+        self,
+        config: RayEnginesConfig,
+        actors: list[Any],
+        api_key: str,
+        *,
+        get: Callable[[Any, float], Any],
+        answer_timeout_s: float = 2.0,
+    ) -> None:
+        self._config = config
+        self._actors = actors
+        self._api_key = api_key
+        self._get = get
+        self._answer_timeout_s = answer_timeout_s
+
+    async def poll(self) -> list[InstanceSpec]:
+        refs = [actor.address.remote() for actor in self._actors]
+        answers = await asyncio.gather(*(asyncio.to_thread(self._answer, ref) for ref in refs))
+        return [
+            InstanceSpec(
+                instance_id=f"ray-engine-{i}",
+                url=url,
+                gpus=max(1, self._config.gpus_per_instance),
+                api_key=self._api_key,
+            )
+            for i, url in enumerate(answers)
+            if url is not None
+        ]
+
+    def _answer(self, ref: Any) -> str | None:
+        try:
+            return str(self._get(ref, self._answer_timeout_s))
+        except Exception as err:  # RayActorError, GetTimeoutError, ...: not reachable now
+            log.debug("a Ray engine actor did not answer: %s", type(err).__name__)
+            return None
+
+
+class RayLauncher:
+    """Places `count` vLLM engines on a Ray cluster and stops them."""
+
+    def __init__(
+        self,
+        config: RayEnginesConfig,
+        model: ModelConfig,
+        *,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self._config = config
+        self._model = model
+        self._progress = progress
+        self._ray: Any = None
+        self._actors: list[Any] = []
+        self._started_cluster = False
+        self._key = config.api_key or secrets.token_urlsafe(32)
+        self.source: RayEngineSource | None = None
+        self._instances: list[InstanceSpec] = []
+
+    @property
+    def instances(self) -> list[InstanceSpec]:
+        return list(self._instances)
+
+    @property
+    def actors(self) -> list[Any]:
+        return list(self._actors)
+
+    def _say(self, message: str) -> None:
+        log.info("%s", message)
+        if self._progress is not None:
+            self._progress(message)
+
+    def _connect(self) -> Any:
+        try:
+            import ray
+        except ImportError:
+            raise LauncherError(
+                "engines.launcher 'ray' needs Ray: pip install 'ray>=2.40' (make install does)"
+            ) from None
+        self._started_cluster = self._config.address is None and not ray.is_initialized()
+        ray.init(
+            address=self._config.address,
+            namespace=self._config.namespace,
+            include_dashboard=False,
+            ignore_reinit_error=True,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+        return ray
+
+    async def start(self) -> list[InstanceSpec]:
+        cfg = self._config
+        where = cfg.address or "a local Ray cluster"
+        self._say(f"connecting to {where}")
+        try:
+            ray = self._ray = await asyncio.to_thread(self._connect)
+        except LauncherError:
+            raise
+        except Exception as err:
+            raise LauncherError(f"cannot join Ray at {where}: {err}") from None
+        host_cls = ray.remote(EngineHost)
+        resources = (
+            {"num_gpus": cfg.gpus_per_instance, "num_cpus": cfg.cpus_per_instance}
+            if cfg.gpus_per_instance
+            else {"num_gpus": 0, "num_cpus": cfg.cpus_per_instance}
+        )
+        self._actors = [
+            host_cls.options(
+                name=f"gpupool-engine-{i}",
+                max_restarts=cfg.max_restarts,
+                max_task_retries=0,
+                **resources,
+            ).remote(i, cfg, self._model, self._key)
+            for i in range(cfg.count)
+        ]
+        self.source = RayEngineSource(cfg, self._actors, self._key, get=self._get)
+        self._say(
+            f"placed {cfg.count} engine actor(s) ({cfg.gpus_per_instance} GPU(s),"
+            f" {cfg.cpus_per_instance:g} CPU(s) each); waiting for their engines"
+        )
+        try:
+            deadline = time.monotonic() + cfg.startup_timeout_s
+            specs: list[InstanceSpec] = []
+            while time.monotonic() < deadline:
+                specs = await self.source.poll()
+                if len(specs) == cfg.count:
+                    break
+                await asyncio.sleep(0.5)
+            if len(specs) < cfg.count:
+                raise LauncherError(
+                    f"{cfg.count - len(specs)} of {cfg.count} Ray engine actor(s) were not placed"
+                    f" within {cfg.startup_timeout_s:.0f} s (does the cluster have"
+                    f" {cfg.gpus_per_instance} GPU(s) and {cfg.cpus_per_instance:g} CPU(s) free"
+                    " per engine? `ray status` shows it)"
+                )
+            missing = await wait_healthy(
+                {s.instance_id: s.url for s in specs}, deadline, self._progress
+            )
+            if missing:
+                raise LauncherError(
+                    f"Ray engine(s) {', '.join(missing)} did not answer /health within"
+                    f" {cfg.startup_timeout_s:.0f} s (their logs are in the actors' nodes'"
+                    f" {tempfile.gettempdir()}/gpupool-ray/)"
+                )
+        except BaseException:
+            await self.aclose()
+            raise
+        self._instances = specs
+        return self.instances
+
+    def _get(self, ref: Any, timeout_s: float) -> Any:
+        return self._ray.get(ref, timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        ray = self._ray
+        if ray is None:
+            return
+        actors, self._actors = self._actors, []
+
+        def stop_all() -> None:
+            stops = [actor.stop.remote() for actor in actors]
+            with contextlib.suppress(Exception):
+                ray.wait(stops, num_returns=len(stops), timeout=30)
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+            if self._started_cluster:
+                ray.shutdown()
+
+        await asyncio.to_thread(stop_all)
+        self._ray = None
