@@ -350,6 +350,13 @@ def _cost_tables(acc: dict[str, Any], top_n: int) -> list[Table]:
     return [runs, tenants]
 
 
+def _why(d: dict[str, Any]) -> str:
+    """`<reason> (<who>)`, with the kind first when it says more than the reason."""
+    kind, reason, who = d.get("kind"), d.get("reason") or "", d.get("who")
+    head = f"{kind}: {reason}" if kind and kind != reason else reason
+    return f"{head} ({who})" if who else head
+
+
 def _decisions_table(decisions: dict[str, Any]) -> Table:
     t = _table("rebalancer decisions")
     for col in ("time", "move", "why", "smoothed pressure"):
@@ -364,7 +371,7 @@ def _decisions_table(decisions: dict[str, Any]) -> Table:
             f"{move['from_pool']} → {move['to_pool']} {_pct(move.get('share_frac'))}"
             if move
             else "no move",
-            " ".join(str(x) for x in (d.get("kind"), d.get("reason")) if x),
+            _why(d),
             ", ".join(f"{p} {v:.2f}" for p, v in (d.get("smoothed_pressure") or {}).items()),
         )
     return t

@@ -7,7 +7,9 @@ by Playwright's Python package through `executable_path`) logs in with HTTP Basi
 the page must render with no console error, list every pool and instance, draw its plots and
 cost tables, and every figure it shows must equal the `/admin/pools` (and `/admin/accounting`)
 answer it drew from, captured as the browser received it; an independent `/admin/pools` read
-at the same moment must agree on everything that does not move under load.
+at the same moment must agree on everything that does not move under load. The rebalancer
+decides every 2 s (with a hysteresis no gap reaches, so it never moves the ratio mid-test): its
+pressure per pool and its decisions must show too.
 
 `GPUPOOL_UI_SCREENSHOT=docs/img/status_page.png` also writes the screenshot the README shows.
 """
@@ -73,6 +75,14 @@ def ui_router(
         d / "gpupool.yaml",
         [e.url for e in real_engines],
         router={"admin_api_key_env": ADMIN_KEY_ENV, "scrape_interval_s": 0.5},
+        # decisions every 2 s for the page to show, none of them a move (a gap of 100 in
+        # pressure never happens), so the shares stay put while the test compares them
+        rebalancer={
+            "enabled": True,
+            "interval_s": 2.0,
+            "hysteresis_frac": 100.0,
+            "smoothing_window_s": 4.0,
+        },
     )
     router = RouterProcess(config, _free_port(), d / "router.log")
     try:
@@ -195,16 +205,19 @@ def test_the_status_page_shows_the_live_pools_in_a_real_browser(
             with (
                 page.expect_response(lambda r: r.url.endswith("/admin/pools")) as pools_resp,
                 page.expect_response(lambda r: "/admin/accounting" in r.url) as acc_resp,
+                page.expect_response(lambda r: "/admin/decisions" in r.url) as dec_resp,
             ):
                 page.evaluate("gpupoolUI.refresh()")
             shown: dict[str, Any] = pools_resp.value.json()
             accounting: dict[str, Any] = acc_resp.value.json()
+            decisions: dict[str, Any] = dec_resp.value.json()
             independent = httpx.get(f"{ui_router}/admin/pools", headers=admin).json()
 
             _check_pools(page, shown, independent)
             _check_instances(page, shown, independent, real_engines)
             _check_cost(page, accounting)
             _check_plots(page, shown)
+            _check_rebalancer(page, shown, decisions)
             page.screenshot(path=str(tmp_path / "status_page.png"), full_page=True)
             target = os.environ.get("GPUPOOL_UI_SCREENSHOT")
             if target:
@@ -303,6 +316,17 @@ def _check_plots(page: Any, shown: dict[str, Any]) -> None:
     # latency was measured in at least one interval: a point or a line in the TTFT plot
     assert page.locator("#plot-ttft svg circle, #plot-ttft svg path.line").count() >= 1
     assert page.locator("#plot-rate svg circle, #plot-rate svg path.line").count() >= 1
-    # the rebalancer's panel shows exactly when the router has one
-    decisions_shown = page.locator("#decisions-section").is_visible()
-    assert decisions_shown == ("rebalancer" in shown)
+    # pressure is plotted once the rebalancer has decided
+    assert page.locator("#plot-pressure svg circle, #plot-pressure svg path.line").count() >= 1
+
+
+def _check_rebalancer(page: Any, shown: dict[str, Any], decisions: dict[str, Any]) -> None:
+    smoothed = shown["rebalancer"]["smoothed_pressure"]
+    assert set(smoothed) == set(shown["pools"])  # it has decided at least once
+    for name, value in smoothed.items():
+        row = page.locator(f'#pools tr[data-pool="{name}"]')
+        assert abs(_number(_cell(row, "pressure")) - value) <= 0.0051, name
+    assert page.locator("#decisions-section").is_visible()
+    rows = page.locator("#decisions tr[data-decision]").count()
+    assert rows == min(20, len(decisions["data"])) and rows >= 1
+    assert shown["rebalancer"]["moves"] == 0  # as configured: the ratio held still

@@ -188,11 +188,12 @@ def test_render_shows_the_rebalancer_and_its_decisions() -> None:
     }
     decisions = {
         "data": [
-            {"at_unix_s": 100.0, "kind": "auto", "reason": "idle", "move": None},
+            {"at_unix_s": 100.0, "kind": "within_hysteresis", "reason": "within_hysteresis"},
             {
                 "at_unix_s": 200.0,
                 "kind": "auto",
-                "reason": "pressure",
+                "who": "loop",
+                "reason": "moved",
                 "move": {"from_pool": "normal", "to_pool": "agent", "share_frac": 0.05},
                 "smoothed_pressure": {"agent": 1.25, "normal": 0.1},
             },
@@ -210,8 +211,10 @@ def test_render_shows_the_rebalancer_and_its_decisions() -> None:
     assert "unhealthy" in e0 and "30 blk (15.0 %)" in e0 and "12 measured" in e0
     moves = [line for line in text.splitlines() if "→" in line and "draining" not in line]
     assert len(moves) == 1 and "normal → agent 5.0 %" in moves[0]
-    assert "agent 1.25, normal 0.10" in moves[0]
+    assert "agent 1.25, normal 0.10" in moves[0] and "auto: moved (loop)" in moves[0]
     assert text.index("normal → agent") < text.index("no move")  # newest first
+    held = next(line for line in text.splitlines() if "no move" in line)
+    assert "within_hysteresis" in held and "within_hysteresis:" not in held
     assert "top runs" not in text  # no accounting in this snapshot
 
 

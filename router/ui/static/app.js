@@ -186,6 +186,12 @@
       ` of ${num(ledger.capacity_gpu_seconds, 1)} capacity (ledger)` : "";
   }
 
+  function why(d) {
+    // "<reason> (<who>)", with the kind first when it says more than the reason
+    const head = d.kind && d.kind !== d.reason ? `${d.kind}: ${d.reason || ""}` : d.reason || "";
+    return d.who ? `${head} (${d.who})` : head;
+  }
+
   function renderDecisions(body) {
     const section = document.getElementById("decisions-section");
     const list = Array.isArray(body) ? body : body.data || body.decisions || [];
@@ -198,8 +204,7 @@
       return node("tr", {"data-decision": ""},
         node("td", {class: "text"}, isNum(t) ? new Date(t * 1000).toLocaleTimeString() : DASH),
         node("td", {class: "text"}, move),
-        node("td", {class: "text"}, [d.kind, d.who].filter(Boolean).join(" by ") +
-          (d.reason ? ": " + d.reason : "")),
+        node("td", {class: "text"}, why(d)),
         node("td", {class: "text"}, describe(d.smoothed_pressure)));
     });
     document.querySelector("#decisions tbody").replaceChildren(...(rows.length ? rows :
