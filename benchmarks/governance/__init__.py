@@ -1,0 +1,1 @@
+"""Benchmarks of tenant and run governance (docs/governance.md)."""

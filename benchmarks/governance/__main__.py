@@ -1,0 +1,3 @@
+from benchmarks.governance.budget_accuracy import main
+
+raise SystemExit(main())
