@@ -16,6 +16,8 @@ from typing import Any
 
 __all__ = ["EngineModel", "LatencyModel", "SimSequence"]
 
+_EPS_TOKENS = 1e-6  # float slack: a sequence this close to its end has ended
+
 
 @dataclass(frozen=True, slots=True)
 class LatencyModel:
@@ -74,8 +76,9 @@ class EngineModel:
 
     def advance(self, dt_s: float, now_s: float) -> list[SimSequence]:
         """Move `dt_s` forward (ending at `now_s`); returns the sequences that finished."""
-        if not self.running or dt_s <= 0:
+        if not self.running:
             return []
+        dt_s = max(0.0, dt_s)
         n = len(self.running)
         tpot = self.latency.tpot_s(n)
         head = self._prefilling()
@@ -85,7 +88,7 @@ class EngineModel:
             head.prefill_left_tokens -= done
             self.prompt_tokens_sum += done
             self.prefill_time_sum_s += done / self.latency.prefill_tokens_per_s
-            if head.prefill_left_tokens <= 1e-9:
+            if head.prefill_left_tokens <= _EPS_TOKENS:
                 head.prefill_left_tokens = 0.0
                 head.first_token_at_s = now_s
                 head.decoded = 1.0
@@ -97,7 +100,7 @@ class EngineModel:
             self.itl_sum_s += step * tpot
             self.itl_count += step
         for s in list(self.running):
-            if s.prefill_left_tokens <= 0 and s.decoded >= s.output_tokens - 1e-9:
+            if s.prefill_left_tokens <= 0 and s.decoded >= s.output_tokens - _EPS_TOKENS:
                 s.done_at_s = now_s
                 self.running.remove(s)
                 finished.append(s)

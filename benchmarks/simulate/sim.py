@@ -45,6 +45,7 @@ from router.request import RequestContext, RequestOutcome
 __all__ = ["SimResult", "simulate"]
 
 _BLOCK_SIZE = 16
+_ARRIVALS = frozenset({"chat", "run", "step"})  # events that bring work
 
 
 @dataclass(eq=False, slots=True)
@@ -135,11 +136,14 @@ class _Sim:
         self.runs: list[_Run] = []
         self.result = SimResult(config.source, plan.scenario.duration_s)
         self._by_seq: dict[int, tuple[_Request, SimSequence]] = {}
+        self._arrivals_pending = 0
 
     # ------------------------------------------------------------------ events
 
     def at(self, t_s: float, kind: str, data: Any = None) -> None:
         heapq.heappush(self._events, (t_s, next(self._seq), kind, data))
+        if kind in _ARRIVALS:
+            self._arrivals_pending += 1
 
     def run(self) -> SimResult:
         for chat in self.plan.chat:
@@ -155,8 +159,7 @@ class _Sim:
             busy = any(e.running for e in self.engines.values()) or any(
                 len(q) for q in self.admitter.queues.values()
             )
-            pending = [e for e in self._events if e[2] in ("chat", "run", "step")]
-            if not busy and not pending:
+            if not busy and not self._arrivals_pending:
                 break
             t_engine = self.now + min(e.next_event_s() for e in self.engines.values())
             t_event = self._events[0][0] if self._events else math.inf
@@ -166,6 +169,8 @@ class _Sim:
             self._advance(t)
             while self._events and self._events[0][0] <= self.now + 1e-12:
                 _, _, kind, data = heapq.heappop(self._events)
+                if kind in _ARRIVALS:
+                    self._arrivals_pending -= 1
                 self._handle(kind, data)
             self._pump()
         self._finish()
