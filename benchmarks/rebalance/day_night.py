@@ -80,6 +80,30 @@ def router_config(mode: str, urls: list[str], state: Path) -> dict[str, Any]:
     }
 
 
+def scenario_path(out: Path) -> Path:
+    """The scenario this run used: the committed one, or its copy with agent rates scaled."""
+    scaled = out / "scenario.yaml"
+    return scaled if scaled.exists() else Path(SCENARIO)
+
+
+def write_scaled_scenario(out: Path, agent_rate_scale: float) -> None:
+    """A copy of the scenario with every agent arrival rate multiplied (chat unchanged)."""
+    data = yaml.safe_load(Path(SCENARIO).read_text())
+    for segment in data["classes"]["agent"]["arrivals"]["segments"]:
+        segment["rate_per_s"] = round(segment["rate_per_s"] * agent_rate_scale, 4)
+    data["name"] = f"{data['name']}-agents-x{agent_rate_scale:g}"
+    data["description"] += f" Agent arrival rates x{agent_rate_scale:g}."
+    (out / "scenario.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _scale_note(out: Path) -> str:
+    scaled = out / "scenario.yaml"
+    if not scaled.exists():
+        return ""
+    name = yaml.safe_load(scaled.read_text())["name"]
+    return f" (as `{name}`: agent arrival rates scaled, chat unchanged)"
+
+
 class Timeline:
     """Polls the router's /admin/pools every second (a thread): shares, target, drains."""
 
@@ -135,7 +159,7 @@ def run_mode(mode: str, engines: list[str], out: Path, state: Path) -> None:
     try:
         _wait_ready(url)
         with Timeline(url) as timeline:
-            harness = [sys.executable, "-m", "benchmarks", "--scenario", SCENARIO]
+            harness = [sys.executable, "-m", "benchmarks", "--scenario", str(scenario_path(out))]
             harness += ["--target", url, "--target-name", mode, "--no-progress"]
             subprocess.run([*harness, "--out", str(out / mode)], check=True)
         decisions = httpx.get(f"{url}/admin/decisions?limit=1000", timeout=10).json()["data"]
@@ -257,7 +281,7 @@ def _p(values: list[float], q: float) -> float | None:
 
 def summarize(out: Path, mode: str) -> dict[str, Any]:
     folder = out / mode
-    scenario = load_scenario(SCENARIO)
+    scenario = load_scenario(scenario_path(out))
     slo = {c.name: c.slo for c in scenario.classes}
     records = _records(folder)
     phases = {}
@@ -333,8 +357,8 @@ def render(out: Path, modes: list[str]) -> str:
     lines = [
         "# day-night on 3 CPU engines: static ratio vs rebalancer",
         "",
-        f"Scenario `{SCENARIO}`; pools: the built-in default (agent 1 of 3 engines, bounds"
-        " 0.2-0.67; normal 2 of 3, bounds 0.33-0.8). Rebalancer: "
+        f"Scenario `{SCENARIO}`{_scale_note(out)}; pools: the built-in default (agent 1 of 3"
+        " engines, bounds 0.2-0.67; normal 2 of 3, bounds 0.33-0.8). Rebalancer: "
         + ", ".join(f"{k} {v}" for k, v in REBALANCER.items())
         + ".",
         "",
@@ -393,10 +417,18 @@ def main(argv: list[str] | None = None) -> int:
         "--modes", nargs="+", choices=list(ROUTER_PORTS), default=list(ROUTER_PORTS)
     )
     parser.add_argument("--render", action="store_true", help="only rebuild the summary")
+    parser.add_argument(
+        "--agent-rate-scale",
+        type=float,
+        default=1.0,
+        help="multiply the scenario's agent arrival rates (chat unchanged)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.render:
+        if args.agent_rate_scale != 1.0:
+            write_scaled_scenario(out, args.agent_rate_scale)
         os.environ.setdefault(KEY_ENV, "bench-" + os.urandom(8).hex())
         state = Path(".gpupool/bench-rebalance")
         state.mkdir(parents=True, exist_ok=True)
