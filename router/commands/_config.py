@@ -7,6 +7,7 @@ but cannot run is refused by all three before anything starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 
 from pools.config import Config, ConfigError, contract_problems, load_config
@@ -39,6 +40,11 @@ def config_problems(config: Config) -> list[str]:
     problems = contract_problems(config)
     if config.engines.launcher == "local":
         problems += engine_problems(config, probe_host())
+    if config.engines.launcher == "ray" and importlib.util.find_spec("ray") is None:
+        problems.append(
+            "engines.launcher: 'ray' needs Ray, which is not installed here"
+            " (make install installs it; or pip install 'ray>=2.40')"
+        )
     return problems
 
 
