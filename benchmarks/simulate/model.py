@@ -24,6 +24,10 @@ class LatencyModel:
     tpot_intercept_s: float = 0.004
     tpot_slope_s: float = 0.0006
     prefill_tokens_per_s: float = 6000.0
+    # time before a request's prefill shows (HTTP, router, engine scheduling), added to its
+    # time to first token: fixed, or drawn per request from measured samples when given
+    overhead_s: float = 0.0
+    overhead_samples_s: tuple[float, ...] = ()
 
     def tpot_s(self, running: int) -> float:
         return self.tpot_intercept_s + self.tpot_slope_s * max(1, running)
@@ -39,6 +43,7 @@ class SimSequence:
     first_token_at_s: float | None = None
     done_at_s: float | None = None
     prompt_tokens: int = 0
+    overhead_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -90,7 +95,7 @@ class EngineModel:
             self.prefill_time_sum_s += done / self.latency.prefill_tokens_per_s
             if head.prefill_left_tokens <= _EPS_TOKENS:
                 head.prefill_left_tokens = 0.0
-                head.first_token_at_s = now_s
+                head.first_token_at_s = now_s + head.overhead_s
                 head.decoded = 1.0
         tokens = dt_s / tpot
         finished = []

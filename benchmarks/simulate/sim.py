@@ -128,6 +128,8 @@ class _Sim:
             wall_clock=clock,
         )
         self.engines = {s.instance_id: EngineModel(latency, capacity_blocks) for s in specs}
+        self.latency = latency
+        self._rng = random.Random(seed)
         self.capacity_blocks = capacity_blocks
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
@@ -306,11 +308,13 @@ class _Sim:
     def _start(self, req: _Request, lease: Lease, prefill_tokens: int) -> None:
         req.admitted_s = self.now
         req.lease = lease
+        samples = self.latency.overhead_samples_s
         seq = SimSequence(
             prefill_left_tokens=float(max(1, prefill_tokens)),
             output_tokens=max(1, req.estimate.output_tokens),
             blocks=lease.blocks,
             prompt_tokens=req.estimate.prompt_tokens,
+            overhead_s=self._rng.choice(samples) if samples else self.latency.overhead_s,
         )
         self._by_seq[id(seq)] = (req, seq)
         self.engines[lease.instance_id].add(seq)

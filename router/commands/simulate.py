@@ -42,7 +42,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--tpot-intercept-ms", type=float, default=4.0)
     p.add_argument("--tpot-slope-ms", type=float, default=0.6)
     p.add_argument("--prefill-tokens-per-s", type=float, default=6000.0)
-    p.add_argument("--kv-blocks", type=int, default=2700, help="KV blocks per engine")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=511,
+        help="KV blocks per engine (default: the dev model's CPU engines at 64 MiB)",
+    )
     p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     p.set_defaults(func=simulate_command)
 
