@@ -105,7 +105,11 @@ class SignalWindow:
         seen = self._seen.get(pool, deque())
         while seen and seen[0].at_s < since_s - 3600:  # keep at most an hour
             seen.popleft()
-        recent = [s for s in seen if s.at_s >= since_s]
+        recent = []
+        for s in reversed(seen):  # appended as requests end: newest last
+            if s.at_s < since_s:
+                break
+            recent.append(s)
         return recent, sum(1 for s in recent if s.rejected)
 
 

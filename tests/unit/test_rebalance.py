@@ -275,7 +275,7 @@ def test_converges_under_a_step_change(
     budget = 30 + 2 * 9 + 2  # 0.8 of travel at 0.1 per move, a cooldown after each
     final = traj[budget]
     pa, pb = after[0] / final["a"], after[1] / final["b"]
-    at_bound = min(final.values()) <= 0.1 + 1e-6
+    at_bound = min(final.values()) <= 0.1 + 0.005 + 1e-6  # steps under 0.005 are not taken
     assert abs(pa - pb) <= 0.2 + 1e-6 or at_bound, (final, pa, pb)
     assert traj[-1] == pytest.approx(final)
 

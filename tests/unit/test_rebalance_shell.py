@@ -90,7 +90,8 @@ async def make_gateway() -> AsyncIterator[Callable[..., Any]]:
 
     yield make
     for gateway in made:
-        await gateway.aclose()
+        if gateway._started:  # a test may have closed it already (a restart)
+            await gateway.aclose()
 
 
 def finished(pool: str, ended_at_s: float, *, queue_s: float, status: int = 200) -> RequestOutcome:
