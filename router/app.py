@@ -29,7 +29,7 @@ from gpu_probe.nvml import NvmlApi
 from gpu_probe.sampler import GpuSampler
 from kvcache_model import KVCacheModelError, LatencyPrior, gpu_spec, load_geometry
 from pools.allocation import PoolMap, plan_allocation
-from pools.config import Config
+from pools.config import Config, ConfigError, contract_problems, load_config
 from pools.discovery import DiscoveryLoop, EngineSource
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
@@ -513,6 +513,27 @@ class Gateway:
                 "object": "gpupool.gpus",
                 "snapshot": None if latest is None else latest.to_dict(),
             }
+
+        @api.post("/admin/governance/reload")
+        async def governance_reload(request: Request) -> dict[str, Any]:
+            """Re-read the config file the router started from and apply its tenants' budgets,
+            tiers, cost caps and run guards (for new runs) without dropping a request."""
+            access.authorize_admin(request.headers.get("authorization"))
+            source = self.config.source
+            if not source or source.startswith("<"):
+                raise BadRequest(
+                    "the router was started without a config file: nothing to reload",
+                    "no_config_file",
+                )
+            try:
+                fresh = await asyncio.to_thread(load_config, source)
+            except ConfigError as err:
+                raise BadRequest("; ".join(err.problems)[:2000], "invalid_config") from None
+            problems = contract_problems(fresh)
+            if problems:
+                raise BadRequest("; ".join(problems)[:2000], "inconsistent_config")
+            tenants = self.governor.reload(fresh)
+            return {"object": "gpupool.governance_reload", "source": source, "tenants": tenants}
 
         @api.get("/v1/budget")
         async def budget(request: Request) -> dict[str, Any]:

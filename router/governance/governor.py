@@ -352,9 +352,7 @@ class Governor:
                     run_id=ctx.run_id,
                     started_at_s=now_s,
                     last_seen_s=now_s,
-                    limits=run_limits(
-                        self.config, ctx.class_name, signals.tenant, signals.task_type
-                    ),
+                    limits=run_limits(self.config, ctx.class_name, st.config, signals.task_type),
                 )
             else:
                 new_run = run.ended is not None
@@ -558,9 +556,9 @@ class Governor:
         used = outcome.prompt_tokens + outcome.completion_tokens
         if used == 0 and outcome.dispatched_at_s is not None and outcome.estimate is not None:
             used = outcome.estimate.prompt_tokens  # the engine read the prompt, usage unknown
+        st.reserved_tokens -= ticket.reserved_tokens
         if st.tokens is not None:
             st.tokens.settle(ticket.reserved_tokens, used, now)
-            st.reserved_tokens -= ticket.reserved_tokens
         if st.requests is not None and ticket.reserved_request and outcome.dispatched_at_s is None:
             st.requests.settle(1, 0, now)  # never reached an engine: the request is given back
         st.inflight -= 1
@@ -730,6 +728,33 @@ class Governor:
             ],
         }
 
+    # ------------------------------------------------------------------ reload
+
+    def reload(self, config: Config) -> list[str]:
+        """Apply `config`'s governance settings without dropping anything: tenants' budgets,
+        tiers and cost caps change now (bucket levels, reservations in flight, cost windows
+        and runs stay; a run keeps the guards it started with; new runs get the new ones).
+        Returns the tenants it configured. API keys are not reloaded here."""
+        now = self.clock()
+        self.config = config
+        self._task_types = dict(config.governance.task_types_s)
+        self._idle_timeout_s = config.governance.run_idle_timeout_s
+        self._max_wait_s = {p.name: p.queue.max_wait_s for p in config.pools}
+        for tenant in config.tenants:
+            st = self._tenants.get(tenant.name)
+            if st is None:
+                self._state(tenant)
+                continue
+            limits = tenant_limits(config, tenant)
+            tpm, frac = limits.tokens_per_minute, tenant.borrow_max_frac
+            st.config, st.limits = tenant, limits
+            st.tokens = _rebucket(st.tokens, tpm, now)
+            st.requests = _rebucket(st.requests, limits.requests_per_minute, now)
+            st.allowance = _rebucket(st.allowance, tpm * frac if tpm and frac else None, now)
+            self._export(st, now)
+        log.info("governance settings reloaded for %d tenants", len(config.tenants))
+        return [t.name for t in config.tenants]
+
     # ------------------------------------------------------------------ state
 
     def _state(self, tenant: TenantConfig) -> _Tenant:
@@ -775,3 +800,15 @@ class Governor:
             self.metrics.tokens_reserved.labels(name).set(st.reserved_tokens)
         self.metrics.inflight.labels(name).set(st.inflight)
         self.metrics.active_runs.labels(name).set(len(st.active))
+
+
+def _rebucket(
+    bucket: TokenBucket | None, per_minute: float | None, now_s: float
+) -> TokenBucket | None:
+    """`bucket` at a new per-minute limit (its level kept), a new full one, or None."""
+    if per_minute is None:
+        return None
+    if bucket is None:
+        return TokenBucket(per_minute, per_minute / 60.0, now_s)
+    bucket.set_rate(per_minute, per_minute / 60.0, now_s)
+    return bucket

@@ -370,3 +370,55 @@ async def test_budgets_and_stopped_runs_survive_a_restart_without_a_clean_shutdo
         finally:
             await second.aclose()
             await first.aclose()
+
+
+async def test_an_admin_reload_applies_new_budgets_without_refilling_them(tmp_path: Path) -> None:
+    import yaml
+
+    from pools.config import load_config
+
+    engine = FakeEngineState()
+    path = tmp_path / "gpupool.yaml"
+    data: dict[str, Any] = {
+        **DEFAULT_CPU_CONFIG,
+        "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
+        "tenants": [
+            {"name": "slow", "api_key": "k-slow", "tokens_per_minute": 120},
+            {"name": "ops", "api_key": "k-ops", "admin": True},
+        ],
+        "router": {"ledger_path": str(tmp_path / "l.sqlite"), "state_path": str(tmp_path / "s")},
+    }
+    path.write_text(yaml.safe_dump(data))
+    async with serve_asgi(make_fake_engine(engine)) as url:
+        gateway = create_app(load_config(path), [InstanceSpec("engine-0", url, 1)])
+        await gateway.start()
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+            ) as client:
+                rig = Rig(gateway, client, engine)
+                assert (await rig.post("slow", _body(max_tokens=100))).status_code == 200
+                assert (await rig.post("slow", _body(max_tokens=100))).status_code == 429
+                level = (await rig.get("slow", "/v1/budget")).json()["tokens"]["remaining"]
+
+                admin = {"authorization": "Bearer k-ops"}
+                data["tenants"][0]["tokens_per_minute"] = 6000
+                path.write_text(yaml.safe_dump(data))
+                reload = await client.post("/admin/governance/reload", headers=admin)
+                assert reload.status_code == 200 and reload.json()["tenants"] == ["slow", "ops"]
+                budget = (await rig.get("slow", "/v1/budget")).json()["tokens"]
+                assert budget["limit_per_minute"] == 6000
+                assert level <= budget["remaining"] <= level + 10  # kept, not refilled
+                denied = await client.post(
+                    "/admin/governance/reload", headers={"authorization": "Bearer k-slow"}
+                )
+                assert denied.status_code == 403
+
+                data["tenants"][0]["tier"] = "platinum"  # not a tier: refused, nothing changes
+                path.write_text(yaml.safe_dump(data))
+                bad = await client.post("/admin/governance/reload", headers=admin)
+                assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_config"
+                after = (await rig.get("slow", "/v1/budget")).json()["tokens"]
+                assert after["limit_per_minute"] == 6000
+        finally:
+            await gateway.aclose()
