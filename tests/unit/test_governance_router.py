@@ -96,6 +96,10 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
         await gateway.aclose()
 
 
+def _client(gateway: Gateway) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw")
+
+
 def _used(resp: httpx.Response) -> int:
     usage = resp.json()["usage"]
     return int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
@@ -344,9 +348,7 @@ async def test_budgets_and_stopped_runs_survive_a_restart_without_a_clean_shutdo
         spec = [InstanceSpec("engine-0", url, 1)]
         first = create_app(parse_config(data), spec)
         await first.start()
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=first), base_url="http://gw"
-        ) as client:
+        async with _client(first) as client:
             rig = Rig(first, client, engine)
             assert (await rig.post("slow", _body(max_tokens=100))).status_code == 200
             for _ in range(3):
@@ -357,9 +359,7 @@ async def test_budgets_and_stopped_runs_survive_a_restart_without_a_clean_shutdo
         second = create_app(parse_config(data), spec)
         await second.start()
         try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=second), base_url="http://gw"
-            ) as client:
+            async with _client(second) as client:
                 rig = Rig(second, client, engine)
                 after = (await rig.get("slow", "/v1/budget")).json()["tokens"]["remaining"]
                 assert before <= after <= before + 8  # not full: refilled 2 a second since
@@ -393,9 +393,7 @@ async def test_an_admin_reload_applies_new_budgets_without_refilling_them(tmp_pa
         gateway = create_app(load_config(path), [InstanceSpec("engine-0", url, 1)])
         await gateway.start()
         try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
-            ) as client:
+            async with _client(gateway) as client:
                 rig = Rig(gateway, client, engine)
                 assert (await rig.post("slow", _body(max_tokens=100))).status_code == 200
                 assert (await rig.post("slow", _body(max_tokens=100))).status_code == 429
