@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from pools.config import Config
 from router.identity import OperatorAccess
+from router.rebalancer_api import BoundsBody, EmptyBody, MoveBody, PinBody, UnpinBody
 
 __all__ = ["INT64_MAX", "INT64_MIN", "openapi_document"]
 
@@ -436,6 +439,114 @@ def _get(
     return {"get": operation}
 
 
+def _post(
+    operation_id: str,
+    summary: str,
+    body: Schema | None,
+    ok: Schema,
+    *errors: int,
+    security: list[Schema],
+) -> Schema:
+    """A POST operation; `body` None: it takes no body (one is ignored)."""
+    operation: Schema = {
+        "operationId": operation_id,
+        "summary": summary,
+        "security": security,
+        "responses": {"200": ok, **_errors(*errors)},
+    }
+    if body is not None:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": body}},
+        }
+    return {"post": operation}
+
+
+def _pools_admin(admin: list[Schema]) -> dict[str, Schema]:
+    """The SREs' controls over the ratio (router/rebalancer_api.py): bodies from its models."""
+    view = _json({"type": "object"}, "The rebalancer's view after the change")
+    controls: list[tuple[str, str, str, type[BaseModel]]] = [
+        ("bounds", "setPoolBounds", "Set (or reset) a pool's floor and ceiling", BoundsBody),
+        ("pin", "pinPools", "Pin the ratio, or an instance to a pool", PinBody),
+        ("unpin", "unpinPools", "Unpin the ratio, or an instance", UnpinBody),
+        ("freeze", "freezePools", "Freeze the rebalancing loop", EmptyBody),
+        ("unfreeze", "unfreezePools", "Unfreeze the rebalancing loop", EmptyBody),
+        ("move", "movePools", "Move share, or a whole instance, between pools", MoveBody),
+    ]
+    paths = {
+        f"/admin/pools/{name}": _post(
+            op,
+            summary,
+            model.model_json_schema(),
+            view,
+            400,
+            401,
+            403,
+            404,
+            security=admin,
+        )
+        for name, op, summary, model in controls
+    }
+    whole = {"type": "integer", "minimum": 1, "maximum": 1000}
+    paths["/admin/pools/audit"] = _get(
+        "adminPoolsAudit",
+        "Who changed the SRE settings, when, and what, newest first",
+        _json(_obj(["object", "data"], {"data": {"type": "array"}}), "The audit trail"),
+        400,
+        401,
+        403,
+        security=admin,
+        parameters=[_query("limit", _or_empty(whole, 50), "At most this many entries")],
+    )
+    return paths
+
+
+def _governance(tenant: list[Schema], admin: list[Schema]) -> dict[str, Schema]:
+    """Budgets a tenant reads, runs it ends, and the admin's reload (docs/governance.md)."""
+    end = _obj(
+        ["object", "run_id", "reason", "steps"],
+        {
+            "object": {"const": "gpupool.run_end"},
+            "run_id": _STR,
+            "reason": {"type": ["string", "null"]},
+            "steps": _INT,
+            "tokens": _INT,
+            "gpu_seconds": _NUM,
+        },
+    )
+    return {
+        "/v1/budget": _get(
+            "getBudget",
+            "The caller's budgets: tokens and requests left, concurrency, cost caps, refill times",
+            _json(_obj(["object", "tenant"], {"object": {"const": "gpupool.budget"}}), "Budget"),
+            401,
+            security=tenant,
+        ),
+        "/v1/runs/{run_id}/end": {
+            **_post(
+                "endRun",
+                "End one of the caller's runs: it stops counting against its concurrency",
+                None,
+                _json(end, "The ended run"),
+                401,
+                404,
+                security=tenant,
+            ),
+            "parameters": [{"name": "run_id", "in": "path", "required": True, "schema": _STR}],
+        },
+        "/admin/governance/reload": _post(
+            "reloadGovernance",
+            "Re-read the config file: tenants' budgets, tiers, cost caps and run guards",
+            None,
+            _json(_obj(["object"], {"object": {"const": "gpupool.governance_reload"}}), "Done"),
+            400,
+            401,
+            403,
+            security=admin,
+        ),
+    }
+
+
 def _query(name: str, schema: Schema, description: str) -> Schema:
     return {
         "name": name,
@@ -594,6 +705,8 @@ def openapi_document(config: Config, access: OperatorAccess) -> dict[str, Any]:
             "This document",
             _json({"type": "object"}, "The OpenAPI description"),
         ),
+        **_pools_admin(admin),
+        **_governance(tenant, admin),
     }
     responses: dict[str, Schema] = {}
     for status, description in _ERROR_DESCRIPTIONS.items():

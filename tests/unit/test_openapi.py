@@ -20,6 +20,7 @@ import httpx
 import pytest
 import requests
 import schemathesis
+from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -95,6 +96,27 @@ def test_the_router_serves_this_document(live: LiveRouter) -> None:
     body = served["components"]["schemas"]["ChatCompletionRequest"]
     assert body["additionalProperties"] is True and body["required"] == ["model", "messages"]
     assert "Error405" in served["components"]["responses"]
+
+
+# served but not described: HTML and static files for browsers (GET /ui, docs/status_page.md)
+UNDOCUMENTED = {("GET", "/ui"), ("GET", "/ui/{asset}")}
+
+
+def test_every_route_the_router_serves_is_described(live: LiveRouter) -> None:
+    """A route added without its description would escape the schemathesis run below."""
+    served = {
+        (method, route.path)
+        for route in live.gateway.api.routes
+        if isinstance(route, APIRoute)
+        for method in route.methods
+    }
+    described = {
+        (m.upper(), path)
+        for path, ops in DOCUMENT["paths"].items()
+        for m in ops
+        if m != "parameters"  # the path's own parameters, not a method
+    }
+    assert served - UNDOCUMENTED == described
 
 
 @schema.parametrize()
