@@ -109,8 +109,8 @@ class Load:
         with httpx.Client(timeout=120) as client:
             while not self.stop.is_set():
                 headers = {"x-gpupool-class": "agent" if agent else "normal"}
-                if agent:
-                    headers["x-gpupool-run-id"] = f"ui-run-{index}"
+                if agent:  # a new run every 20 steps: runs have a step limit (governance)
+                    headers["x-gpupool-run-id"] = f"ui-run-{index}-{step // 20}"
                 body = {
                     "model": "tiny",
                     "messages": [{"role": "user", "content": f"{step} {PROMPT}"}],

@@ -249,7 +249,7 @@
     const pressure = seriesOfField("pools", "pressure");
     const hasPressure = pressure.some(s => s.points.some(([, v]) => v !== null));
     document.getElementById("figure-pressure").hidden = !hasPressure;
-    if (hasPressure) plot("plot-pressure", pressure, {yFormat: v => v.toFixed(1)});
+    if (hasPressure) plot("plot-pressure", pressure, {yFormat: v => v.toFixed(2)});
     const first = state.history[0];
     document.getElementById("history-note").textContent = first ?
       `(${state.history.length} samples every ${state.historyInterval} s since ` +
