@@ -60,7 +60,7 @@ def _rule_header(
     headers: Headers, body: dict[str, Any], tenant: TenantConfig, config: Config, run: str | None
 ) -> str | None:
     wanted = headers.get("x-gpupool-class")
-    if not wanted:
+    if wanted is None:  # empty is not absent: a 400 like any other unknown class
         return None
     if wanted not in config.class_names:
         raise BadRequest(

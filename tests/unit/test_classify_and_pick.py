@@ -48,6 +48,8 @@ def test_rules_first_match_wins() -> None:
 def test_header_class_checks() -> None:
     with pytest.raises(BadRequest, match="not a known class"):
         _cls({"x-gpupool-class": "vip"})
+    with pytest.raises(BadRequest, match="not a known class"):  # empty is not absent
+        _cls({"x-gpupool-class": ""})
     with pytest.raises(ClassNotAllowed):
         _cls({"x-gpupool-class": "normal"}, key="kb")
 
