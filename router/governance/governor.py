@@ -162,7 +162,9 @@ class Governor:
             self._task = None
         if self._store is not None:
             await self.save()
-            await asyncio.to_thread(self._store.close)
+            # closed once: a second aclose (the gateway's, after a failed start) finds nothing
+            store, self._store = self._store, None
+            await asyncio.to_thread(store.close)
 
     async def _sweep_loop(self) -> None:
         while True:

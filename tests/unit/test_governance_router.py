@@ -420,3 +420,17 @@ async def test_an_admin_reload_applies_new_budgets_without_refilling_them(tmp_pa
                 assert after["limit_per_minute"] == 6000
         finally:
             await gateway.aclose()
+
+
+async def test_a_gateway_closes_twice_without_error(tmp_path: Path) -> None:
+    """aclose() is idempotent with the governance store open (a second close raised)."""
+    data = {
+        **DEFAULT_CPU_CONFIG,
+        "tenants": TENANTS,
+        "router": {"ledger_path": str(tmp_path / "l.sqlite"), "state_path": str(tmp_path / "s")},
+    }
+    async with serve_asgi(make_fake_engine(FakeEngineState())) as url:
+        gateway = create_app(parse_config(data), [InstanceSpec("engine-0", url, 1)])
+        await gateway.start()
+        await gateway.aclose()
+        await gateway.aclose()
