@@ -45,6 +45,7 @@ from router.errors import (
     MethodNotAllowed,
     NoHealthyInstance,
     NotFound,
+    Unauthorized,
     error_for_status,
 )
 from router.estimate import TokenEstimator
@@ -295,6 +296,16 @@ class Gateway:
     # ------------------------------------------------------------------ ASGI
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _basic_credentials_on_a_change(scope):
+            # a browser sends the status page's Basic credentials with any request to this
+            # origin, a cross-site form's POST too: they may read, never change (CSRF)
+            err = Unauthorized(
+                "Basic credentials only read (the status page, GET); send "
+                "`Authorization: Bearer <key>` to change anything",
+                "basic_read_only",
+            )
+            await _error_response(err)(scope, receive, send)
+            return
         if scope["type"] == "http" and scope["method"] == "POST" and self.handler is not None:
             path = scope["path"]
             if path == "/v1/chat/completions":
@@ -646,6 +657,16 @@ def _int_param(raw: str | None, name: str, *, default: int, low: int, high: int)
             param=name,
         )
     return int(value)
+
+
+def _basic_credentials_on_a_change(scope: Scope) -> bool:
+    """A request other than GET/HEAD whose Authorization header is `Basic ...`."""
+    if scope["method"] in ("GET", "HEAD"):
+        return False
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return bool(value[:6].lower() == b"basic ")
+    return False
 
 
 def _error_response(err: GpupoolError) -> Response:

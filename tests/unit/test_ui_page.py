@@ -95,6 +95,28 @@ def test_the_admin_json_takes_the_browsers_basic_credentials(keyed: LiveRouter) 
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
 
 
+def test_basic_credentials_read_but_never_change(keyed: LiveRouter) -> None:
+    """A browser sends the page's Basic credentials with a cross-site form's POST too (CSRF):
+    with them nothing that changes state is done, not even a completion on the tenant's bill."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    changes = [
+        ("/admin/pools/freeze", {}, ADMIN_KEY),
+        ("/admin/governance/reload", {}, ADMIN_KEY),
+        ("/v1/runs/r1/end", {}, TENANT_KEY),
+        ("/v1/chat/completions", chat, TENANT_KEY),
+    ]
+    for path, body, key in changes:
+        refused = httpx.post(keyed.url + path, json=body, headers=basic(key))
+        assert refused.status_code == 401, path
+        assert refused.json()["error"]["code"] == "basic_read_only", path
+    # the same requests with the bearer key are not refused for their credentials
+    for path, body, key in changes:
+        answer = httpx.post(keyed.url + path, json=body, headers=bearer(key), timeout=30)
+        assert answer.status_code != 401, (path, answer.text)
+    unfreeze = httpx.post(keyed.url + "/admin/pools/unfreeze", json={}, headers=bearer(ADMIN_KEY))
+    assert unfreeze.status_code == 200
+
+
 def test_every_asset_is_served_with_its_type_and_nothing_else(keyed: LiveRouter) -> None:
     auth = bearer(ADMIN_KEY)
     page = (STATIC / "index.html").read_text()
