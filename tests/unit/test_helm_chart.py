@@ -193,6 +193,7 @@ def test_service_monitor_selects_the_router() -> None:
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == router_svc["spec"]["ports"][0]["name"]
     assert endpoint["path"] == "/metrics"
+    assert endpoint["honorLabels"] is True  # the engines' `instance` label, as the dashboard reads
     # Prometheus reads /metrics with the metrics key, from the chart's Secret
     secret = next(
         d for d in _by_kind(docs, "Secret") if d["metadata"]["name"] == "gp-gpupool-api-keys"
