@@ -365,6 +365,13 @@ def _header_parameters(config: Config) -> list[Schema]:
             "thread-id, x-session-id, and the body's vllm_xargs.agentic_context",
         ),
         header(
+            "x-gpupool-wait-comments",
+            {"type": "number", "minimum": 0, "maximum": 3600},
+            "Streaming only: after this many seconds of waiting (tenant budget or queue) start "
+            "the stream and send an SSE comment line each second until tokens come; a refusal "
+            "after that is an error event, not a 429 (router/wait_comments.py)",
+        ),
+        header(
             "x-gpupool-usage",
             _STR,
             "1, true or yes: the usage (and the x-gpupool-gpu-seconds header, non-streaming) "

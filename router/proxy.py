@@ -54,6 +54,7 @@ from router.identity import Tenants
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity
 from router.request import (
+    Message,
     Receive,
     RequestContext,
     RequestObserver,
@@ -61,6 +62,8 @@ from router.request import (
     Scope,
     Send,
 )
+from router.wait_comments import HEADER as WAIT_COMMENTS_HEADER
+from router.wait_comments import WaitComments, wait_comments_after_s
 
 __all__ = ["CompletionsHandler"]
 
@@ -136,6 +139,7 @@ class CompletionsHandler:
             ctx = classify(headers, body, tenant, self.config, request_id=request_id, now_s=now)
             if self.governor is not None:
                 ctx, signals = self.governor.prepare(ctx, tenant, headers, body)
+            wait_after_s = wait_comments_after_s(headers.get(WAIT_COMMENTS_HEADER))
             try:
                 estimate = await self.estimator.estimate_async(
                     body, chat=chat, class_name=ctx.class_name
@@ -155,7 +159,7 @@ class CompletionsHandler:
             return  # the client left while sending its body
         outcome = RequestOutcome(ctx=ctx, estimate=estimate)
         task = asyncio.ensure_future(
-            self._serve(ctx, body, body_bytes, chat, send, outcome, read_s, signals)
+            self._serve(ctx, body, body_bytes, chat, send, outcome, read_s, signals, wait_after_s)
         )
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
@@ -224,6 +228,7 @@ class CompletionsHandler:
         outcome: RequestOutcome,
         read_s: float,
         signals: StepSignals | None = None,
+        wait_after_s: float | None = None,
     ) -> None:
         gp_headers = [
             (b"x-gpupool-request-id", ctx.request_id.encode()),
@@ -250,6 +255,10 @@ class CompletionsHandler:
         tried: set[str] = set()  # failed otherwise: retried only when nothing else is left
         attempts = 0
         lease: Lease | None = None
+        waiter: WaitComments | None = None
+        if ctx.stream and wait_after_s is not None:
+            waiter = WaitComments(send, gp_headers, wait_after_s, clock=self.clock)
+            waiter.start()
         try:
             if changed:
                 try:
@@ -258,12 +267,17 @@ class CompletionsHandler:
                     raise _too_deep() from None
             governed_s = 0.0  # waited for the tenant's budget (not router overhead)
             if self.governor is not None and signals is not None:
+                if waiter is not None:
+                    waiter.reason = "token budget"
                 try:
                     governed_s = await self.governor.enter(ctx, estimate, signals)
                 finally:
                     gp_headers.extend(self.governor.rate_headers(ctx.tenant))
+            if waiter is not None:
+                waiter.reason = "queue"
             admit_start_s = self.clock()
             lease = await self.admitter.admit(ctx, estimate)
+            await self._stop_waiting(waiter, outcome)
             outcome.admitted_at_s = self.clock()
             queued_s = outcome.admitted_at_s - admit_start_s + governed_s
             self.metrics.overhead.observe(outcome.admitted_at_s - read_s - queued_s)
@@ -328,6 +342,7 @@ class CompletionsHandler:
                     resp.release()  # fully read: the connection goes back to the pool
                 return
         except Exception as exc:
+            await self._stop_waiting(waiter, outcome)
             if isinstance(exc, GpupoolError):
                 failure = exc
             else:  # a bug: answer in OpenAI's shape, never with a stack trace
@@ -339,6 +354,9 @@ class CompletionsHandler:
             outcome.status = failure.status
             outcome.outcome = _outcome_of(failure.status)
             outcome.reason = failure.code
+            if outcome.wait_stream_open:  # the wait's comments started the stream: an event
+                outcome.wait_stream_open = False
+                await send(_error_event(failure))
             if outcome.response_started:
                 return
             await _send_error(
@@ -352,9 +370,20 @@ class CompletionsHandler:
                 ),
             )
         finally:
+            if waiter is not None:
+                waiter.cancel()  # cancelled (the client left) while waiting
             if lease is not None:
                 lease.release()
                 self.metrics.set_inflight(lease.instance_id, lease.state.inflight)
+
+    @staticmethod
+    async def _stop_waiting(waiter: WaitComments | None, outcome: RequestOutcome) -> None:
+        """Stop the wait's comments; from then on the relay writes the stream they started."""
+        if waiter is None:
+            return
+        await waiter.stop()  # idempotent
+        if waiter.started and not outcome.response_started:
+            outcome.response_started = outcome.wait_stream_open = True
 
     async def _retry(
         self,
@@ -425,6 +454,11 @@ class CompletionsHandler:
                     f"engine {outcome.instance_id} failed: {detail}", "engine_error"
                 )
             outcome.outcome, outcome.reason = "client_error", str(status)
+            if outcome.wait_stream_open:  # the engine's refusal, as the stream's one event
+                outcome.wait_stream_open = False
+                body = b"data: " + raw.strip() + b"\n\ndata: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                return
             ctype = resp.headers.get("content-type", "application/json").encode()
             outcome.response_started = True
             await send(
@@ -495,18 +529,21 @@ class CompletionsHandler:
         outcome: RequestOutcome,
         lease: Lease,
     ) -> None:
-        outcome.response_started = True
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream"),
-                    (b"cache-control", b"no-cache"),
-                    *headers,
-                ],
-            }
-        )
+        if outcome.wait_stream_open:  # the wait's comments sent the status line already
+            outcome.wait_stream_open = False
+        else:
+            outcome.response_started = True
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream"),
+                        (b"cache-control", b"no-cache"),
+                        *headers,
+                    ],
+                }
+            )
         buf = b""
         first_token_seen = False
         try:
@@ -545,13 +582,7 @@ class CompletionsHandler:
             outcome.outcome = _outcome_of(error.status)
             outcome.reason = "midstream" if error.status == 502 else error.code
             outcome.status = error.status
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"data: " + error.body() + b"\n\ndata: [DONE]\n\n",
-                    "more_body": False,
-                }
-            )
+            await send(_error_event(error))
             return
         await send({"type": "http.response.body", "body": buf, "more_body": False})
 
@@ -691,6 +722,12 @@ def _engine_message(raw: bytes) -> str:
     except (orjson.JSONDecodeError, AttributeError):
         pass
     return raw[:200].decode("utf-8", "replace") or "empty response"
+
+
+def _error_event(err: GpupoolError) -> Message:
+    """The last message of a started stream that failed: an OpenAI-shaped error event."""
+    body = b"data: " + err.body() + b"\n\ndata: [DONE]\n\n"
+    return {"type": "http.response.body", "body": body, "more_body": False}
 
 
 async def _send_error(send: Send, err: GpupoolError, headers: list[tuple[bytes, bytes]]) -> None:

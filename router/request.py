@@ -79,6 +79,8 @@ class RequestOutcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     response_started: bool = False  # the status line went to the client
+    # started by SSE wait comments (router/wait_comments.py); no relay has written since
+    wait_stream_open: bool = False
     # accounting (router.accounting_observer)
     acct_token: SequenceToken | None = None
     gpu_seconds: float = 0.0
