@@ -225,7 +225,7 @@ class RayLauncher:
         self._progress = progress
         self._ray: Any = None
         self._actors: list[Any] = []
-        self._started_cluster = False
+        self._owns_driver = False
         self._key = config.api_key or secrets.token_urlsafe(32)
         self.source: RayEngineSource | None = None
         self._instances: list[InstanceSpec] = []
@@ -250,7 +250,10 @@ class RayLauncher:
             raise LauncherError(
                 "engines.launcher 'ray' needs Ray: pip install 'ray>=2.40' (make install does)"
             ) from None
-        self._started_cluster = self._config.address is None and not ray.is_initialized()
+        # this launcher connects the driver (and so disconnects it at aclose): a driver left
+        # connected to a cluster that goes away ends its whole process 60 s later (Ray's
+        # "Failed to connect to GCS ... The program will terminate")
+        self._owns_driver = not ray.is_initialized()
         ray.init(
             address=self._config.address,
             namespace=self._config.namespace,
@@ -337,7 +340,7 @@ class RayLauncher:
             for actor in actors:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
-            if self._started_cluster:
+            if self._owns_driver:  # disconnects; stops the cluster only if it started one
                 ray.shutdown()
 
         await asyncio.to_thread(stop_all)

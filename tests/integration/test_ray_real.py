@@ -98,6 +98,13 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             time.sleep(0.5)
         yield f"127.0.0.1:{p}"
     finally:
+        # a driver still connected when the head goes would end this pytest process 60 s later
+        # (Ray: "Failed to connect to GCS ... The program will terminate")
+        import ray
+
+        left_connected = ray.is_initialized()
+        if left_connected:
+            ray.shutdown()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -105,6 +112,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)
         log.close()
+    assert not left_connected, "the launcher left its Ray driver connected after aclose"
 
 
 def _config(address: str, tmp_path: Path) -> Any:
