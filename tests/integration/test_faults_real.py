@@ -11,6 +11,7 @@ engine it faulted running and healthy.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ pytestmark = pytest.mark.integration
 # 20 streams, then 4 non-streaming requests, fill the normal pool's two engines (12 each);
 # 10 more wait in its queue
 LOAD = faults.Load(streams=20, plain=4, queued=10, later=10, max_tokens=300, slots=12)
+# the kill must find streams still running: on a fast CPU 300-token streams were all over by
+# the time the queue had filled (a clean-clone run cut none of them)
+KILL_LOAD = dataclasses.replace(LOAD, max_tokens=1200)
 
 
 @pytest.fixture
@@ -47,12 +51,13 @@ def test_kill_9_of_an_engine_loses_no_request_that_had_not_started_there(
     setup: faults.Setup, engine_fleet: EngineFleet
 ) -> None:
     try:
-        r = asyncio.run(faults.engine_kill(setup, LOAD))
+        r = asyncio.run(faults.engine_kill(setup, KILL_LOAD))
     finally:
         _all_engines_healthy(engine_fleet)
     print(r)
     flight = r["in_flight_on_victim"]
     assert flight["sent"] >= LOAD.slots // 2, "the kill should catch streams on the engine"
+    assert flight["failed"] >= 1, "no stream was still running on the engine at the kill"
     # every stream cut by the kill ends with an OpenAI-shaped error event, then [DONE]
     assert flight["failed_by_kind"] == {"error_event_engine_error": flight["failed"]}, flight
     assert flight["ended_with_openai_error_event"] == flight["failed"]
