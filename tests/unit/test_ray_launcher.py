@@ -137,9 +137,24 @@ def test_an_engine_port_comes_from_its_own_slots_of_the_range() -> None:
     from pools.launchers.base import LauncherError
     from pools.launchers.ray import _free_port
 
-    with socket.socket() as taken:
+    def free(port: int) -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+            return True
+
+    # a port the OS hands out, with its next three free too (other processes on a CI machine
+    # take ports of their own: the checks below need only this one taken)
+    while True:
+        taken = socket.socket()
         taken.bind(("0.0.0.0", 0))
         port = taken.getsockname()[1]
+        if all(free(port + k) for k in (1, 2, 3)):
+            break
+        taken.close()
+    with taken:
         taken.listen()
         # engine 0 of 2 tries port, port + 2, ...: the taken one is skipped
         assert _free_port((port, port + 3), index=0, count=2) == port + 2

@@ -138,7 +138,9 @@ async def test_500_slow_connections_do_not_slow_normal_clients(tmp_path: Path) -
     )
     assert p99 < SLO_P99_S
     assert {status for status, _ in answers} == {408}
-    assert all(BODY_TIMEOUT_S * 0.9 <= took <= BODY_TIMEOUT_S + 2.0 for _, took in answers)
+    # ended by the body timeout, not before and not left hanging (the upper bound is loose:
+    # 500 connections on a loaded 2-core CI machine answer seconds late)
+    assert all(BODY_TIMEOUT_S * 0.9 <= took <= BODY_TIMEOUT_S + 10.0 for _, took in answers)
 
 
 async def _status_of_a_normal_request(live: LiveRouter) -> tuple[int, str]:
