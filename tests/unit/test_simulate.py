@@ -4,6 +4,8 @@ engines, in simulated time."""
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import pytest
 from benchmarks.prompts import PromptMaker
 from benchmarks.scenario import parse_scenario
 from benchmarks.simulate.model import EngineModel, LatencyModel, SimSequence
-from benchmarks.simulate.sim import simulate, summarize
+from benchmarks.simulate.sim import SimResult, simulate, summarize
 from benchmarks.workload import build_plan
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
 
@@ -100,3 +102,37 @@ def test_deterministic(tmp_path: Path) -> None:
     a = simulate(config(tmp_path, True), plan, SLOW, capacity_blocks=2000)
     b = simulate(config(tmp_path, True), plan, SLOW, capacity_blocks=2000)
     assert a.requests == b.requests and a.decisions == b.decisions
+
+
+def _digest(result: SimResult) -> str:
+    """Every output of a run (each request's times, each run's completion, the ratio samples,
+    the moves, GPU-seconds), canonical JSON, hashed."""
+    doc = [
+        result.requests,
+        result.runs,
+        result.shares,
+        result.decisions,
+        {pool: round(gpu_s, 3) for pool, gpu_s in result.gpu_seconds_by_pool.items()},
+        round(result.simulated_s, 4),
+    ]
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize(
+    ("enabled", "moves", "queued", "digest"),
+    [(False, 0, 143, "c56eb53f1841e40f"), (True, 4, 44, "bb8bf6152ab25cfc")],
+)
+def test_outputs_pinned(
+    tmp_path: Path, enabled: bool, moves: int, queued: int, digest: str
+) -> None:
+    """The simulator's outputs on a small trace, pinned: an optimisation of its event loop or
+    engine model must leave every request's times, every run, the ratio and the moves as they
+    were. (Values recorded from the engine model of 2026-11-30; a change of the model itself
+    changes them, and says why in its commit.)"""
+    latency = LatencyModel(0.01, 0.004, 3000.0, overhead_s=0.05, overhead_samples_s=(0.02, 0.3))
+    plan = build_plan(parse_scenario(SCENARIO), PromptMaker())
+    result = simulate(config(tmp_path, enabled), plan, latency, capacity_blocks=600)
+    assert len(result.requests) == 545 and not any(r["rejected"] for r in result.requests)
+    assert len(result.decisions) == moves
+    assert sum(1 for r in result.requests if (r["queue_s"] or 0) > 0.01) == queued
+    assert _digest(result) == digest
