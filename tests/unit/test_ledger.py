@@ -4,7 +4,6 @@ kill, retention in simulated time, tenant scoping and the run queries."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import sqlite3
 import subprocess
@@ -21,13 +20,12 @@ from router.ledger import (
     SCHEMA_VERSION,
     Ledger,
     LedgerError,
-    RequestRecord,
     open_readonly,
     run_summary,
 )
+from tests.unit.ledger_records import T0, record
 
 DAY_S = 86_400.0
-T0 = 1_750_000_000.0  # a fixed unix time
 
 
 class FakeClock:
@@ -38,31 +36,7 @@ class FakeClock:
         return self.now_s
 
 
-_counter = iter(range(10**9))
-
-
-def rec(**changes: Any) -> RequestRecord:
-    base = RequestRecord(
-        request_id=f"req-{next(_counter)}",
-        run_id="run-1",
-        step_index=None,
-        tenant="team-a",
-        class_name="agent",
-        pool="agent",
-        instance="i0",
-        model="tiny",
-        started_at_s=T0,
-        ended_at_s=T0 + 2.0,
-        queue_s=0.1,
-        ttft_s=0.2,
-        tpot_s=0.01,
-        prompt_tokens=100,
-        completion_tokens=20,
-        gpu_seconds=1.5,
-        outcome="ok",
-        status_code=200,
-    )
-    return dataclasses.replace(base, **changes)
+rec = record
 
 
 def count_rows(path: Path, where: str = "1") -> int:

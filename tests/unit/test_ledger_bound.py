@@ -3,9 +3,7 @@ and a run whose counter was evicted continues its numbering from what the ledger
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import itertools
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -14,33 +12,15 @@ from typing import Any
 import pytest
 
 from router.ledger import Ledger, RequestRecord
-
-T0 = 1_750_000_000.0
-_ids = itertools.count()
+from tests.unit.ledger_records import T0, record
 
 
 def rec(run_id: str | None, **changes: Any) -> RequestRecord:
-    base = RequestRecord(
-        request_id=f"req-{next(_ids)}",
+    small = {"ended_at_s": T0 + 1.0, "queue_s": 0.0, "ttft_s": None, "tpot_s": None}
+    return record(
         run_id=run_id,
-        step_index=None,
-        tenant="team-a",
-        class_name="agent",
-        pool="agent",
-        instance="i0",
-        model="tiny",
-        started_at_s=T0,
-        ended_at_s=T0 + 1.0,
-        queue_s=0.0,
-        ttft_s=None,
-        tpot_s=None,
-        prompt_tokens=10,
-        completion_tokens=2,
-        gpu_seconds=0.5,
-        outcome="ok",
-        status_code=200,
+        **{**small, "prompt_tokens": 10, "completion_tokens": 2, "gpu_seconds": 0.5, **changes},
     )
-    return dataclasses.replace(base, **changes)
 
 
 @pytest.fixture

@@ -15,21 +15,12 @@ from router.accounting_observer import AccountingObserver
 from router.ledger import Ledger, RequestRecord
 from router.metrics import RouterMetrics
 from router.request import RequestContext, RequestOutcome
-
-T0 = 1_750_000_000.0
-_ids = itertools.count()
+from tests.unit.ledger_records import T0, record
 
 
 def _step(start: float, end: float, queue: float, run_id: str = "run-1") -> RequestRecord:
-    return RequestRecord(
-        request_id=f"req-{next(_ids)}",
+    return record(
         run_id=run_id,
-        step_index=None,
-        tenant="team-a",
-        class_name="agent",
-        pool="agent",
-        instance="i0",
-        model="tiny",
         started_at_s=T0 + start,
         ended_at_s=T0 + end,
         queue_s=queue,
@@ -38,8 +29,6 @@ def _step(start: float, end: float, queue: float, run_id: str = "run-1") -> Requ
         prompt_tokens=10,
         completion_tokens=5,
         gpu_seconds=0.5,
-        outcome="ok",
-        status_code=200,
     )
 
 
@@ -94,9 +83,12 @@ async def test_a_rejected_step_counts_as_queue_not_execution(tmp_path: Path) -> 
 # ------------------------------------------------------------------ run completion
 
 
+_outcome_ids = itertools.count()
+
+
 def _outcome(run_id: str | None, cls: str, received_s: float, ended_s: float) -> RequestOutcome:
     ctx = RequestContext(
-        request_id=f"req-{next(_ids)}",
+        request_id=f"outcome-{next(_outcome_ids)}",
         tenant="team-a",
         class_name=cls,
         pool="agent",
