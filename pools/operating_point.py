@@ -123,6 +123,17 @@ class OperatingPoint:
         """The fitted line, or the prior while there is too little data."""
         return self._line or self.prior
 
+    def tpot_estimate_s(self, running: int) -> float | None:
+        """TPOT at `running` sequences: the line (fitted, else the prior), else the nearest
+        measured batch size's TPOT, else None."""
+        line = self.line
+        if line is not None:
+            return line.tpot_s(running)
+        if not self._buckets:
+            return None
+        nearest = min(self._buckets, key=lambda n: abs(n - running))
+        return self._buckets[nearest].tpot_s
+
     @property
     def source(self) -> str:
         if self._line is not None:

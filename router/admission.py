@@ -76,6 +76,9 @@ class InstanceView:
     prefill_tokens_per_s: float | None  # None: not measured yet (no TTFT check)
     ttft_target_s: float
     margin_frac: float
+    # one engine step at the instance's batch if the sequence joined it (the step that yields
+    # the first token after prefill), from the measured TPOT line; 0 when unmeasured
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +126,16 @@ def fit_reason(view: InstanceView, need: Need) -> str | None:
 
 
 def predicted_ttft_s(view: InstanceView, need: Need) -> float:
-    """Prefill wait on the instance if the sequence went there now (0 when unmeasured)."""
+    """Time to first token on the instance if the sequence went there now: the prefill wait
+    (pending and its own prompt, at the measured rate) plus one engine step. Each part is 0
+    while unmeasured."""
     rate = view.prefill_tokens_per_s
-    if not rate:
-        return 0.0
-    return (view.pending_prefill_tokens + need.prefill_tokens(view.instance_id)) / rate
+    prefill_s = (
+        (view.pending_prefill_tokens + need.prefill_tokens(view.instance_id)) / rate
+        if rate
+        else 0.0
+    )
+    return prefill_s + view.step_s
 
 
 def decide(

@@ -202,6 +202,7 @@ class Admitter:
             prefill_tokens_per_s=state.prefill_tokens_per_s,
             ttft_target_s=p.slo.ttft_p95_ms / 1e3,
             margin_frac=self.margin_frac,
+            step_s=_step_s(state),
         )
 
     def instance_limit(self, state: InstanceState) -> int:
@@ -443,3 +444,9 @@ class Admitter:
         return NoHealthyInstance(
             f"no healthy instance in pool {pool!r} ({total} allocated)", "no_healthy_instance"
         )
+
+
+def _step_s(state: InstanceState) -> float:
+    """One engine step with one more sequence in the batch, from the measured TPOT (or the
+    GPU's roofline prior until measured); 0 while there is neither."""
+    return state.op.tpot_estimate_s(state.inflight + 1) or 0.0

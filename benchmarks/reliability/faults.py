@@ -1180,13 +1180,12 @@ async def router_kill(
                 session, restart.url, "run-next", max_tokens=run_max_tokens, headers=run_headers
             )
             async with session.get(f"{restart.url}/v1/runs/{run_id}") as resp:
+                run_status = resp.status
                 run = await resp.json()
     finally:
         await restart.stop()
-    next_step = next(
-        (r["step_index"] for r in run.get("requests", []) if r["request_id"] == step.request_id),
-        None,
-    )
+    run_steps = [(r["request_id"], r["step_index"]) for r in run.get("requests", [])]
+    next_step = next((index for rid, index in run_steps if rid == step.request_id), None)
     return {
         "scenario": "router_kill",
         "clients": clients,
@@ -1216,6 +1215,10 @@ async def router_kill(
             "run_steps_stored_before": len(run_steps_before),
             "run_last_stored_step": run_steps_before[-1] if run_steps_before else None,
             "run_next_step": next_step,
+            # what the run endpoint answered, for a failure's diagnosis
+            "run_status": run_status,
+            "run_step_request_id": step.request_id,
+            "run_steps_after": run_steps[-3:],
         },
     }
 

@@ -278,6 +278,27 @@ def test_an_unmeetable_deadline_is_refused_at_once(admitted: Admitted) -> None:
     assert _engine_metric(admitted.engine_url, "vllm:prompt_tokens_total") == prompt_before
 
 
+def test_a_deadline_shorter_than_one_engine_step_is_refused_not_timed_out(
+    admitted: Admitted,
+) -> None:
+    # a short prompt prefills in about a millisecond on a fast CPU, but its first token also
+    # needs one decode step; once the router has measured the engine's TPOT, a 1 ms deadline
+    # is refused up front (429), not left to pass at the engine (504)
+    normal_id = _normal_id(admitted)
+    # long enough to span scrapes: a sequence running at a scrape gives a TPOT sample
+    assert admitted.post(_body("j")).status_code == 200
+    _wait_for(
+        lambda: admitted.pool_view()["instances"][normal_id]["operating_point"]["samples"] > 0,
+        timeout_s=10,
+    )
+    short = {**_body("k"), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    prompt_before = _engine_metric(admitted.engine_url, "vllm:prompt_tokens_total")
+    reply = admitted.post(short, headers={"x-gpupool-deadline-ms": "1"})
+    assert reply.status_code == 429, reply.text
+    assert reply.json()["error"]["code"] == "deadline_unmeetable"
+    assert _engine_metric(admitted.engine_url, "vllm:prompt_tokens_total") == prompt_before
+
+
 def _normal_id(rig: Admitted) -> str:
     (normal_id,) = rig.pool_view()["pools"]["normal"]["instances"]
     return str(normal_id)

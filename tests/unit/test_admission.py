@@ -153,3 +153,15 @@ def test_a_cached_prefix_saves_prefill_time_not_blocks() -> None:
     # the blocks are the whole sequence's either way (vLLM counts a cache hit's blocks as used)
     full = replace(busy, used_blocks=86.0)
     assert fit_reason(full, step) == "kv"
+
+
+def test_a_deadline_shorter_than_one_engine_step_is_unmeetable() -> None:
+    # prefill of 100 tokens at 100k tok/s is 1 ms, but the first token also needs one engine
+    # step (20 ms here): a 5 ms deadline cannot be met, a 50 ms one can
+    fast = replace(BASE, prefill_tokens_per_s=100_000.0, step_s=0.020)
+    short = decide([fast], replace(NEED, deadline_s=0.005), 0.0)
+    assert isinstance(short, Reject) and short.code == "deadline_unmeetable"
+    assert decide([fast], replace(NEED, deadline_s=0.050), 0.0) == Grant(("engine-0",))
+    # unmeasured step: only the prefill counts (1 ms fits 5 ms)
+    unmeasured = replace(fast, step_s=0.0)
+    assert decide([unmeasured], replace(NEED, deadline_s=0.005), 0.0) == Grant(("engine-0",))

@@ -68,3 +68,15 @@ def test_one_stall_does_not_collapse_the_limit_but_a_lasting_slowdown_lowers_it(
         n = rng.randint(1, 20)
         op.observe(n, 3 * (0.01 + 0.002 * n), 50)
     assert op.limit(0.05) <= 5  # 0.03 + 0.006 n <= 0.05  ->  n <= 3
+
+
+def test_tpot_estimate_from_one_batch_size_then_the_line() -> None:
+    op = OperatingPoint(max_num_seqs=32)
+    assert op.tpot_estimate_s(1) is None  # nothing measured, no prior
+    op.observe(6, 0.02, 40)
+    assert op.tpot_estimate_s(1) == 0.02  # one batch size: its TPOT, whatever the batch
+    op.observe(2, 0.01, 40)
+    # the line through (2, 10 ms) and (6, 20 ms): 5 ms + 2.5 ms per sequence
+    assert abs((op.tpot_estimate_s(4) or 0.0) - 0.015) < 1e-9
+    with_prior = OperatingPoint(max_num_seqs=32, prior=TpotLine(0.01, 0.001))
+    assert abs((with_prior.tpot_estimate_s(10) or 0.0) - 0.02) < 1e-9
