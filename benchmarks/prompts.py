@@ -61,7 +61,15 @@ class PromptMaker:
         tokenizer_path: str | None = None,
         tokens_per_word: float = 1.3,
         message_overhead_tokens: int = TEMPLATE_TOKENS_PER_MESSAGE,
+        *,
+        write_text: bool = True,
     ) -> None:
+        """`write_text=False` (no tokenizer only): draw the same random numbers, so a plan
+        gets the same sizes and times, but write no words (the simulator needs only sizes,
+        and a day of traffic's text takes longer to write than to simulate)."""
+        if tokenizer_path and not write_text:
+            raise ValueError("write_text=False needs the words-based estimate (no tokenizer)")
+        self._write_text = write_text
         self._tokenizer: Any = None
         self.tokens_per_word = tokens_per_word
         self.message_overhead_tokens = message_overhead_tokens
@@ -83,7 +91,7 @@ class PromptMaker:
 
     def _words(self, rng: np.random.Generator, n_words: int) -> str:
         idx = rng.integers(0, len(VOCABULARY), size=max(1, n_words))
-        return " ".join(VOCABULARY[i] for i in idx)
+        return " ".join(VOCABULARY[i] for i in idx) if self._write_text else ""
 
     def _measure_tokens_per_word(self) -> float:
         sample = self._words(np.random.default_rng(12345), 2000)

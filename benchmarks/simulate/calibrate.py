@@ -91,7 +91,7 @@ def calibrate(run: Path) -> dict[str, Any]:
     os.environ.setdefault(KEY_ENV, "calibration")
     latency: LatencyModel = fit_latency(next((run / "static").glob("records-*.jsonl")))
     scenario = load_scenario(scenario_path(run))
-    plan = build_plan(scenario, PromptMaker())
+    plan = build_plan(scenario, PromptMaker(write_text=False))
     report: dict[str, Any] = {
         "fitted": {
             "tpot_intercept_ms": round(latency.tpot_intercept_s * 1e3, 3),

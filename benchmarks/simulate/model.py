@@ -4,14 +4,21 @@ Every running sequence first has its uncached prompt prefilled (one at a time, f
 served, at `prefill_tokens_per_s`), then decodes one token per TPOT(n) = `tpot_intercept_s` +
 `tpot_slope_s` × n, where n is the number of sequences running on the engine. The engine keeps
 vLLM's cumulative counters (ITL sum and count, prompt tokens and prefill time, KV use) so the
-simulator can hand the router's fleet the same readings a scrape would. Pure state machine:
-time only moves by `advance(dt_s)`.
+simulator can hand the router's fleet the same readings a scrape would.
+
+Pure state machine, moved only by `sync(now_s)`, and lazily: between two changes of its batch
+every decoding sequence gets the same number of tokens, so the engine keeps one running count
+of tokens per sequence (`_decoded_tokens`) and a heap of the counts at which sequences end; a
+sync costs O(log n) per sequence that ends, not O(n) per event, and an engine nothing happened
+to is not touched at all. `next_event_at_s` (absolute) is exact until the next `add`.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["EngineModel", "LatencyModel", "SimSequence"]
@@ -39,74 +46,91 @@ class SimSequence:
     output_tokens: int
     blocks: int
     payload: Any = None
-    decoded: float = 0.0
     first_token_at_s: float | None = None
     done_at_s: float | None = None
     prompt_tokens: int = 0
     overhead_s: float = 0.0
+    order: int = 0  # the engine's arrival order (set by `add`)
 
 
-@dataclass(slots=True)
 class EngineModel:
-    latency: LatencyModel
-    capacity_blocks: int
-    running: list[SimSequence] = field(default_factory=list)
-    # vLLM-style cumulative counters
-    itl_sum_s: float = 0.0
-    itl_count: float = 0.0
-    prompt_tokens_sum: float = 0.0
-    prefill_time_sum_s: float = 0.0
+    def __init__(self, latency: LatencyModel, capacity_blocks: int) -> None:
+        self.latency = latency
+        self.capacity_blocks = capacity_blocks
+        self.running = 0  # sequences on the engine (prefilling or decoding)
+        self.used_blocks = 0
+        # vLLM-style cumulative counters
+        self.itl_sum_s = 0.0
+        self.itl_count = 0.0
+        self.prompt_tokens_sum = 0.0
+        self.prefill_time_sum_s = 0.0
+        self.next_event_at_s = math.inf
+        self._at_s = 0.0  # the time the state below is for
+        self._prefill: deque[SimSequence] = deque()  # FCFS; the head is being prefilled
+        self._decoding = 0
+        self._decoded_tokens = 0.0  # tokens each decoding sequence got since the start
+        self._ends: list[tuple[float, int, SimSequence]] = []  # (token count at its end, ...)
+        self._order = 0
 
-    def add(self, seq: SimSequence) -> None:
-        self.running.append(seq)
+    def add(self, seq: SimSequence, now_s: float) -> tuple[list[SimSequence], list[SimSequence]]:
+        """Bring the engine to `now_s`, then put `seq` on it; returns `sync`'s answer."""
+        changed = self.sync(now_s)
+        seq.order = self._order
+        self._order += 1
+        self._prefill.append(seq)
+        self.running += 1
+        self.used_blocks += seq.blocks
+        self._plan()
+        return changed
 
-    def used_blocks(self) -> int:
-        return sum(s.blocks for s in self.running)
-
-    def _prefilling(self) -> SimSequence | None:
-        return next((s for s in self.running if s.prefill_left_tokens > 0), None)
-
-    def next_event_s(self) -> float:
-        """Time until the next prefill ends or a sequence finishes (inf when idle)."""
-        best = math.inf
-        head = self._prefilling()
-        if head is not None:
-            best = head.prefill_left_tokens / self.latency.prefill_tokens_per_s
-        decoding = [s for s in self.running if s.prefill_left_tokens <= 0]
-        if decoding:
-            tpot = self.latency.tpot_s(len(self.running))
-            left = min(s.output_tokens - s.decoded for s in decoding)
-            best = min(best, max(0.0, left) * tpot)
-        return best
-
-    def advance(self, dt_s: float, now_s: float) -> list[SimSequence]:
-        """Move `dt_s` forward (ending at `now_s`); returns the sequences that finished."""
-        if not self.running:
-            return []
-        dt_s = max(0.0, dt_s)
-        n = len(self.running)
-        tpot = self.latency.tpot_s(n)
-        head = self._prefilling()
-        decoding = [s for s in self.running if s.prefill_left_tokens <= 0]
-        if head is not None:
-            done = min(head.prefill_left_tokens, dt_s * self.latency.prefill_tokens_per_s)
+    def sync(self, now_s: float) -> tuple[list[SimSequence], list[SimSequence]]:
+        """Move the engine to `now_s` (never past `next_event_at_s`): returns the sequences
+        whose first token came and those that ended, each in arrival order."""
+        dt_s = now_s - self._at_s
+        self._at_s = max(self._at_s, now_s)
+        if self.running == 0 or dt_s <= 0:
+            return [], []
+        rate = self.latency.prefill_tokens_per_s
+        first: list[SimSequence] = []
+        ended: list[SimSequence] = []
+        if self._decoding:
+            tokens = dt_s / self.latency.tpot_s(self.running)
+            self._decoded_tokens += tokens
+            self.itl_sum_s += dt_s * self._decoding
+            self.itl_count += tokens * self._decoding
+        if self._prefill:
+            head = self._prefill[0]
+            done = min(head.prefill_left_tokens, dt_s * rate)
             head.prefill_left_tokens -= done
             self.prompt_tokens_sum += done
-            self.prefill_time_sum_s += done / self.latency.prefill_tokens_per_s
+            self.prefill_time_sum_s += done / rate
             if head.prefill_left_tokens <= _EPS_TOKENS:
+                self._prefill.popleft()
                 head.prefill_left_tokens = 0.0
                 head.first_token_at_s = now_s + head.overhead_s
-                head.decoded = 1.0
-        tokens = dt_s / tpot
-        finished = []
-        for s in decoding:
-            step = min(tokens, s.output_tokens - s.decoded)
-            s.decoded += step
-            self.itl_sum_s += step * tpot
-            self.itl_count += step
-        for s in list(self.running):
-            if s.prefill_left_tokens <= 0 and s.decoded >= s.output_tokens - _EPS_TOKENS:
-                s.done_at_s = now_s
-                self.running.remove(s)
-                finished.append(s)
-        return finished
+                first.append(head)
+                self._decoding += 1
+                # the first token comes with the prefill; the rest decode from here
+                end = self._decoded_tokens + head.output_tokens - 1
+                heapq.heappush(self._ends, (end, head.order, head))
+        while self._ends and self._ends[0][0] <= self._decoded_tokens + _EPS_TOKENS:
+            _, _, seq = heapq.heappop(self._ends)
+            seq.done_at_s = now_s
+            self._decoding -= 1
+            self.running -= 1
+            self.used_blocks -= seq.blocks
+            ended.append(seq)
+        if len(ended) > 1:
+            ended.sort(key=lambda s: s.order)
+        self._plan()
+        return first, ended
+
+    def _plan(self) -> None:
+        """`next_event_at_s`: the head's prefill ending or a sequence ending, whichever first."""
+        best = math.inf
+        if self._prefill:
+            best = self._prefill[0].prefill_left_tokens / self.latency.prefill_tokens_per_s
+        if self._ends:
+            left = max(0.0, self._ends[0][0] - self._decoded_tokens)
+            best = min(best, left * self.latency.tpot_s(self.running))
+        self.next_event_at_s = self._at_s + best

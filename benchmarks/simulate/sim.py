@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks.simulate.model import EngineModel, LatencyModel, SimSequence
 from benchmarks.workload import AgentRunPlan, ChatRequestPlan, Plan
-from pools.allocation import PoolMap, plan_allocation
+from pools.allocation import Allocation, PoolMap, plan_allocation
 from pools.config import Config
 from pools.fleet import Fleet, Lease
 from pools.launchers.base import InstanceSpec
@@ -139,6 +139,8 @@ class _Sim:
         self.result = SimResult(config.source, plan.scenario.duration_s)
         self._by_seq: dict[int, tuple[_Request, SimSequence]] = {}
         self._arrivals_pending = 0
+        self._shares_for: Allocation | None = None
+        self._gpus_by_pool: dict[str, float] = {}
 
     # ------------------------------------------------------------------ events
 
@@ -157,20 +159,21 @@ class _Sim:
             self.at(self.config.rebalancer.interval_s, "tick")
         self.at(0.0, "sample")
         horizon = self.plan.scenario.duration_s + self.plan.scenario.drain_timeout_s
+        engines = list(self.engines.values())
+        queues = list(self.admitter.queues.values())
+        events = self._events
         while True:
-            busy = any(e.running for e in self.engines.values()) or any(
-                len(q) for q in self.admitter.queues.values()
-            )
-            if not busy and not self._arrivals_pending:
+            idle = not any(e.running for e in engines) and not any(len(q) for q in queues)
+            if idle and not self._arrivals_pending:
                 break
-            t_engine = self.now + min(e.next_event_s() for e in self.engines.values())
-            t_event = self._events[0][0] if self._events else math.inf
+            t_engine = min(e.next_event_at_s for e in engines)
+            t_event = events[0][0] if events else math.inf
             t = min(t_engine, t_event)
             if t == math.inf or t > horizon:
                 break
             self._advance(t)
-            while self._events and self._events[0][0] <= self.now + 1e-12:
-                _, _, kind, data = heapq.heappop(self._events)
+            while events and events[0][0] <= self.now + 1e-12:
+                _, _, kind, data = heapq.heappop(events)
                 if kind in _ARRIVALS:
                     self._arrivals_pending -= 1
                 self._handle(kind, data)
@@ -180,25 +183,30 @@ class _Sim:
 
     def _advance(self, t_s: float) -> None:
         dt = t_s - self.now
-        capacity = self.fleet.capacity_gpus()
-        for pool in self.rebalancer.pools:
-            share = self.pool_map.current.share_of(pool, capacity)
-            gpu_s = share * sum(capacity.values()) * dt
-            self.result.gpu_seconds_by_pool[pool] = (
-                self.result.gpu_seconds_by_pool.get(pool, 0.0) + gpu_s
-            )
+        allocation = self.pool_map.current
+        if allocation is not self._shares_for:  # shares change only with the allocation
+            capacity = self.fleet.capacity_gpus()
+            total = sum(capacity.values())
+            self._gpus_by_pool = {
+                pool: allocation.share_of(pool, capacity) * total for pool in self.rebalancer.pools
+            }
+            self._shares_for = allocation
+        held = self.result.gpu_seconds_by_pool
+        for pool, gpus in self._gpus_by_pool.items():
+            held[pool] = held.get(pool, 0.0) + gpus * dt
         self.now = t_s
         for engine in self.engines.values():
-            before = [s for s in engine.running if s.first_token_at_s is None]
-            finished = engine.advance(dt, t_s)
-            for s in before:
-                if s.first_token_at_s is not None:
-                    req, _ = self._by_seq[id(s)]
-                    req.first_token_s = s.first_token_at_s
-                    if req.lease is not None:
-                        req.lease.first_token(t_s)
-            for s in finished:
-                self._done(s)
+            if engine.next_event_at_s <= t_s:
+                self._engine_changed(*engine.sync(t_s))
+
+    def _engine_changed(self, first: list[SimSequence], ended: list[SimSequence]) -> None:
+        for s in first:
+            req, _ = self._by_seq[id(s)]
+            req.first_token_s = s.first_token_at_s
+            if req.lease is not None:
+                req.lease.first_token(self.now)
+        for s in ended:
+            self._done(s)
 
     def _handle(self, kind: str, data: Any) -> None:
         if kind == "chat":
@@ -317,7 +325,7 @@ class _Sim:
             overhead_s=self._rng.choice(samples) if samples else self.latency.overhead_s,
         )
         self._by_seq[id(seq)] = (req, seq)
-        self.engines[lease.instance_id].add(seq)
+        self._engine_changed(*self.engines[lease.instance_id].add(seq, self.now))
 
     def _reject(self, req: _Request, code: str) -> None:
         req.rejected = code
@@ -363,13 +371,14 @@ class _Sim:
 
     def _scrape(self) -> None:
         for iid, engine in self.engines.items():
-            used = engine.used_blocks()
+            self._engine_changed(*engine.sync(self.now))  # its counters, as of now
+            used = engine.used_blocks
             self.fleet.record_reading(
                 iid,
                 InstanceReading(
                     taken_at_s=self.now,
                     kv_usage_frac=min(1.0, used / max(1, self.capacity_blocks)),
-                    running=len(engine.running),
+                    running=engine.running,
                     waiting=0,
                     num_gpu_blocks=self.capacity_blocks + 1,
                     block_size=_BLOCK_SIZE,

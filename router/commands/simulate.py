@@ -71,7 +71,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         latency = LatencyModel(
             args.tpot_intercept_ms / 1e3, args.tpot_slope_ms / 1e3, args.prefill_tokens_per_s
         )
-    plan = build_plan(scenario, PromptMaker(), args.seed)
+    plan = build_plan(scenario, PromptMaker(write_text=False), args.seed)
     results = []
     for config in configs:
         started = time.perf_counter()
