@@ -297,6 +297,9 @@ class QueueSchema(_Strict):
     # run_las only: attained GPU-seconds count up to this; runs past it keep their arrival
     # order among themselves (None: no cap, pure least attained service)
     run_las_max_attained_gpu_s: float | None = Field(default=None, gt=0)
+    # run_las only: a step is due (goes first on its tenant's turn) once its queue position,
+    # summed over its run's steps, reaches this times what FIFO would have given it (None: off)
+    run_las_max_slowdown: float | None = Field(default=1.3, ge=1)
 
     @model_validator(mode="after")
     def _run_las_fields(self) -> QueueSchema:
@@ -304,6 +307,7 @@ class QueueSchema(_Strict):
             "run_las_aging_s",
             "run_las_idle_decay_s",
             "run_las_max_attained_gpu_s",
+            "run_las_max_slowdown",
         } & self.model_fields_set
         if self.order != "run_las" and las_fields:
             raise ValueError(
@@ -326,6 +330,10 @@ class PoolSchema(_Strict):
     # instance ids (engine-0, ...) that always belong to this pool, whole: placed here first
     # and never moved by the rebalancer
     pinned_instances: list[str] = Field(default_factory=list)
+    # where a run's next step goes: affinity_or_move (stay where its prefix is cached unless
+    # waiting there costs more than prefilling it elsewhere), always_affinity (wait for that
+    # instance while it is healthy), least_loaded (ignore affinity); router/picking.py
+    placement: Literal["affinity_or_move", "always_affinity", "least_loaded"] = "affinity_or_move"
     # vLLM request `priority` sent with this pool's requests (lower is scheduled first inside
     # the engine); None sends none. Needs engines started with `--scheduling-policy priority`
     # (the local launcher adds it when any pool sets this).
@@ -765,6 +773,7 @@ class QueueConfig:
     run_las_aging_s: float = 5.0
     run_las_idle_decay_s: float = 60.0
     run_las_max_attained_gpu_s: float | None = None
+    run_las_max_slowdown: float | None = 1.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -776,6 +785,7 @@ class PoolConfig:
     queue: QueueConfig
     engine_priority: int | None = None
     pinned_instances: tuple[str, ...] = ()
+    placement: str = "affinity_or_move"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1085,9 +1095,11 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
                 p.queue.run_las_aging_s,
                 p.queue.run_las_idle_decay_s,
                 p.queue.run_las_max_attained_gpu_s,
+                p.queue.run_las_max_slowdown,
             ),
             engine_priority=p.engine_priority,
             pinned_instances=tuple(p.pinned_instances),
+            placement=p.placement,
         )
         for name, p in schema.pools.items()
     )

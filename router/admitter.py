@@ -45,6 +45,14 @@ log = logging.getLogger(__name__)
 _DEFAULT_BLOCK_SIZE = 16
 
 
+@dataclass(frozen=True, slots=True)
+class _WaitsForHome:
+    """`_try`'s answer for a sequence that fits but waits for its run's home instance."""
+
+
+WAITS_FOR_HOME = _WaitsForHome()
+
+
 @dataclass(eq=False, slots=True)
 class _Waiter:
     ctx: RequestContext
@@ -86,6 +94,7 @@ class Admitter:
                 order=p.queue.order,
                 aging_s=p.queue.run_las_aging_s,
                 max_attained_gpu_s=p.queue.run_las_max_attained_gpu_s or math.inf,
+                max_slowdown=p.queue.run_las_max_slowdown or math.inf,
             )
             for p in config.pools
         }
@@ -113,7 +122,7 @@ class Admitter:
         queue = self.queues[ctx.pool]
         now = self.clock()
         wait_s = queue.expected_wait_s(len(queue), now, default_s=0.0)
-        result: Lease | Grant | Wait | Reject | None
+        result: Lease | Grant | Wait | Reject | _WaitsForHome | None
         if len(queue) == 0:
             result = self._try(ctx, need, now, exclude)
             if isinstance(result, Lease):
@@ -140,12 +149,12 @@ class Admitter:
         """The request's need. A later step of a run, on the instance that served its last
         step, expects the last step's context (prompt + completion) in the prefix cache, as
         often as that instance's measured prefix-cache hit rate says cached tokens survive."""
-        cached_on = self.affinity.get(ctx.run_id)
+        cached_on = self.affinity.get(ctx.run_key)
         cached = 0
         if cached_on is not None:
             state = self.fleet.get(cached_on)
             hit = state.prefix_hit_frac if state is not None else None
-            context = self.affinity.context_tokens(ctx.run_id)
+            context = self.affinity.context_tokens(ctx.run_key)
             cached = int(min(estimate.prompt_tokens, context) * (hit or 0.0))
         return Need(
             estimate.prompt_tokens,
@@ -223,8 +232,10 @@ class Admitter:
         now_s: float,
         exclude: frozenset[str],
         waited_s: float = 0.0,
-    ) -> Lease | Reject | None:
-        """Lease at once if the sequence fits; a `Reject`; or None (it must wait)."""
+    ) -> Lease | Reject | _WaitsForHome | None:
+        """Lease at once if the sequence fits; a `Reject`; `WAITS_FOR_HOME` (it fits, but the
+        placement rule keeps it for its run's home instance, full now); or None (it must
+        wait: it fits nowhere)."""
         views = self._views(ctx.pool, now_s)
         decision = decide(views, need, now_s)
         if not isinstance(decision, Grant):
@@ -234,7 +245,8 @@ class Admitter:
         allowed = frozenset(decision.instance_ids) - exclude
         if not allowed:
             return None
-        return self._lease(ctx, need, allowed, exclude, now_s=now_s, waited_s=waited_s)
+        lease = self._lease(ctx, need, allowed, exclude, now_s=now_s, waited_s=waited_s)
+        return WAITS_FOR_HOME if lease is None else lease
 
     def _borrow(
         self, ctx: RequestContext, need: Need, now_s: float, exclude: frozenset[str]
@@ -250,7 +262,7 @@ class Admitter:
             for v in views
             if v.instance_id in allowed and (state := self.fleet.get(v.instance_id)) is not None
         ]
-        req = PickRequest(ctx.pool, ctx.run_id, exclude=exclude, allowed=allowed)
+        req = PickRequest(ctx.pool, ctx.run_key, exclude=exclude, allowed=allowed)
         chosen = self.picker.pick(req, cands)
         if chosen is None:
             return None
@@ -280,7 +292,7 @@ class Admitter:
         home_wait_s = (
             None if now_s is None or ctx.run_id is None else self._home_wait_s(ctx.pool, now_s)
         )
-        req = PickRequest(ctx.pool, ctx.run_id, exclude, allowed, waited_s, home_wait_s)
+        req = PickRequest(ctx.pool, ctx.run_key, exclude, allowed, waited_s, home_wait_s)
         chosen = self.picker.pick(req, cands)
         if chosen is None:
             return None
@@ -322,6 +334,7 @@ class Admitter:
             enqueued_at_s=now_s,
             payload=_Waiter(ctx, need, future, exclude),
             attained_gpu_s=self._attained_gpu_s(ctx, now_s),
+            run_key=ctx.run_key,
         )
         try:
             shed = queue.push(entry)
@@ -398,12 +411,15 @@ class Admitter:
         loop.call_soon(self.pump)
 
     def pump(self) -> None:
-        """Give each pool's queue head a lease while it fits (head-of-line order)."""
+        """Give each pool's queue head a lease while it fits (head-of-line order). A head that
+        fits but waits for its run's home instance (the placement rule) is passed over for
+        this pass: the entries behind it may go, and it keeps its place."""
         self._pump_scheduled = False
         now = self.clock()
         dispatched = False
         for queue in self.queues.values():
-            while (entry := queue.peek(now)) is not None:
+            homebound: set[QueueEntry] = set()
+            while (entry := queue.peek(now, homebound)) is not None:
                 waiter: _Waiter = entry.payload
                 if waiter.future.done():
                     queue.remove(entry)
@@ -420,6 +436,9 @@ class Admitter:
                     queue.remove(entry)
                     self.metrics.rejected(queue.pool, result.code)
                     waiter.future.set_exception(self._capacity(result, 1.0))
+                    continue
+                if isinstance(result, _WaitsForHome):
+                    homebound.add(entry)
                     continue
                 break
             self.metrics.queue_depth(queue.pool, len(queue))

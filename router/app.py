@@ -105,7 +105,12 @@ class Gateway:
         pinned = {i: p.name for p in config.pools for i in p.pinned_instances}
         self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares, pinned=pinned))
         self.affinity = RunAffinity()
-        self.picker = default_picker(self.fleet, self.affinity, rng or random.Random())
+        self.picker = default_picker(
+            self.fleet,
+            self.affinity,
+            rng or random.Random(),
+            {p.name: p.placement for p in config.pools},
+        )
         max_num_seqs = _max_num_seqs(config)
         for state in self.fleet:
             state.op = OperatingPoint(max_num_seqs=max_num_seqs)

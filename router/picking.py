@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pools.allocation import Allocation
@@ -42,7 +42,7 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class PickRequest:
     pool: str
-    run_id: str | None
+    run_key: Hashable | None  # the run, (tenant, run id) on the request path; None: no run
     exclude: frozenset[str] = frozenset()  # instances already tried for this request
     allowed: frozenset[str] | None = None  # admission's grant: where the sequence fits (None: any)
     waited_s: float = 0.0  # how long the request has waited in the queue so far
@@ -65,26 +65,28 @@ Scorer = Callable[[PickRequest, Sequence[Candidate]], list[float]]
 
 class RunAffinity:
     """Where each run's last step went and how long its context was then (bounded LRU), so
-    later steps find their prefix cache and admission knows how much of it may be cached."""
+    later steps find their prefix cache and admission knows how much of it may be cached.
+    Keyed by the run's key: on the request path (tenant, run id), so two tenants that use the
+    same run id have separate homes."""
 
     def __init__(self, max_runs: int = 100_000) -> None:
-        self._last: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._last: OrderedDict[Hashable, tuple[str, int]] = OrderedDict()
         self._max_runs = max_runs
 
-    def get(self, run_id: str | None) -> str | None:
-        entry = self._last.get(run_id) if run_id else None
+    def get(self, run_key: Hashable | None) -> str | None:
+        entry = self._last.get(run_key) if run_key is not None else None
         return entry[0] if entry else None
 
-    def context_tokens(self, run_id: str | None) -> int:
+    def context_tokens(self, run_key: Hashable | None) -> int:
         """Prompt + completion tokens of the run's last finished step (0 when unknown)."""
-        entry = self._last.get(run_id) if run_id else None
+        entry = self._last.get(run_key) if run_key is not None else None
         return entry[1] if entry else 0
 
-    def record(self, run_id: str | None, instance_id: str, context_tokens: int = 0) -> None:
-        if not run_id:
+    def record(self, run_key: Hashable | None, instance_id: str, context_tokens: int = 0) -> None:
+        if run_key is None:
             return
-        self._last[run_id] = (instance_id, context_tokens)
-        self._last.move_to_end(run_id)
+        self._last[run_key] = (instance_id, context_tokens)
+        self._last.move_to_end(run_key)
         if len(self._last) > self._max_runs:
             self._last.popitem(last=False)
 
@@ -133,7 +135,7 @@ def filter_affinity_or_move(affinity: RunAffinity) -> Filter:
     granted others): then none, so the step waits."""
 
     def keep(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
-        home = affinity.get(req.run_id)
+        home = affinity.get(req.run_key)
         if (
             home is None
             or home in req.exclude
@@ -145,7 +147,7 @@ def filter_affinity_or_move(affinity: RunAffinity) -> Filter:
         others = [c for c in cands if c.instance_id in req.allowed]
         rates = [r for c in others if (r := c.state.prefill_tokens_per_s)]
         if move_is_faster(
-            context_tokens=affinity.context_tokens(req.run_id),
+            context_tokens=affinity.context_tokens(req.run_key),
             prefill_tokens_per_s=max(rates) if rates else None,
             home_wait_s=req.home_wait_s,
             waited_s=req.waited_s,
@@ -186,7 +188,7 @@ def score_run_affinity(affinity: RunAffinity) -> Scorer:
     """1 for the instance that served the run's previous step, 0 elsewhere."""
 
     def score(req: PickRequest, cands: Sequence[Candidate]) -> list[float]:
-        last = affinity.get(req.run_id)
+        last = affinity.get(req.run_key)
         return [1.0 if last is not None and c.instance_id == last else 0.0 for c in cands]
 
     return score
@@ -233,29 +235,44 @@ PLACEMENTS = ("affinity_or_move", "always_affinity", "least_loaded")
 
 
 def default_picker(
-    fleet: Fleet, affinity: RunAffinity, rng: random.Random, placement: str = "affinity_or_move"
+    fleet: Fleet,
+    affinity: RunAffinity,
+    rng: random.Random,
+    placement: str | Mapping[str, str] = "affinity_or_move",
 ) -> Picker:
     """Healthy, granted and untried instances of the pool; scored by run affinity (weight 2), KV
     headroom (1) and load (1).
 
-    `placement` (the others are kept for comparison): `affinity_or_move` waits for a full home
-    instance when that is faster than recomputing the context elsewhere; `always_affinity`
-    waits for it whatever the cost (while it is healthy); `least_loaded` ignores affinity.
+    `placement`, one rule for every pool or one per pool (`pools.<pool>.placement`; a pool not
+    named gets `affinity_or_move`): `affinity_or_move` waits for a full home instance when that
+    is faster than recomputing the context elsewhere; `always_affinity` waits for it whatever
+    the cost (while it is healthy); `least_loaded` ignores affinity (no filter, no affinity
+    score).
     """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"unknown placement {placement!r}")
-    placed: list[Filter] = {
-        "affinity_or_move": [filter_affinity_or_move(affinity)],
-        "always_affinity": [filter_always_affinity(affinity)],
-        "least_loaded": [],
-    }[placement]
-    scorers: list[tuple[float, Scorer]] = [(1.0, score_kv_headroom(fleet)), (1.0, score_load)]
-    if placement != "least_loaded":
-        scorers.insert(0, (2.0, score_run_affinity(affinity)))
+    default = placement if isinstance(placement, str) else "affinity_or_move"
+    by_pool = {} if isinstance(placement, str) else dict(placement)
+    for rule in (default, *by_pool.values()):
+        if rule not in PLACEMENTS:
+            raise ValueError(f"unknown placement {rule!r}")
+    filters: dict[str, Filter] = {
+        "affinity_or_move": filter_affinity_or_move(affinity),
+        "always_affinity": filter_always_affinity(affinity),
+    }
+    run_affinity = score_run_affinity(affinity)
+
+    def placed(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
+        rule = filters.get(by_pool.get(req.pool, default))
+        return cands if rule is None else rule(req, cands)
+
+    def affinity_score(req: PickRequest, cands: Sequence[Candidate]) -> list[float]:
+        if by_pool.get(req.pool, default) == "least_loaded":
+            return [0.0] * len(cands)
+        return run_affinity(req, cands)
+
     return Picker(
         fleet,
-        filters=[filter_healthy, *placed, filter_granted, filter_not_tried],
-        scorers=scorers,
+        filters=[filter_healthy, placed, filter_granted, filter_not_tried],
+        scorers=[(2.0, affinity_score), (1.0, score_kv_headroom(fleet)), (1.0, score_load)],
         rng=rng,
     )
 
@@ -265,7 +282,7 @@ def filter_always_affinity(affinity: RunAffinity) -> Filter:
     and untried (for comparison: a step waits for its home however long that takes)."""
 
     def keep(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
-        home = affinity.get(req.run_id)
+        home = affinity.get(req.run_key)
         if home is None or home in req.exclude:
             return cands
         return [c for c in cands if c.instance_id == home] or cands

@@ -333,7 +333,7 @@ class CompletionsHandler:
                     lease = await self._retry(ctx, estimate, lease, refused, tried, attempts, err)
                     continue
                 try:
-                    self.affinity.record(ctx.run_id, instance_id)
+                    self.affinity.record(ctx.run_key, instance_id)
                     await self._relay(ctx, resp, send, headers, outcome, lease)
                 except BaseException:
                     resp.close()  # drop the connection: vLLM aborts the sequence
@@ -629,9 +629,9 @@ class CompletionsHandler:
                 self.metrics.observe_ttft(ctx.class_name, ttft)
             if (tpot := outcome.tpot_s) is not None:
                 self.metrics.observe_tpot(ctx.class_name, tpot)
-            if ctx.run_id is not None and outcome.instance_id is not None:
+            if ctx.run_key is not None and outcome.instance_id is not None:
                 self.affinity.record(
-                    ctx.run_id,
+                    ctx.run_key,
                     outcome.instance_id,
                     outcome.prompt_tokens + outcome.completion_tokens,
                 )

@@ -19,6 +19,20 @@ overtake an old one's only until it, too, has had that much. `AttainedService` t
 accountant's per-run counters into those numbers and forgets service a run received before
 it went idle for long (halving per `idle_decay_s`).
 
+The bound relative to FIFO (`max_slowdown`, run_las): a newcomer with `n` entries of its band
+or higher ahead of it would be the (n + 1)-th dispatch under FIFO. It becomes due once
+`max_slowdown x (n + 1) - 1` others have been dispatched since it queued, plus its run's
+credit: what the run's earlier steps had left of their own bound when they went (negative
+when they went late). Due entries go first on their tenant's turn, earliest due first, so a
+run's queue position summed over its steps stays within `max_slowdown` x what FIFO would have
+given it in the same queue, while short runs still overtake everything not yet due.
+Counted in dispatches, not seconds, so the bound needs no rate estimate and holds at any load.
+Credit lives in an LRU of `max_runs` runs.
+
+Any order: `peek(skip=...)` passes over entries that cannot go now for a reason of their own
+(the shell's: a step waiting for its run's home instance), so they do not block the entries
+behind them; they keep their place.
+
 Bounds: at most `max_depth` entries. When full, an arriving entry evicts the queue's last entry
 if that one has a negative (sheddable) priority lower than the newcomer's ("shed"), else it is
 refused ("queue_full"). Entries leave by `pop` (dispatched), `remove` (timed out, disconnected).
@@ -33,7 +47,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +77,8 @@ class QueueEntry:
     removed: bool = False
     key: tuple[float, float, int] = field(default=(0.0, 0.0, 0))
     attained_gpu_s: float = 0.0  # run_las: GPU-seconds the entry's run had received when queued
+    due_dispatches: float = math.inf  # run_las: the queue's dispatch count at which it is due
+    run_key: Hashable | None = None  # run_las: the entry's run (None: a run of its own)
 
 
 class PoolQueue:
@@ -74,6 +90,8 @@ class PoolQueue:
         order: str = "wfq",
         aging_s: float = math.inf,
         max_attained_gpu_s: float = math.inf,
+        max_slowdown: float = math.inf,
+        max_runs: int = 100_000,
     ) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown queue order {order!r}")
@@ -81,6 +99,9 @@ class PoolQueue:
             raise ValueError(f"aging_s must be > 0, got {aging_s}")
         if not max_attained_gpu_s > 0:
             raise ValueError(f"max_attained_gpu_s must be > 0, got {max_attained_gpu_s}")
+        if not max_slowdown >= 1:
+            raise ValueError(f"max_slowdown must be >= 1, got {max_slowdown}")
+        self.max_slowdown = max_slowdown  # run_las: a step's wait against its FIFO wait
         self.max_attained_gpu_s = max_attained_gpu_s
         self.pool = pool
         self.max_depth = max_depth
@@ -93,6 +114,10 @@ class PoolQueue:
         self._virtual_time = 0.0
         self._tenant_finish: dict[str, float] = {}
         self._pops: deque[float] = deque(maxlen=4096)  # dispatch times, for the drain rate
+        self._dispatched = 0  # entries dispatched so far (run_las's relative aging counts them)
+        self._band_live: dict[int, int] = {}  # live entries per priority band
+        self._run_credit: OrderedDict[Hashable, float] = OrderedDict()  # run -> dispatches
+        self._max_runs = max_runs
 
     def __len__(self) -> int:
         return self._live
@@ -120,6 +145,7 @@ class PoolQueue:
             if len(self._tenant_finish) > 4 * max(64, self.max_depth):
                 self._forget_idle_tenants()
         if self._lanes is not None:  # run_las: order by (band, tenant turn, attained, arrival)
+            entry.due_dispatches = self._due_dispatches(entry)
             served = min(entry.attained_gpu_s, self.max_attained_gpu_s)
             entry.key = (-float(entry.priority), served, entry.seq)
             self._lanes.push(entry, served)
@@ -127,17 +153,37 @@ class PoolQueue:
             entry.key = (-float(entry.priority), entry.finish_tag, entry.seq)
         heapq.heappush(self._heap, (entry.key, entry))
         self._live += 1
+        self._band_live[entry.priority] = self._band_live.get(entry.priority, 0) + 1
         return shed
 
-    def peek(self, now_s: float | None = None) -> QueueEntry | None:
-        """The entry to dispatch next. `now_s` (run_las) lets entries waiting `aging_s` or
-        longer go ahead; without it nothing counts as aged."""
+    def _due_dispatches(self, entry: QueueEntry) -> float:
+        """run_las's bound relative to FIFO: the dispatch count at which `entry` is due.
+
+        Under FIFO a newcomer with `ahead` entries of its band or higher before it is the
+        (ahead + 1)-th dispatch from now. It may be dispatched as late as the
+        `max_slowdown` x (ahead + 1)-th, plus whatever its run has banked: the run's earlier
+        steps that went sooner than their own bound leave the difference as credit (and
+        those that went later, a debt), so the bound holds over the run's steps together.
+        """
+        if self.max_slowdown == math.inf:
+            return math.inf
+        ahead = sum(n for band, n in self._band_live.items() if band >= entry.priority)
+        credit = self._run_credit.get(entry.run_key, 0.0) if entry.run_key is not None else 0.0
+        return self._dispatched + self.max_slowdown * (ahead + 1) - 1 + credit
+
+    def peek(
+        self, now_s: float | None = None, skip: Collection[QueueEntry] = ()
+    ) -> QueueEntry | None:
+        """The entry to dispatch next, passing over those in `skip` (entries that cannot go
+        now for a reason of their own, e.g. waiting for their run's home instance: the next
+        one in the order goes instead, and they keep their place). `now_s` (run_las) lets
+        entries waiting `aging_s` or longer go ahead; without it nothing counts as aged."""
         while self._heap and self._heap[0][1].removed:
             heapq.heappop(self._heap)
         if self._lanes is not None:
             aged_before_s = -math.inf if now_s is None else now_s - self.aging_s
-            return self._lanes.peek(aged_before_s)
-        return self._heap[0][1] if self._heap else None
+            return self._lanes.peek(aged_before_s, self._dispatched, skip)
+        return next((e for _, e in _in_order(self._heap) if not e.removed and e not in skip), None)
 
     def pop(self, entry: QueueEntry, now_s: float) -> None:
         """Take `entry` out because it is dispatched (advances virtual time, measures rate)."""
@@ -148,6 +194,12 @@ class PoolQueue:
         elif turn_start is not None:
             self._virtual_time = max(self._virtual_time, turn_start)
         self._pops.append(now_s)
+        if entry.run_key is not None and entry.due_dispatches < math.inf:
+            self._run_credit[entry.run_key] = entry.due_dispatches - self._dispatched
+            self._run_credit.move_to_end(entry.run_key)
+            if len(self._run_credit) > self._max_runs:
+                self._run_credit.popitem(last=False)
+        self._dispatched += 1
 
     def remove(self, entry: QueueEntry) -> None:
         """Take `entry` out without dispatching it (timeout, disconnect, shed)."""
@@ -160,6 +212,11 @@ class PoolQueue:
             return
         entry.removed = True
         self._live -= 1
+        left = self._band_live[entry.priority] - 1
+        if left:
+            self._band_live[entry.priority] = left
+        else:
+            del self._band_live[entry.priority]
         while self._heap and self._heap[0][1].removed:
             heapq.heappop(self._heap)
 
@@ -202,18 +259,49 @@ class _Lane:
 
     turns: deque[tuple[float, float, int]] = field(default_factory=deque)  # (finish, start, seq)
     by_service: list[tuple[float, int, QueueEntry]] = field(default_factory=list)  # a heap
+    by_due: list[tuple[float, int, QueueEntry]] = field(default_factory=list)  # a heap
     arrivals: deque[QueueEntry] = field(default_factory=deque)
     live: int = 0
 
-    def oldest(self) -> QueueEntry | None:
+    def choose(
+        self, aged_before_s: float, dispatched: int, skip: Collection[QueueEntry]
+    ) -> QueueEntry | None:
+        """The lane's entry to go on its turn (None: all its entries are in `skip`): the
+        earliest due by the bound relative to FIFO, else the oldest if it has aged, else the
+        least served."""
+        due = _first(self.by_due, skip)
+        if due is not None and due.due_dispatches <= dispatched:
+            return due
         while self.arrivals and self.arrivals[0].removed:
             self.arrivals.popleft()
-        return self.arrivals[0] if self.arrivals else None
+        oldest = next((e for e in self.arrivals if not e.removed and e not in skip), None)
+        if oldest is not None and oldest.enqueued_at_s <= aged_before_s:
+            return oldest
+        return _first(self.by_service, skip)
 
-    def least_served(self) -> QueueEntry | None:
-        while self.by_service and self.by_service[0][2].removed:
-            heapq.heappop(self.by_service)
-        return self.by_service[0][2] if self.by_service else None
+
+def _in_order(heap: list[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+    """A binary heap's items smallest first, without changing it (O(k log k) for k items)."""
+    if not heap:
+        return
+    frontier = [(heap[0], 0)]
+    while frontier:
+        item, i = heapq.heappop(frontier)
+        yield item
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < len(heap):
+                heapq.heappush(frontier, (heap[child], child))
+
+
+def _first(
+    heap: list[tuple[float, int, QueueEntry]], skip: Collection[QueueEntry]
+) -> QueueEntry | None:
+    """The heap's smallest live entry not in `skip` (pruning removed ones off its top)."""
+    while heap and heap[0][2].removed:
+        heapq.heappop(heap)
+    if not skip:
+        return heap[0][2] if heap else None
+    return next((e for *_, e in _in_order(heap) if not e.removed and e not in skip), None)
 
 
 class _RunLasLanes:
@@ -229,18 +317,25 @@ class _RunLasLanes:
         lane = self._bands.setdefault(entry.priority, {}).setdefault(entry.tenant, _Lane())
         lane.turns.append((entry.finish_tag, entry.start_tag, entry.seq))
         heapq.heappush(lane.by_service, (served_gpu_s, entry.seq, entry))
+        if entry.due_dispatches < math.inf:
+            heapq.heappush(lane.by_due, (entry.due_dispatches, entry.seq, entry))
         lane.arrivals.append(entry)
         lane.live += 1
 
-    def peek(self, aged_before_s: float) -> QueueEntry | None:
-        if not self._bands:
-            return None
-        lanes = self._bands[max(self._bands)]
-        lane = min(lanes.values(), key=lambda ln: ln.turns[0])
-        oldest = lane.oldest()
-        if oldest is not None and oldest.enqueued_at_s <= aged_before_s:
-            return oldest
-        return lane.least_served()
+    def peek(
+        self, aged_before_s: float, dispatched: int, skip: Collection[QueueEntry]
+    ) -> QueueEntry | None:
+        for band in sorted(self._bands, reverse=True):
+            lanes = self._bands[band].values()
+            by_turn = (
+                sorted(lanes, key=lambda ln: ln.turns[0])
+                if skip
+                else [min(lanes, key=lambda ln: ln.turns[0])]
+            )
+            for lane in by_turn:
+                if (chosen := lane.choose(aged_before_s, dispatched, skip)) is not None:
+                    return chosen
+        return None
 
     def dispatched(self, entry: QueueEntry) -> float | None:
         """`entry` leaves to be served: its lane spends its earliest turn. Returns that turn's

@@ -56,6 +56,12 @@ class RequestContext:
     want_gpu_usage: bool = False  # x-gpupool-usage: 1 -> usage gains gpu_seconds
     tenant_weight: float = 1.0  # the tenant's share in weighted fair queuing
 
+    @property
+    def run_key(self) -> tuple[str, str] | None:
+        """The run's identity, (tenant, run id): two tenants may use the same run id. None
+        for a request without a run."""
+        return None if self.run_id is None else (self.tenant, self.run_id)
+
 
 @dataclass(slots=True)
 class RequestOutcome:

@@ -82,6 +82,7 @@ def router_config(
     max_wait_s: float,
     tmp: Path,
     cap_gpu_s: float | None = None,
+    max_slowdown: float | None = None,
 ) -> Config:
     """The whole engine in the agent pool; SLO targets out of the way (they are not what this
     measures), so the queue holds exactly what the engine's `--max-num-seqs` cannot run."""
@@ -90,6 +91,7 @@ def router_config(
         queue["run_las_aging_s"] = aging_s
         if cap_gpu_s is not None:
             queue["run_las_max_attained_gpu_s"] = cap_gpu_s
+        queue["run_las_max_slowdown"] = max_slowdown
     return parse_config(
         {
             "model": {
@@ -151,6 +153,7 @@ async def _with_gateways(
                 max_wait_s=args.max_wait_s,
                 tmp=tmp,
                 cap_gpu_s=args.cap_gpu_s,
+                max_slowdown=args.max_slowdown,
             ),
             [engine],
         )
@@ -296,6 +299,7 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
             "run_las_aging_s": args.aging_s,
             "run_las_max_attained_gpu_s": args.cap_gpu_s,
             "cap_steps": args.cap_steps,
+            "run_las_max_slowdown": args.max_slowdown,
             "max_wait_s": args.max_wait_s,
             "scenario": str(SCENARIO),
         },
@@ -323,7 +327,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "the benchmark's process, `queue.order: fifo` and `queue.order: run_las` "
         f"(`run_las_aging_s: {setup['run_las_aging_s']:g}`, `run_las_max_attained_gpu_s: "
         f"{setup['run_las_max_attained_gpu_s']:.3g}`, i.e. {setup['cap_steps']:g} steps' worth "
-        "at the calibration's GPU-seconds per step), served the same drawn plan in turn. "
+        "at the calibration's GPU-seconds per step, `run_las_max_slowdown: "
+        f"{setup.get('run_las_max_slowdown')}`), served the same drawn plan in turn. "
         "Workload: `benchmarks/run_las/scenario.yaml` (2-step and 20-step runs, 1:1 by count, "
         "32-token answers, ~64-token tool results, ~0.4 s tool calls).",
         "",
@@ -390,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run_las_max_attained_gpu_s in steps' worth of calibrated GPU-seconds",
     )
     parser.add_argument("--max-wait-s", type=float, default=300.0, help="queue.max_wait_s")
+    parser.add_argument(
+        "--max-slowdown",
+        type=lambda v: None if v == "none" else float(v),
+        default=1.3,
+        help="run_las_max_slowdown (the bound relative to FIFO; 'none': off)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--pause-s", type=float, default=5.0)
     parser.add_argument("--engine-port", type=int, default=8500)

@@ -112,7 +112,8 @@ class _Sim:
         pinned = {i: p.name for p in config.pools for i in p.pinned_instances}
         self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares, pinned=pinned))
         affinity = RunAffinity()
-        picker = default_picker(self.fleet, affinity, random.Random(seed))
+        placements = {p.name: p.placement for p in config.pools}
+        picker = default_picker(self.fleet, affinity, random.Random(seed), placements)
         self.affinity = affinity
         metrics = RouterMetrics()
         self.admitter = Admitter(
@@ -347,7 +348,7 @@ class _Sim:
             return
         step = run.plan.steps[run.step]
         self.affinity.record(
-            req.ctx.run_id, lease.instance_id, req.estimate.prompt_tokens + step.output_tokens
+            req.ctx.run_key, lease.instance_id, req.estimate.prompt_tokens + step.output_tokens
         )
         run.step += 1
         run.context_tokens += step.output_tokens + step.tool_result_tokens

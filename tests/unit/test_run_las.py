@@ -23,6 +23,7 @@ def _entry(
     priority: int = 0,
     weight: float = 1.0,
     payload: object = None,
+    run: str | None = None,
 ) -> QueueEntry:
     return QueueEntry(
         tenant=tenant,
@@ -32,6 +33,7 @@ def _entry(
         enqueued_at_s=t,
         payload=payload,
         attained_gpu_s=attained,
+        run_key=run,
     )
 
 
@@ -167,7 +169,12 @@ class _Run:
 
 
 def _simulate(
-    order: str, *, aging_s: float = 1e9, seed: int = 7, cap_gpu_s: float = math.inf
+    order: str,
+    *,
+    aging_s: float = 1e9,
+    seed: int = 7,
+    cap_gpu_s: float = math.inf,
+    max_slowdown: float = math.inf,
 ) -> list[_Run]:
     """One server that runs 3 steps at once, each step 1 s of service (1 GPU-second), a tool
     call of 0.5 s between steps; 60 runs of 2 or 20 steps arrive at random, 1:1 by count, about
@@ -180,7 +187,12 @@ def _simulate(
         t += rng.expovariate(1.0 / 1.3)  # ~0.77 runs/s x 11 steps/run mean > 4 steps/s
         runs.append(_Run(f"r{i}", 2 if rng.random() < 0.5 else 20, t))
     q = PoolQueue(
-        "agent", max_depth=100_000, order=order, aging_s=aging_s, max_attained_gpu_s=cap_gpu_s
+        "agent",
+        max_depth=100_000,
+        order=order,
+        aging_s=aging_s,
+        max_attained_gpu_s=cap_gpu_s,
+        max_slowdown=max_slowdown,
     )
     events: list[tuple[float, int, str, _Run]] = []
     seq = 0
@@ -196,7 +208,7 @@ def _simulate(
     while events:
         now, _, kind, run = heapq.heappop(events)
         if kind == "step":
-            q.push(_entry(run.attained_s, t=now, payload=run))
+            q.push(_entry(run.attained_s, t=now, payload=run, run=run.name))
         else:  # a step ended
             busy -= 1
             run.done_steps += 1
@@ -353,3 +365,97 @@ def test_accountant_forgets_the_least_recent_run_past_max_runs() -> None:
         acct.end(acct.begin("i0", float(i), name), float(i) + 1)
     assert acct.run_usage("b", 10.0) is None  # a was used after b
     assert acct.run_usage("a", 10.0) is not None and acct.run_usage("c", 10.0) is not None
+
+
+# ------------------------------------------------------------------ the bound relative to FIFO
+
+
+def test_a_step_is_due_once_its_fifo_position_times_the_bound_have_gone() -> None:
+    """Bound 1.5. Three long-run steps queue into an empty queue (0, 1, 2 ahead: FIFO would
+    dispatch them 1st, 2nd, 3rd), due after 1.5 x 1 - 1 = 0.5, 1.5 x 2 - 1 = 2 and
+    1.5 x 3 - 1 = 3.5 dispatches; four fresh steps behind them (3..6 ahead) are due after 5,
+    6.5, 8, 9.5. Worked by hand: the first fresh step overtakes all three; then A is due
+    (1 >= 0.5), then B (2 >= 2); C (3.5) is not yet at 3, so a fresh step goes; then C."""
+    q = PoolQueue("agent", max_depth=10, order="run_las", aging_s=1e9, max_slowdown=1.5)
+    a, b, c = (_entry(10.0, run=f"long-{i}") for i in range(3))
+    fresh = [_entry(0.0, run=f"short-{i}") for i in range(4)]
+    for e in (a, b, c, *fresh):
+        q.push(e)
+    assert [e.due_dispatches for e in (a, b, c, *fresh)] == [0.5, 2.0, 3.5, 5.0, 6.5, 8.0, 9.5]
+    assert _drain(q) == [fresh[0], a, b, fresh[1], c, fresh[2], fresh[3]]
+    # without the bound: least attained first throughout
+    q = PoolQueue("agent", max_depth=10, order="run_las", aging_s=1e9)
+    for e in (a, b, c, *fresh):
+        e.removed = False
+        q.push(e)
+    assert _drain(q) == [*fresh, a, b, c]
+
+
+def test_a_runs_early_steps_bank_credit_and_late_ones_a_debt() -> None:
+    """Bound 2. Run r's first step queues behind two others (due after 2 x 3 - 1 = 5) and
+    goes first (0 dispatched): it had 5 left, its run's credit. Its next step, queued with
+    one ahead at 3 dispatched, is due at 3 + 2 x 2 - 1 + 5 = 11 instead of 6. Run s's step,
+    due at 0 + 2 x 1 - 1 = 1, goes at 2 dispatched (held back by the caller, see `skip`):
+    1 late, its next step is due 1 dispatch sooner than its own bound."""
+    q = PoolQueue("agent", max_depth=10, order="run_las", aging_s=1e9, max_slowdown=2.0)
+    s1 = _entry(50.0, run="s")
+    q.push(s1)
+    other = _entry(9.0, run="o")
+    q.push(other)
+    r1 = _entry(0.0, run="r")
+    q.push(r1)
+    assert (s1.due_dispatches, other.due_dispatches, r1.due_dispatches) == (1.0, 3.0, 5.0)
+    assert q.peek(0.0) is r1
+    q.pop(r1, 0.0)
+    assert q.peek(0.0, skip={s1}) is other  # s1 is due (1 <= 1) but passed over this once
+    q.pop(other, 0.0)
+    assert q.peek(0.0) is s1
+    q.pop(s1, 0.0)  # dispatched at 2, due at 1: a debt of 1
+    blocker = _entry(0.0, run="b")
+    q.push(blocker)  # 0 ahead at 3 dispatched: due 3 + 1 = 4
+    r2 = _entry(1.0, run="r")
+    q.push(r2)
+    s2 = _entry(1.0, run="s")
+    q.push(s2)
+    assert blocker.due_dispatches == 4.0
+    assert r2.due_dispatches == 3 + 2 * 2 - 1 + 5.0
+    assert s2.due_dispatches == 3 + 2 * 3 - 1 - 1.0
+    with pytest.raises(ValueError, match="max_slowdown"):
+        PoolQueue("p", max_depth=1, order="run_las", max_slowdown=0.9)
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_the_bound_keeps_every_run_near_its_fifo_completion(seed: int) -> None:
+    """In the simulated pool (twice its capacity offered), least attained service with the
+    cap alone lets the worst run take 1.39 to 1.57x its FIFO time (seeds 7-9); a bound of 1.5
+    on queue position keeps every run within 1.35x (its queue wait is bounded, its service and
+    tool time are not slowed down), and short runs keep at least 1.8x of their gain."""
+    fifo_runs = _simulate("fifo", seed=seed)
+    fifo = {r.name: (r.finished_s or math.inf) - r.arrive_s for r in fifo_runs}
+    capped = _simulate("run_las", aging_s=1e9, seed=seed, cap_gpu_s=3.0)
+    worst_capped = max(
+        (r.finished_s or math.inf) - r.arrive_s - 1.35 * fifo[r.name] for r in capped
+    )
+    assert worst_capped > 0  # some run past 1.35x without the bound
+    bounded_runs = _simulate("run_las", aging_s=1e9, seed=seed, cap_gpu_s=3.0, max_slowdown=1.5)
+    bounded = {r.name: (r.finished_s or math.inf) - r.arrive_s for r in bounded_runs}
+    assert max(bounded[k] / fifo[k] for k in fifo) <= 1.35
+    short_fifo = statistics.median(_completion(fifo_runs, 2))
+    assert statistics.median(_completion(bounded_runs, 2)) * 1.8 <= short_fifo
+
+
+# ------------------------------------------------------------------ passing over an entry
+
+
+@pytest.mark.parametrize("order", ["fifo", "wfq", "run_las"])
+def test_skipped_entries_keep_their_place(order: str) -> None:
+    q = PoolQueue("agent", max_depth=10, order=order, aging_s=1e9)
+    es = [_entry(float(i), t=float(i), run=f"r{i}") for i in range(4)]
+    for e in es:
+        q.push(e)
+    assert q.peek(0.0) is es[0]
+    assert q.peek(0.0, skip={es[0]}) is es[1]
+    assert q.peek(0.0, skip={es[0], es[1]}) is es[2]
+    q.pop(es[2], 0.0)
+    assert q.peek(0.0, skip={es[0], es[1], es[3]}) is None
+    assert _drain(q) == [es[0], es[1], es[3]]

@@ -123,6 +123,23 @@ def test_run_las_fields_are_refused_where_they_take_no_effect(tmp_path: Path) ->
     assert agent.queue.run_las_max_attained_gpu_s == 2.5
 
 
+def test_the_bound_relative_to_fifo_is_configured_and_refused_where_it_does_nothing(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="only apply with order: run_las"):
+        _config(tmp_path, {"order": "wfq", "run_las_max_slowdown": 1.5})
+    with pytest.raises(ConfigError, match="run_las_max_slowdown"):
+        _config(tmp_path, {"order": "run_las", "run_las_max_slowdown": 0.5})
+    queue = {"order": "run_las", "run_las_max_slowdown": 1.7}
+    agent = next(p for p in _config(tmp_path, queue).pools if p.name == "agent")
+    assert agent.queue.run_las_max_slowdown == 1.7
+    off = {"order": "run_las", "run_las_max_slowdown": None}
+    agent = next(p for p in _config(tmp_path, off).pools if p.name == "agent")
+    assert agent.queue.run_las_max_slowdown is None
+    gw = create_app(_config(tmp_path, queue), [InstanceSpec("engine-0", "http://x", 1)])
+    assert gw.admitter.queues["agent"].max_slowdown == 1.7
+
+
 @pytest.mark.parametrize("gateway", [{"order": "run_las"}], indirect=True)
 async def test_a_run_that_ends_is_counted_in_the_completion_histogram(gateway: Gateway) -> None:
     started = asyncio.get_running_loop().time()

@@ -1,0 +1,144 @@
+"""`pools.<pool>.placement` takes effect on the request path: where a run's next step goes when
+its home instance is full (wait for it, or go elsewhere), a step waiting for its home does not
+hold up the steps queued behind it, and a run's home is keyed by (tenant, run id).
+
+Two engines, one pool; KV capacity is the limit: each engine holds two of the `BIG` steps."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pools.config import DEFAULT_CPU_CONFIG, ConfigError, parse_config
+from pools.fleet import Lease
+from pools.launchers.base import InstanceSpec
+from router.app import Gateway, create_app
+from router.estimate import Estimate
+from router.request import RequestContext
+from tests.unit.test_rebalance_borrow import ctx as borrow_ctx
+from tests.unit.test_rebalance_shell import Clock, reading
+
+SPECS = [InstanceSpec(f"engine-{i}", f"http://127.0.0.1:{9 + i}", 1) for i in range(2)]
+# 400 blocks each: an engine's 1000 blocks (950 past the margin) hold two
+BIG = Estimate(prompt_tokens=6000, output_tokens=400, source="heuristic")
+
+
+def _data(tmp_path: Path, pool: dict[str, Any]) -> dict[str, Any]:
+    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
+    data["router"] = {
+        "ledger_path": str(tmp_path / "l.sqlite"),
+        "state_path": str(tmp_path / "state.json"),
+        "kv_margin_frac": 0.05,
+    }
+    data["pools"] = {
+        "agent": {"classes": ["agent", "normal"], "share": {"initial_frac": 1.0}, **pool}
+    }
+    return data
+
+
+@pytest.fixture
+async def make_gw(tmp_path: Path) -> AsyncIterator[Callable[[str], Any]]:
+    made: list[Gateway] = []
+
+    async def make(placement: str) -> Gateway:
+        (tmp_path / placement).mkdir()
+        config = parse_config(_data(tmp_path / placement, {"placement": placement}))
+        clock = Clock()
+        gw = create_app(config, list(SPECS), scrape=False, clock=clock)
+        await gw.start()
+        made.append(gw)
+        for spec in SPECS:
+            gw.fleet.record_reading(spec.instance_id, reading(clock()))
+        return gw
+
+    yield make
+    for gw in made:
+        await gw.aclose()
+
+
+def _ctx(n: int, run_id: str | None, tenant: str = "t") -> RequestContext:
+    return dataclasses.replace(borrow_ctx("agent", n), run_id=run_id, tenant=tenant)
+
+
+async def _fill(gw: Gateway) -> dict[str, list[Lease]]:
+    """Both engines full (two BIG steps each, no run)."""
+    leases: dict[str, list[Lease]] = {"engine-0": [], "engine-1": []}
+    for i in range(4):
+        lease = await gw.admitter.admit(_ctx(100 + i, None), BIG)
+        leases[lease.instance_id].append(lease)
+    assert [len(v) for v in leases.values()] == [2, 2]
+    return leases
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize(
+    ("placement", "a_goes_to", "b_waits"),
+    [
+        # no prefill rate measured yet: nothing to weigh, so the step moves (move_is_faster)
+        ("affinity_or_move", "engine-1", True),
+        ("always_affinity", None, False),
+        ("least_loaded", "engine-1", True),
+    ],
+)
+async def test_the_pools_placement_decides_where_a_homeless_slot_goes(
+    make_gw: Any, placement: str, a_goes_to: str | None, b_waits: bool
+) -> None:
+    """Run A's home is engine-0, both engines are full, A queues first, then B (no run).
+    A slot frees on engine-1: always_affinity keeps A for engine-0 and B, behind it, goes
+    (A does not block the queue); the other two rules send A to engine-1 and B waits."""
+    gw = await make_gw(placement)
+    leases = await _fill(gw)
+    gw.affinity.record(("t", "A"), "engine-0", context_tokens=6000)
+    a = asyncio.ensure_future(gw.admitter.admit(_ctx(1, "A"), BIG))
+    await _settle()
+    b = asyncio.ensure_future(gw.admitter.admit(_ctx(2, "B"), BIG))
+    await _settle()
+    assert len(gw.admitter.queues["agent"]) == 2
+    leases["engine-1"].pop().release()
+    await _settle()
+    if a_goes_to is None:
+        assert not a.done()
+        assert b.done() and b.result().instance_id == "engine-1"
+        leases["engine-0"].pop().release()  # its home frees: A goes there
+        await _settle()
+        assert a.done() and a.result().instance_id == "engine-0"
+    else:
+        assert a.done() and a.result().instance_id == a_goes_to
+        assert b.done() is not b_waits
+        b.cancel()
+    await _settle()
+
+
+async def test_a_runs_home_is_its_tenants(make_gw: Any) -> None:
+    """Tenant u's run "A" has no home although tenant t's run "A" has one: under
+    always_affinity u's step takes the free slot on engine-1, t's waits for engine-0."""
+    gw = await make_gw("always_affinity")
+    leases = await _fill(gw)
+    gw.affinity.record(("t", "A"), "engine-0", context_tokens=6000)
+    t_step = asyncio.ensure_future(gw.admitter.admit(_ctx(1, "A", tenant="t"), BIG))
+    await _settle()
+    u_step = asyncio.ensure_future(gw.admitter.admit(_ctx(2, "A", tenant="u"), BIG))
+    await _settle()
+    leases["engine-1"].pop().release()
+    await _settle()
+    assert u_step.done() and u_step.result().instance_id == "engine-1"
+    assert not t_step.done()
+    t_step.cancel()
+    await _settle()
+
+
+def test_check_config_refuses_an_unknown_placement(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="placement"):
+        parse_config(_data(tmp_path, {"placement": "sticky"}))
+    config = parse_config(_data(tmp_path, {}))
+    assert config.pools[0].placement == "affinity_or_move"
