@@ -22,9 +22,10 @@ from tests.unit.test_admitter import asgi_post
 STEP = {"model": "tiny", "messages": [{"role": "user", "content": "next step"}], "max_tokens": 100}
 
 
-def _config(tmp_path: Path, queue: dict[str, Any]) -> Any:
+def _config(tmp_path: Path, queue: dict[str, Any], **extra: Any) -> Any:
     data: dict[str, Any] = {
         **DEFAULT_CPU_CONFIG,
+        **extra,
         "router": {
             "ledger_path": str(tmp_path / "l.sqlite"),
             "state_path": str(tmp_path / "s.json"),
@@ -43,8 +44,11 @@ async def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
     states = [FakeEngineState(num_gpu_blocks=12, itl_s=0.004) for _ in range(2)]
     cms = [serve_asgi(make_fake_engine(s)) for s in states]
     urls = [await cm.__aenter__() for cm in cms]
+    queue = dict(request.param)
+    governance = queue.pop("governance", None)
+    extra = {} if governance is None else {"governance": governance}
     gw = create_app(
-        _config(tmp_path, request.param),
+        _config(tmp_path, queue, **extra),
         [InstanceSpec(f"engine-{i}", u, 1) for i, u in enumerate(urls)],
     )
     await gw.start()
@@ -158,3 +162,30 @@ async def test_a_run_that_ends_is_counted_in_the_completion_histogram(gateway: G
     assert observed is not None and 0.3 < observed <= took_s
     # the run ended: ending it again observes nothing more
     assert gateway.accounting_observer.run_completed("default", "r1") is None
+
+
+@pytest.mark.parametrize(
+    "gateway", [{"order": "run_las", "governance": {"run_idle_timeout_s": 0.5}}], indirect=True
+)
+async def test_a_run_that_goes_idle_is_counted_when_governance_times_it_out(
+    gateway: Gateway,
+) -> None:
+    """No explicit end: the run's completion is observed when it has been idle past
+    `governance.run_idle_timeout_s` (the sweep ends it), from its first arrival to its last
+    step's last byte, not to the timeout."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    done: list[str] = []
+    await _step(gateway, "r2", done)
+    await asyncio.sleep(0.2)  # a tool call
+    await _step(gateway, "r2", done)
+    took_s = loop.time() - started
+    registry = gateway.metrics.registry
+    labels = {"class": "agent"}
+    gateway.governor.sweep()  # idle 0 s: still active
+    assert registry.get_sample_value("gpupool_run_completion_seconds_count", labels) in (None, 0.0)
+    await asyncio.sleep(0.6)
+    gateway.governor.sweep()
+    assert registry.get_sample_value("gpupool_run_completion_seconds_count", labels) == 1.0
+    observed = registry.get_sample_value("gpupool_run_completion_seconds_sum", labels)
+    assert observed is not None and 0.2 < observed <= took_s

@@ -1,0 +1,348 @@
+"""Where a run's next step goes: `affinity_or_move` vs `always_affinity` vs `least_loaded`,
+side by side on the same three CPU engines, on the agent-flood scenario's agent runs.
+
+Three real CPU vLLM engines (the tiny dev model, 64 MiB of KV cache each, as in the
+agent-flood benchmarks) form one agent pool. Three gpupool routers run in this process in
+front of them, identical but for `pools.agent.placement`. The agent class of
+`benchmarks/scenarios/agent-flood.yaml` (runs of ~8 steps on contexts growing to ~4k tokens,
+tool calls of ~0.8 s) arrives at its surge rate scaled by `--rate-scale` for `--duration-s`;
+the same drawn plan goes to each router in turn (the order rotates from round to round), and
+every engine's prefix cache is emptied (`POST /reset_prefix_cache`, engines started with
+`VLLM_SERVER_DEV_MODE=1`) before each, so no placement finds another's prefixes cached.
+
+Reported per placement: the engines' prefix-cache hit rate over the run (vLLM's
+`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total`, both counted in prompt
+tokens, summed over the three engines), run completion p50/p95, agent output tok/s, and how
+often a run's step ran elsewhere than its previous step (from the router's ledger).
+
+    python -m benchmarks.placement --out benchmarks/results/placement-YYYY-MM-DD
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import sqlite3
+import sys
+import tempfile
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from benchmarks.admission.kv_pressure import reset_prefix_cache
+from benchmarks.compare import run_compare
+from benchmarks.prompts import find_tokenizer
+from benchmarks.runner import Target
+from benchmarks.scenario import Scenario, parse_scenario
+from pools.config import Config, parse_config
+from pools.devmodel import is_dev_model, make_dev_model
+from pools.launchers import InstanceSpec, LocalLauncher
+from pools.telemetry import parse_vllm_metrics
+from pools.testing.serve import serve_asgi
+from router.app import create_app
+from router.picking import PLACEMENTS
+
+MODEL_DIR = Path(".gpupool/models/tiny")
+SCENARIO = Path("benchmarks/scenarios/agent-flood.yaml")
+KEY_ENV = "GPUPOOL_PLACEMENT_ENGINE_KEY"
+MAX_NUM_SEQS = 64
+SURGE_RUNS_PER_S = 1.2  # agent-flood's agent arrivals during its surge
+
+log = logging.getLogger("benchmarks.placement")
+
+
+def _say(message: str) -> None:
+    print(f"[placement] {message}", file=sys.stderr, flush=True)
+
+
+def router_config(urls: list[str], placement: str, tmp: Path) -> Config:
+    """All three engines in one agent pool, placed by `placement`; admission on (it is what
+    finds a run's home full)."""
+    return parse_config(
+        {
+            "model": {"name": "tiny", "path": str(MODEL_DIR), "max_model_len_tokens": 4096},
+            "engines": {
+                "launcher": "static",
+                "static": {"urls": urls, "api_key_env": KEY_ENV},
+                # not launched here: tells the router the engines' --max-num-seqs
+                "local": {"vllm_args": ["--max-num-seqs", str(MAX_NUM_SEQS)]},
+            },
+            "pools": {
+                # the harness's prompt-sizing requests carry no run id: class normal
+                "agent": {
+                    "classes": ["agent", "normal"],
+                    "share": {"initial_frac": 1.0},
+                    "slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 300},
+                    "queue": {"max_depth": 4096, "max_wait_s": 120},
+                    "placement": placement,
+                },
+            },
+            "classes": {
+                "agent": {"timeout_s": 300, "expected_output_tokens": 96},
+                "normal": {"timeout_s": 120, "expected_output_tokens": 32},
+            },
+            "router": {
+                "scrape_interval_s": 0.25,
+                "ledger_path": str(tmp / f"ledger-{placement}.sqlite"),
+                "state_path": str(tmp / f"state-{placement}.json"),
+            },
+        }
+    )
+
+
+def scenario(rate_scale: float, duration_s: float) -> Scenario:
+    """agent-flood's agent runs only, arriving at its surge rate (x `rate_scale`) throughout."""
+    data = yaml.safe_load(SCENARIO.read_text())
+    del data["classes"]["normal"]
+    agent = data["classes"]["agent"]
+    surge = max(s["rate_per_s"] for s in agent["arrivals"]["segments"])
+    if surge != SURGE_RUNS_PER_S:
+        raise ValueError(f"{SCENARIO}: surge {surge} runs/s, expected {SURGE_RUNS_PER_S}")
+    agent["arrivals"] = {"process": "poisson", "rate_per_s": surge * rate_scale}
+    data["name"] = "agent-flood-runs"
+    data["duration_s"] = duration_s
+    data["drain_timeout_s"] = 240
+    data["request_timeout_s"] = 300
+    return parse_scenario(data, str(SCENARIO), SCENARIO.parent)
+
+
+async def _prefix_counters(
+    session: aiohttp.ClientSession, urls: list[str], key: str
+) -> dict[str, tuple[float, float]]:
+    """Per engine (hits, queries) in prompt tokens, from its /metrics."""
+    out = {}
+    for url in urls:
+        headers = {"authorization": f"Bearer {key}"}
+        async with session.get(f"{url}/metrics", headers=headers) as resp:
+            reading = parse_vllm_metrics(await resp.text(), 0.0)
+        out[url] = (reading.prefix_cache_hits_total, reading.prefix_cache_queries_total)
+    return out
+
+
+def hit_rate(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> tuple[float | None, dict[str, float | None]]:
+    """The prefix-cache hit rate over all engines and per engine, between two scrapes."""
+    per: dict[str, float | None] = {}
+    hits = queries = 0.0
+    for url, (h1, q1) in after.items():
+        h0, q0 = before[url]
+        per[url] = (h1 - h0) / (q1 - q0) if q1 > q0 else None
+        hits += h1 - h0
+        queries += q1 - q0
+    return (hits / queries if queries else None), per
+
+
+def _steps(ledger_path: Path) -> list[tuple[str, str]]:
+    """(run id, instance) of every run's steps in the ledger, in the order they started."""
+    with closing(sqlite3.connect(ledger_path)) as conn:
+        rows = conn.execute(
+            "SELECT run_id, instance FROM requests WHERE run_id IS NOT NULL"
+            " AND instance IS NOT NULL ORDER BY started_at_s"
+        ).fetchall()
+    return [(str(r), str(i)) for r, i in rows]
+
+
+def moved_steps(steps: list[tuple[str, str]]) -> tuple[int, int]:
+    """(later steps that ran elsewhere than the run's previous step, later steps), given each
+    step's (run, instance) in the order they started."""
+    last: dict[str, str] = {}
+    moved = later = 0
+    for run, instance in steps:
+        if run in last:
+            later += 1
+            moved += last[run] != instance
+        last[run] = instance
+    return moved, later
+
+
+async def _one(
+    placement: str,
+    urls: list[str],
+    plan: Scenario,
+    out: Path,
+    tmp: Path,
+    key: str,
+) -> dict[str, Any]:
+    config = router_config(urls, placement, tmp)
+    gw = create_app(
+        config,
+        [InstanceSpec(f"engine-{i}", u, 1) for i, u in enumerate(urls)],
+    )
+    await gw.start()
+    server = serve_asgi(gw)
+    try:
+        for _ in range(300):
+            if all(st.healthy and st.capacity_blocks for st in gw.fleet):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError("the router never saw the engines healthy")
+        url = await server.__aenter__()
+        async with aiohttp.ClientSession() as session:
+            reset = [await reset_prefix_cache(session, u, key) for u in urls]
+            before = await _prefix_counters(session, urls, key)
+            report = await run_compare(
+                plan,
+                [Target(placement, url, "tiny")],
+                out / placement,
+                tokenizer_path=find_tokenizer("tiny"),
+                progress=False,
+                notes=f"placement {placement}",
+            )
+            after = await _prefix_counters(session, urls, key)
+    finally:
+        await server.__aexit__(None, None, None)
+        await gw.aclose()  # flushes the ledger
+    overall, per_engine = hit_rate(before, after)
+    moved, later = moved_steps(await asyncio.to_thread(_steps, config.router.ledger_path))
+    target = report["targets"][0]
+    runs = target["runs"]["agent"]
+    return {
+        "placement": placement,
+        "prefix_cache_reset": all(reset),
+        "prefix_hit_frac": overall,
+        "prefix_hit_frac_per_engine": per_engine,
+        "prefix_tokens": {
+            "hits": sum(a[0] - before[u][0] for u, a in after.items()),
+            "queries": sum(a[1] - before[u][1] for u, a in after.items()),
+        },
+        "runs": runs["runs"],
+        "outcomes": runs["outcomes"],
+        "completion_s": {k: runs["completion_s"][k] for k in ("p50", "p95", "max")},
+        "agent_output_tokens_per_s": target["classes"]["agent"]["output_tokens_per_s"],
+        "step_ttft_ms_p95": target["classes"]["agent"]["ttft_ms"]["p95"],
+        "later_steps": later,
+        "moved_steps": moved,
+        "wall_s": target["wall_s"],
+    }
+
+
+async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any]:
+    key = os.environ[KEY_ENV]
+    config = parse_config(
+        {
+            "model": {"name": "tiny", "path": str(MODEL_DIR), "max_model_len_tokens": 4096},
+            "engines": {
+                "launcher": "local",
+                "local": {
+                    "count": 3,
+                    "base_port": args.engine_port,
+                    "kv_cache_bytes": 64 * 1024 * 1024,
+                    "api_key_env": KEY_ENV,
+                    "run_dir": str(tmp / "run"),
+                    "vllm_args": ["--max-num-seqs", str(MAX_NUM_SEQS)],
+                },
+            },
+            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
+        }
+    )
+    # /reset_prefix_cache is served in vLLM's dev mode only
+    environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    launcher = LocalLauncher(
+        config.engines.local, config.model, progress=_say, gpu_count=0, environ=environ
+    )
+    specs = await launcher.start()
+    urls = [s.url for s in specs]
+    plan = scenario(args.rate_scale, args.duration_s)
+    rounds = []
+    try:
+        for i in range(args.rounds):
+            order = list(PLACEMENTS[i % 3 :] + PLACEMENTS[: i % 3])
+            results = []
+            for placement in order:
+                _say(f"round {i + 1}: {placement} ...")
+                result = await _one(placement, urls, plan, out / f"round-{i + 1}", tmp, key)
+                _say(json.dumps(result))
+                results.append(result)
+                await asyncio.sleep(args.pause_s)
+            rounds.append({"round": i + 1, "order": order, "results": results})
+    finally:
+        await launcher.aclose()
+    return {
+        "benchmark": "placement",
+        "command": "python -m benchmarks.placement " + " ".join(sys.argv[1:]),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        },
+        "setup": {
+            "engines": 3,
+            "engine_kv_cache_bytes": 64 * 1024 * 1024,
+            "engine_max_num_seqs": MAX_NUM_SEQS,
+            "scenario": str(SCENARIO),
+            "agent_runs_per_s": args.rate_scale * SURGE_RUNS_PER_S,
+            "duration_s": args.duration_s,
+        },
+        "rounds": rounds,
+    }
+
+
+def _f(value: Any, fmt: str = ".1f") -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    setup = report["setup"]
+    lines = [
+        "# Placement of a run's steps: affinity_or_move vs always_affinity vs least_loaded",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Three real CPU vLLM engines (tiny dev model, 64 MiB KV cache, `--max-num-seqs "
+        f"{setup['engine_max_num_seqs']}`) in one agent pool; three gpupool routers, identical "
+        "but for `pools.agent.placement`, served the same drawn plan in turn, each after every "
+        f"engine's prefix cache was emptied. Workload: the agent runs of `{setup['scenario']}` "
+        f"at {setup['agent_runs_per_s']:.2f} runs/s for {setup['duration_s']:g} s.",
+        "",
+        "| round | placement | prefix-cache hit rate (tokens) | run completion p50 s | p95 s |"
+        " max s | agent out tok/s | step TTFT p95 ms | steps moved / later steps | runs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["rounds"]:
+        for res in r["results"]:
+            c = res["completion_s"]
+            lines.append(
+                f"| {r['round']} | {res['placement']} | {_f(res['prefix_hit_frac'], '.1%')} | "
+                f"{_f(c['p50'])} | {_f(c['p95'])} | {_f(c['max'])} | "
+                f"{_f(res['agent_output_tokens_per_s'], '.0f')} | "
+                f"{_f(res['step_ttft_ms_p95'], '.0f')} | "
+                f"{res['moved_steps']} / {res['later_steps']} | {res['outcomes']} |"
+            )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rate-scale", type=float, default=0.5, help="x the surge's runs/s")
+    parser.add_argument("--duration-s", type=float, default=60.0, help="arrival window")
+    parser.add_argument("--pause-s", type=float, default=5.0)
+    parser.add_argument("--engine-port", type=int, default=8510)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if not is_dev_model(MODEL_DIR):
+        make_dev_model(MODEL_DIR, "tiny")
+    os.environ.setdefault(KEY_ENV, "placement-" + os.urandom(6).hex())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="gpupool-placement-"))
+    report = asyncio.run(_main(args, out, tmp))
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(render_markdown(report))
+    print((out / "report.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
