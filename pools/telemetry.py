@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from pools.fleet import Fleet
+from pools.tasks import cancel_and_wait
 
 __all__ = ["InstanceReading", "TelemetryScraper", "parse_vllm_metrics"]
 
@@ -168,11 +169,7 @@ class TelemetryScraper:
     async def aclose(self) -> None:
         self._running = False
         tasks, self._tasks = list(self._tasks.values()), {}
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*tasks)
 
     async def _loop(self, instance_id: str) -> None:
         while self._fleet.get(instance_id) is not None:

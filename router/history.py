@@ -16,7 +16,6 @@ the sleep are injected). Sample shape: docs/status_page.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+
+from pools.tasks import cancel_and_wait
 
 __all__ = [
     "History",
@@ -269,10 +270,7 @@ class History:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     def view(self, since_s: float | None = None) -> JsonDict:
         return self.buffer.view(since_s)

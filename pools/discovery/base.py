@@ -9,10 +9,11 @@ answer (an API server that blips must not empty the fleet) and says so once per 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
+
+from pools.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from pools.launchers.base import InstanceSpec
@@ -111,7 +112,4 @@ class DiscoveryLoop:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)

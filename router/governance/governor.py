@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pools.config import Config, TenantConfig
+from pools.tasks import cancel_and_wait
 from router.errors import BadRequest, RateLimited, RunStopped
 from router.estimate import Estimate
 from router.governance.borrowing import LenderView, pick_lender
@@ -155,11 +156,8 @@ class Governor:
         self._task = asyncio.create_task(self._sweep_loop(), name="gpupool-governance-sweep")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         if self._store is not None:
             await self.save()
             # closed once: a second aclose (the gateway's, after a failed start) finds nothing
