@@ -38,12 +38,13 @@ import yaml
 
 from benchmarks.admission.kv_pressure import reset_prefix_cache
 from benchmarks.compare import run_compare
+from benchmarks.engines import agent_pool_router, cpu_engines
 from benchmarks.prompts import find_tokenizer
 from benchmarks.runner import Target
 from benchmarks.scenario import Scenario, parse_scenario
-from pools.config import Config, parse_config
+from pools.config import Config
 from pools.devmodel import is_dev_model, make_dev_model
-from pools.launchers import InstanceSpec, LocalLauncher
+from pools.launchers import InstanceSpec
 from pools.telemetry import parse_vllm_metrics
 from pools.testing.serve import serve_asgi
 from router.app import create_app
@@ -65,35 +66,22 @@ def _say(message: str) -> None:
 def router_config(urls: list[str], placement: str, tmp: Path) -> Config:
     """All three engines in one agent pool, placed by `placement`; admission on (it is what
     finds a run's home full)."""
-    return parse_config(
-        {
-            "model": {"name": "tiny", "path": str(MODEL_DIR), "max_model_len_tokens": 4096},
-            "engines": {
-                "launcher": "static",
-                "static": {"urls": urls, "api_key_env": KEY_ENV},
-                # not launched here: tells the router the engines' --max-num-seqs
-                "local": {"vllm_args": ["--max-num-seqs", str(MAX_NUM_SEQS)]},
-            },
-            "pools": {
-                # the harness's prompt-sizing requests carry no run id: class normal
-                "agent": {
-                    "classes": ["agent", "normal"],
-                    "share": {"initial_frac": 1.0},
-                    "slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 300},
-                    "queue": {"max_depth": 4096, "max_wait_s": 120},
-                    "placement": placement,
-                },
-            },
-            "classes": {
-                "agent": {"timeout_s": 300, "expected_output_tokens": 96},
-                "normal": {"timeout_s": 120, "expected_output_tokens": 32},
-            },
-            "router": {
-                "scrape_interval_s": 0.25,
-                "ledger_path": str(tmp / f"ledger-{placement}.sqlite"),
-                "state_path": str(tmp / f"state-{placement}.json"),
-            },
-        }
+    return agent_pool_router(
+        MODEL_DIR,
+        urls,
+        key_env=KEY_ENV,
+        max_num_seqs=MAX_NUM_SEQS,
+        agent_pool={
+            "slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 300},
+            "queue": {"max_depth": 4096, "max_wait_s": 120},
+            "placement": placement,
+        },
+        agent_class={"timeout_s": 300, "expected_output_tokens": 96},
+        router={
+            "scrape_interval_s": 0.25,
+            "ledger_path": str(tmp / f"ledger-{placement}.sqlite"),
+            "state_path": str(tmp / f"state-{placement}.json"),
+        },
     )
 
 
@@ -227,27 +215,16 @@ async def _one(
 
 async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any]:
     key = os.environ[KEY_ENV]
-    config = parse_config(
-        {
-            "model": {"name": "tiny", "path": str(MODEL_DIR), "max_model_len_tokens": 4096},
-            "engines": {
-                "launcher": "local",
-                "local": {
-                    "count": 3,
-                    "base_port": args.engine_port,
-                    "kv_cache_bytes": 64 * 1024 * 1024,
-                    "api_key_env": KEY_ENV,
-                    "run_dir": str(tmp / "run"),
-                    "vllm_args": ["--max-num-seqs", str(MAX_NUM_SEQS)],
-                },
-            },
-            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
-        }
-    )
-    # /reset_prefix_cache is served in vLLM's dev mode only
-    environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    launcher = LocalLauncher(
-        config.engines.local, config.model, progress=_say, gpu_count=0, environ=environ
+    launcher = cpu_engines(
+        MODEL_DIR,
+        count=3,
+        port=args.engine_port,
+        key_env=KEY_ENV,
+        run_dir=tmp / "run",
+        max_num_seqs=MAX_NUM_SEQS,
+        progress=_say,
+        # /reset_prefix_cache is served in vLLM's dev mode only
+        environ={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},
     )
     specs = await launcher.start()
     urls = [s.url for s in specs]

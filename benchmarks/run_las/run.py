@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from benchmarks.compare import run_compare
-from benchmarks.engines import one_cpu_engine
+from benchmarks.engines import agent_pool_router, one_cpu_engine
 from benchmarks.prompts import find_tokenizer
 from benchmarks.report import safe_name
 from benchmarks.run_las.analysis import (
@@ -47,7 +47,7 @@ from benchmarks.run_las.analysis import (
 )
 from benchmarks.runner import Target
 from benchmarks.scenario import Scenario, parse_scenario, scale_rates
-from pools.config import Config, parse_config
+from pools.config import Config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec
 from pools.testing.serve import serve_asgi
@@ -92,38 +92,19 @@ def router_config(
         if cap_gpu_s is not None:
             queue["run_las_max_attained_gpu_s"] = cap_gpu_s
         queue["run_las_max_slowdown"] = max_slowdown
-    return parse_config(
-        {
-            "model": {
-                "name": "tiny",
-                "path": str(MODEL_DIR),
-                "max_model_len_tokens": MAX_MODEL_LEN_TOKENS,
-            },
-            "engines": {
-                "launcher": "static",
-                "static": {"urls": [engine_url], "api_key_env": KEY_ENV},
-                # not launched here: tells the router the engine's --max-num-seqs
-                "local": {"vllm_args": ["--max-num-seqs", str(max_num_seqs)]},
-            },
-            "pools": {
-                # the harness's prompt-sizing requests carry no run id: class normal
-                "agent": {
-                    "classes": ["agent", "normal"],
-                    "share": {"initial_frac": 1.0},
-                    "slo": {"ttft_p95_ms": 60_000, "tpot_p95_ms": 1_000},
-                    "queue": queue,
-                },
-            },
-            "classes": {
-                "agent": {"timeout_s": 900, "expected_output_tokens": 32},
-                "normal": {"timeout_s": 120, "expected_output_tokens": 32},
-            },
-            "router": {
-                "scrape_interval_s": 0.25,
-                "ledger_path": str(tmp / f"ledger-{order}-{os.urandom(3).hex()}.sqlite"),
-                "state_path": str(tmp / "state.json"),
-            },
-        }
+    return agent_pool_router(
+        MODEL_DIR,
+        [engine_url],
+        key_env=KEY_ENV,
+        max_num_seqs=max_num_seqs,
+        max_model_len_tokens=MAX_MODEL_LEN_TOKENS,
+        agent_pool={"slo": {"ttft_p95_ms": 60_000, "tpot_p95_ms": 1_000}, "queue": queue},
+        agent_class={"timeout_s": 900, "expected_output_tokens": 32},
+        router={
+            "scrape_interval_s": 0.25,
+            "ledger_path": str(tmp / f"ledger-{order}-{os.urandom(3).hex()}.sqlite"),
+            "state_path": str(tmp / "state.json"),
+        },
     )
 
 
