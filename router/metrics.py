@@ -6,6 +6,8 @@ Label children are cached so the request path pays one dict lookup, not `.labels
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["RouterMetrics"]
@@ -218,6 +220,29 @@ class RouterMetrics:
         )
         self._children: dict[tuple[str, ...], object] = {}
         self._preemptions_exported: dict[str, float] = {}
+        # every family labelled by instance alone: `forget_instance` drops their series
+        self._per_instance = (
+            self.inflight,
+            self.healthy,
+            self.kv_usage,
+            self.engine_running,
+            self.engine_waiting,
+            self.telemetry_age,
+            self.kv_reserved,
+            self.kv_measured,
+            self.kv_capacity,
+            self.op_limit,
+            self.preemptions,
+        )
+
+    def forget_instance(self, instance_id: str) -> None:
+        """Drop an engine's series when it leaves the fleet, so dashboards do not show its last
+        values forever; an engine that comes back under the same id starts fresh."""
+        for family in self._per_instance:
+            with contextlib.suppress(KeyError):
+                family.remove(instance_id)
+        self._children.pop(("inflight", instance_id), None)
+        self._preemptions_exported.pop(instance_id, None)
 
     def request_done(
         self, pool: str, cls: str, outcome: str, reason: str, latency_s: float
