@@ -42,5 +42,5 @@ def test_every_family_labelled_by_instance_alone_is_forgotten() -> None:
         for metric in vars(m).values()
         if getattr(metric, "_labelnames", None) == ("instance",)
     }
-    forgotten = {family.describe()[0].name for family in m._per_instance}
+    forgotten = {next(iter(family.describe())).name for family in m._per_instance}
     assert per_instance and per_instance == forgotten
