@@ -31,6 +31,7 @@ from pools.config import load_config
 __all__ = ["calibrate"]
 
 KV_BLOCKS = 511  # the dev model's engines at 64 MiB of KV report 512 (one is vLLM's null block)
+KV_BLOCK_SIZE = 128  # tokens per block: vLLM's default on CPUs (16 on GPUs)
 
 
 def _p(values: list[float], q: float) -> float | None:
@@ -71,9 +72,16 @@ def _simulated(result: SimResult) -> dict[str, Any]:
     return out
 
 
-def _share_error(run: Path, result: SimResult) -> float | None:
+def _real_summary(run: Path, mode: str) -> dict[str, Any] | None:
     path = run / "summary.json"
-    summary = json.loads(path.read_text()).get("rebalanced") if path.exists() else None
+    summary: dict[str, Any] | None = (
+        json.loads(path.read_text()).get(mode) if path.exists() else None
+    )
+    return summary
+
+
+def _share_error(run: Path, result: SimResult) -> float | None:
+    summary = _real_summary(run, "rebalanced")
     if summary is None:
         return None
     real = [(t["t_s"], t["agent_placed"]) for t in summary["trajectory"]]
@@ -87,44 +95,79 @@ def _share_error(run: Path, result: SimResult) -> float | None:
     return float(np.mean(errors)) if errors else None
 
 
-def calibrate(run: Path) -> dict[str, Any]:
+def calibrate(run: Path, fit_from: Path | None = None, seeds: int = 5) -> dict[str, Any]:
+    """Simulate `run`'s modes with latencies fitted on `fit_from`'s static run (default: the
+    run's own) and compare. The simulation is run with `seeds` seeds (the picker's ties and the
+    drawn overheads; the traffic is the run's own); each metric's simulated value is their
+    median, with their range beside it, since one seed's p95 of 30 requests is itself noisy."""
     os.environ.setdefault(KEY_ENV, "calibration")
-    latency: LatencyModel = fit_latency(next((run / "static").glob("records-*.jsonl")))
+    fit_run = fit_from or run
+    latency: LatencyModel = fit_latency(next((fit_run / "static").glob("records-*.jsonl")))
     scenario = load_scenario(scenario_path(run))
     plan = build_plan(scenario, PromptMaker(write_text=False))
     report: dict[str, Any] = {
+        "fitted_on": str(fit_run),
         "fitted": {
             "tpot_intercept_ms": round(latency.tpot_intercept_s * 1e3, 3),
             "tpot_slope_ms": round(latency.tpot_slope_s * 1e3, 4),
             "prefill_tokens_per_s": round(latency.prefill_tokens_per_s, 1),
+            "overhead_fixed_ms": round(latency.overhead_s * 1e3, 1),
+            "overhead_p50_p95_ms": {
+                name: [round(float(np.percentile(v, q)) * 1e3, 1) for q in (50, 95)]
+                for name, v in latency.overhead_samples_by_class_s
+            },
         },
+        "seeds": seeds,
         "modes": {},
     }
     for mode in ("static", "rebalanced"):
-        if not (run / mode).exists():
+        if not any((run / mode).glob("records-*.jsonl")):
             continue
         config = load_config(run / f"router-{mode}.yaml")
-        started = time.perf_counter()
-        result = simulate(config, plan, latency, capacity_blocks=KV_BLOCKS)
-        wall_s = time.perf_counter() - started
-        measured, simulated = _measured(run / mode), _simulated(result)
+        results, wall_s = [], 0.0
+        for seed in range(seeds):
+            started = time.perf_counter()
+            results.append(
+                simulate(
+                    config,
+                    plan,
+                    latency,
+                    capacity_blocks=KV_BLOCKS,
+                    block_size_tokens=KV_BLOCK_SIZE,
+                    seed=seed,
+                )
+            )
+            wall_s += time.perf_counter() - started
+        measured = _measured(run / mode)
+        simulated = [_simulated(r) for r in results]
         rows = {}
         for key, real in measured.items():
-            sim = simulated.get(key)
+            values = [v for s in simulated if (v := s.get(key)) is not None]
+            sim = float(np.median(values)) if values else None
             rows[key] = {
                 "measured": None if real is None else round(real, 3),
                 "simulated": None if sim is None else round(sim, 3),
+                "simulated_range": [round(min(values), 3), round(max(values), 3)]
+                if values
+                else None,
                 "error_frac": None
                 if real in (None, 0) or sim is None
                 else round((sim - real) / real, 3),
             }
+        share_errors = [
+            e for r in results if mode == "rebalanced" and (e := _share_error(run, r)) is not None
+        ]
         report["modes"][mode] = {
             "metrics": rows,
-            "agent_share_mean_abs_error": _share_error(run, result)
-            if mode == "rebalanced"
+            "agent_share_mean_abs_error": round(float(np.median(share_errors)), 3)
+            if share_errors
             else None,
-            "simulated_moves": result.decisions,
-            "speed_simulated_s_per_wall_s": round(result.simulated_s / wall_s, 1),
+            "simulated_moves": results[0].decisions,
+            "simulated_move_counts": [len(r.decisions) for r in results],
+            "measured_moves": None
+            if (real := _real_summary(run, mode)) is None
+            else [m["t_s"] for m in real.get("moves", [])],
+            "speed_simulated_s_per_wall_s": round(sum(r.simulated_s for r in results) / wall_s, 1),
         }
     return report
 
@@ -132,10 +175,16 @@ def calibrate(run: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--run", required=True, help="a day-night results folder")
+    parser.add_argument(
+        "--fit-from", help="fit the engine latencies on this run's static records instead"
+    )
+    parser.add_argument("--out", help="write the report here (default RUN/calibration.json)")
+    parser.add_argument("--seeds", type=int, default=5, help="simulations per mode (default 5)")
     args = parser.parse_args(argv)
     run = Path(args.run)
-    report = calibrate(run)
-    (run / "calibration.json").write_text(json.dumps(report, indent=1) + "\n")
+    report = calibrate(run, Path(args.fit_from) if args.fit_from else None, args.seeds)
+    out = Path(args.out) if args.out else run / "calibration.json"
+    out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
     return 0
 

@@ -35,9 +35,19 @@ class LatencyModel:
     # time to first token: fixed, or drawn per request from measured samples when given
     overhead_s: float = 0.0
     overhead_samples_s: tuple[float, ...] = ()
+    # per traffic class, where measured: (class name, its samples)
+    overhead_samples_by_class_s: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
     def tpot_s(self, running: int) -> float:
         return self.tpot_intercept_s + self.tpot_slope_s * max(1, running)
+
+    def overhead_samples(self, class_name: str) -> tuple[float, ...]:
+        """The overhead samples to draw a request of `class_name`'s from: its class's, else
+        all of them (empty: use `overhead_s`)."""
+        for name, samples in self.overhead_samples_by_class_s:
+            if name == class_name and samples:
+                return samples
+        return self.overhead_samples_s
 
 
 @dataclass(eq=False, slots=True)

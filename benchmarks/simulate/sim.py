@@ -44,7 +44,6 @@ from router.request import RequestContext, RequestOutcome
 
 __all__ = ["SimResult", "simulate"]
 
-_BLOCK_SIZE = 16
 _ARRIVALS = frozenset({"chat", "run", "step"})  # events that bring work
 
 
@@ -90,6 +89,7 @@ class _Sim:
         plan: Plan,
         latency: LatencyModel,
         capacity_blocks: int,
+        block_size_tokens: int,
         seed: int,
     ) -> None:
         self.config = config
@@ -132,6 +132,7 @@ class _Sim:
         self.latency = latency
         self._rng = random.Random(seed)
         self.capacity_blocks = capacity_blocks
+        self.block_size_tokens = block_size_tokens
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self._ids = itertools.count()
@@ -317,7 +318,8 @@ class _Sim:
     def _start(self, req: _Request, lease: Lease, prefill_tokens: int) -> None:
         req.admitted_s = self.now
         req.lease = lease
-        samples = self.latency.overhead_samples_s
+        samples = self.latency.overhead_samples(req.class_name)
+        engine = self.engines[lease.instance_id]
         seq = SimSequence(
             prefill_left_tokens=float(max(1, prefill_tokens)),
             output_tokens=max(1, req.estimate.output_tokens),
@@ -326,7 +328,7 @@ class _Sim:
             overhead_s=self._rng.choice(samples) if samples else self.latency.overhead_s,
         )
         self._by_seq[id(seq)] = (req, seq)
-        self._engine_changed(*self.engines[lease.instance_id].add(seq, self.now))
+        self._engine_changed(*engine.add(seq, self.now))
 
     def _reject(self, req: _Request, code: str) -> None:
         req.rejected = code
@@ -382,7 +384,7 @@ class _Sim:
                     running=engine.running,
                     waiting=0,
                     num_gpu_blocks=self.capacity_blocks + 1,
-                    block_size=_BLOCK_SIZE,
+                    block_size=self.block_size_tokens,
                     preemptions_total=0,
                     prefix_cache_hits_total=0,
                     prefix_cache_queries_total=0,
@@ -437,10 +439,13 @@ def simulate(
     latency: LatencyModel,
     *,
     capacity_blocks: int,
+    block_size_tokens: int = 16,
     seed: int = 0,
 ) -> SimResult:
-    """Replay `plan` against a router built from `config` over modelled engines."""
-    return _Sim(config, plan, latency, capacity_blocks, seed).run()
+    """Replay `plan` against a router built from `config` over modelled engines, each with
+    `capacity_blocks` KV blocks of `block_size_tokens` (vLLM's default is 16 on GPUs and 128
+    on CPUs)."""
+    return _Sim(config, plan, latency, capacity_blocks, block_size_tokens, seed).run()
 
 
 def summarize(result: SimResult, config: Config) -> dict[str, Any]:

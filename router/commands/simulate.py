@@ -2,7 +2,7 @@
 
     gpupool simulate --config FILE [--config FILE ...] --trace SCENARIO.yaml --out DIR
                      [--fit RECORDS.jsonl | --tpot-intercept-ms A --tpot-slope-ms B
-                      --prefill-tokens-per-s R] [--kv-blocks N] [--seed S]
+                      --prefill-tokens-per-s R] [--kv-blocks N] [--kv-block-size T] [--seed S]
 
 `--trace` is a harness scenario (benchmarks/scenarios/, which may itself replay a trace file).
 Each config runs the same workload through gpupool's own fleet, admission, picking and
@@ -48,6 +48,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=511,
         help="KV blocks per engine (default: the dev model's CPU engines at 64 MiB)",
     )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=128,
+        help="tokens per KV block (default 128, vLLM's on CPUs; 16 on GPUs)",
+    )
     p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     p.set_defaults(func=simulate_command)
 
@@ -75,7 +81,13 @@ def simulate_command(args: argparse.Namespace) -> int:
     results = []
     for config in configs:
         started = time.perf_counter()
-        result = simulate(config, plan, latency, capacity_blocks=args.kv_blocks)
+        result = simulate(
+            config,
+            plan,
+            latency,
+            capacity_blocks=args.kv_blocks,
+            block_size_tokens=args.kv_block_size,
+        )
         result.wall_s = time.perf_counter() - started
         results.append(summarize(result, config))
     out = Path(args.out)
@@ -88,6 +100,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "prefill_tokens_per_s": round(latency.prefill_tokens_per_s, 1),
         },
         "kv_blocks": args.kv_blocks,
+        "kv_block_size_tokens": args.kv_block_size,
         "results": results,
     }
     (out / "simulation.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -104,7 +117,7 @@ def _table(doc: dict[str, Any]) -> str:
     lines = [
         f"scenario {doc['scenario']}; engines: TPOT {lat['tpot_intercept_ms']} ms +"
         f" {lat['tpot_slope_ms']} ms x batch, prefill {lat['prefill_tokens_per_s']} tok/s,"
-        f" {doc['kv_blocks']} KV blocks",
+        f" {doc['kv_blocks']} KV blocks of {doc['kv_block_size_tokens']} tokens",
         f"{'config':<36}{'pool':<10}{'reqs':>6}{'SLO':>8}{'TTFT p95':>10}{'queue p95':>11}"
         f"{'429':>6}{'GPU-s':>9}",
     ]

@@ -12,13 +12,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from benchmarks.prompts import PromptMaker
 from benchmarks.scenario import parse_scenario
+from benchmarks.simulate.fit import fit_latency
 from benchmarks.simulate.model import EngineModel, LatencyModel, SimSequence
 from benchmarks.simulate.sim import SimResult, simulate, summarize
 from benchmarks.workload import build_plan
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
+from router.cli import main as cli_main
 
 SCENARIO: dict[str, Any] = {
     "name": "shift",
@@ -114,7 +117,9 @@ def test_static_vs_rebalanced_on_a_demand_shift(tmp_path: Path) -> None:
         total = sum(r.gpu_seconds_by_pool.values())
         assert r.simulated_s > 120 and total == pytest.approx(3 * r.simulated_s)
     assert s["moves"] == []
-    assert m["moves"] and m["moves"][0]["to"] == "agent" and m["moves"][0]["t_s"] > 60
+    # the agent surge at 60 s draws share to agent (other moves, e.g. to a pool's floor while
+    # it is idle, are the decision function's business)
+    assert any(move["to"] == "agent" and move["t_s"] > 60 for move in m["moves"])
     assert max(sh["agent"] for _, sh in moved.shares) > 0.6
     assert all(0.2 - 1e-9 <= sh["agent"] <= 0.67 + 1e-9 for _, sh in moved.shares)
     # the agent surge is served better with the engine the rebalancer moved
@@ -266,3 +271,79 @@ def test_lazy_engine_matches_the_eager_reference(seed: int) -> None:
     assert len(seen_lazy) == 2 * len(arrivals)
     assert [c[1:] for c in seen_lazy] == [c[1:] for c in seen_eager]
     assert [c[0] for c in seen_lazy] == pytest.approx([c[0] for c in seen_eager], abs=1e-9)
+
+
+def _records(path: Path, rng: np.random.Generator, queued_frac: float) -> None:
+    """Harness-style records from a known engine: TTFT = 20 ms + prompt / 40,000 tok/s plus a
+    small jitter, and for `queued_frac` of the requests a router queue wait of 1-3 s on top;
+    TPOT 3 ms whatever the batch."""
+    lines = []
+    for i in range(400):
+        send_s = i * 0.5
+        prompt = int(rng.integers(50, 4000))
+        ttft_s = 0.02 + prompt / 40_000 + float(rng.uniform(0, 0.01))
+        if rng.random() < queued_frac:
+            ttft_s += float(rng.uniform(1, 3))
+        out = 50 if i % 3 else 800  # long ones overlap the next few on their instance
+        e2e_s = ttft_s + (out - 1) * 0.003
+        lines.append(
+            json.dumps(
+                {
+                    "type": "request",
+                    "class_name": "agent" if i % 4 == 0 else "normal",
+                    "send_s": send_s,
+                    "status": 200,
+                    "ttft_ms": ttft_s * 1e3,
+                    "e2e_ms": e2e_s * 1e3,
+                    "output_tokens": out,
+                    "prompt_tokens": prompt,
+                    "instance": f"engine-{i % 2}",
+                }
+            )
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("queued_frac", [0.0, 0.15])
+def test_fit_recovers_the_prefill_rate_past_queue_waits(tmp_path: Path, queued_frac: float) -> None:
+    """The prefill rate comes from TTFT's lower quartile, so router queue waits in a share of
+    the requests (which the simulator adds itself) do not leak into it; least squares would
+    fit a rate several times too low here."""
+    path = tmp_path / "records.jsonl"
+    _records(path, np.random.default_rng(3), queued_frac)
+    latency = fit_latency(path)
+    assert latency.prefill_tokens_per_s == pytest.approx(40_000, rel=0.1)
+    assert 0.015 <= latency.overhead_s <= 0.03
+    # TPOT: 3 ms per token at one running sequence
+    assert latency.tpot_s(1) == pytest.approx(0.003, rel=0.05)
+    agent = latency.overhead_samples("agent")
+    normal = latency.overhead_samples("normal")
+    assert len(agent) == 100 and len(normal) == 300
+    assert latency.overhead_samples("unknown") == latency.overhead_samples_s
+    if queued_frac:  # the waits stay in the drawn overheads' tail, per class
+        assert max(normal) > 1.0
+
+
+def test_cli_runs_configs_side_by_side(tmp_path: Path) -> None:
+    scenario = copy.deepcopy(SCENARIO)
+    scenario["duration_s"] = 30
+    (tmp_path / "scenario.yaml").write_text(yaml.safe_dump(scenario))
+    for name, enabled in (("static", False), ("moving", True)):
+        data = copy.deepcopy(DEFAULT_CPU_CONFIG)
+        data["router"] = {"ledger_path": str(tmp_path / "l"), "state_path": str(tmp_path / "s")}
+        data["rebalancer"] = {"enabled": enabled}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    argv = ["simulate", "--trace", str(tmp_path / "scenario.yaml"), "--out", str(out)]
+    argv += ["--config", str(tmp_path / "static.yaml"), "--config", str(tmp_path / "moving.yaml")]
+    assert cli_main(argv) == 0
+    doc = json.loads((out / "simulation.json").read_text())
+    assert doc["kv_block_size_tokens"] == 128 and doc["kv_blocks"] == 511
+    names = [r["config"] for r in doc["results"]]
+    assert names[0].endswith("static.yaml") and names[1].endswith("moving.yaml")
+    for result in doc["results"]:
+        assert result["pools"]["normal"]["requests"] > 100
+        assert result["simulated_s"] >= 30
+    (tmp_path / "bad.yaml").write_text("pools: 3\n")
+    bad = ["simulate", "--trace", str(tmp_path / "scenario.yaml"), "--out", str(out)]
+    assert cli_main([*bad, "--config", str(tmp_path / "bad.yaml")]) == 2
