@@ -136,23 +136,27 @@ def plan_moves(
     now_s: float = 0.0,
     drain_timeout_s: float = 0.0,
     pinned: Mapping[str, str] | None = None,
+    whole_moves: bool = True,
 ) -> Allocation:
     """Move `current` toward `shares` (summing to 1) with as few changes as possible.
 
-    Share goes from the pool with the most surplus to the one with the most need, in this
-    order: (1) resize an instance the two pools already share; (2) move one whole instance of
-    the giver (the smallest that the need covers; never one `pinned` to the giver) to the
-    receiver, and only one per call: it drains (`Allocation.draining`, deadline `now_s +
-    drain_timeout_s`); (3) split one of the giver's whole instances. What one call cannot
-    place (a second whole instance) waits for the next call; the returned allocation's shares
-    are what was placed. Instances already draining are left alone."""
+    Instances of `capacity` that `current` lacks are new: each joins (largest first) the pool
+    its pin names, else the pool with the most unmet need, whole when that need covers it,
+    else split across the unmet needs (when no instance is split yet). Instances `current`
+    has that `capacity` lacks are gone. Then share goes from the pool with the most surplus to
+    the one with the most need, in this order: (1) resize an instance the two pools already
+    share; (2) move one whole instance of the giver (the smallest that the need covers; never
+    one `pinned` to the giver) to the receiver, and only one per call: it drains
+    (`Allocation.draining`, deadline `now_s + drain_timeout_s`); (3) split one of the giver's
+    whole instances. With `whole_moves` False only (1) is done: no instance already placed
+    changes pools (how a fleet change is placed). What one call cannot place (a second whole
+    instance) waits for the next call; the returned allocation's shares are what was placed.
+    Instances already draining are left alone, drain and all."""
     total = sum(capacity.values())
     if total <= 0:
-        return current
-    fracs = {i: dict(current.pools_of(i)) for i in capacity}
-    for i in fracs:
-        if not fracs[i]:  # an instance the allocation did not know: give it to the first pool
-            fracs[i] = {min(shares): 1.0}
+        return Allocation(MappingProxyType({}), current.version)
+    fracs = {i: dict(current.pools_of(i)) for i in capacity if current.pools_of(i)}
+    _place_new(fracs, capacity, shares, pinned or {})
     plan = _Plan(
         fracs, capacity, {i: d for i, d in current.draining.items() if i in capacity}, pinned or {}
     )
@@ -167,8 +171,8 @@ def plan_moves(
         if amount <= tolerance:
             break
         moved = plan.shift_on_split(giver, receiver, amount)
-        if moved <= 0 and amount < _SNAP_INSTANCES * min(capacity.values()):
-            break  # a sliver: not worth splitting another instance for
+        if moved <= 0 and (not whole_moves or amount < _SNAP_INSTANCES * min(capacity.values())):
+            break  # a sliver not worth splitting another instance for, or no moves wanted
         if moved <= 0:
             moved, whole = plan.take_whole(giver, receiver, amount, whole_moved)
             if whole is not None:
@@ -183,6 +187,36 @@ def plan_moves(
         for i, by_pool in fracs.items()
     }
     return Allocation(MappingProxyType(frozen), current.version, MappingProxyType(plan.draining))
+
+
+def _place_new(
+    fracs: dict[str, dict[str, float]],
+    capacity: Mapping[str, float],
+    shares: Mapping[str, float],
+    pinned: Mapping[str, str],
+) -> None:
+    """Give each instance of `capacity` missing from `fracs` a place (see `plan_moves`)."""
+    new = sorted((i for i in capacity if i not in fracs), key=lambda i: (-capacity[i], i))
+    if not new or not shares:
+        return
+    total = sum(capacity.values())
+    scratch = Allocation(MappingProxyType(fracs))
+    need = {p: s * total - _units(scratch, capacity, p) for p, s in shares.items()}
+    for i in new:
+        cap = capacity[i]
+        pool = pinned.get(i)
+        if pool not in need:
+            pool = max(need, key=lambda p: (need[p], p))
+        split = any(len([f for f in by.values() if f > 1e-9]) > 1 for by in fracs.values())
+        positive = {p: n for p, n in need.items() if n > cap * _SNAP_INSTANCES / 2}
+        if i in pinned or need[pool] >= cap * (1 - _SNAP_INSTANCES) or split or not positive:
+            fracs[i] = {pool: 1.0}
+            need[pool] -= cap
+            continue
+        weight = sum(positive.values())
+        fracs[i] = {p: n / weight for p, n in positive.items()}
+        for p, n in positive.items():
+            need[p] -= cap * n / weight
 
 
 @dataclass(slots=True)

@@ -9,9 +9,15 @@ Pressure (>= 1 means the pool misses a target) is the max of normalised signals:
 
     queue_wait  queue wait (p95 over the interval, or the oldest still waiting) / target
     kv          KV-cache use on the pool's instances / 0.8
-    ttft        TTFT p95 / the pool's `slo.ttft_p95_ms`
-    tpot        TPOT p95 / the pool's `slo.tpot_p95_ms`
+    ttft        TTFT p95 / the pool's `slo.ttft_p95_ms`, counted from half the target
+    tpot        TPOT p95 / the pool's `slo.tpot_p95_ms`, counted from half the target
     rejections  fraction of the pool's requests refused (429) / 0.01
+
+"Counted from half the target": a latency r times its target is pressure `max(0, 2r - 1)` below
+the target and `r` at or above it (continuous at 1). Far below its target a latency is the
+engine's own (its prefill, its share of the processor), not a sign of load: without the dead
+band a lightly used chat pool at 40 % of its TTFT target looked as pressured as a busy agent
+pool at 50 % of its KV budget, and the night surge waited for the agent queue to build.
 
 smoothed as the mean over `smoothing_window_s` (the window restarts after a move: pressures
 measured at the old ratio say nothing about the new one). When the gap between the most and
@@ -21,6 +27,15 @@ proportional to load / share (the receiver's load `p_r * s_r`, the giver's `p_g 
 `x = (L_r s_g - L_g s_r) / (L_r + L_g)`), capped by `max_step_frac` and both pools' bounds.
 Then nothing moves for `cooldown_s`. An idle pool (pressure 0) gives share down to its floor.
 
+Home: given `home` (the SREs' initial shares), the ratio goes back there once the pressure
+that pulled it away is gone: when every pool's pressure *at the home shares* would be at most
+`HOME_PRESSURE` (predicted with the same load / share model: `p * s / s_home`), the loop steps
+toward home (`max_step_frac` per step, cooldown after each) and, once there, holds it; the
+pressure rule then acts only when some pool would be pressured at home. Under that model the
+prediction does not depend on where the ratio is, so the two rules never undo each other under
+constant demand. An idle pool keeps its home share while nobody is pressured there, and gives
+it (down to its floor) by the pressure rule when another pool is.
+
 Bounds: a pool never leaves [floor_frac, ceiling_frac] (the schedule's bounds at that time of
 day, see `bounds_at`), and a pool that had traffic in the last `traffic_memory_s` never goes
 below one instance's worth of capacity (where the bounds leave room for that).
@@ -29,7 +44,7 @@ below one instance's worth of capacity (where the bounds leave room for that).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -54,6 +69,8 @@ KV_TARGET_FRAC = 0.8
 REJECTION_TARGET_FRAC = 0.01
 _EPS = 1e-9
 _MIN_STEP_FRAC = 0.005  # smaller steps are not worth a move
+# every pool predicted at most this pressure at the home shares: the ratio goes home
+HOME_PRESSURE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +92,21 @@ class PoolSignals:
         return self.requests > 0
 
 
+def _latency_pressure(value_s: float | None, target_s: float) -> float:
+    """A latency over its target, counted from half the target (see the module docstring)."""
+    if value_s is None:
+        return 0.0
+    ratio = value_s / max(target_s, _EPS)
+    return ratio if ratio >= 1.0 else max(0.0, 2.0 * ratio - 1.0)
+
+
 def pressure_by_signal(s: PoolSignals) -> dict[str, float]:
     """Each signal over its target: 1.0 is exactly at target, 0 is idle."""
     return {
         "queue_wait": s.queue_wait_s / max(s.queue_wait_target_s, _EPS),
         "kv": s.kv_usage_frac / KV_TARGET_FRAC,
-        "ttft": 0.0 if s.ttft_p95_s is None else s.ttft_p95_s / max(s.ttft_target_s, _EPS),
-        "tpot": 0.0 if s.tpot_p95_s is None else s.tpot_p95_s / max(s.tpot_target_s, _EPS),
+        "ttft": _latency_pressure(s.ttft_p95_s, s.ttft_target_s),
+        "tpot": _latency_pressure(s.tpot_p95_s, s.tpot_target_s),
         "rejections": s.rejected_frac / REJECTION_TARGET_FRAC,
     }
 
@@ -150,8 +175,8 @@ class Decision:
     at_s: float
     shares: Mapping[str, float]  # target shares after this decision
     move: Move | None
-    reason: str  # moved | pinned | bounds | frozen | cooldown | within_hysteresis | at_bound
-    # | not_due | step_too_small
+    reason: str  # moved | home | at_home | pinned | bounds | frozen | cooldown
+    # | within_hysteresis | at_bound | not_due | step_too_small
     pressure: Mapping[str, Mapping[str, float]]  # pool -> signal -> normalised value (raw)
     smoothed: Mapping[str, float]  # pool -> smoothed pressure
     bounds: Mapping[str, tuple[float, float]]  # pool -> effective (low, high)
@@ -159,7 +184,7 @@ class Decision:
 
     @property
     def changed(self) -> bool:
-        return self.reason in ("moved", "pinned", "bounds")
+        return self.reason in ("moved", "home", "pinned", "bounds")
 
 
 def effective_bounds(
@@ -220,11 +245,14 @@ def decide(
     instance_frac: float = 0.0,
     frozen: bool = False,
     pinned: Mapping[str, float] | None = None,
+    home: Mapping[str, float] | None = None,
 ) -> Decision:
     """One step of the loop. `bounds` names every pool; `signals` may lack an idle pool.
     `instance_frac` is one instance's share of total capacity (the smallest instance).
     `frozen` holds the shares as they are; `pinned` (shares summing to 1) replaces the loop's
-    judgement with the SRE's ratio, still within bounds."""
+    judgement with the SRE's ratio, still within bounds. `home` (shares summing to 1, the
+    configured initial ratio) is where the ratio returns when no pool would be pressured
+    there (see the module docstring); None: no return."""
     pools = sorted(bounds)
     raw = {p: pressure_by_signal(signals.get(p, PoolSignals())) for p in pools}
     now_pressure = {p: max(raw[p].values()) for p in pools}
@@ -282,6 +310,18 @@ def decide(
         return replace(result("not_due", current, None, False), state=state)
     if state.last_move_at_s is not None and now_s - state.last_move_at_s < settings.cooldown_s:
         return result("cooldown", current, None, False)
+    if home is not None:
+        target = clamp_shares(home, limits)
+        at_home = {
+            p: 0.0
+            if smoothed[p] <= _EPS
+            else smoothed[p] * current[p] / target[p]
+            if target[p] > _EPS
+            else math.inf
+            for p in pools
+        }
+        if max(at_home.values()) <= HOME_PRESSURE:
+            return _toward(current, target, settings.max_step_frac, result)
     receiver = max(pools, key=lambda p: (smoothed[p], p))
     giver = min(pools, key=lambda p: (smoothed[p], p))
     gap = smoothed[receiver] - smoothed[giver]
@@ -300,6 +340,25 @@ def decide(
     shares[receiver] = s_r + step
     shares[giver] = s_g - step
     return result("moved", shares, Move(giver, receiver, step), True)
+
+
+def _toward(
+    current: Mapping[str, float],
+    target: Mapping[str, float],
+    max_step_frac: float,
+    result: Callable[[str, Mapping[str, float], Move | None, bool], Decision],
+) -> Decision:
+    """One step (at most `max_step_frac`) from the pool furthest above its home share to the
+    one furthest below it; "at_home" when the rest is smaller than a step worth taking."""
+    giver = max(current, key=lambda p: (current[p] - target[p], p))
+    receiver = min(current, key=lambda p: (current[p] - target[p], p))
+    step = min(max_step_frac, current[giver] - target[giver], target[receiver] - current[receiver])
+    if step < _MIN_STEP_FRAC:
+        return result("at_home", current, None, False)
+    shares = dict(current)
+    shares[giver] -= step
+    shares[receiver] += step
+    return result("home", shares, Move(giver, receiver, step), True)
 
 
 def _differs(a: Mapping[str, float], b: Mapping[str, float]) -> bool:

@@ -4,12 +4,16 @@ Ray) answers, without a router restart.
 `reconcile(specs)` takes one whole answer:
 
 - an engine new to the fleet joins: it is added unhealthy (the next good scrape makes it
-  healthy), starts being scraped and accounted, and the pools are placed again over the new
-  capacity (`plan_allocation` of the target shares), so admission sends it work at once;
+  healthy), starts being scraped and accounted, and is placed where the target shares need
+  it, so admission sends it work at once;
 - an engine missing from the answer is *leaving*: it is taken out of every pool at once (no
   new work), its sequences in flight finish where they are, and it leaves the fleet when the
   last one is released or `drain_timeout_s` passes (then what is still running keeps running
   and is still accounted; nothing is cut);
+- placement goes through the rebalancer's `plan_moves` from the current allocation, not a plan
+  from scratch: the engines that stay keep their pools (a split one may be resized) and a
+  drain in progress goes on; only when a pool with a target share is left with no engine at
+  all does one engine move to it (draining from its old pool);
 - a leaving engine that reappears is taken back; an engine at a new address (Ray restarted
   it elsewhere) keeps its id, and is readmitted when the new address answers a scrape.
 
@@ -26,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pools.allocation import PoolMap, plan_allocation
+from pools.allocation import Allocation, PoolMap, plan_moves
 from pools.fleet import Fleet, InstanceState
 from pools.launchers.base import InstanceSpec
 from pools.operating_point import OperatingPoint
@@ -105,7 +109,7 @@ class Membership:
                 self._begin_leaving(state, now)
                 placement_changed = True
         if placement_changed:
-            self._place()
+            self._place(now)
         for instance_id, since_s in list(self._leaving_since_s.items()):
             if now - since_s >= self._drain_timeout_s:
                 state = self._fleet.get(instance_id)
@@ -155,14 +159,35 @@ class Membership:
         self.changes.labels("left").inc()
         self._on_gone(instance_id)
 
-    def _place(self) -> None:
-        """Place the pools again over the instances that stay (leaving ones get nothing)."""
+    def _place(self, now_s: float) -> None:
+        """Place joining engines and drop leaving ones, from the current allocation (see the
+        module docstring); a pool left without any engine gets one moved to it."""
         capacity = self._fleet.capacity_gpus()
         pinned = {i: p for i, p in self._pinned().items() if i in capacity}
         shares = dict(self._target_shares())
         if sum(shares.values()) <= 1e-9 and self._initial_shares:
             shares = dict(self._initial_shares)  # the fleet was empty: no ratio to keep yet
-        self._pool_map.replace(plan_allocation(capacity, shares, pinned=pinned))
+        total = sum(shares.values())
+        if total > 0:
+            shares = {p: v / total for p, v in shares.items()}
+        current = self._pool_map.current
+
+        def placed(whole_moves: bool) -> Allocation:
+            return plan_moves(
+                current,
+                capacity,
+                shares,
+                now_s=now_s,
+                drain_timeout_s=self._drain_timeout_s,
+                pinned=pinned,
+                whole_moves=whole_moves,
+            )
+
+        allocation = placed(whole_moves=False)
+        served = {p for by_pool in allocation.fracs.values() for p, f in by_pool.items() if f > 0}
+        if any(v > 0 and p not in served for p, v in shares.items()):
+            allocation = placed(whole_moves=True)
+        self._pool_map.replace(allocation)
 
 
 def forget_instance_series(metrics: object, instance_id: str) -> None:

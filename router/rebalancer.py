@@ -4,12 +4,13 @@ so is the placement (`pools.allocation.plan_moves`); this component gathers thei
 applies their outputs to the `PoolMap`, and writes down what happened.
 
 Every `rebalancer.interval_s` (when `rebalancer.enabled`) `tick()`:
-1. gathers each pool's signals: queue waits (p95 of the interval's waits, or the age of the
-   request at the head of the queue, whichever is longer; target: the pool's TTFT target),
+1. gathers each pool's signals: queue waits (p95 of the waits that ended in the interval,
+   counted when the request is dispatched, or the age of the request at the head of the
+   queue, whichever is longer; target: the pool's TTFT target),
    KV use of the pool's part of its instances, TTFT and TPOT p95 of the interval's streaming
    requests, and the fraction refused with a 429 (`SignalWindow`, a `RequestObserver`);
 2. decides (bounds from the config, its time-of-day schedule, or an SRE override; a pinned
-   ratio or a freeze from the SREs);
+   ratio or a freeze from the SREs; home: the configured `initial_frac` ratio as placed);
 3. places the target with as few changes as possible: the split instance is resized at once
    (admission enforces fractions on every request), a whole instance drains (see
    `pools.allocation`) and joins its new pool when its old pool's sequences there have
@@ -80,13 +81,26 @@ class _Seen:
 
 
 class SignalWindow:
-    """A `RequestObserver` that remembers each pool's finished requests for one window."""
+    """A `RequestObserver` that remembers each pool's requests for one window: queue waits
+    when they end (at dispatch: a long agent step's wait counts at once, not when the step
+    finishes seconds later; or at the end for a request never dispatched), TTFT, TPOT and
+    refusals when the request ends."""
 
     def __init__(self, pools: Sequence[str], *, max_events: int = 50_000) -> None:
         self._seen: dict[str, deque[_Seen]] = {p: deque(maxlen=max_events) for p in pools}
+        self._waits: dict[str, deque[tuple[float, float]]] = {
+            p: deque(maxlen=max_events) for p in pools
+        }
+        self._wait_counted: set[str] = set()  # request ids whose wait is in, until they end
 
     def dispatched(self, outcome: RequestOutcome) -> None:
-        return None
+        waits = self._waits.get(outcome.ctx.pool)
+        request_id = outcome.ctx.request_id
+        if waits is None or request_id in self._wait_counted:  # a retry: counted once
+            return
+        self._wait_counted.add(request_id)
+        at_s = outcome.dispatched_at_s
+        waits.append((at_s if at_s is not None else outcome.ctx.received_at_s, outcome.queue_s))
 
     def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
         return {}
@@ -95,10 +109,27 @@ class SignalWindow:
         seen = self._seen.get(outcome.ctx.pool)
         if seen is None:
             return
+        if outcome.ctx.request_id in self._wait_counted:
+            self._wait_counted.discard(outcome.ctx.request_id)
+        else:
+            self._waits[outcome.ctx.pool].append((outcome.ended_at_s, outcome.queue_s))
         rejected = outcome.rejected and outcome.status == 429
         seen.append(
             _Seen(outcome.ended_at_s, outcome.queue_s, outcome.ttft_s, outcome.tpot_s, rejected)
         )
+
+    def waits(self, pool: str, since_s: float) -> list[float]:
+        """The queue waits that ended (dispatch, or the end of a request never dispatched)
+        after `since_s`."""
+        waits = self._waits.get(pool, deque())
+        while waits and waits[0][0] < since_s - 3600:  # keep at most an hour
+            waits.popleft()
+        out = []
+        for at_s, wait_s in reversed(waits):
+            if at_s < since_s:
+                break
+            out.append(wait_s)
+        return out
 
     def summary(self, pool: str, since_s: float) -> tuple[list[_Seen], int]:
         """The pool's requests that finished after `since_s`, and how many were refused."""
@@ -232,6 +263,17 @@ class Rebalancer:
         total = sum(capacity.values())
         return min(capacity.values()) / total if capacity and total > 0 else 0.0
 
+    def home_shares(self) -> dict[str, float]:
+        """Where the loop takes the ratio back once no pool would be pressured there: the
+        configured initial ratio (`share.initial_frac`) as placed on the instances there are
+        (0.34 of three engines is one engine, 1/3)."""
+        given = {p.name: p.share.initial_frac for p in self.config.pools}
+        capacity = self.fleet.capacity_gpus()
+        if sum(given.values()) <= 0 or not capacity:
+            return given
+        placed = plan_allocation(capacity, given, pinned=self.pinned_instances())
+        return {p: placed.share_of(p, capacity) for p in self.pools}
+
     def pinned_instances(self) -> dict[str, str]:
         pins = {i: p.name for p in self.config.pools for i in p.pinned_instances}
         pins.update(self.sre.pinned_instances)
@@ -249,7 +291,7 @@ class Rebalancer:
             waiting = len(queue) if queue is not None else 0
             head = queue.peek() if queue is not None else None
             head_wait_s = now_s - head.enqueued_at_s if head is not None else 0.0
-            waits = [s.queue_s for s in recent]
+            waits = self.signals.waits(name, since)
             running = sum(
                 s.running_by_pool.get(name, 0)
                 for s in self.fleet
@@ -304,11 +346,12 @@ class Rebalancer:
             instance_frac=self._instance_frac(),
             frozen=self.sre.frozen,
             pinned=self.sre.pinned_shares,
+            home=self.home_shares(),
         )
         self.loop_state = decision.state
         if decision.reason != "not_due":
             self._place(decision.shares, now)
-            kind = "auto" if decision.reason == "moved" else decision.reason
+            kind = "auto" if decision.reason in ("moved", "home") else decision.reason
             self._record(decision, kind, signals, who="loop")
         return decision
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sqlite3
 import subprocess
@@ -78,6 +79,86 @@ def router_config(mode: str, urls: list[str], state: Path) -> dict[str, Any]:
             **REBALANCER,
         },
     }
+
+
+CALIBRATION_S = 40.0  # agent-only overload on the static router's one agent engine
+CALIBRATION_RATE_PER_S = 4.0  # agent runs/s offered while calibrating (well past one engine)
+CALIBRATION_STEADY_FROM_S = 15.0  # steps completed after this count toward the capacity
+NIGHT = ("night", 120.0, 180.0)
+
+
+def write_calibration_scenario(folder: Path) -> None:
+    """The committed scenario's agent class alone, at a constant rate far past one engine."""
+    data = yaml.safe_load(Path(SCENARIO).read_text())
+    agent = data["classes"]["agent"]
+    agent["arrivals"] = {"process": "constant", "rate_per_s": CALIBRATION_RATE_PER_S}
+    data["classes"] = {"agent": agent}
+    data["name"] = "day-night-agent-calibration"
+    data["description"] = "The day-night agent class alone, overloading one agent engine."
+    data["duration_s"] = CALIBRATION_S
+    data["drain_timeout_s"] = 20
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "scenario.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def agent_capacity_steps_per_s(records: list[RequestRecord]) -> float:
+    """One engine's agent capacity: steps completed (200, whole) per second after the
+    overload has built up (sent from `CALIBRATION_STEADY_FROM_S` to the end of arrivals)."""
+    window = CALIBRATION_S - CALIBRATION_STEADY_FROM_S
+    done = [
+        r
+        for r in records
+        if r.class_name == "agent"
+        and r.ok
+        and r.end_s is not None
+        and CALIBRATION_STEADY_FROM_S <= r.end_s < CALIBRATION_S
+    ]
+    return len(done) / window
+
+
+def mean_steps_per_run(scenario: Path) -> float:
+    """E[steps] of the scenario's agent runs (its step distribution, rounded as the workload
+    rounds it, from 200,000 draws)."""
+    spec = next(c for c in load_scenario(scenario).classes if c.name == "agent")
+    assert spec.steps is not None
+    draws = spec.steps.sample(np.random.default_rng(0), 200_000)
+    return float(np.mean(np.maximum(1, np.rint(draws))))
+
+
+def write_night_scenario(out: Path, capacity_steps_per_s: float, demand_x: float) -> dict[str, Any]:
+    """A copy of the scenario whose night agent arrival rate offers `demand_x` times one
+    engine's measured agent capacity (in steps/s); every other rate unchanged."""
+    data = yaml.safe_load(Path(SCENARIO).read_text())
+    steps = mean_steps_per_run(Path(SCENARIO))
+    rate = round(demand_x * capacity_steps_per_s / steps, 3)
+    for segment in data["classes"]["agent"]["arrivals"]["segments"]:
+        if segment["start_s"] == NIGHT[1]:
+            before = segment["rate_per_s"]
+            segment["rate_per_s"] = rate
+    data["name"] = f"{data['name']}-night-{demand_x:g}x-one-engine"
+    data["description"] += (
+        f" Night agent arrivals {rate} runs/s ({demand_x:g}x one engine's measured agent"
+        f" capacity of {capacity_steps_per_s:.2f} steps/s at {steps:.2f} steps per run)."
+    )
+    (out / "scenario.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    return {
+        "agent_capacity_steps_per_s": round(capacity_steps_per_s, 3),
+        "mean_steps_per_run": round(steps, 3),
+        "night_demand_x_one_engine": demand_x,
+        "night_agent_rate_per_s": rate,
+        "committed_night_agent_rate_per_s": before,
+    }
+
+
+def calibrate(engines: list[str], out: Path, state: Path, demand_x: float) -> None:
+    """Measure one engine's agent capacity behind the static router, then size the night."""
+    folder = out / "calibration"
+    write_calibration_scenario(folder)
+    run_mode("static", engines, folder, state)
+    capacity = agent_capacity_steps_per_s(_records(folder / "static"))
+    result = write_night_scenario(out, capacity, demand_x)
+    (out / "capacity.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result), flush=True)
 
 
 def scenario_path(out: Path) -> Path:
@@ -331,9 +412,30 @@ def summarize(out: Path, mode: str) -> dict[str, Any]:
         for d in reversed(decisions)
         if d["reason"] == "drain_done"
     ]
+    night_start = NIGHT[1]
+    rose = next(
+        (m for m in moves if m["t_s"] >= night_start and m["move"]["to_pool"] == "agent"), None
+    )
+    fell = next(
+        (
+            m
+            for m in moves
+            if rose is not None and m["t_s"] > rose["t_s"] and m["move"]["to_pool"] == "normal"
+        ),
+        None,
+    )
     return {
         "mode": mode,
         "requests": len(records),
+        # the first move to the agent pool after the night surge began, in seconds after it
+        # and in rebalancer intervals (a decision at surge + k intervals is "within k")
+        "agent_share_rose_after_surge_s": None
+        if rose is None
+        else round(rose["t_s"] - night_start, 1),
+        "agent_share_rose_within_intervals": None
+        if rose is None
+        else math.ceil((rose["t_s"] - night_start) / REBALANCER["interval_s"] - 1e-9),
+        "agent_share_fell_back_at_s": None if fell is None else fell["t_s"],
         "failed": sum(1 for r in records if not r.ok),
         "phases": phases,
         "moves": moves,
@@ -344,6 +446,11 @@ def summarize(out: Path, mode: str) -> dict[str, Any]:
         ],
         "trajectory": trajectory,
     }
+
+
+def _capacity(out: Path) -> dict[str, Any] | None:
+    path = out / "capacity.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -362,6 +469,21 @@ def render(out: Path, modes: list[str]) -> str:
         + ", ".join(f"{k} {v}" for k, v in REBALANCER.items())
         + ".",
         "",
+        *(
+            [
+                "Night sized from a calibration on this machine (`capacity.json`): one agent"
+                f" engine completed {cap['agent_capacity_steps_per_s']} agent steps/s under"
+                f" overload; the night offers {cap['night_demand_x_one_engine']}x that"
+                f" ({cap['night_agent_rate_per_s']} runs/s at {cap['mean_steps_per_run']} steps"
+                f" per run; the committed scenario has {cap['committed_night_agent_rate_per_s']}).",
+                "",
+            ]
+            if (cap := _capacity(out)) is not None
+            else []
+        ),
+        "Agent goodput: output tokens per second of the agent steps sent in the phase that"
+        " met the agent SLO (TTFT, TPOT and e2e targets of the scenario).",
+        "",
         "| mode | phase | chat SLO | chat TTFT p95 ms | chat TPOT p95 ms | agent steps |"
         " agent goodput tok/s | agent step TTFT p95 ms | failed |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -378,7 +500,10 @@ def render(out: Path, modes: list[str]) -> str:
         lines += ["", f"## {mode}: the agent share over time", ""]
         lines.append(
             f"requests {r['requests']}, failed {r['failed']}; agent share (placed) min/max"
-            f" {r['agent_share_min_max']}"
+            f" {r['agent_share_min_max']}; first move to agent after the night surge (t="
+            f"{NIGHT[1]:g} s): {_fmt(r['agent_share_rose_after_surge_s'], 'g')} s after it"
+            f" (within {_fmt(r['agent_share_rose_within_intervals'], 'd')} intervals); back to"
+            f" normal at t={_fmt(r['agent_share_fell_back_at_s'], 'g')} s"
         )
         for m in r["moves"]:
             mv = m["move"]
@@ -417,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
         "--modes", nargs="+", choices=list(ROUTER_PORTS), default=list(ROUTER_PORTS)
     )
     parser.add_argument("--render", action="store_true", help="only rebuild the summary")
+    parser.add_argument(
+        "--night-demand-x",
+        type=float,
+        default=None,
+        help="first measure one engine's agent capacity (agent-only overload on the static"
+        " router), then offer this many times it in the night phase (other rates unchanged)",
+    )
     parser.add_argument(
         "--agent-rate-scale",
         type=float,
@@ -458,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
         loop = Loop()
         specs: list[InstanceSpec] = loop.run(launcher.start())
         try:
+            if args.night_demand_x is not None:
+                print("calibrating one engine's agent capacity", flush=True)
+                calibrate([s.url for s in specs], out, state, args.night_demand_x)
             for mode in args.modes:
                 print(f"mode {mode}", flush=True)
                 if mode == "idle":

@@ -43,6 +43,7 @@ def run_loop(
     steps: int,
     cfg: RebalanceSettings = SETTINGS,
     instance_frac: float = 0.0,
+    home: Mapping[str, float] | None = None,
 ) -> tuple[list[dict[str, float]], list[tuple[str, str]]]:
     """Run `steps` intervals; pressure = demand / share. Returns shares after each step and
     the (giver, receiver) of every move."""
@@ -52,7 +53,9 @@ def run_loop(
     for k in range(steps):
         d = demand[k] if isinstance(demand, list) else demand
         sig = {p: signals_for(d[p] / max(state.shares[p], 1e-9), 10 if d[p] else 0) for p in d}
-        decision = decide(state, sig, bounds, cfg, k * cfg.interval_s, instance_frac=instance_frac)
+        decision = decide(
+            state, sig, bounds, cfg, k * cfg.interval_s, instance_frac=instance_frac, home=home
+        )
         state = decision.state
         if decision.move is not None:
             moves.append((decision.move.from_pool, decision.move.to_pool))
@@ -66,15 +69,35 @@ def test_pressure_is_each_signal_over_its_target() -> None:
             queue_wait_s=3.0,
             queue_wait_target_s=2.0,
             kv_usage_frac=0.4,
-            ttft_p95_s=0.5,
+            ttft_p95_s=1.5,
             ttft_target_s=2.0,
             tpot_p95_s=None,
             rejected_frac=0.02,
         )
     )
+    # TTFT at 75 % of its target: counted from half the target, 2 x 0.75 - 1 = 0.5
     assert p == pytest.approx(
-        {"queue_wait": 1.5, "kv": 0.5, "ttft": 0.25, "tpot": 0.0, "rejections": 2.0}
+        {"queue_wait": 1.5, "kv": 0.5, "ttft": 0.5, "tpot": 0.0, "rejections": 2.0}
     )
+
+
+@pytest.mark.parametrize(
+    ("ttft_s", "tpot_s", "expected"),
+    [
+        (0.8, 0.04, (0.0, 0.0)),  # 40 % of the targets: the engine's own latency
+        (1.0, 0.05, (0.0, 0.0)),  # half the targets
+        (1.5, 0.09, (0.5, 0.8)),
+        (2.0, 0.10, (1.0, 1.0)),  # at target
+        (3.0, 0.25, (1.5, 2.5)),  # above: plain ratio
+    ],
+)
+def test_latency_counts_from_half_its_target(
+    ttft_s: float, tpot_s: float, expected: tuple[float, float]
+) -> None:
+    p = pressure_by_signal(
+        PoolSignals(ttft_p95_s=ttft_s, ttft_target_s=2.0, tpot_p95_s=tpot_s, tpot_target_s=0.1)
+    )
+    assert (p["ttft"], p["tpot"]) == pytest.approx(expected)
 
 
 def test_moves_share_to_the_pressured_pool_one_capped_step() -> None:
@@ -236,11 +259,17 @@ def test_bounds_are_never_violated(
     start_a=st.floats(0.15, 0.85),
     hysteresis=st.floats(0.05, 0.5),
     step=st.floats(0.02, 0.5),
+    home_a=st.one_of(st.none(), st.floats(0.1, 0.9)),
 )
 def test_no_oscillation_under_constant_demand(
-    demand_a: float, demand_b: float, start_a: float, hysteresis: float, step: float
+    demand_a: float,
+    demand_b: float,
+    start_a: float,
+    hysteresis: float,
+    step: float,
+    home_a: float | None,
 ) -> None:
-    """Constant demand: moves all go one way, and they stop."""
+    """Constant demand: moves all go one way, and they stop (with a home ratio or without)."""
     cfg = RebalanceSettings(
         interval_s=30,
         hysteresis_frac=hysteresis,
@@ -249,8 +278,9 @@ def test_no_oscillation_under_constant_demand(
         max_step_frac=step,
     )
     bounds = {"a": Bounds(0.1, 0.9), "b": Bounds(0.1, 0.9)}
+    home = None if home_a is None else {"a": home_a, "b": 1 - home_a}
     traj, moves = run_loop(
-        {"a": demand_a, "b": demand_b}, {"a": start_a, "b": 1 - start_a}, bounds, 80, cfg
+        {"a": demand_a, "b": demand_b}, {"a": start_a, "b": 1 - start_a}, bounds, 80, cfg, home=home
     )
     assert len(set(moves)) <= 1, f"moves went both ways: {moves}"
     assert traj[-1] == traj[-20], "still moving after 60 intervals of constant demand"
@@ -260,20 +290,27 @@ def test_no_oscillation_under_constant_demand(
 @given(
     before=st.tuples(st.floats(0.05, 2.0), st.floats(0.05, 2.0)),
     after=st.tuples(st.floats(0.05, 2.0), st.floats(0.05, 2.0)),
+    home_a=st.one_of(st.none(), st.floats(0.1, 0.9)),
 )
 def test_converges_under_a_step_change(
-    before: tuple[float, float], after: tuple[float, float]
+    before: tuple[float, float], after: tuple[float, float], home_a: float | None
 ) -> None:
     """After demand steps to a new constant, within (distance / max step) moves plus their
-    cooldowns the pools are within the hysteresis band of each other or at a bound."""
+    cooldowns the pools are within the hysteresis band of each other or at a bound; with a
+    home ratio where no pool would be above 0.5, at home."""
     cfg = RebalanceSettings(
         interval_s=10, hysteresis_frac=0.2, cooldown_s=10, smoothing_window_s=10, max_step_frac=0.1
     )
     bounds = {"a": Bounds(0.1, 0.9), "b": Bounds(0.1, 0.9)}
     demand = [{"a": before[0], "b": before[1]}] * 30 + [{"a": after[0], "b": after[1]}] * 30
-    traj, _ = run_loop(demand, {"a": 0.5, "b": 0.5}, bounds, 60, cfg)
+    home = None if home_a is None else {"a": home_a, "b": 1 - home_a}
+    traj, _ = run_loop(demand, {"a": 0.5, "b": 0.5}, bounds, 60, cfg, home=home)
     budget = 30 + 2 * 9 + 2  # 0.8 of travel at 0.1 per move, a cooldown after each
     final = traj[budget]
+    assert traj[-1] == pytest.approx(final)
+    if home_a is not None and max(after[0] / home_a, after[1] / (1 - home_a)) <= 0.5:
+        assert final["a"] == pytest.approx(home_a, abs=0.005 + 1e-6)
+        return
     pa, pb = after[0] / final["a"], after[1] / final["b"]
     at_bound = min(final.values()) <= 0.1 + 0.005 + 1e-6  # steps under 0.005 are not taken
     assert abs(pa - pb) <= 0.2 + 1e-6 or at_bound, (final, pa, pb)

@@ -1,0 +1,113 @@
+"""The rebalancer's pure decision on the day-night shape: a night agent surge moves the agent
+share within two intervals, and the ratio goes home when the surge is over (the property tests
+with a home ratio are in test_rebalance.py).
+
+Time is injected (`now_s`): each test places the decisions where the shell's timer would.
+Settings and bounds are the day-night benchmark's (`benchmarks/rebalance/day_night.py`: 10 s
+interval, 20 s cooldown and window, hysteresis 0.3, one engine per step; agent 0.2-0.67 of 3
+engines, home 0.34). The plant: before the surge the pressures the committed run measured in
+its evening phase (agent 0.2, normal 0.25); from the surge on, the night offers 1.4x one
+engine's agent capacity, so the agent backlog grows at 0.4 of the engine's rate and the oldest
+waiter's wait by 0.4 s each second (wait = backlog / service rate), against the agent pool's
+3 s target.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pools.rebalance import Bounds, LoopState, PoolSignals, RebalanceSettings, decide
+
+BENCH = RebalanceSettings(
+    interval_s=10, hysteresis_frac=0.3, cooldown_s=20, smoothing_window_s=20, max_step_frac=0.34
+)
+BOUNDS = {"agent": Bounds(0.2, 0.67), "normal": Bounds(0.33, 0.8)}
+ONE_ENGINE = 1 / 3
+TWO_ENGINES = 2 / 3
+HOME = {"agent": ONE_ENGINE, "normal": TWO_ENGINES}  # initial 0.34 placed on three engines
+SURGE_S = 120.0
+AGENT_WAIT_TARGET_S = 3.0
+OVERLOAD = 0.4  # 1.4x one engine's capacity offered
+
+
+def sig(pressure: float) -> PoolSignals:
+    return PoolSignals(queue_wait_s=pressure, queue_wait_target_s=1.0, requests=20)
+
+
+def agent_wait_s(now_s: float) -> float:
+    """The oldest agent waiter's age on one agent engine offered 1.4x its capacity."""
+    return max(0.0, OVERLOAD * (now_s - SURGE_S))
+
+
+@pytest.mark.parametrize("phase_s", [0.5, 3.0, 6.0, 9.9])
+def test_night_surge_moves_the_agent_share_within_two_intervals(phase_s: float) -> None:
+    """Whatever the timer's phase against the surge, by the second decision after the surge
+    began the agent share is above one and a half engines' worth (0.5), and at two engines'
+    (its ceiling) within the minute."""
+    state = LoopState(shares={"agent": ONE_ENGINE, "normal": TWO_ENGINES})
+    risen_at_s = None
+    t = phase_s
+    while t < SURGE_S + 60:
+        if t < SURGE_S:
+            signals = {"agent": sig(0.2), "normal": sig(0.25)}
+        else:
+            wait_s = agent_wait_s(t)
+            signals = {
+                "agent": PoolSignals(
+                    queue_wait_s=wait_s, queue_wait_target_s=AGENT_WAIT_TARGET_S, requests=50
+                ),
+                "normal": sig(0.1),  # night chat: 0.5 req/s on two engines
+            }
+        d = decide(state, signals, BOUNDS, BENCH, t, instance_frac=ONE_ENGINE, home=HOME)
+        state = d.state
+        if t < SURGE_S:
+            assert d.move is None, d  # nothing moves in the quiet evening
+        elif risen_at_s is None and d.shares["agent"] > 0.5:
+            risen_at_s = t
+            assert d.reason == "moved"
+        t += BENCH.interval_s
+    assert risen_at_s is not None
+    assert risen_at_s - SURGE_S <= 2 * BENCH.interval_s
+    assert state.shares["agent"] == pytest.approx(TWO_ENGINES)  # the ceiling binds by then
+
+
+def test_after_the_surge_the_ratio_goes_home_and_stays() -> None:
+    """Morning: agents are back to a trickle on two engines (pressure 0.1) and chat (3 req/s)
+    is at 0.3 on the one engine left: at home neither would be above 0.5 (agent 0.1 x 2 = 0.2,
+    normal 0.3 / 2 = 0.15), so the engine goes back at once and the ratio stays home."""
+    state = LoopState(shares={"agent": TWO_ENGINES, "normal": ONE_ENGINE}, last_move_at_s=100.0)
+    demand = {"agent": 0.1 * TWO_ENGINES, "normal": 0.3 * ONE_ENGINE}  # pressure: / share
+    shares = []
+    for k in range(12):
+        now = 200.0 + 10 * k
+        signals = {p: sig(demand[p] / state.shares[p]) for p in demand}
+        d = decide(state, signals, BOUNDS, BENCH, now, instance_frac=ONE_ENGINE, home=HOME)
+        state = d.state
+        shares.append(d.shares["agent"])
+        if k == 0:
+            assert d.reason == "home" and d.move is not None
+            assert (d.move.from_pool, d.move.to_pool) == ("agent", "normal")
+    assert shares[0] == pytest.approx(ONE_ENGINE)
+    assert shares[-1] == pytest.approx(ONE_ENGINE)
+
+
+def test_no_return_home_while_the_surge_lasts() -> None:
+    """Night, after the move: two agent engines carry 1.4x one engine's load at pressure 0.4;
+    at home (one engine) that would be 0.8 > 0.5, so the engine stays."""
+    state = LoopState(shares={"agent": TWO_ENGINES, "normal": ONE_ENGINE}, last_move_at_s=100.0)
+    for k in range(10):
+        signals = {"agent": sig(0.4), "normal": sig(0.1)}
+        d = decide(state, signals, BOUNDS, BENCH, 130.0 + 10 * k, home=HOME)
+        state = d.state
+        assert d.shares["agent"] == pytest.approx(TWO_ENGINES), d.reason
+
+
+def test_an_idle_pool_keeps_its_home_until_another_pool_needs_its_share() -> None:
+    """No agent traffic: with chat comfortable at home (0.4 on two engines) nothing moves; with
+    chat pressured (1.2: 1.2 > 0.5 at home) the idle agent pool gives share down to its
+    floor, the old behaviour."""
+    state = LoopState(shares=HOME)
+    calm = decide(state, {"normal": sig(0.4)}, BOUNDS, BENCH, 0.0, home=HOME)
+    assert calm.reason == "at_home" and calm.shares == HOME
+    busy = decide(state, {"normal": sig(1.2)}, BOUNDS, BENCH, 0.0, home=HOME)
+    assert busy.reason == "moved" and busy.shares["agent"] == pytest.approx(0.2)
