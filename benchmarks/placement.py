@@ -153,17 +153,15 @@ def moved_steps(steps: list[tuple[str, str]]) -> tuple[int, int]:
 
 async def _one(
     placement: str,
-    urls: list[str],
+    specs: list[InstanceSpec],
     plan: Scenario,
     out: Path,
     tmp: Path,
     key: str,
 ) -> dict[str, Any]:
+    urls = [s.url for s in specs]
     config = router_config(urls, placement, tmp)
-    gw = create_app(
-        config,
-        [InstanceSpec(f"engine-{i}", u, 1) for i, u in enumerate(urls)],
-    )
+    gw = create_app(config, specs)  # the launcher's specs carry the engines' key
     await gw.start()
     server = serve_asgi(gw)
     try:
@@ -227,7 +225,6 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
         environ={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},
     )
     specs = await launcher.start()
-    urls = [s.url for s in specs]
     plan = scenario(args.rate_scale, args.duration_s)
     rounds = []
     try:
@@ -236,7 +233,7 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
             results = []
             for placement in order:
                 _say(f"round {i + 1}: {placement} ...")
-                result = await _one(placement, urls, plan, out / f"round-{i + 1}", tmp, key)
+                result = await _one(placement, specs, plan, out / f"round-{i + 1}", tmp, key)
                 _say(json.dumps(result))
                 results.append(result)
                 await asyncio.sleep(args.pause_s)
