@@ -287,6 +287,29 @@ async def send(
     return reply
 
 
+async def closed_loop(
+    session: aiohttp.ClientSession,
+    url: str,
+    tag: str,
+    stop: asyncio.Event,
+    into: list[Reply],
+    *,
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+    stop_on_exception: bool = False,
+) -> None:
+    """One closed-loop client: `send` one request after another (tagged `tag-0`, `tag-1`, ...)
+    into `into` until `stop` is set, or (`stop_on_exception`) until one fails without an
+    answer (the router is gone)."""
+    n = 0
+    while not stop.is_set():
+        reply = await send(session, url, f"{tag}-{n}", max_tokens=max_tokens, headers=headers)
+        into.append(reply)
+        n += 1
+        if stop_on_exception and reply.exception:
+            return
+
+
 def _read_json(reply: Reply, raw: bytes) -> None:
     try:
         data = json.loads(raw)
@@ -997,15 +1020,12 @@ async def slow_metrics(
             replies: list[Reply] = []
             stop = asyncio.Event()
 
-            async def client(c: int) -> None:
-                n = 0
-                while not stop.is_set():
-                    replies.append(
-                        await send(session, router.url, f"s{c}-{n}", max_tokens=max_tokens)
-                    )
-                    n += 1
-
-            tasks = [asyncio.ensure_future(client(c)) for c in range(clients)]
+            tasks = [
+                asyncio.ensure_future(
+                    closed_loop(session, router.url, f"s{c}", stop, replies, max_tokens=max_tokens)
+                )
+                for c in range(clients)
+            ]
             await asyncio.sleep(phase_s / 3)
             slow_from = time.monotonic()
             proxy.delay_s = delay_s
@@ -1117,32 +1137,31 @@ async def router_kill(
         async with client_session() as session:
             killed = asyncio.Event()
 
-            async def client(c: int) -> None:
-                n = 0
-                while not killed.is_set():
-                    reply = await send(session, router.url, f"r{c}-{n}", max_tokens=max_tokens)
-                    replies.append(reply)
-                    n += 1
-                    if reply.exception:
-                        return
-
-            async def run_client() -> None:
-                n = 0
-                while not killed.is_set():
-                    reply = await send(
+            tasks = [
+                asyncio.ensure_future(
+                    closed_loop(
                         session,
                         router.url,
-                        f"run-{n}",
-                        max_tokens=run_max_tokens,
-                        headers=run_headers,
+                        f"r{c}",
+                        killed,
+                        replies,
+                        max_tokens=max_tokens,
+                        stop_on_exception=True,
                     )
-                    run_replies.append(reply)
-                    n += 1
-                    if reply.exception:
-                        return
-
-            tasks = [asyncio.ensure_future(client(c)) for c in range(clients)]
-            tasks.append(asyncio.ensure_future(run_client()))
+                )
+                for c in range(clients)
+            ]
+            run_loop = closed_loop(
+                session,
+                router.url,
+                "run",
+                killed,
+                run_replies,
+                max_tokens=run_max_tokens,
+                headers=run_headers,
+                stop_on_exception=True,
+            )
+            tasks.append(asyncio.ensure_future(run_loop))
             await asyncio.sleep(load_s)
             router.signal(signal.SIGKILL)
             killed_at = time.monotonic()

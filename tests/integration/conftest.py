@@ -19,19 +19,18 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import pytest
 import yaml
 
 from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec, LocalLauncher
+from tests.e2e.stack import wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / ".gpupool" / "models" / "tiny"
@@ -119,16 +118,7 @@ class EngineFleet:
         return pid
 
     def wait_healthy(self, index: int, timeout_s: float = 180) -> None:
-        url = self.instances[index].url
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"engine {index} ({url}) not healthy after {timeout_s} s")
+        wait_ready(self.instances[index].url, None, None, timeout_s, path="/health", interval_s=1)
 
     def close(self) -> None:
         self.run(self.launcher.aclose(), timeout_s=120)
@@ -197,17 +187,7 @@ class RouterProcess:
             stderr=subprocess.STDOUT,
             cwd=REPO,
         )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited: {log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"router not ready: {log_path.read_text()}")
+        wait_ready(self.url, self.proc, log_path, 60, interval_s=0.2)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
