@@ -54,7 +54,7 @@ from router.governance.store import GovernanceStore
 from router.history import History, reading_from
 from router.identity import OperatorAccess, Tenants
 from router.ledger import Ledger
-from router.membership import Membership, forget_instance_series
+from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.openapi import openapi_document
 from router.picking import RunAffinity, default_picker
@@ -165,7 +165,7 @@ class Gateway:
             registry=self.metrics.registry,
             new_operating_point=lambda: OperatingPoint(max_num_seqs=max_num_seqs),
             on_join=lambda iid: self.scraper.track(iid) if self.scraper is not None else None,
-            on_gone=lambda iid: forget_instance_series(self.metrics, iid),
+            on_gone=self.metrics.forget_instance,
             clock=clock,
         )
         self.discovery = (

@@ -23,7 +23,6 @@ the shell (`DiscoveryLoop`) does the polling.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -188,12 +187,3 @@ class Membership:
         if any(v > 0 and p not in served for p, v in shares.items()):
             allocation = placed(whole_moves=True)
         self._pool_map.replace(allocation)
-
-
-def forget_instance_series(metrics: object, instance_id: str) -> None:
-    """Drop the per-instance series (label `instance`) of an engine that left, so dashboards do
-    not show its last values forever."""
-    for metric in vars(metrics).values():
-        if getattr(metric, "_labelnames", None) == ("instance",):
-            with contextlib.suppress(KeyError):
-                metric.remove(instance_id)
