@@ -75,6 +75,7 @@ class EngineModel:
         self.prompt_tokens_sum = 0.0
         self.prefill_time_sum_s = 0.0
         self.next_event_at_s = math.inf
+        self._prefill_next = False  # the next event is the head's prefill ending
         self._at_s = 0.0  # the time the state below is for
         self._prefill: deque[SimSequence] = deque()  # FCFS; the head is being prefilled
         self._decoding = 0
@@ -95,11 +96,16 @@ class EngineModel:
 
     def sync(self, now_s: float) -> tuple[list[SimSequence], list[SimSequence]]:
         """Move the engine to `now_s` (never past `next_event_at_s`): returns the sequences
-        whose first token came and those that ended, each in arrival order."""
+        whose first token came and those that ended, each in arrival order. At
+        `next_event_at_s` its event happens even if the float sums leave a sliver of work
+        (late in a long simulation the clock's resolution, 15 ps at 86,400 s, is close to a
+        sliver's time; no extra sliver-sized events)."""
         dt_s = now_s - self._at_s
+        due = now_s >= self.next_event_at_s
         self._at_s = max(self._at_s, now_s)
-        if self.running == 0 or dt_s <= 0:
+        if self.running == 0 or (dt_s <= 0 and not due):
             return [], []
+        dt_s = max(0.0, dt_s)
         rate = self.latency.prefill_tokens_per_s
         first: list[SimSequence] = []
         ended: list[SimSequence] = []
@@ -114,7 +120,7 @@ class EngineModel:
             head.prefill_left_tokens -= done
             self.prompt_tokens_sum += done
             self.prefill_time_sum_s += done / rate
-            if head.prefill_left_tokens <= _EPS_TOKENS:
+            if head.prefill_left_tokens <= _EPS_TOKENS or (due and self._prefill_next):
                 self._prefill.popleft()
                 head.prefill_left_tokens = 0.0
                 head.first_token_at_s = now_s + head.overhead_s
@@ -123,6 +129,8 @@ class EngineModel:
                 # the first token comes with the prefill; the rest decode from here
                 end = self._decoded_tokens + head.output_tokens - 1
                 heapq.heappush(self._ends, (end, head.order, head))
+        if due and not self._prefill_next and self._ends:
+            self._decoded_tokens = max(self._decoded_tokens, self._ends[0][0])
         while self._ends and self._ends[0][0] <= self._decoded_tokens + _EPS_TOKENS:
             _, _, seq = heapq.heappop(self._ends)
             seq.done_at_s = now_s
@@ -137,10 +145,11 @@ class EngineModel:
 
     def _plan(self) -> None:
         """`next_event_at_s`: the head's prefill ending or a sequence ending, whichever first."""
-        best = math.inf
+        prefill_s = decode_s = math.inf
         if self._prefill:
-            best = self._prefill[0].prefill_left_tokens / self.latency.prefill_tokens_per_s
+            prefill_s = self._prefill[0].prefill_left_tokens / self.latency.prefill_tokens_per_s
         if self._ends:
             left = max(0.0, self._ends[0][0] - self._decoded_tokens)
-            best = min(best, left * self.latency.tpot_s(self.running))
-        self.next_event_at_s = self._at_s + best
+            decode_s = left * self.latency.tpot_s(self.running)
+        self._prefill_next = prefill_s <= decode_s
+        self.next_event_at_s = self._at_s + min(prefill_s, decode_s)

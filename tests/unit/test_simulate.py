@@ -347,3 +347,20 @@ def test_cli_runs_configs_side_by_side(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("pools: 3\n")
     bad = ["simulate", "--trace", str(tmp_path / "scenario.yaml"), "--out", str(out)]
     assert cli_main([*bad, "--config", str(tmp_path / "bad.yaml")]) == 2
+
+
+def test_engine_keeps_moving_late_in_a_long_simulation() -> None:
+    """A day in, the clock's resolution (15 ps at 86,400 s) is close to the float slivers of
+    work the sums leave: each event happens at its time, one sync each, not in extra
+    sliver-sized steps."""
+    engine = EngineModel(LatencyModel(0.0021, 0.00077, 66_094.0), capacity_blocks=10**6)
+    rng = np.random.default_rng(1)
+    t = 86_400.123456789
+    for i in range(40):
+        seq = SimSequence(float(rng.integers(16, 3000)), int(rng.integers(1, 200)), blocks=1)
+        engine.add(seq, t + i * 0.0137)
+    events = 0
+    while engine.running and events < 1000:
+        engine.sync(engine.next_event_at_s)
+        events += 1
+    assert engine.running == 0 and events <= 80  # 40 prefills, 40 ends
