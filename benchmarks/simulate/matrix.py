@@ -93,7 +93,20 @@ def summary_markdown(doc: dict[str, Any]) -> str:
                 + f" | {np.mean(errs):.0%} | {'-' if mae is None else f'{mae:.3f}'}"
                 + f" | {min(counts)}-{max(counts)} / {'-' if real is None else len(real)} |"
             )
+    own = [c for c in doc["cells"] if c["run"] == c["fitted_on"]]
+    overheads = "; ".join(
+        f"{c['run']}: "
+        + ", ".join(
+            f"{name} {p50_p95[0]:.0f} ms"
+            for name, p50_p95 in c["report"]["fitted"].get("overhead_p50_p95_ms", {}).items()
+        )
+        for c in own
+    )
     lines += [
+        "",
+        "A run whose router queued heavily is a poor source for a fit: the harness's TTFT"
+        " includes the router's queue wait, the fit keeps it in the overhead drawn per request,"
+        f" and the simulator queues as well. Drawn overhead p50 per class: {overheads}.",
         "",
         "Measured replicate gap (no move in the rebalanced run: the same system twice):",
         "",

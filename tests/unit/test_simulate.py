@@ -17,6 +17,7 @@ import yaml
 from benchmarks.prompts import PromptMaker
 from benchmarks.scenario import parse_scenario
 from benchmarks.simulate.fit import fit_latency
+from benchmarks.simulate.matrix import summary_markdown
 from benchmarks.simulate.model import EngineModel, LatencyModel, SimSequence
 from benchmarks.simulate.sim import SimResult, simulate, summarize
 from benchmarks.workload import build_plan
@@ -364,3 +365,42 @@ def test_engine_keeps_moving_late_in_a_long_simulation() -> None:
         engine.sync(engine.next_event_at_s)
         events += 1
     assert engine.running == 0 and events <= 80  # 40 prefills, 40 ends
+
+
+def _cell(run: str, fitted_on: str, static: float, rebalanced: float, moves: list[float]) -> Any:
+    def metrics(value: float) -> dict[str, Any]:
+        keys = ["chat_ttft_p95_s_day", "chat_ttft_p95_s_evening", "chat_ttft_p95_s_night"]
+        keys += ["chat_ttft_p95_s_morning", "agent_run_p50_s"]
+        return {k: {"measured": value, "simulated": value * 1.1, "error_frac": 0.1} for k in keys}
+
+    mode = {"agent_share_mean_abs_error": None, "simulated_move_counts": [1, 2]}
+    return {
+        "run": run,
+        "fitted_on": fitted_on,
+        "report": {
+            "fitted": {"overhead_p50_p95_ms": {"normal": [40.0, 300.0]}},
+            "modes": {
+                "static": {**mode, "metrics": metrics(static), "measured_moves": []},
+                "rebalanced": {**mode, "metrics": metrics(rebalanced), "measured_moves": moves},
+            },
+        },
+    }
+
+
+def test_calibration_matrix_summary_names_the_replicate_gap() -> None:
+    """A rebalanced run that made no move ran the same system as its static run: the gap
+    between their measured values is the testbed's noise, and the summary says it; a run
+    whose loop moved is no replicate."""
+    doc = {
+        "runs": ["quiet", "moved"],
+        "seeds": 3,
+        "cells": [
+            _cell("quiet", "quiet", 0.4, 0.3, []),
+            _cell("moved", "quiet", 0.4, 0.2, [170.0]),
+        ],
+    }
+    text = summary_markdown(doc)
+    assert "- quiet: chat p95 day 25%" in text  # |0.3 - 0.4| / 0.4
+    assert "- moved" not in text
+    assert text.count("| quiet | quiet | ") == 2 and text.count("| moved | quiet | ") == 2
+    assert "quiet: normal 40 ms" in text
