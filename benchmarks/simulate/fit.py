@@ -5,9 +5,10 @@ request on the same instance (mean over its lifetime, sampled at 5 points).
 
 TTFT = c + prompt / R on the lower quartile (linear quantile regression): the harness's TTFT
 includes the router's queue wait, which the simulator simulates itself, and the spikes of a
-shared CPU box; the lower envelope is the engine's prefill. (Least squares, used before, put an
-overloaded run's queue waits into R: on 2026-12-01's night it fitted 1,838 prompt tokens/s, the
-lower quartile 28,000; on the committed run, where little queued, 170,912 against 66,000.)
+shared CPU box; the lower envelope is the engine's prefill. (Least squares, used before, put
+the queue waits into R: 170,912 prompt tokens/s on the committed day-night run, where little
+queued, 22,213 on agents ×3; the lower quartile gives 66,000 and 52,000. On a run whose router
+queued most agent steps even the lower quartile is spoilt: fit on one that queued little.)
 The residuals TTFT − prompt / R (c included) are kept per traffic class, and the simulator draws
 each request's overhead from its class's (chat requests and agent steps see different tails).
 Rough by design: the calibration says how rough.
