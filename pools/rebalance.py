@@ -33,8 +33,8 @@ that pulled it away is gone: when every pool's pressure *at the home shares* wou
 toward home (`max_step_frac` per step, cooldown after each) and, once there, holds it; the
 pressure rule then acts only when some pool would be pressured at home. Under that model the
 prediction does not depend on where the ratio is, so the two rules never undo each other under
-constant demand. An idle pool keeps its home share while nobody is pressured there, and gives
-it (down to its floor) by the pressure rule when another pool is.
+constant demand. Home applies while every pool has traffic (see below); with an idle pool the
+pressure rule alone decides, so an idle pool gives share down to its floor as before.
 
 Bounds: a pool never leaves [floor_frac, ceiling_frac] (the schedule's bounds at that time of
 day, see `bounds_at`), and a pool that had traffic in the last `traffic_memory_s` never goes
@@ -251,8 +251,8 @@ def decide(
     `instance_frac` is one instance's share of total capacity (the smallest instance).
     `frozen` holds the shares as they are; `pinned` (shares summing to 1) replaces the loop's
     judgement with the SRE's ratio, still within bounds. `home` (shares summing to 1, the
-    configured initial ratio) is where the ratio returns when no pool would be pressured
-    there (see the module docstring); None: no return."""
+    configured initial ratio) is where the ratio returns when every pool has traffic and none
+    would be pressured there (see the module docstring); None: no return."""
     pools = sorted(bounds)
     raw = {p: pressure_by_signal(signals.get(p, PoolSignals())) for p in pools}
     now_pressure = {p: max(raw[p].values()) for p in pools}
@@ -310,7 +310,7 @@ def decide(
         return replace(result("not_due", current, None, False), state=state)
     if state.last_move_at_s is not None and now_s - state.last_move_at_s < settings.cooldown_s:
         return result("cooldown", current, None, False)
-    if home is not None:
+    if home is not None and all(traffic.values()):
         target = clamp_shares(home, limits)
         at_home = {
             p: 0.0

@@ -102,12 +102,12 @@ def test_no_return_home_while_the_surge_lasts() -> None:
         assert d.shares["agent"] == pytest.approx(TWO_ENGINES), d.reason
 
 
-def test_an_idle_pool_keeps_its_home_until_another_pool_needs_its_share() -> None:
-    """No agent traffic: with chat comfortable at home (0.4 on two engines) nothing moves; with
-    chat pressured (1.2: 1.2 > 0.5 at home) the idle agent pool gives share down to its
-    floor, the old behaviour."""
+def test_an_idle_pool_is_left_to_the_pressure_rule_and_its_floor() -> None:
+    """No agent traffic (none yet): home does not apply, so the idle agent pool gives its
+    share down to its floor when the chat pool's pressure is past the hysteresis (0.4 > 0.3),
+    and keeps it when it is not (0.2), as without a home."""
     state = LoopState(shares=HOME)
-    calm = decide(state, {"normal": sig(0.4)}, BOUNDS, BENCH, 0.0, home=HOME)
-    assert calm.reason == "at_home" and calm.shares == HOME
-    busy = decide(state, {"normal": sig(1.2)}, BOUNDS, BENCH, 0.0, home=HOME)
+    busy = decide(state, {"normal": sig(0.4)}, BOUNDS, BENCH, 0.0, home=HOME)
     assert busy.reason == "moved" and busy.shares["agent"] == pytest.approx(0.2)
+    calm = decide(state, {"normal": sig(0.2)}, BOUNDS, BENCH, 0.0, home=HOME)
+    assert calm.reason == "within_hysteresis" and calm.shares == HOME
