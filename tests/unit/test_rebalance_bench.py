@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import yaml
 
-from benchmarks.rebalance.day_night import render, summarize
+from benchmarks.rebalance.day_night import (
+    agent_capacity_steps_per_s,
+    mean_steps_per_run,
+    render,
+    summarize,
+    write_night_scenario,
+)
+from benchmarks.records import RequestRecord
 
 
 def chat(t: float, ttft_ms: float, status: int = 200) -> dict[str, object]:
@@ -103,5 +112,52 @@ def test_phases_goodput_and_failures(tmp_path: Path) -> None:
     ]
     assert r["drains"] == [{"t_s": 131.5, "drain_s": 1.5, "ended_by": "finished"}]
     assert r["agent_share_min_max"] == [0.33, 0.67]
+    # the move at t = 130 s is 10 s after the night surge (t = 120 s): the first interval
+    assert r["agent_share_rose_after_surge_s"] == 10.0
+    assert r["agent_share_rose_within_intervals"] == 1
+    assert r["agent_share_fell_back_at_s"] is None
     text = render(tmp_path, ["static", "rebalanced"])
     assert "| rebalanced | day | 50.0% |" in text
+
+
+def test_capacity_counts_whole_steps_that_ended_in_the_steady_window() -> None:
+    def step(send_s: float, e2e_ms: float, status: int = 200) -> RequestRecord:
+        return RequestRecord(
+            "agent",
+            "agent",
+            send_s,
+            send_s=send_s,
+            status=status,
+            ttft_ms=100.0 if status == 200 else None,
+            e2e_ms=e2e_ms,
+        )
+
+    records = [
+        step(10.0, 4000),  # ended at 14 s: before the window (15-40 s)
+        step(14.0, 2000),  # 16 s: counts
+        step(30.0, 5000),  # 35 s: counts
+        step(36.0, 3000),  # 39 s: counts
+        step(38.0, 3000),  # 41 s: after the window
+        step(20.0, 1000, status=429),  # refused: never counts
+    ]
+    assert agent_capacity_steps_per_s(records) == pytest.approx(3 / 25)
+
+
+def test_the_night_offers_the_asked_multiple_of_one_engine(tmp_path: Path) -> None:
+    cap = write_night_scenario(tmp_path, capacity_steps_per_s=7.0, demand_x=2.0)
+    steps = mean_steps_per_run(Path("benchmarks/scenarios/day-night.yaml"))
+    # lognormal, median 6, sigma 0.5: mean 6 e^(0.5^2 / 2) = 6.80; the clip to 2..20 and the
+    # rounding move it by little
+    assert steps == pytest.approx(6 * math.exp(0.125), abs=0.1)
+    assert cap["night_agent_rate_per_s"] == pytest.approx(2.0 * 7.0 / steps, abs=1e-3)
+    written = yaml.safe_load((tmp_path / "scenario.yaml").read_text())
+    rates = {
+        s["start_s"]: s["rate_per_s"] for s in written["classes"]["agent"]["arrivals"]["segments"]
+    }
+    assert rates == {0: 0.05, 60: 0.3, 120: cap["night_agent_rate_per_s"], 180: 0.1}
+    assert [s["rate_per_s"] for s in written["classes"]["normal"]["arrivals"]["segments"]] == [
+        4.0,
+        2.0,
+        0.5,
+        3.0,
+    ]
