@@ -29,9 +29,10 @@ Then nothing moves for `cooldown_s`. An idle pool (pressure 0) gives share down 
 
 Home: given `home` (the SREs' initial shares), the ratio goes back there once the pressure
 that pulled it away is gone: when every pool's pressure *at the home shares* would be at most
-`HOME_PRESSURE` (predicted with the same load / share model: `p * s / s_home`), the loop steps
-toward home (`max_step_frac` per step, cooldown after each) and, once there, holds it; the
-pressure rule then acts only when some pool would be pressured at home. Under that model the
+`HOME_PRESSURE` (predicted with the same load / share model: `p * s / s_home`) and their gap
+there within the hysteresis (so the pressure rule would not move away from home), the loop
+steps toward home (`max_step_frac` per step, cooldown after each) and, once there, holds it;
+otherwise the pressure rule acts. Under that model the
 prediction does not depend on where the ratio is, so the two rules never undo each other under
 constant demand. Home applies while every pool has traffic (see below); with an idle pool the
 pressure rule alone decides, so an idle pool gives share down to its floor as before.
@@ -320,7 +321,8 @@ def decide(
             else math.inf
             for p in pools
         }
-        if max(at_home.values()) <= HOME_PRESSURE:
+        gap_at_home = max(at_home.values()) - min(at_home.values())
+        if max(at_home.values()) <= HOME_PRESSURE and gap_at_home <= settings.hysteresis_frac:
             return _toward(current, target, settings.max_step_frac, result)
     receiver = max(pools, key=lambda p: (smoothed[p], p))
     giver = min(pools, key=lambda p: (smoothed[p], p))

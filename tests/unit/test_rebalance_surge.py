@@ -91,6 +91,15 @@ def test_after_the_surge_the_ratio_goes_home_and_stays() -> None:
     assert shares[-1] == pytest.approx(ONE_ENGINE)
 
 
+def test_home_does_not_hold_a_move_the_pressure_rule_would_make_there() -> None:
+    """At home, agent 0.45 and chat 0.05: both under 0.5, but 0.4 apart, past the 0.3
+    hysteresis, so the pressure rule moves share to agent rather than home holding it (the
+    second day-night run waited a decision for this)."""
+    state = LoopState(shares=HOME)
+    d = decide(state, {"agent": sig(0.45), "normal": sig(0.05)}, BOUNDS, BENCH, 0.0, home=HOME)
+    assert d.reason == "moved" and d.shares["agent"] > ONE_ENGINE
+
+
 def test_no_return_home_while_the_surge_lasts() -> None:
     """Night, after the move: two agent engines carry 1.4x one engine's load at pressure 0.4;
     at home (one engine) that would be 0.8 > 0.5, so the engine stays."""
