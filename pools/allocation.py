@@ -241,6 +241,8 @@ class _Plan:
             if by_pool.get(giver, 0.0) <= 1e-9 or by_pool.get(receiver, 0.0) <= 1e-9:
                 continue
             units = min(amount, by_pool[giver] * capacity[i])
+            if by_pool[giver] - units / capacity[i] < _SNAP_INSTANCES:
+                units = by_pool[giver] * capacity[i]  # no sliver left behind: whole again
             by_pool[giver] -= units / capacity[i]
             by_pool[receiver] += units / capacity[i]
             if by_pool[giver] <= 1e-9:

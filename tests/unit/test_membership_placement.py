@@ -129,3 +129,22 @@ def test_a_pool_left_without_engines_gets_a_whole_one_by_a_drain() -> None:
     assert (drain.from_pool, drain.to_pool, drain.deadline_s) == ("normal", "agent", 130.0)
     [stays] = [i for i in ("e2", "e3") if i != moved]
     assert dict(after.pools_of(stays)) == {"normal": 1.0}
+
+
+def test_scaling_up_from_one_split_engine_leaves_no_sliver() -> None:
+    """One engine split 0.34 / 0.66 (the only way one engine serves two pools); two more join.
+    1.02 engines for agent and 1.98 for normal: the newcomers go whole where the need is, the
+    split engine gives the rest, and the 0.02 of an engine it would keep for agent is not worth
+    a split, so every engine ends whole: one agent, two normal (the Kubernetes integration
+    test's scale-up)."""
+    before = {"e0": {"agent": 0.34, "normal": 0.66}}
+    membership, pool_map, _ = rig(before, {"agent": 0.34, "normal": 0.66})
+    membership.reconcile([spec(0), spec(1), spec(2)])
+    after = pool_map.current
+    assert sorted(dict(after.pools_of(i)).popitem()[0] for i in ("e0", "e1", "e2")) == [
+        "agent",
+        "normal",
+        "normal",
+    ]
+    assert all(len(after.pools_of(i)) == 1 for i in ("e0", "e1", "e2"))
+    assert not after.draining
