@@ -13,7 +13,8 @@ Ray) answers, without a router restart.
 - placement goes through the rebalancer's `plan_moves` from the current allocation, not a plan
   from scratch: the engines that stay keep their pools (a split one may be resized) and a
   drain in progress goes on; only when a pool with a target share is left with no engine at
-  all does one engine move to it (draining from its old pool);
+  all does one engine move to it (draining from its old pool); an engine that left and comes
+  back under the same id goes back to the pool it was in;
 - a leaving engine that reappears is taken back; an engine at a new address (Ray restarted
   it elsewhere) keeps its id, and is readmitted when the new address answers a scrape.
 
@@ -69,6 +70,8 @@ class Membership:
         self._on_gone = on_gone
         self._clock = clock
         self._leaving_since_s: dict[str, float] = {}
+        # the pool an engine that left was in (most of it): it goes back there if it returns
+        self._last_pool: dict[str, str] = {}
         self.changes = Counter(
             "gpupool_fleet_changes_total",
             "Engines that joined, began leaving (drain), came back, moved, or left the fleet",
@@ -151,6 +154,9 @@ class Membership:
             self.leaving.set(len(self._leaving_since_s))
 
     def _gone(self, instance_id: str, now_s: float) -> None:
+        pools = self._pool_map.current.pools_of(instance_id)
+        if pools:
+            self._last_pool[instance_id] = max(pools, key=lambda p: (pools[p], p))
         self._leaving_since_s.pop(instance_id, None)
         self._fleet.remove(instance_id)
         if self._accountant.has_instance(instance_id):
@@ -162,14 +168,18 @@ class Membership:
         """Place joining engines and drop leaving ones, from the current allocation (see the
         module docstring); a pool left without any engine gets one moved to it."""
         capacity = self._fleet.capacity_gpus()
-        pinned = {i: p for i, p in self._pinned().items() if i in capacity}
+        current = self._pool_map.current
+        # an engine that comes back (same id) joins the pool it left, unless pinned elsewhere
+        returning = {
+            i: p for i, p in self._last_pool.items() if i in capacity and not current.pools_of(i)
+        }
+        pinned = {**returning, **{i: p for i, p in self._pinned().items() if i in capacity}}
         shares = dict(self._target_shares())
         if sum(shares.values()) <= 1e-9 and self._initial_shares:
             shares = dict(self._initial_shares)  # the fleet was empty: no ratio to keep yet
         total = sum(shares.values())
         if total > 0:
             shares = {p: v / total for p, v in shares.items()}
-        current = self._pool_map.current
 
         def placed(whole_moves: bool) -> Allocation:
             return plan_moves(

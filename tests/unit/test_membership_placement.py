@@ -24,6 +24,9 @@ class Clock:
         return self.now_s
 
 
+HALF = {"agent": 0.5, "normal": 0.5}
+
+
 def spec(i: int) -> InstanceSpec:
     return InstanceSpec(f"e{i}", f"http://127.0.0.1:{8400 + i}", 1)
 
@@ -148,3 +151,16 @@ def test_scaling_up_from_one_split_engine_leaves_no_sliver() -> None:
     ]
     assert all(len(after.pools_of(i)) == 1 for i in ("e0", "e1", "e2"))
     assert not after.draining
+
+
+def test_an_engine_that_leaves_and_returns_goes_back_to_its_pool() -> None:
+    """Half and half on two engines; the agent engine leaves (the normal one is split to keep
+    agent served) and comes back under its id: it rejoins agent, and the split engine is whole
+    in normal again (with ties in need, the neediest-pool rule alone could swap them)."""
+    membership, pool_map, _ = rig({"e0": {"agent": 1.0}, "e1": {"normal": 1.0}}, HALF)
+    membership.reconcile([spec(1)])
+    assert dict(pool_map.current.pools_of("e1")) == pytest.approx({"agent": 0.5, "normal": 0.5})
+    membership.reconcile([spec(0), spec(1)])
+    after = pool_map.current
+    assert dict(after.pools_of("e0")) == {"agent": 1.0}
+    assert dict(after.pools_of("e1")) == {"normal": 1.0}
