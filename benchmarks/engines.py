@@ -65,6 +65,7 @@ def one_cpu_engine(
     max_num_seqs: int,
     progress: Callable[[str], None],
     max_model_len_tokens: int = 4096,
+    environ: Mapping[str, str] | None = None,
 ) -> LocalLauncher:
     """A launcher for one engine on `port` that requires the key in `$key_env`; `start()` it."""
     return cpu_engines(
@@ -76,6 +77,7 @@ def one_cpu_engine(
         max_num_seqs=max_num_seqs,
         progress=progress,
         max_model_len_tokens=max_model_len_tokens,
+        environ=environ,
     )
 
 

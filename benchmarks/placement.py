@@ -101,13 +101,13 @@ def scenario(rate_scale: float, duration_s: float) -> Scenario:
     return parse_scenario(data, str(SCENARIO), SCENARIO.parent)
 
 
-async def _prefix_counters(
-    session: aiohttp.ClientSession, urls: list[str], key: str
+async def prefix_counters(
+    session: aiohttp.ClientSession, urls: list[str], key: str | None
 ) -> dict[str, tuple[float, float]]:
     """Per engine (hits, queries) in prompt tokens, from its /metrics."""
     out = {}
     for url in urls:
-        headers = {"authorization": f"Bearer {key}"}
+        headers = {"authorization": f"Bearer {key}"} if key else {}
         async with session.get(f"{url}/metrics", headers=headers) as resp:
             reading = parse_vllm_metrics(await resp.text(), 0.0)
         out[url] = (reading.prefix_cache_hits_total, reading.prefix_cache_queries_total)
@@ -174,7 +174,7 @@ async def _one(
         url = await server.__aenter__()
         async with aiohttp.ClientSession() as session:
             reset = [await reset_prefix_cache(session, u, key) for u in urls]
-            before = await _prefix_counters(session, urls, key)
+            before = await prefix_counters(session, urls, key)
             report = await run_compare(
                 plan,
                 [Target(placement, url, "tiny")],
@@ -183,7 +183,7 @@ async def _one(
                 progress=False,
                 notes=f"placement {placement}",
             )
-            after = await _prefix_counters(session, urls, key)
+            after = await prefix_counters(session, urls, key)
     finally:
         await server.__aexit__(None, None, None)
         await gw.aclose()  # flushes the ledger

@@ -32,10 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 
+from benchmarks.admission.kv_pressure import reset_prefix_cache
 from benchmarks.compare import run_compare
 from benchmarks.engines import agent_pool_router, one_cpu_engine
+from benchmarks.placement import hit_rate, prefix_counters
 from benchmarks.prompts import find_tokenizer
 from benchmarks.report import safe_name
 from benchmarks.run_las.analysis import (
@@ -165,15 +168,30 @@ async def _serve_and_run(
     try:
         urls = [await s.__aenter__() for s in servers]
         targets = [Target(order, url, "tiny") for order, url in zip(orders, urls, strict=True)]
-        report = await run_compare(
-            scenario,
-            targets,
-            out,
-            tokenizer_path=find_tokenizer("tiny"),
-            progress=False,
-            pause_s=args.pause_s,
-            notes=f"orders {orders}",
-        )
+        summaries = []
+        report: dict[str, Any] = {}
+        async with aiohttp.ClientSession() as session:
+            for i, target in enumerate(targets):
+                if i:
+                    await asyncio.sleep(args.pause_s)
+                # each mode starts from an empty prefix cache: the same plan's prompts cached
+                # by the mode before would otherwise favour the one that runs second
+                reset = await reset_prefix_cache(session, engine.url, engine.api_key)
+                before = await prefix_counters(session, [engine.url], engine.api_key)
+                report = await run_compare(
+                    scenario,
+                    [target],
+                    out,
+                    tokenizer_path=find_tokenizer("tiny"),
+                    progress=False,
+                    notes=f"order {target.name}",
+                )
+                after = await prefix_counters(session, [engine.url], engine.api_key)
+                summary = report["targets"][0]
+                summary["prefix_cache_reset"] = reset
+                summary["prefix_hit_frac"] = hit_rate(before, after)[0]
+                summaries.append(summary)
+        report["targets"] = summaries
         ledger = {}
         for order, gw in zip(orders, gateways, strict=True):
             runs = await gw.ledger.list_runs(None, limit=1_000_000)
@@ -229,6 +247,8 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
         max_num_seqs=args.max_num_seqs,
         progress=_say,
         max_model_len_tokens=MAX_MODEL_LEN_TOKENS,
+        # /reset_prefix_cache is served in vLLM's dev mode only
+        environ={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},
     )
     (engine,) = await launcher.start()
     rounds = []
@@ -259,6 +279,10 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
             result["order_of_modes"] = orders
             result["load_avg_1m"] = {t["name"]: t["load_avg_1m"] for t in report["targets"]}
             result["max_send_lag_ms"] = {t["name"]: t["max_send_lag_ms"] for t in report["targets"]}
+            result["prefix_hit_frac"] = {t["name"]: t["prefix_hit_frac"] for t in report["targets"]}
+            result["prefix_cache_reset"] = {
+                t["name"]: t["prefix_cache_reset"] for t in report["targets"]
+            }
             _say(json.dumps(result["targets"]))
             rounds.append(result)
     finally:
@@ -320,8 +344,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         "| round | mode | short p50 s | short p95 s | long p50 s | long p95 s | agent out tok/s"
         " (whole run) | agent out tok/s (while arrivals last) | longest run queue s"
-        " | runs not completed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        " | runs not completed | engine prefix-cache hit rate |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["rounds"]:
         for mode in ("fifo", "run_las"):
@@ -333,7 +357,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"{_f(s['completion_s_p95'])} | {_f(lg['completion_s_p50'])} | "
                 f"{_f(lg['completion_s_p95'])} | {_f(m['output_tokens_per_s'])} | "
                 f"{_f(m.get('window_output_tokens_per_s'))} | "
-                f"{_f(m['longest_run_queue_s'])} | {not_done} |"
+                f"{_f(m['longest_run_queue_s'])} | {not_done} | "
+                f"{_f(r.get('prefix_hit_frac', {}).get(mode), 3)} |"
             )
     lines += [
         "",
