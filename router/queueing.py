@@ -232,8 +232,8 @@ class PoolQueue:
 
     def position(self, entry: QueueEntry) -> int:
         """Entries ahead of `entry` (O(n); for diagnostics and Retry-After). Under run_las this
-        ignores tenant turns and aging: entries of higher bands, then of less attained
-        service."""
+        ignores tenant turns, aging and the bound relative to FIFO: entries of higher bands,
+        then of less attained service."""
         return sum(1 for _, e in self._heap if not e.removed and e.key < entry.key)
 
     def drain_rate_per_s(self, now_s: float) -> float:
