@@ -63,14 +63,16 @@ def _say(message: str) -> None:
     print(f"[placement] {message}", file=sys.stderr, flush=True)
 
 
-def router_config(urls: list[str], placement: str, tmp: Path) -> Config:
+def router_config(
+    urls: list[str], placement: str, tmp: Path, max_num_seqs: int = MAX_NUM_SEQS
+) -> Config:
     """All three engines in one agent pool, placed by `placement`; admission on (it is what
     finds a run's home full)."""
     return agent_pool_router(
         MODEL_DIR,
         urls,
         key_env=KEY_ENV,
-        max_num_seqs=MAX_NUM_SEQS,
+        max_num_seqs=max_num_seqs,
         agent_pool={
             "slo": {"ttft_p95_ms": 3000, "tpot_p95_ms": 300},
             "queue": {"max_depth": 4096, "max_wait_s": 120},
@@ -158,9 +160,10 @@ async def _one(
     out: Path,
     tmp: Path,
     key: str,
+    max_num_seqs: int,
 ) -> dict[str, Any]:
     urls = [s.url for s in specs]
-    config = router_config(urls, placement, tmp)
+    config = router_config(urls, placement, tmp, max_num_seqs)
     gw = create_app(config, specs)  # the launcher's specs carry the engines' key
     await gw.start()
     server = serve_asgi(gw)
@@ -219,7 +222,7 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
         port=args.engine_port,
         key_env=KEY_ENV,
         run_dir=tmp / "run",
-        max_num_seqs=MAX_NUM_SEQS,
+        max_num_seqs=args.max_num_seqs,
         progress=_say,
         # /reset_prefix_cache is served in vLLM's dev mode only
         environ={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},
@@ -233,7 +236,9 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
             results = []
             for placement in order:
                 _say(f"round {i + 1}: {placement} ...")
-                result = await _one(placement, specs, plan, out / f"round-{i + 1}", tmp, key)
+                result = await _one(
+                    placement, specs, plan, out / f"round-{i + 1}", tmp, key, args.max_num_seqs
+                )
                 _say(json.dumps(result))
                 results.append(result)
                 await asyncio.sleep(args.pause_s)
@@ -251,7 +256,7 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
         "setup": {
             "engines": 3,
             "engine_kv_cache_bytes": 64 * 1024 * 1024,
-            "engine_max_num_seqs": MAX_NUM_SEQS,
+            "engine_max_num_seqs": args.max_num_seqs,
             "scenario": str(SCENARIO),
             "agent_runs_per_s": args.rate_scale * SURGE_RUNS_PER_S,
             "duration_s": args.duration_s,
@@ -303,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=60.0, help="arrival window")
     parser.add_argument("--pause-s", type=float, default=5.0)
     parser.add_argument("--engine-port", type=int, default=8510)
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=MAX_NUM_SEQS,
+        help="per engine (vLLM --max-num-seqs and the router's operating-point cap); a small"
+        " value fills runs' homes, so affinity_or_move has to weigh waiting against moving",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if not is_dev_model(MODEL_DIR):

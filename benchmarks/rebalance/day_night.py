@@ -225,9 +225,7 @@ class Timeline:
 def run_mode(mode: str, engines: list[str], out: Path, state: Path) -> None:
     port = ROUTER_PORTS[mode]
     url = f"http://127.0.0.1:{port}"
-    for name in (f"state-{mode}.json", f"decisions-{mode}.sqlite", f"ledger-{mode}.sqlite"):
-        for suffix in ("", "-wal", "-shm"):
-            (state / f"{name}{suffix}").unlink(missing_ok=True)
+    _forget_state(state, mode)
     config_path = out / f"router-{mode}.yaml"
     config_path.write_text(yaml.safe_dump(router_config(mode, engines, state)))
     log = (out / f"router-{mode}.log").open("wb")
@@ -270,15 +268,28 @@ def _stream_ttft_ms(client: httpx.Client, url: str, body: dict[str, Any], header
     return (first - start) * 1e3
 
 
+def _forget_state(state: Path, mode: str) -> None:
+    """A mode starts from nothing: no saved ratio, decisions, ledger or governance state (a
+    run id left in the governance store from an earlier invocation hours ago is past its
+    run guard's max_duration_s, and its first step gets 403)."""
+    names = (
+        f"state-{mode}.json",
+        f"decisions-{mode}.sqlite",
+        f"ledger-{mode}.sqlite",
+        f"ledger-{mode}.governance.sqlite",
+    )
+    for name in names:
+        for suffix in ("", "-wal", "-shm"):
+            (state / f"{name}{suffix}").unlink(missing_ok=True)
+
+
 def run_idle(engines: list[str], out: Path, state: Path) -> None:
     """Chat only for IDLE_S: the agent pool should sit at its floor; then one agent request,
     whose TTFT should be within the agent target (3000 ms)."""
     mode = "idle"
     port = ROUTER_PORTS[mode]
     url = f"http://127.0.0.1:{port}"
-    for name in (f"state-{mode}.json", f"decisions-{mode}.sqlite", f"ledger-{mode}.sqlite"):
-        for suffix in ("", "-wal", "-shm"):
-            (state / f"{name}{suffix}").unlink(missing_ok=True)
+    _forget_state(state, mode)
     config_path = out / f"router-{mode}.yaml"
     config = router_config("rebalanced", engines, state)
     config["router"]["state_path"] = str(state / f"state-{mode}.json")
