@@ -25,7 +25,11 @@ the least pressured pool exceeds `hysteresis_frac`, share moves from the least t
 pressured pool: the step that would equalise their pressures if each pool's pressure were
 proportional to load / share (the receiver's load `p_r * s_r`, the giver's `p_g * s_g`:
 `x = (L_r s_g - L_g s_r) / (L_r + L_g)`), capped by `max_step_frac` and both pools' bounds.
-Then nothing moves for `cooldown_s`. An idle pool (pressure 0) gives share down to its floor.
+Then nothing moves for `cooldown_s`. An idle pool (no traffic for `traffic_memory_s`) gives
+its share to the most pressured pool with traffic, down to its floor, whatever the gap: far
+below their targets the busy pool's signals read 0 too, and the hysteresis alone would leave
+the idle share unused. Traffic in the idle pool lifts it back to one instance's worth at the
+next decision (the bounds).
 
 Home: given `home` (the SREs' initial shares), the ratio goes back there once the pressure
 that pulled it away is gone: when every pool's pressure *at the home shares* would be at most
@@ -34,8 +38,8 @@ there within the hysteresis (so the pressure rule would not move away from home)
 steps toward home (`max_step_frac` per step, cooldown after each) and, once there, holds it;
 otherwise the pressure rule acts. Under that model the
 prediction does not depend on where the ratio is, so the two rules never undo each other under
-constant demand. Home applies while every pool has traffic (see below); with an idle pool the
-pressure rule alone decides, so an idle pool gives share down to its floor as before.
+constant demand. Home applies while every pool has traffic (see below); an idle pool gives its
+share down to its floor first.
 
 Bounds: a pool never leaves [floor_frac, ceiling_frac] (the schedule's bounds at that time of
 day, see `bounds_at`), and a pool that had traffic in the last `traffic_memory_s` never goes
@@ -311,6 +315,18 @@ def decide(
         return replace(result("not_due", current, None, False), state=state)
     if state.last_move_at_s is not None and now_s - state.last_move_at_s < settings.cooldown_s:
         return result("cooldown", current, None, False)
+    busy = [p for p in pools if traffic[p]]
+    idle = [p for p in pools if not traffic[p] and current[p] - limits[p][0] >= _MIN_STEP_FRAC]
+    if busy and idle:  # an idle pool's share goes to the pools with traffic, down to its floor
+        giver = idle[0]
+        receiver = max(busy, key=lambda p: (smoothed[p], p))
+        room = min(current[giver] - limits[giver][0], limits[receiver][1] - current[receiver])
+        step = min(settings.max_step_frac, room)
+        if step >= _MIN_STEP_FRAC:
+            shares = dict(current)
+            shares[receiver] += step
+            shares[giver] -= step
+            return result("idle_pool", shares, Move(giver, receiver, step), True)
     if home is not None and all(traffic.values()):
         target = clamp_shares(home, limits)
         at_home = {
