@@ -13,7 +13,7 @@ from typing import Any
 from pools.config import Config, parse_config
 from pools.launchers import LocalLauncher
 
-__all__ = ["agent_pool_router", "cpu_engines", "one_cpu_engine"]
+__all__ = ["agent_pool_router", "cpu_engines"]
 
 
 def cpu_engines(
@@ -53,31 +53,6 @@ def cpu_engines(
     )
     return LocalLauncher(
         config.engines.local, config.model, progress=progress, gpu_count=0, environ=environ
-    )
-
-
-def one_cpu_engine(
-    model_dir: Path,
-    *,
-    port: int,
-    key_env: str,
-    run_dir: Path,
-    max_num_seqs: int,
-    progress: Callable[[str], None],
-    max_model_len_tokens: int = 4096,
-    environ: Mapping[str, str] | None = None,
-) -> LocalLauncher:
-    """A launcher for one engine on `port` that requires the key in `$key_env`; `start()` it."""
-    return cpu_engines(
-        model_dir,
-        count=1,
-        port=port,
-        key_env=key_env,
-        run_dir=run_dir,
-        max_num_seqs=max_num_seqs,
-        progress=progress,
-        max_model_len_tokens=max_model_len_tokens,
-        environ=environ,
     )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.engines import one_cpu_engine
+from benchmarks.engines import cpu_engines
 from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec
@@ -165,8 +165,9 @@ async def _main(args: argparse.Namespace) -> int:
 
     os.environ.setdefault(key_env, "fairness-" + os.urandom(6).hex())
     tmp = Path(tempfile.mkdtemp(prefix="gpupool-fairness-"))
-    launcher = one_cpu_engine(
+    launcher = cpu_engines(
         MODEL_DIR,
+        count=1,
         port=args.engine_port,
         key_env=key_env,
         run_dir=tmp / "run",

@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.engines import one_cpu_engine
+from benchmarks.engines import cpu_engines
 from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec
@@ -295,8 +295,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = await asyncio.to_thread(_dev_model)
     os.environ.setdefault(KEY_ENV, "bench-" + os.urandom(8).hex())
     with tempfile.TemporaryDirectory(prefix="gpupool-gov-bench-") as tmp:
-        launcher = one_cpu_engine(
+        launcher = cpu_engines(
             model_dir,
+            count=1,
             port=args.engine_port,
             key_env=KEY_ENV,
             run_dir=Path(tmp) / "run",

@@ -37,7 +37,7 @@ import yaml
 
 from benchmarks.admission.kv_pressure import reset_prefix_cache
 from benchmarks.compare import run_compare
-from benchmarks.engines import agent_pool_router, one_cpu_engine
+from benchmarks.engines import agent_pool_router, cpu_engines
 from benchmarks.placement import hit_rate, prefix_counters
 from benchmarks.prompts import find_tokenizer
 from benchmarks.report import safe_name
@@ -239,8 +239,9 @@ def _mode(
 
 
 async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any]:
-    launcher = one_cpu_engine(
+    launcher = cpu_engines(
         MODEL_DIR,
+        count=1,
         port=args.engine_port,
         key_env=KEY_ENV,
         run_dir=tmp / "run",
