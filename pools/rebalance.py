@@ -41,6 +41,17 @@ prediction does not depend on where the ratio is, so the two rules never undo ea
 constant demand. Home applies while every pool has traffic (see below); an idle pool gives its
 share down to its floor first.
 
+Recall: the pressure rule acts on smoothed pressure, which lags a surge by up to a window. In
+the day-night run the morning's chat missed its TTFT target one decision before the smoothed
+gap passed the hysteresis, with the night's share still lent to the agent pool. So a pool that
+lent share (it is below its home share) and misses a target in the latest interval (pressure
+>= 1) by more than the hysteresis over a pool holding share beyond its home (that pool's higher
+of latest and smoothed pressure) gets the pressure rule's step at once: the step that
+equalises the two, at most `max_step_frac`, never past home; the cooldown still applies. Only
+toward home: leaving home still needs the smoothed gap, so one bad interval cannot pull the
+ratio away; and as the step only equalises, under the load / share model recall and the
+pressure rule do not undo each other under constant demand.
+
 Bounds: a pool never leaves [floor_frac, ceiling_frac] (the schedule's bounds at that time of
 day, see `bounds_at`), and a pool that had traffic in the last `traffic_memory_s` never goes
 below one instance's worth of capacity (where the bounds leave room for that).
@@ -180,7 +191,7 @@ class Decision:
     at_s: float
     shares: Mapping[str, float]  # target shares after this decision
     move: Move | None
-    reason: str  # moved | home | at_home | pinned | bounds | frozen | cooldown
+    reason: str  # moved | home | recalled | at_home | pinned | bounds | frozen | cooldown
     # | within_hysteresis | at_bound | not_due | step_too_small
     pressure: Mapping[str, Mapping[str, float]]  # pool -> signal -> normalised value (raw)
     smoothed: Mapping[str, float]  # pool -> smoothed pressure
@@ -189,7 +200,7 @@ class Decision:
 
     @property
     def changed(self) -> bool:
-        return self.reason in ("moved", "home", "pinned", "bounds")
+        return self.reason in ("moved", "home", "recalled", "pinned", "bounds")
 
 
 def effective_bounds(
@@ -323,12 +334,26 @@ def decide(
         room = min(current[giver] - limits[giver][0], limits[receiver][1] - current[receiver])
         step = min(settings.max_step_frac, room)
         if step >= _MIN_STEP_FRAC:
-            shares = dict(current)
-            shares[receiver] += step
-            shares[giver] -= step
-            return result("idle_pool", shares, Move(giver, receiver, step), True)
+            return _step(result, "idle_pool", current, Move(giver, receiver, step))
     if home is not None and all(traffic.values()):
         target = clamp_shares(home, limits)
+        recall = _recall(current, target, now_pressure, smoothed, settings)
+        if recall is not None:
+            giver, receiver = recall
+            step = min(
+                _equalising_step(
+                    now_pressure[receiver],
+                    current[receiver],
+                    max(now_pressure[giver], smoothed[giver]),
+                    current[giver],
+                ),
+                settings.max_step_frac,
+                current[giver] - target[giver],
+                target[receiver] - current[receiver],
+            )
+            if step < _MIN_STEP_FRAC:
+                return result("step_too_small", current, None, False)
+            return _step(result, "recalled", current, Move(giver, receiver, step))
         at_home = {
             p: 0.0
             if smoothed[p] <= _EPS
@@ -346,18 +371,49 @@ def decide(
     if receiver == giver or gap <= settings.hysteresis_frac:
         return result("within_hysteresis", current, None, False)
     s_r, s_g = current[receiver], current[giver]
-    load_r, load_g = smoothed[receiver] * s_r, smoothed[giver] * s_g
-    equalise = (load_r * s_g - load_g * s_r) / max(load_r + load_g, _EPS)
+    equalise = _equalising_step(smoothed[receiver], s_r, smoothed[giver], s_g)
     room = min(s_g - limits[giver][0], limits[receiver][1] - s_r)
     if room < _MIN_STEP_FRAC:
         return result("at_bound", current, None, False)
     step = min(equalise, settings.max_step_frac, room)
     if step < _MIN_STEP_FRAC:
         return result("step_too_small", current, None, False)
-    shares = dict(current)
-    shares[receiver] = s_r + step
-    shares[giver] = s_g - step
-    return result("moved", shares, Move(giver, receiver, step), True)
+    return _step(result, "moved", current, Move(giver, receiver, step))
+
+
+def _equalising_step(p_r: float, s_r: float, p_g: float, s_g: float) -> float:
+    """The share that, moved from the giver (pressure `p_g` at share `s_g`) to the receiver
+    (`p_r` at `s_r`), equalises their pressures if each is load / share."""
+    load_r, load_g = p_r * s_r, p_g * s_g
+    return (load_r * s_g - load_g * s_r) / max(load_r + load_g, _EPS)
+
+
+def _recall(
+    current: Mapping[str, float],
+    home: Mapping[str, float],
+    now_pressure: Mapping[str, float],
+    smoothed: Mapping[str, float],
+    settings: RebalanceSettings,
+) -> tuple[str, str] | None:
+    """(giver, receiver) when a pool that lent share (below its home share by a step worth
+    taking) misses a target now (latest pressure >= 1) by more than the hysteresis over a pool
+    holding share beyond its home, taken at that pool's higher of latest and smoothed pressure;
+    else None. The loan is recalled on the latest interval alone: smoothing is there to keep the
+    ratio from leaving home on a blip, and returning home is the safe direction."""
+    lenders = [
+        p for p in current if home[p] - current[p] >= _MIN_STEP_FRAC and now_pressure[p] >= 1.0
+    ]
+    holders = [p for p in current if current[p] - home[p] >= _MIN_STEP_FRAC]
+    if not lenders or not holders:
+        return None
+    receiver = max(lenders, key=lambda p: (now_pressure[p], p))
+    giver = min(holders, key=lambda p: (max(now_pressure[p], smoothed[p]), p))
+    if (
+        now_pressure[receiver] - max(now_pressure[giver], smoothed[giver])
+        <= settings.hysteresis_frac
+    ):
+        return None
+    return giver, receiver
 
 
 def _toward(
@@ -373,10 +429,20 @@ def _toward(
     step = min(max_step_frac, current[giver] - target[giver], target[receiver] - current[receiver])
     if step < _MIN_STEP_FRAC:
         return result("at_home", current, None, False)
+    return _step(result, "home", current, Move(giver, receiver, step))
+
+
+def _step(
+    result: Callable[[str, Mapping[str, float], Move | None, bool], Decision],
+    reason: str,
+    current: Mapping[str, float],
+    move: Move,
+) -> Decision:
+    """The decision that makes `move` from the `current` shares."""
     shares = dict(current)
-    shares[giver] -= step
-    shares[receiver] += step
-    return result("home", shares, Move(giver, receiver, step), True)
+    shares[move.from_pool] -= move.share_frac
+    shares[move.to_pool] += move.share_frac
+    return result(reason, shares, move, True)
 
 
 def _differs(a: Mapping[str, float], b: Mapping[str, float]) -> bool:

@@ -351,7 +351,7 @@ class Rebalancer:
         self.loop_state = decision.state
         if decision.reason != "not_due":
             self._place(decision.shares, now)
-            kind = "auto" if decision.reason in ("moved", "home") else decision.reason
+            kind = "auto" if decision.reason in ("moved", "home", "recalled") else decision.reason
             self._record(decision, kind, signals, who="loop")
         return decision
 

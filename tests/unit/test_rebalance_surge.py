@@ -124,3 +124,92 @@ def test_an_idle_pool_gives_its_share_down_to_its_floor_whatever_the_gap() -> No
     signals = {"agent": sig(0.1), "normal": sig(0.2)}
     back = decide(d.state, signals, BOUNDS, BENCH, 60.0, home=HOME, instance_frac=ONE_ENGINE)
     assert back.reason == "bounds" and back.shares["agent"] == pytest.approx(ONE_ENGINE)
+
+
+CHAT_TTFT_TARGET_S = 0.8  # the day-night scenario's chat SLO
+
+
+def morning_signals(agent_pressure: float, chat_ttft_s: float) -> dict[str, PoolSignals]:
+    return {
+        "agent": sig(agent_pressure),
+        "normal": PoolSignals(
+            ttft_p95_s=chat_ttft_s, ttft_target_s=CHAT_TTFT_TARGET_S, requests=30
+        ),
+    }
+
+
+def night_state() -> LoopState:
+    """After the night: two engines lent to the agent pool at t = 140 s, and three decisions
+    of a backlogged agent pool (pressure 1.1) beside a calm chat pool since."""
+    state = LoopState(shares={"agent": TWO_ENGINES, "normal": ONE_ENGINE}, last_move_at_s=140.0)
+    for t in (170.0, 180.0, 190.0):
+        state = decide(
+            state, morning_signals(1.1, 0.2), BOUNDS, BENCH, t, instance_frac=ONE_ENGINE, home=HOME
+        ).state
+    return state
+
+
+def test_morning_chat_missing_its_target_recalls_the_lent_engine_at_once() -> None:
+    """The third day-night run's morning, as its decision log measured it (t = 199.6 s): chat
+    TTFT p95 2.1 s on the one engine left (pressure 2.1 / 0.8 = 2.63), the agent pool still
+    working off its backlog (pressure 1.0). Smoothed over the 20 s window (the decisions at
+    190 and 200 s), chat is (0 + 2.625) / 2 = 1.31 and agent (1.1 + 1.0) / 2 = 1.05: 0.26
+    apart, within the 0.3 hysteresis, so the pressure rule would wait (it moved one decision
+    later in that run). Chat misses its target now by 2.625 - 1.05 = 1.6 more than the agent
+    pool: share comes back in this decision, the step that equalises the two under the
+    load / share model: loads 2.625 / 3 = 0.875 and 1.05 x 2 / 3 = 0.7, so
+    (0.875 x 2/3 - 0.7 x 1/3) / (0.875 + 0.7) = 0.35 / 1.575 = 0.2222 (under the 0.34 step)."""
+    state = night_state()
+    d = decide(
+        state, morning_signals(1.0, 2.1), BOUNDS, BENCH, 200.0, instance_frac=ONE_ENGINE, home=HOME
+    )
+    assert d.reason == "recalled"
+    assert d.move is not None and (d.move.from_pool, d.move.to_pool) == ("agent", "normal")
+    assert d.move.share_frac == pytest.approx(0.35 / 1.575)
+    assert d.shares["normal"] == pytest.approx(1 / 3 + 0.35 / 1.575)
+
+
+def test_no_recall_while_the_lender_meets_its_target_or_the_holder_is_as_pressured() -> None:
+    """Chat at 0.7 s (pressure 0.75, under 1): no recall, whatever the gap to the agent pool
+    (0.1); chat at 2.1 s (2.63) against an agent pool at 2.5: 0.13 apart, within the 0.3
+    hysteresis, no recall either (and the smoothed gap is within it too)."""
+    for agent, chat_s in ((0.1, 0.7), (2.5, 2.1)):
+        state = LoopState(shares={"agent": TWO_ENGINES, "normal": ONE_ENGINE}, last_move_at_s=140.0)
+        for t in (170.0, 180.0, 190.0):
+            state = decide(
+                state,
+                morning_signals(agent, chat_s),
+                BOUNDS,
+                BENCH,
+                t,
+                instance_frac=ONE_ENGINE,
+                home=HOME,
+            ).state
+        d = decide(
+            state,
+            morning_signals(agent, chat_s),
+            BOUNDS,
+            BENCH,
+            200.0,
+            instance_frac=ONE_ENGINE,
+            home=HOME,
+        )
+        assert d.reason != "recalled", (agent, chat_s, d.reason)
+
+
+def test_no_recall_in_the_cooldown_nor_past_home() -> None:
+    """A recall is a move: not within `cooldown_s` of the last one. And it goes back to home,
+    not beyond: chat at home (two engines) missing its target is the pressure rule's case."""
+    state = LoopState(shares={"agent": TWO_ENGINES, "normal": ONE_ENGINE}, last_move_at_s=190.0)
+    d = decide(
+        state, morning_signals(1.0, 2.1), BOUNDS, BENCH, 200.0, instance_frac=ONE_ENGINE, home=HOME
+    )
+    assert d.reason == "cooldown"
+    at_home = LoopState(shares=HOME)
+    d = decide(
+        at_home, morning_signals(0.2, 2.1), BOUNDS, BENCH, 0.0, instance_frac=ONE_ENGINE, home=HOME
+    )
+    # the pressure rule's case (2.63 vs 0.2), not a recall: and the agent pool, which has
+    # traffic, keeps one engine's worth (its effective floor), so nothing moves
+    assert d.reason == "at_bound"
+    assert d.shares == HOME
