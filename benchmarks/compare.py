@@ -133,8 +133,11 @@ async def run_compare(
     pause_s: float = 0.0,
     wall_clock: Callable[[], float] = time.time,
     notes: str = "",
+    together: bool = False,
 ) -> dict[str, Any]:
-    """Run `scenario` against each target in turn; write and return the report."""
+    """Run `scenario` against each target in turn (`together`: against all of them at once,
+    each arrival sent to every target at the same moment; `pause_s` unused); write and return
+    the report."""
     if not targets:
         raise BenchError("no targets")
     names = [t.name for t in targets]
@@ -152,19 +155,27 @@ async def run_compare(
     )
     await asyncio.to_thread(out_dir.mkdir, parents=True, exist_ok=True)
     stamp = int(wall_clock())
-    results: list[TargetResult] = []
-    summaries = []
-    for i, target in enumerate(targets):
-        if i and pause_s > 0:
-            await asyncio.sleep(pause_s)
+
+    async def run_one(target: Target) -> tuple[TargetResult, dict[str, Any]]:
         prefix = f"bench-{safe_name(scenario.name)}-{seed}-{safe_name(target.name)}-{stamp}"
         load_before = os.getloadavg()[0]
         result = await Runner(plan, target, run_id_prefix=prefix, progress=progress).run()
-        results.append(result)
         await asyncio.to_thread(write_records, out_dir, result)
         summary = summarize_target(result, scenario)
         summary["load_avg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
-        summaries.append(summary)
+        return result, summary
+
+    done: list[tuple[TargetResult, dict[str, Any]]] = []
+    if together:
+        done = list(await asyncio.gather(*(run_one(t) for t in targets)))
+    else:
+        for i, target in enumerate(targets):
+            if i and pause_s > 0:
+                await asyncio.sleep(pause_s)
+            done.append(await run_one(target))
+    results = [result for result, _ in done]
+    summaries = [summary for _, summary in done]
+    for target, summary in zip(targets, summaries, strict=True):
         log.info(
             "%s: %d requests, goodput %.2f req/s, SLO attainment %s",
             target.name,

@@ -27,9 +27,11 @@ def cpu_engines(
     progress: Callable[[str], None],
     max_model_len_tokens: int = 4096,
     environ: Mapping[str, str] | None = None,
+    cpu_affinity: list[list[int]] | None = None,
 ) -> LocalLauncher:
     """A launcher for `count` engines on `port`, `port + 1`, ... that require the key in
-    `$key_env` (`environ`: their parent environment, default this process's); `start()` it."""
+    `$key_env` (`environ`: their parent environment, default this process's; `cpu_affinity`:
+    per engine the CPUs it is pinned to, as `engines.local.cpu_affinity`); `start()` it."""
     config = parse_config(
         {
             "model": {
@@ -46,6 +48,7 @@ def cpu_engines(
                     "api_key_env": key_env,
                     "run_dir": str(run_dir),
                     "vllm_args": ["--max-num-seqs", str(max_num_seqs)],
+                    "cpu_affinity": cpu_affinity,
                 },
             },
             "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},

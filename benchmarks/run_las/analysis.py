@@ -7,6 +7,7 @@ it to each target with the same run indices (`...-<class>-<index>`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ __all__ = [
     "ModeResult",
     "compare_modes",
     "load_runs",
+    "pool_rounds",
     "run_key",
+    "spread",
     "window_tokens_per_s",
 ]
 
@@ -199,3 +202,50 @@ def compare_modes(
         },
     }
     return out
+
+
+def pool_rounds(rounds: Sequence[ModeResult]) -> ModeResult:
+    """One mode over several rounds of the same plan, as one result: each run's completion
+    and router queue time averaged over the rounds (with the engines swapped between rounds,
+    every run has then seen each engine alike), agent tok/s the mean of the rounds'. A run
+    counts as done only when it was done in every round; otherwise it carries the first
+    round's outcome that was not. Runs are matched by `run_key`; the first round's records
+    give the run ids and start offsets."""
+    if not rounds:
+        raise ValueError("no rounds to pool")
+    by_key: dict[tuple[str, int], list[tuple[RunRecord, float]]] = {}
+    for mode in rounds:
+        for r in mode.runs:
+            by_key.setdefault(run_key(r), []).append((r, mode.queue_s_by_run.get(r.run_id, 0.0)))
+    runs, queue_s = [], {}
+    for seen in by_key.values():
+        first = seen[0][0]
+        queue_s[first.run_id] = sum(q for _, q in seen) / len(seen)
+        not_done = [r for r, _ in seen if r.outcome not in DONE or r.completion_s is None]
+        if len(seen) < len(rounds) or not_done:
+            outcome = not_done[0].outcome if not_done else "missing"
+            runs.append(dataclasses.replace(first, end_s=None, outcome=outcome))
+            continue
+        mean_s = sum(r.completion_s or 0.0 for r, _ in seen) / len(seen)
+        runs.append(dataclasses.replace(first, end_s=first.start_s + mean_s))
+    windows = [m.window_tokens_per_s for m in rounds]
+    return ModeResult(
+        rounds[0].name,
+        runs,
+        sum(m.output_tokens_per_s for m in rounds) / len(rounds),
+        queue_s,
+        None if None in windows else sum(w or 0.0 for w in windows) / len(windows),
+    )
+
+
+def spread(values: Sequence[float | None]) -> dict[str, Any]:
+    """Mean, min and max of the rounds' values of one figure (None where a round had none:
+    then the mean is over the others and `missing` counts them)."""
+    have = [v for v in values if v is not None]
+    return {
+        "values": list(values),
+        "mean": sum(have) / len(have) if have else None,
+        "min": min(have) if have else None,
+        "max": max(have) if have else None,
+        "missing": len(values) - len(have),
+    }
