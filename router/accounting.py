@@ -39,6 +39,7 @@ __all__ = [
     "ConservationReport",
     "SequenceToken",
     "UnknownInstanceError",
+    "with_restored",
 ]
 
 # Idle time of an instance that no pool holds (empty or all-zero shares) is charged here.
@@ -333,3 +334,16 @@ class Accountant:
             idle = self._idle_gpu_s
             for pool, frac in inst.shares_frac.items():
                 idle[pool] = idle.get(pool, 0.0) + gpu_s * frac
+
+
+def with_restored(live: RunUsage | None, restored: tuple[float, float] | None) -> RunUsage | None:
+    """A run's attained service across a router restart: what the accountant has seen since
+    (`live`) plus what the run had settled before it (`restored`: GPU-seconds, and when the run
+    was last seen, both from the governance store). A run not seen since the restart is idle
+    from its last sighting."""
+    if restored is None:
+        return live
+    gpu_s, last_seen_s = restored
+    if live is None:
+        return RunUsage(gpu_s, 0, last_seen_s)
+    return RunUsage(live.gpu_seconds + gpu_s, live.in_flight, live.last_active_s)

@@ -14,7 +14,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import aiohttp
@@ -35,7 +35,7 @@ from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.operating_point import OperatingPoint, TpotLine
 from pools.telemetry import TelemetryScraper
-from router.accounting import Accountant
+from router.accounting import Accountant, with_restored
 from router.accounting_metrics import AccountingMetrics
 from router.accounting_observer import AccountingObserver
 from router.admitter import Admitter
@@ -59,6 +59,7 @@ from router.metrics import RouterMetrics
 from router.openapi import openapi_document
 from router.picking import RunAffinity, default_picker
 from router.proxy import CompletionsHandler
+from router.queueing import RunUsage
 from router.rebalancer import Rebalancer
 from router.rebalancer_api import register_pools_admin
 from router.request import Message, Receive, RequestObserver, Scope, Send
@@ -123,7 +124,7 @@ class Gateway:
             self.metrics,
             self.affinity,
             clock=clock,
-            run_usage=self.accountant.run_usage,
+            run_usage=self._run_usage,
         )
         # the pool ratio follows demand; SRE controls; the decision log (router/rebalancer.py)
         self.rebalancer = Rebalancer(
@@ -275,6 +276,15 @@ class Gateway:
         await self.ledger.aclose()
         await self.gpu_sampler.aclose()
         self._started = False
+
+    def _run_usage(self, run_key: Hashable, now_s: float) -> RunUsage | None:
+        """A run's attained service for `queue.order: run_las`: the accountant's, plus what
+        the run had before the router's last restart (the governance store keeps it)."""
+        live = self.accountant.run_usage(run_key, now_s)
+        if not isinstance(run_key, tuple) or len(run_key) != 2:
+            return live
+        tenant, run_id = run_key
+        return with_restored(live, self.governor.restored_service(tenant, run_id))
 
     def _run_ended(self, end: RunEnd) -> None:
         """The ledger records why each run ended (governance: client_end, idle_timeout, or the

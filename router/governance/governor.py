@@ -254,6 +254,7 @@ class Governor:
                 gpu_seconds=r.gpu_seconds,
                 stopped=None if r.stop_code is None else Stop(r.stop_code, r.stop_message or ""),
                 ended=r.ended,
+                restored_gpu_seconds=r.gpu_seconds,
             )
             st.runs[run.run_id] = run
             if run.ended is None:
@@ -607,6 +608,15 @@ class Governor:
             st.alerted = False
 
     # ------------------------------------------------------------------ runs
+
+    def restored_service(self, tenant: str, run_id: str) -> tuple[float, float] | None:
+        """(GPU-seconds settled before the router's last restart, when the run was last seen
+        on the router's clock) for a run restored from the store; None for any other run."""
+        st = self._tenants.get(tenant)
+        run = None if st is None else st.runs.get(run_id)
+        if run is None or run.restored_gpu_seconds <= 0:
+            return None
+        return run.restored_gpu_seconds, run.last_seen_s
 
     def end_run(self, tenant: str, run_id: str) -> RunState | None:
         """End a run now (`POST /v1/runs/{run_id}/end`). Returns it, None when unknown."""

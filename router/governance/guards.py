@@ -47,6 +47,9 @@ class RunState:
     inflight: int = 0
     stopped: Stop | None = None
     ended: str | None = None  # why it ended: a stop code, client_end, idle_timeout
+    # of gpu_seconds, what was settled before the router's last restart (the accountant, which
+    # run_las orders by, starts from zero then)
+    restored_gpu_seconds: float = 0.0
 
 
 def check_step(state: RunState, now_s: float, looping_call: str | None) -> Stop | None:
