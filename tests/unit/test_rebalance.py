@@ -6,7 +6,7 @@ demand over its share (pressure 1 = at target), in simulated time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -37,7 +37,7 @@ def signals_for(pressure: float, requests: int = 10) -> PoolSignals:
 
 
 def run_loop(
-    demand: Mapping[str, float] | list[Mapping[str, float]],
+    demand: Mapping[str, float] | Sequence[Mapping[str, float]],
     shares: Mapping[str, float],
     bounds: Mapping[str, Bounds],
     steps: int,
@@ -51,7 +51,7 @@ def run_loop(
     trajectory: list[dict[str, float]] = []
     moves: list[tuple[str, str]] = []
     for k in range(steps):
-        d = demand[k] if isinstance(demand, list) else demand
+        d = demand[k] if isinstance(demand, Sequence) else demand
         sig = {p: signals_for(d[p] / max(state.shares[p], 1e-9), 10 if d[p] else 0) for p in d}
         decision = decide(
             state, sig, bounds, cfg, k * cfg.interval_s, instance_frac=instance_frac, home=home
