@@ -6,7 +6,8 @@ agent-flood benchmarks) form one agent pool. Three gpupool routers run in this p
 front of them, identical but for `pools.agent.placement`. The agent class of
 `benchmarks/scenarios/agent-flood.yaml` (runs of ~8 steps on contexts growing to ~4k tokens,
 tool calls of ~0.8 s) arrives at its surge rate scaled by `--rate-scale` for `--duration-s`;
-the same drawn plan goes to each router in turn (the order rotates from round to round), and
+the same drawn plan goes to each router in turn (the order rotates from round to round, and
+`--rotate` starts the rotation elsewhere, so separate runs put each rule first in turn), and
 every engine's prefix cache is emptied (`POST /reset_prefix_cache`, engines started with
 `VLLM_SERVER_DEV_MODE=1`) before each, so no placement finds another's prefixes cached.
 
@@ -232,7 +233,8 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
     rounds = []
     try:
         for i in range(args.rounds):
-            order = list(PLACEMENTS[i % 3 :] + PLACEMENTS[: i % 3])
+            k = (i + args.rotate) % len(PLACEMENTS)
+            order = list(PLACEMENTS[k:] + PLACEMENTS[:k])
             results = []
             for placement in order:
                 _say(f"round {i + 1}: {placement} ...")
@@ -307,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-scale", type=float, default=0.5, help="x the surge's runs/s")
     parser.add_argument("--duration-s", type=float, default=60.0, help="arrival window")
     parser.add_argument("--pause-s", type=float, default=5.0)
+    parser.add_argument(
+        "--rotate",
+        type=int,
+        default=0,
+        help="start the rules' order this many places on (round r uses r - 1 + this), so"
+        " separate one-round runs can each put another rule first",
+    )
     parser.add_argument("--engine-port", type=int, default=8510)
     parser.add_argument(
         "--max-num-seqs",

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from router.admission import Grant, InstanceView, Need, Reject, Wait, decide
 from router.errors import CapacityExceeded, NoHealthyInstance
 from router.estimate import Estimate
 from router.metrics import RouterMetrics
-from router.picking import Candidate, Picker, PickRequest, RunAffinity
+from router.picking import Candidate, Picker, PickRequest, RunAffinity, expected_home_wait_s
 from router.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
 from router.request import RequestContext
 
@@ -104,6 +105,9 @@ class Admitter:
             if p.queue.order == "run_las" and run_usage is not None
         }
         self._tpot_target_s = {p.name: p.slo.tpot_p95_ms / 1e3 for p in config.pools}
+        # per pool: the queued entries of runs with a home, and how many wait for each home
+        self._homebound: dict[str, dict[QueueEntry, str]] = {p.name: {} for p in config.pools}
+        self._awaited: dict[str, Counter[str]] = {p.name: Counter() for p in config.pools}
         self._pump_scheduled = False
         fleet.on_capacity_change(lambda _iid: self.schedule_pump())
         pool_map.on_change(lambda _alloc: self.schedule_pump())
@@ -232,10 +236,13 @@ class Admitter:
         now_s: float,
         exclude: frozenset[str],
         waited_s: float = 0.0,
+        *,
+        queued: bool = False,
     ) -> Lease | Reject | _WaitsForHome | None:
         """Lease at once if the sequence fits; a `Reject`; `WAITS_FOR_HOME` (it fits, but the
         placement rule keeps it for its run's home instance, full now); or None (it must
-        wait: it fits nowhere)."""
+        wait: it fits nowhere). `queued`: the request is in its pool's queue (it is then
+        among the steps counted as waiting for its home)."""
         views = self._views(ctx.pool, now_s)
         decision = decide(views, need, now_s)
         if not isinstance(decision, Grant):
@@ -245,7 +252,10 @@ class Admitter:
         allowed = frozenset(decision.instance_ids) - exclude
         if not allowed:
             return None
-        lease = self._lease(ctx, need, allowed, exclude, now_s=now_s, waited_s=waited_s)
+        free = {v.instance_id: _free_slots(v) for v in views}
+        lease = self._lease(
+            ctx, need, allowed, exclude, now_s=now_s, waited_s=waited_s, free=free, queued=queued
+        )
         return WAITS_FOR_HOME if lease is None else lease
 
     def _borrow(
@@ -269,14 +279,22 @@ class Admitter:
         self.metrics.borrowed.labels(ctx.pool).inc()
         return self._acquire(chosen.state, ctx.pool, need)
 
-    def _home_wait_s(self, pool: str, now_s: float) -> float | None:
-        """Expected wait for one instance of `pool` to free a slot: the pool's instances over
-        its queue's measured dispatch rate (None while nothing was dispatched from the queue:
-        then there was no wait to speak of, or no measure of it)."""
-        rate = self.queues[pool].drain_rate_per_s(now_s)
-        if rate <= 0:
+    def _home_wait_s(self, pool: str, need: Need, awaited: Counter[str]) -> float | None:
+        """Expected wait for a slot on the run's home (`expected_home_wait_s`): its running
+        sequences each take what this step is expected to (its output tokens at the home's
+        TPOT for that batch), and `awaited` steps wait for it already. None when there is no
+        home, nothing runs there, or its TPOT is unknown."""
+        home = need.cached_on
+        state = self.fleet.get(home) if home is not None else None
+        if home is None or state is None or state.inflight <= 0:
             return None
-        return len(self.pool_map.current.instances_for(pool)) / rate
+        tpot_s = state.op.tpot_estimate_s(state.inflight)
+        if not tpot_s:
+            return None
+        output_tokens = max(1, need.total_tokens - need.prompt_tokens)
+        return expected_home_wait_s(
+            running=state.inflight, waiting_ahead=awaited[home], step_s=output_tokens * tpot_s
+        )
 
     def _lease(
         self,
@@ -287,12 +305,29 @@ class Admitter:
         *,
         now_s: float | None = None,
         waited_s: float = 0.0,
+        free: dict[str, int] | None = None,
+        queued: bool = False,
     ) -> Lease | None:
         cands = self.picker.candidates(self.pool_map.current, ctx.pool)
+        awaited = self._awaited[ctx.pool]
+        if queued and need.cached_on is not None:  # the others, not this request
+            awaited = awaited - Counter({need.cached_on: 1})
         home_wait_s = (
-            None if now_s is None or ctx.run_id is None else self._home_wait_s(ctx.pool, now_s)
+            None
+            if now_s is None or ctx.run_id is None
+            else self._home_wait_s(ctx.pool, need, awaited)
         )
-        req = PickRequest(ctx.pool, ctx.run_key, exclude, allowed, waited_s, home_wait_s)
+        req = PickRequest(
+            ctx.pool,
+            ctx.run_key,
+            exclude,
+            allowed,
+            waited_s,
+            home_wait_s,
+            now_s=now_s,
+            free_slots=free,
+            awaited=awaited,
+        )
         chosen = self.picker.pick(req, cands)
         if chosen is None:
             return None
@@ -346,6 +381,9 @@ class Admitter:
                 "queue_full",
                 retry_after_s=retry_s,
             ) from None
+        if need.cached_on is not None:
+            self._homebound[ctx.pool][entry] = need.cached_on
+            self._awaited[ctx.pool][need.cached_on] += 1
         if shed is not None:
             self._shed(shed, queue, now_s)
         self.metrics.queue_depth(ctx.pool, len(queue))
@@ -382,9 +420,25 @@ class Admitter:
         if future.done() and not future.cancelled() and future.exception() is None:
             future.result().release()  # granted just as the waiter gave up
         queue.remove(entry)
+        self._left(queue.pool, entry)
         future.cancel()
 
+    def homebound(self, pool: str) -> dict[str, int]:
+        """Steps in `pool`'s queue per instance that is their run's home (a step counts from
+        its enqueue until it leaves the queue, dispatched or not)."""
+        return dict(self._awaited[pool])
+
+    def _left(self, pool: str, entry: QueueEntry) -> None:
+        """`entry` left the pool's queue: it no longer waits for its run's home (idempotent)."""
+        home = self._homebound[pool].pop(entry, None)
+        if home is not None:
+            awaited = self._awaited[pool]
+            awaited[home] -= 1
+            if awaited[home] <= 0:
+                del awaited[home]
+
     def _shed(self, entry: QueueEntry, queue: PoolQueue, now_s: float) -> None:
+        self._left(queue.pool, entry)
         waiter: _Waiter = entry.payload
         self.metrics.rejected(queue.pool, "shed")
         if not waiter.future.done():
@@ -423,17 +477,25 @@ class Admitter:
                 waiter: _Waiter = entry.payload
                 if waiter.future.done():
                     queue.remove(entry)
+                    self._left(queue.pool, entry)
                     continue
                 result = self._try(
-                    waiter.ctx, waiter.need, now, waiter.exclude, now - entry.enqueued_at_s
+                    waiter.ctx,
+                    waiter.need,
+                    now,
+                    waiter.exclude,
+                    now - entry.enqueued_at_s,
+                    queued=True,
                 )
                 if isinstance(result, Lease):
                     queue.pop(entry, now)
+                    self._left(queue.pool, entry)
                     waiter.future.set_result(result)
                     dispatched = True
                     continue
                 if isinstance(result, Reject) and result.code == "deadline_unmeetable":
                     queue.remove(entry)
+                    self._left(queue.pool, entry)
                     self.metrics.rejected(queue.pool, result.code)
                     waiter.future.set_exception(self._capacity(result, 1.0))
                     continue
@@ -463,6 +525,14 @@ class Admitter:
         return NoHealthyInstance(
             f"no healthy instance in pool {pool!r} ({total} allocated)", "no_healthy_instance"
         )
+
+
+def _free_slots(view: InstanceView) -> int:
+    """Sequences the pool may still start on the instance now by its operating points (the
+    same counts `router.admission.fit_reason` checks; KV may refuse sooner)."""
+    limit = min(view.pool_limit, view.instance_limit)
+    pool_free = max(1, int(view.frac * limit)) - view.pool_running
+    return max(0, min(pool_free, view.instance_limit - view.running))
 
 
 def _step_s(state: InstanceState) -> float:

@@ -6,20 +6,25 @@ Each step is a small function with one contract, in the manner of llm-d's endpoi
 - the `Picker` sums weighted scores and takes the best, ties broken at random (injected rng).
 New policies are new functions, not new branches.
 
-A run's steps stay where its prefix is cached unless that costs more than recomputing it
+A run's steps stay where its prefix is cached unless moving costs less than waiting
 (`filter_affinity_or_move`): while the run's last instance ("home") has headroom, run
-affinity scores it first; when admission finds no room there but room elsewhere, the step
-waits for home only if the expected wait there is shorter than prefilling the run's context
-elsewhere at the measured prefill rate, and never longer than that prefill time in total.
-A moved run's affinity follows it (the proxy records where each step ran).
+affinity scores it first. When admission finds no room there but room elsewhere, the step
+moves to another instance only if that instance has spare room (a free slot beyond this step
+and the steps already waiting for it as their own home: otherwise the move only hands the
+wait to another run, and moves cascade), and the expected wait at home, or the time the step
+has already waited, exceeds the whole cost of the move (`move_cost_s`): the destination's
+pending prefill, plus recomputing the run's context there at the uncached prefill rate, paid
+once by the step and once by every sequence decoding there meanwhile. A moved run's affinity
+follows it (the proxy records where each step ran). See docs/run_scheduling.md.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pools.allocation import Allocation
 from pools.fleet import Fleet, InstanceState
@@ -31,12 +36,20 @@ __all__ = [
     "Picker",
     "RunAffinity",
     "default_picker",
+    "expected_home_wait_s",
     "filter_affinity_or_move",
+    "move_cost_s",
     "move_is_faster",
     "score_kv_headroom",
     "score_load",
     "score_run_affinity",
+    "uncached_prefill_tokens_per_s",
 ]
+
+log = logging.getLogger(__name__)
+
+# a measured prefix-cache hit rate above this still leaves the uncached rate finite
+_MAX_HIT_FRAC = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +60,11 @@ class PickRequest:
     allowed: frozenset[str] | None = None  # admission's grant: where the sequence fits (None: any)
     waited_s: float = 0.0  # how long the request has waited in the queue so far
     home_wait_s: float | None = None  # expected wait for a slot on the run's home (None: unknown)
+    now_s: float | None = None  # for the destinations' pending prefill (None: count none)
+    # slots free now for the pool on each instance (None: unknown, no spare-room check)
+    free_slots: Mapping[str, int] | None = None
+    # queued steps waiting for each instance as their run's home (this request not counted)
+    awaited: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,31 +126,88 @@ def filter_not_tried(req: PickRequest, cands: list[Candidate]) -> list[Candidate
     return [c for c in cands if c.instance_id not in req.exclude]
 
 
+def uncached_prefill_tokens_per_s(
+    measured_tokens_per_s: float | None, prefix_hit_frac: float | None
+) -> float | None:
+    """How fast an instance computes prompt tokens it has not cached, in tokens/s (None: not
+    measured). vLLM's prefill time covers every prompt token, cached or not, so the measured
+    rate (prompt tokens / prefill time) overstates it by 1 / (1 - hit rate): at a 75 % hit
+    rate, 4x. The hit rate is capped at 0.9."""
+    if not measured_tokens_per_s:
+        return None
+    hit = min(max(prefix_hit_frac or 0.0, 0.0), _MAX_HIT_FRAC)
+    return measured_tokens_per_s * (1.0 - hit)
+
+
+def expected_home_wait_s(*, running: int, waiting_ahead: int, step_s: float) -> float:
+    """Expected wait for a slot on a full instance, in seconds. `running` sequences there each
+    take `step_s` in all; with their ends spread evenly (memoryless), one ends every
+    `step_s / running`, and a step with `waiting_ahead` others waiting for the same instance
+    gets the (waiting_ahead + 1)-th: `(waiting_ahead + 1) * step_s / running`."""
+    return (max(0, waiting_ahead) + 1) * step_s / max(1, running)
+
+
+def move_cost_s(
+    *,
+    context_tokens: int,
+    prefill_tokens_per_s: float,
+    dest_running: int,
+    dest_pending_prefill_tokens: int = 0,
+) -> float:
+    """What moving a run's step to another instance costs, in seconds of waiting summed over
+    everyone it delays: the destination's prefill already pending (the step waits for it),
+    then recomputing the run's context there (`context_tokens / prefill_tokens_per_s`, at the
+    uncached rate), which the step pays and so does each of the `dest_running` sequences
+    decoding there, whose steps stall behind it."""
+    prefill_s = context_tokens / prefill_tokens_per_s
+    return dest_pending_prefill_tokens / prefill_tokens_per_s + prefill_s * (1 + dest_running)
+
+
 def move_is_faster(
     *,
     context_tokens: int,
     prefill_tokens_per_s: float | None,
     home_wait_s: float | None,
     waited_s: float,
+    dest_running: int = 0,
+    dest_pending_prefill_tokens: int = 0,
+    dest_free_slots: int | None = None,
+    dest_awaited: int = 0,
 ) -> bool:
-    """Whether a run's step should leave its home instance (full now) for another one.
+    """Whether a run's step should leave its home instance (full now) for one destination.
 
-    Moving costs recomputing the run's context there: `context_tokens / prefill_tokens_per_s`.
-    Staying costs the expected wait for a slot at home. Move when moving is faster, when either
-    cost is unknown (no prefill rate measured, no wait estimate: nothing to weigh, so behave as
-    without affinity), or when the step has already waited as long as the prefill would take.
+    - Nothing cached at home (`context_tokens` 0): a move costs nothing, so move.
+    - No uncached prefill rate measured at the destination: nothing to weigh; keep the cache
+      (wait for home).
+    - The destination must have spare room: more free slots (`dest_free_slots`) than this
+      step plus the steps already waiting for it as their home (`dest_awaited`). Otherwise
+      the move takes the slot another run's next step needs there, and that run waits or
+      moves in turn.
+    - Then move when the expected wait at home exceeds `move_cost_s`, or when the step has
+      already waited that long (ski rental: waiting then never costs more than twice the
+      better choice, whatever the estimate's error).
     """
-    if context_tokens <= 0 or not prefill_tokens_per_s or home_wait_s is None:
+    if context_tokens <= 0:
         return True
-    prefill_s = context_tokens / prefill_tokens_per_s
-    return waited_s >= prefill_s or prefill_s < home_wait_s
+    if not prefill_tokens_per_s:
+        return False
+    if dest_free_slots is not None and dest_free_slots <= 1 + dest_awaited:
+        return False
+    cost_s = move_cost_s(
+        context_tokens=context_tokens,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        dest_running=dest_running,
+        dest_pending_prefill_tokens=dest_pending_prefill_tokens,
+    )
+    return waited_s >= cost_s or (home_wait_s is not None and home_wait_s > cost_s)
 
 
 def filter_affinity_or_move(affinity: RunAffinity) -> Filter:
     """Before `filter_granted`: keep the candidates, unless the run's home instance is among
-    them (healthy, in the pool) but admission granted it no room now, and waiting for it is
-    faster than moving (`move_is_faster`, at the fastest measured prefill rate among the
-    granted others): then none, so the step waits."""
+    them (healthy, in the pool) but admission granted it no room now: then only the granted
+    others a move to is worth it (`move_is_faster`, with each one's uncached prefill rate,
+    running sequences, pending prefill and free slots); none, so the step waits, when no
+    move is."""
 
     def keep(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
         home = affinity.get(req.run_key)
@@ -144,16 +219,36 @@ def filter_affinity_or_move(affinity: RunAffinity) -> Filter:
             or all(c.instance_id != home for c in cands)
         ):
             return cands
-        others = [c for c in cands if c.instance_id in req.allowed]
-        rates = [r for c in others if (r := c.state.prefill_tokens_per_s)]
-        if move_is_faster(
-            context_tokens=affinity.context_tokens(req.run_key),
-            prefill_tokens_per_s=max(rates) if rates else None,
-            home_wait_s=req.home_wait_s,
-            waited_s=req.waited_s,
-        ):
-            return cands
-        return []
+        context_tokens = affinity.context_tokens(req.run_key)
+        moves = []
+        for c in cands:
+            if c.instance_id not in req.allowed:
+                continue
+            state = c.state
+            pending = 0 if req.now_s is None else state.pending_prefill_tokens(req.now_s)
+            free = None if req.free_slots is None else req.free_slots.get(c.instance_id)
+            if move_is_faster(
+                context_tokens=context_tokens,
+                prefill_tokens_per_s=uncached_prefill_tokens_per_s(
+                    state.prefill_tokens_per_s, state.prefix_hit_frac
+                ),
+                home_wait_s=req.home_wait_s,
+                waited_s=req.waited_s,
+                dest_running=state.inflight,
+                dest_pending_prefill_tokens=pending,
+                dest_free_slots=free,
+                dest_awaited=req.awaited.get(c.instance_id, 0),
+            ):
+                moves.append(c)
+        log.debug(
+            "home %s full: %s (home wait %s s, waited %.2f s, context %d tokens)",
+            home,
+            "moves to one of " + ",".join(c.instance_id for c in moves) if moves else "waits",
+            "unknown" if req.home_wait_s is None else f"{req.home_wait_s:.2f}",
+            req.waited_s,
+            context_tokens,
+        )
+        return moves
 
     return keep
 
@@ -244,10 +339,10 @@ def default_picker(
     headroom (1) and load (1).
 
     `placement`, one rule for every pool or one per pool (`pools.<pool>.placement`; a pool not
-    named gets `affinity_or_move`): `affinity_or_move` waits for a full home instance when that
-    is faster than recomputing the context elsewhere; `always_affinity` waits for it whatever
-    the cost (while it is healthy); `least_loaded` ignores affinity (no filter, no affinity
-    score).
+    named gets `affinity_or_move`): `affinity_or_move` leaves a full home instance only for an
+    instance with spare room and when the wait costs more than the move (`move_is_faster`);
+    `always_affinity` waits for it whatever the cost (while it is healthy); `least_loaded`
+    ignores affinity (no filter, no affinity score).
     """
     default = placement if isinstance(placement, str) else "affinity_or_move"
     by_pool = {} if isinstance(placement, str) else dict(placement)

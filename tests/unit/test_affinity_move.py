@@ -18,25 +18,89 @@ from router.picking import (
     PickRequest,
     RunAffinity,
     default_picker,
+    expected_home_wait_s,
+    move_cost_s,
     move_is_faster,
+    uncached_prefill_tokens_per_s,
 )
 
 
-def test_move_only_when_recomputing_is_faster_than_waiting() -> None:
-    # 2,000 cached tokens at 1,000 tok/s elsewhere: moving costs 2 s
-    args = {"context_tokens": 2000, "prefill_tokens_per_s": 1000.0}
-    assert not move_is_faster(**args, home_wait_s=1.5, waited_s=0.0)  # wait 1.5 s < 2 s
-    assert move_is_faster(**args, home_wait_s=2.5, waited_s=0.0)  # wait 2.5 s > 2 s
-    # waited 2 s already: as long as the prefill would have taken; stop waiting
-    assert move_is_faster(**args, home_wait_s=1.5, waited_s=2.0)
-    assert not move_is_faster(**args, home_wait_s=1.5, waited_s=1.9)
-    # nothing to weigh: behave as without affinity
-    assert move_is_faster(
-        context_tokens=2000, prefill_tokens_per_s=None, home_wait_s=1.0, waited_s=0.0
+def test_the_uncached_prefill_rate_discounts_the_measured_hits() -> None:
+    # 20,000 prompt tokens/s measured while 3 in 4 of them were cached: 5,000 computed per s
+    assert uncached_prefill_tokens_per_s(20_000.0, 0.75) == pytest.approx(5_000.0)
+    assert uncached_prefill_tokens_per_s(20_000.0, None) == pytest.approx(20_000.0)
+    # a hit rate of 99 % counts as 90 %: 2,000 tok/s, not 200
+    assert uncached_prefill_tokens_per_s(20_000.0, 0.99) == pytest.approx(2_000.0)
+    assert uncached_prefill_tokens_per_s(None, 0.5) is None
+
+
+def test_the_expected_wait_for_a_full_home() -> None:
+    # 2 sequences of 2 s each: one ends every second; the first waiter waits 1 s
+    assert expected_home_wait_s(running=2, waiting_ahead=0, step_s=2.0) == pytest.approx(1.0)
+    # 3 others wait for the same home: the 4th slot to free, 4 s
+    assert expected_home_wait_s(running=2, waiting_ahead=3, step_s=2.0) == pytest.approx(4.0)
+    # full with nothing of ours running (KV held by others): one step's time
+    assert expected_home_wait_s(running=0, waiting_ahead=0, step_s=2.0) == pytest.approx(2.0)
+
+
+def test_the_cost_of_a_move() -> None:
+    # 3,000 tokens at 6,000 tok/s: 0.5 s for the step itself
+    one = {"context_tokens": 3000, "prefill_tokens_per_s": 6000.0}
+    assert move_cost_s(**one, dest_running=0) == pytest.approx(0.5)
+    # one sequence decoding there stalls 0.5 s too: 1.0 s in all
+    assert move_cost_s(**one, dest_running=1) == pytest.approx(1.0)
+    # 1,200 tokens already pending there: 0.2 s first
+    assert move_cost_s(**one, dest_running=1, dest_pending_prefill_tokens=1200) == pytest.approx(
+        1.2
     )
-    assert move_is_faster(**args, home_wait_s=None, waited_s=0.0)
+
+
+# 3,000 tokens at 6,000 tok/s onto an instance with one sequence decoding and 1,200 tokens of
+# prefill pending: the move costs 0.2 + 0.5 x 2 = 1.2 s
+MOVE = {
+    "context_tokens": 3000,
+    "prefill_tokens_per_s": 6000.0,
+    "dest_running": 1,
+    "dest_pending_prefill_tokens": 1200,
+}
+
+
+def test_move_only_when_waiting_costs_more_than_the_move() -> None:
+    spare = {**MOVE, "dest_free_slots": 3, "dest_awaited": 0}
+    assert not move_is_faster(**spare, home_wait_s=1.1, waited_s=0.0)  # 1.1 s < 1.2 s
+    assert move_is_faster(**spare, home_wait_s=1.3, waited_s=0.0)  # 1.3 s > 1.2 s
+    # ski rental: waited as long as the move costs, whatever the estimate
+    assert move_is_faster(**spare, home_wait_s=0.5, waited_s=1.2)
+    assert not move_is_faster(**spare, home_wait_s=0.5, waited_s=1.19)
+    assert not move_is_faster(**spare, home_wait_s=None, waited_s=1.19)
+    assert move_is_faster(**spare, home_wait_s=None, waited_s=1.2)
+    # no free-slot count known: no spare-room check
+    assert move_is_faster(**MOVE, home_wait_s=1.3, waited_s=0.0)
+
+
+def test_never_move_onto_an_instance_without_spare_room() -> None:
+    # a wait of 100 s at home would pay for the move many times over, but:
+    # one free slot: this step would fill it, and the next step of a run at home there waits
+    assert not move_is_faster(**MOVE, home_wait_s=100.0, waited_s=100.0, dest_free_slots=1)
+    # two free slots and one step already waiting for the destination as its home
+    assert not move_is_faster(
+        **MOVE, home_wait_s=100.0, waited_s=0.0, dest_free_slots=2, dest_awaited=1
+    )
+    # two free slots, nobody waiting for them: one is spare
+    assert move_is_faster(**MOVE, home_wait_s=100.0, waited_s=0.0, dest_free_slots=2)
     assert move_is_faster(
-        context_tokens=0, prefill_tokens_per_s=1000.0, home_wait_s=0.1, waited_s=0.0
+        **MOVE, home_wait_s=100.0, waited_s=0.0, dest_free_slots=3, dest_awaited=1
+    )
+
+
+def test_unknowns() -> None:
+    # no prefill rate measured: nothing to weigh, keep the cache
+    assert not move_is_faster(
+        context_tokens=3000, prefill_tokens_per_s=None, home_wait_s=100.0, waited_s=100.0
+    )
+    # nothing cached at home: a move costs nothing
+    assert move_is_faster(
+        context_tokens=0, prefill_tokens_per_s=6000.0, home_wait_s=0.1, waited_s=0.0
     )
 
 
@@ -46,11 +110,15 @@ def _reading() -> InstanceReading:
 
 def _rig(placement: str) -> tuple[Picker, RunAffinity, list[Candidate], Fleet]:
     fleet = Fleet([InstanceSpec(f"e{i}", f"http://e{i}", 1) for i in range(3)], clock=lambda: 0.0)
+    # uncached prefill rates: e1 4,000 x (1 - 0.5) = 2,000 tok/s; e2 12,000 x (1 - 0.75) =
+    # 3,000 tok/s, with one sequence running there
+    rates = {"e0": (1000.0, 0.0), "e1": (4000.0, 0.5), "e2": (12000.0, 0.75)}
     for i in range(3):
         fleet.record_reading(f"e{i}", _reading())
         state = fleet.get(f"e{i}")
         assert state is not None
-        state.prefill_tokens_per_s = 1000.0 * (i + 1)  # e2 prefills fastest: 3,000 tok/s
+        state.prefill_tokens_per_s, state.prefix_hit_frac = rates[f"e{i}"]
+        state.inflight = 1 if i == 2 else 0
     affinity = RunAffinity()
     affinity.record("run", "e0", context_tokens=6000)  # home e0; 6,000 tokens cached there
     picker = default_picker(fleet, affinity, random.Random(0), placement=placement)
@@ -72,14 +140,24 @@ def test_affinity_or_move_keeps_home_while_it_has_headroom() -> None:
     assert _pick(picker, cands, allowed=ALL, home_wait_s=100.0) == "e0"
 
 
-def test_affinity_or_move_weighs_the_wait_at_home_against_prefill_elsewhere() -> None:
+def test_affinity_or_move_weighs_the_wait_at_home_against_each_move() -> None:
     picker, _, cands, fleet = _rig("affinity_or_move")
-    # home full; recomputing 6,000 tokens at e2's 3,000 tok/s takes 2 s
-    assert _pick(picker, cands, allowed=NOT_HOME, home_wait_s=1.0) is None  # wait for home
-    assert _pick(picker, cands, allowed=NOT_HOME, home_wait_s=3.0) in NOT_HOME  # move
-    assert _pick(picker, cands, allowed=NOT_HOME, home_wait_s=1.0, waited_s=2.0) in NOT_HOME
-    # only e1 (2,000 tok/s: 3 s of prefill) is granted: waiting 2.5 s wins
-    assert _pick(picker, cands, allowed=frozenset({"e1"}), home_wait_s=2.5) is None
+    # home full; recomputing 6,000 tokens costs 3 s on e1 (2,000 tok/s, idle) and
+    # 2 s x (1 + 1 running) = 4 s on e2 (3,000 tok/s)
+    assert _pick(picker, cands, allowed=NOT_HOME, home_wait_s=2.5) is None  # wait for home
+    assert _pick(picker, cands, allowed=NOT_HOME, home_wait_s=3.5) == "e1"  # e2 costs more
+    assert _pick(picker, cands, allowed=frozenset({"e2"}), home_wait_s=3.5) is None
+    assert _pick(picker, cands, allowed=frozenset({"e2"}), home_wait_s=4.5) == "e2"
+    # ski rental: waited 3 s, the cost of the move to e1
+    assert _pick(picker, cands, allowed=NOT_HOME, home_wait_s=0.1, waited_s=3.0) == "e1"
+    # e1 has one free slot only (no spare room): e2, with five, is the only move
+    free = {"e0": 0, "e1": 1, "e2": 5}
+    assert _pick(picker, cands, allowed=NOT_HOME, home_wait_s=5.0, free_slots=free) == "e2"
+    # ... unless four steps wait for e2 as their home: then none is
+    assert (
+        _pick(picker, cands, allowed=NOT_HOME, home_wait_s=5.0, free_slots=free, awaited={"e2": 4})
+        is None
+    )
     # the home is down: nothing to wait for
     fleet.record_failure("e0", "refused", immediate=True)
     assert _pick(picker, cands, allowed=NOT_HOME, home_wait_s=0.1) in NOT_HOME
@@ -89,6 +167,17 @@ def test_affinity_or_move_weighs_the_wait_at_home_against_prefill_elsewhere() ->
         _pick(picker, cands, allowed=NOT_HOME, home_wait_s=0.1, exclude=frozenset({"e0"}))
         in NOT_HOME
     )
+
+
+def test_a_move_waits_behind_the_prefill_pending_there() -> None:
+    picker, _, cands, fleet = _rig("affinity_or_move")
+    e1 = fleet.get("e1")
+    assert e1 is not None
+    # 2,000 prompt tokens in prefill on e1 until t=5: 1 s more before the move's 3 s there
+    fleet.acquire("e1", "agent", blocks=1, prompt_tokens=2000, prefill_s=5.0)
+    assert e1.inflight == 1  # and its decode stalls for the 3 s: 1 + 3 x 2 = 7 s in all
+    assert _pick(picker, cands, allowed=frozenset({"e1"}), home_wait_s=6.5, now_s=1.0) is None
+    assert _pick(picker, cands, allowed=frozenset({"e1"}), home_wait_s=7.5, now_s=1.0) == "e1"
 
 
 def test_a_moved_runs_affinity_follows_it() -> None:

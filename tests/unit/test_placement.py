@@ -84,8 +84,8 @@ async def _settle() -> None:
 @pytest.mark.parametrize(
     ("placement", "a_goes_to", "b_waits"),
     [
-        # no prefill rate measured yet: nothing to weigh, so the step moves (move_is_faster)
-        ("affinity_or_move", "engine-1", True),
+        # no prefill rate measured yet: nothing to weigh, so the step keeps its cache
+        ("affinity_or_move", None, False),
         ("always_affinity", None, False),
         ("least_loaded", "engine-1", True),
     ],
@@ -94,8 +94,8 @@ async def test_the_pools_placement_decides_where_a_homeless_slot_goes(
     make_gw: Any, placement: str, a_goes_to: str | None, b_waits: bool
 ) -> None:
     """Run A's home is engine-0, both engines are full, A queues first, then B (no run).
-    A slot frees on engine-1: always_affinity keeps A for engine-0 and B, behind it, goes
-    (A does not block the queue); the other two rules send A to engine-1 and B waits."""
+    A slot frees on engine-1: the affinity rules keep A for engine-0 and B, behind it, goes
+    (A does not block the queue); least_loaded sends A to engine-1 and B waits."""
     gw = await make_gw(placement)
     leases = await _fill(gw)
     gw.affinity.record(("t", "A"), "engine-0", context_tokens=6000)
@@ -116,6 +116,61 @@ async def test_the_pools_placement_decides_where_a_homeless_slot_goes(
         assert a.done() and a.result().instance_id == a_goes_to
         assert b.done() is not b_waits
         b.cancel()
+    await _settle()
+
+
+async def test_affinity_or_move_moves_once_the_wait_has_cost_as_much_as_the_move(
+    make_gw: Any,
+) -> None:
+    """Run A (6,000 tokens cached on engine-0) waits; a slot frees on engine-1, which prefills
+    3,000 uncached tokens/s (6,000 measured at a 50 % hit rate) and runs one sequence: the
+    move costs 2 s x (1 + 1) = 4 s. No TPOT is measured, so there is no estimate of the wait
+    at home: A waits until it has waited 4 s (ski rental), then moves."""
+    gw = await make_gw("affinity_or_move")
+    leases = await _fill(gw)
+    for state in gw.fleet:
+        state.prefill_tokens_per_s, state.prefix_hit_frac = 6000.0, 0.5
+    gw.affinity.record(("t", "A"), "engine-0", context_tokens=6000)
+    clock = gw.admitter.clock
+    start_s = clock()
+    a = asyncio.ensure_future(gw.admitter.admit(_ctx(1, "A"), BIG))
+    await _settle()
+    assert gw.admitter.homebound("agent") == {"engine-0": 1}
+    clock.now_s = start_s + 3.9
+    leases["engine-1"].pop().release()
+    await _settle()
+    assert not a.done()  # waited 3.9 s < 4 s
+    clock.now_s = start_s + 4.0
+    gw.admitter.pump()
+    await _settle()
+    assert a.done() and a.result().instance_id == "engine-1"
+    assert gw.admitter.homebound("agent") == {}
+
+
+async def test_steps_waiting_for_each_home_are_counted_until_they_leave(make_gw: Any) -> None:
+    gw = await make_gw("always_affinity")
+    leases = await _fill(gw)
+    homes = {"A": "engine-0", "C": "engine-0", "D": "engine-1"}
+    steps = {}
+    for i, (run, home) in enumerate(homes.items()):
+        gw.affinity.record(("t", run), home, context_tokens=6000)
+        steps[run] = asyncio.ensure_future(gw.admitter.admit(_ctx(i, run), BIG))
+        await _settle()
+    steps["E"] = asyncio.ensure_future(gw.admitter.admit(_ctx(9, None), BIG))  # no run
+    await _settle()
+    assert gw.admitter.homebound("agent") == {"engine-0": 2, "engine-1": 1}
+    steps["C"].cancel()  # its client left
+    await _settle()
+    assert gw.admitter.homebound("agent") == {"engine-0": 1, "engine-1": 1}
+    leases["engine-0"].pop().release()  # A goes home
+    await _settle()
+    assert steps["A"].done() and steps["A"].result().instance_id == "engine-0"
+    assert gw.admitter.homebound("agent") == {"engine-1": 1}
+    leases["engine-1"].pop().release()
+    await _settle()
+    assert steps["D"].done() and steps["D"].result().instance_id == "engine-1"
+    assert gw.admitter.homebound("agent") == {}
+    steps["E"].cancel()
     await _settle()
 
 
