@@ -141,6 +141,45 @@ def _steps(ledger_path: Path) -> list[tuple[str, str]]:
     return [(str(r), str(i)) for r, i in rows]
 
 
+class DecisionLog(logging.Handler):
+    """Collects `router.picking`'s structured debug records of `affinity_or_move`'s choices
+    (one each time a step whose home is full is weighed; a step that waits is weighed again
+    on every dispatch pass)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.decisions: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        decision = getattr(record, "placement_decision", None)
+        if isinstance(decision, dict):
+            self.decisions.append(decision)
+
+
+def _quantiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+
+    def q(frac: float) -> float:
+        return ordered[min(len(ordered) - 1, int(frac * len(ordered)))]
+
+    return {"p5": q(0.05), "p50": q(0.5), "p95": q(0.95), "max": ordered[-1]}
+
+
+def summarize_decisions(decisions: list[dict[str, Any]]) -> dict[str, Any]:
+    """How often a step with a full home was weighed, moved, and the wait estimates seen."""
+    waits = [d["home_wait_s"] for d in decisions if d["home_wait_s"] is not None]
+    return {
+        "weighed": len(decisions),
+        "moves": sum(1 for d in decisions if d["moves"]),
+        "home_wait_unknown": len(decisions) - len(waits),
+        "home_wait_s": _quantiles(waits),
+        "waited_s": _quantiles([d["waited_s"] for d in decisions]),
+        "context_tokens": _quantiles([float(d["context_tokens"]) for d in decisions]),
+    }
+
+
 def moved_steps(steps: list[tuple[str, str]]) -> tuple[int, int]:
     """(later steps that ran elsewhere than the run's previous step, later steps), given each
     step's (run, instance) in the order they started."""
@@ -168,6 +207,11 @@ async def _one(
     gw = create_app(config, specs)  # the launcher's specs carry the engines' key
     await gw.start()
     server = serve_asgi(gw)
+    picking_log = logging.getLogger("router.picking")
+    decisions = DecisionLog()
+    picking_log.addHandler(decisions)
+    picking_log.setLevel(logging.DEBUG)
+    picking_log.propagate = False  # collected, not printed
     try:
         for _ in range(300):
             if all(st.healthy and st.capacity_blocks for st in gw.fleet):
@@ -189,6 +233,9 @@ async def _one(
             )
             after = await prefix_counters(session, urls, key)
     finally:
+        picking_log.removeHandler(decisions)
+        picking_log.setLevel(logging.NOTSET)
+        picking_log.propagate = True
         await server.__aexit__(None, None, None)
         await gw.aclose()  # flushes the ledger
     overall, per_engine = hit_rate(before, after)
@@ -211,6 +258,7 @@ async def _one(
         "step_ttft_ms_p95": target["classes"]["agent"]["ttft_ms"]["p95"],
         "later_steps": later,
         "moved_steps": moved,
+        "home_full_decisions": summarize_decisions(decisions.decisions),
         "wall_s": target["wall_s"],
     }
 

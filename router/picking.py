@@ -240,14 +240,23 @@ def filter_affinity_or_move(affinity: RunAffinity) -> Filter:
                 dest_awaited=req.awaited.get(c.instance_id, 0),
             ):
                 moves.append(c)
-        log.debug(
-            "home %s full: %s (home wait %s s, waited %.2f s, context %d tokens)",
-            home,
-            "moves to one of " + ",".join(c.instance_id for c in moves) if moves else "waits",
-            "unknown" if req.home_wait_s is None else f"{req.home_wait_s:.2f}",
-            req.waited_s,
-            context_tokens,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "home %s full: %s (home wait %s s, waited %.2f s, context %d tokens)",
+                home,
+                "moves to one of " + ",".join(c.instance_id for c in moves) if moves else "waits",
+                "unknown" if req.home_wait_s is None else f"{req.home_wait_s:.2f}",
+                req.waited_s,
+                context_tokens,
+                extra={
+                    "placement_decision": {
+                        "moves": bool(moves),
+                        "home_wait_s": req.home_wait_s,
+                        "waited_s": req.waited_s,
+                        "context_tokens": context_tokens,
+                    }
+                },
+            )
         return moves
 
     return keep
