@@ -331,8 +331,9 @@ class PoolSchema(_Strict):
     # and never moved by the rebalancer
     pinned_instances: list[str] = Field(default_factory=list)
     # where a run's next step goes: affinity_or_move (stay where its prefix is cached unless
-    # waiting there costs more than prefilling it elsewhere), always_affinity (wait for that
-    # instance while it is healthy), least_loaded (ignore affinity); router/picking.py
+    # another instance has spare room and waiting costs more than the whole move there),
+    # always_affinity (wait for that instance while it is healthy), least_loaded (ignore
+    # affinity); router/picking.py, docs/run_scheduling.md
     placement: Literal["affinity_or_move", "always_affinity", "least_loaded"] = "affinity_or_move"
     # vLLM request `priority` sent with this pool's requests (lower is scheduled first inside
     # the engine); None sends none. Needs engines started with `--scheduling-policy priority`
