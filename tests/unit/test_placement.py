@@ -147,6 +147,40 @@ async def test_affinity_or_move_moves_once_the_wait_has_cost_as_much_as_the_move
     assert gw.admitter.homebound("agent") == {}
 
 
+async def test_affinity_or_move_never_takes_an_instances_last_free_slot(
+    tmp_path: Path,
+) -> None:
+    """Engines of two sequences each (`--max-num-seqs 2`: the operating point's ceiling),
+    both full. Run A (home engine-0) waits. One slot frees on engine-1: the last one there,
+    no spare room, so A keeps waiting however long it has waited. The second frees: one is
+    spare, and A, having waited far past the move's cost, moves."""
+    data = _data(tmp_path, {"placement": "affinity_or_move"})
+    data["engines"]["local"]["vllm_args"] = ["--max-num-seqs", "2"]
+    clock = Clock()
+    gw = create_app(parse_config(data), list(SPECS), scrape=False, clock=clock)
+    await gw.start()
+    try:
+        for spec in SPECS:
+            gw.fleet.record_reading(spec.instance_id, reading(clock()))
+        leases = await _fill(gw)
+        for state in gw.fleet:
+            state.prefill_tokens_per_s, state.prefix_hit_frac = 6000.0, 0.5  # a 2 s move
+        gw.affinity.record(("t", "A"), "engine-0", context_tokens=6000)
+        a = asyncio.ensure_future(gw.admitter.admit(_ctx(1, "A"), BIG))
+        await _settle()
+        clock.now_s += 100.0
+        for spec in SPECS:  # fresh telemetry
+            gw.fleet.record_reading(spec.instance_id, reading(clock()))
+        leases["engine-1"].pop().release()
+        await _settle()
+        assert not a.done()
+        leases["engine-1"].pop().release()
+        await _settle()
+        assert a.done() and a.result().instance_id == "engine-1"
+    finally:
+        await gw.aclose()
+
+
 async def test_steps_waiting_for_each_home_are_counted_until_they_leave(make_gw: Any) -> None:
     gw = await make_gw("always_affinity")
     leases = await _fill(gw)
