@@ -167,10 +167,39 @@ def _quantiles(values: list[float]) -> dict[str, float] | None:
     return {"p5": q(0.05), "p50": q(0.5), "p95": q(0.95), "max": ordered[-1]}
 
 
+def stayed_waits(decisions: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(expected wait at home, waited after it) for each step that stayed home, weighed at
+    least twice: the estimate at the step's first weighing, and its time waited at its last
+    weighing less at its first, a lower bound of the wait that followed the estimate (the
+    step went home at a pass after its last weighing). A run's steps come one at a time, so
+    a new step of a run starts where its time waited falls back."""
+    open_steps: dict[Any, tuple[float | None, float, float, int]] = {}
+    done: list[tuple[float | None, float, float, int]] = []
+    for d in decisions:
+        run = d.get("run")
+        step = open_steps.pop(run, None)
+        if step is not None and d["waited_s"] < step[2]:
+            done.append(step)
+            step = None
+        if d["moves"]:
+            continue  # this step moved: no wait at home to compare with
+        if step is None:
+            open_steps[run] = (d["home_wait_s"], d["waited_s"], d["waited_s"], 1)
+        else:
+            open_steps[run] = (step[0], step[1], d["waited_s"], step[3] + 1)
+    done.extend(open_steps.values())
+    return [(est, last - first) for est, first, last, n in done if est is not None and n > 1]
+
+
 def summarize_decisions(decisions: list[dict[str, Any]]) -> dict[str, Any]:
-    """How often a step with a full home was weighed, moved, and the wait estimates seen."""
+    """How often a step with a full home was weighed, moved, the wait estimates seen, and for
+    steps that stayed, the estimate beside the wait that followed (`stayed_waits`)."""
     waits = [d["home_wait_s"] for d in decisions if d["home_wait_s"] is not None]
+    stayed = stayed_waits(decisions)
     return {
+        "stayed_steps": len(stayed),
+        "stayed_expected_wait_s": _quantiles([e for e, _ in stayed]),
+        "stayed_waited_after_s": _quantiles([w for _, w in stayed]),
         "weighed": len(decisions),
         "moves": sum(1 for d in decisions if d["moves"]),
         "home_wait_unknown": len(decisions) - len(waits),

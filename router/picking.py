@@ -250,6 +250,7 @@ def filter_affinity_or_move(affinity: RunAffinity) -> Filter:
                 context_tokens,
                 extra={
                     "placement_decision": {
+                        "run": req.run_key,
                         "moves": bool(moves),
                         "home_wait_s": req.home_wait_s,
                         "waited_s": req.waited_s,

@@ -9,7 +9,14 @@ import random
 
 import pytest
 
-from benchmarks.placement import DecisionLog, hit_rate, moved_steps, scenario, summarize_decisions
+from benchmarks.placement import (
+    DecisionLog,
+    hit_rate,
+    moved_steps,
+    scenario,
+    stayed_waits,
+    summarize_decisions,
+)
 from pools.allocation import plan_allocation
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
@@ -70,3 +77,29 @@ def test_the_decisions_of_a_full_home_are_collected_from_the_pickers_debug_recor
     assert summary["home_wait_unknown"] == 1
     assert summary["home_wait_s"] == {"p5": 1.0, "p50": 3.0, "p95": 3.0, "max": 3.0}
     assert summarize_decisions([])["home_wait_s"] is None
+
+
+def test_stayed_waits_pairs_a_steps_first_estimate_with_the_wait_that_followed() -> None:
+    def d(run: str, est: float | None, waited: float, moves: bool = False) -> dict[str, object]:
+        return {
+            "run": run,
+            "moves": moves,
+            "home_wait_s": est,
+            "waited_s": waited,
+            "context_tokens": 2000,
+        }
+
+    decisions = [
+        d("a", 1.0, 0.0),
+        d("b", 2.0, 0.0),
+        d("a", 0.8, 0.4),
+        d("c", None, 0.0),
+        d("b", 1.0, 0.5, moves=True),  # b's step moved: nothing to compare
+        d("a", 0.5, 0.9),  # a's step: expected 1.0 s, then waited 0.9 s more (at least)
+        d("c", None, 1.0),  # no estimate
+        d("a", 0.3, 0.0),  # a's next step, weighed once
+    ]
+    assert stayed_waits(decisions) == [(1.0, 0.9)]
+    summary = summarize_decisions(decisions)
+    assert summary["stayed_steps"] == 1
+    assert summary["moves"] == 1
