@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -337,13 +338,17 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
         cpu_affinity=None if None in cpus else [[c] for c in cpus if c is not None],
     )
     engines = await launcher.start()
-    if args.nice:
-        # the routers and the harness (this process) ahead of the engines, which started
-        # before at the default priority: router lag would otherwise blur both modes' queues
-        os.nice(args.nice)
     rounds = []
     fifo_rounds, las_rounds = [], []
+    niced = False
     try:
+        if args.nice:
+            # the routers and the harness (this process) ahead of the engines, which started
+            # before at the default priority: router lag would otherwise blur both modes'
+            # queues (a negative increment needs the privilege; without it, left as is)
+            with contextlib.suppress(OSError):
+                os.nice(args.nice)
+                niced = True
         _say(f"calibrating both engines (cpus {cpus}) for {args.calibrate_s:g} s ...")
         calibration = await _calibrate(engines, cpus, args, out / "calibration", tmp)
         mean_steps = (2 + 20) / 2
@@ -412,6 +417,7 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
             "run_las_max_slowdown": args.max_slowdown,
             "max_wait_s": args.max_wait_s,
             "nice": args.nice,
+            "nice_applied": niced,
             "scenario": str(SCENARIO),
         },
         "rounds": rounds,
