@@ -330,11 +330,11 @@ class PoolSchema(_Strict):
     # instance ids (engine-0, ...) that always belong to this pool, whole: placed here first
     # and never moved by the rebalancer
     pinned_instances: list[str] = Field(default_factory=list)
-    # where a run's next step goes: affinity_or_move (stay where its prefix is cached unless
-    # another instance has spare room and waiting costs more than the whole move there),
-    # always_affinity (wait for that instance while it is healthy), least_loaded (ignore
-    # affinity); router/picking.py, docs/run_scheduling.md
-    placement: Literal["affinity_or_move", "always_affinity", "least_loaded"] = "affinity_or_move"
+    # where a run's next step goes: always_affinity (the default: wait for the instance
+    # holding its prefix while it is healthy), affinity_or_move (stay there unless another
+    # instance has spare room and waiting costs more than the whole move there), least_loaded
+    # (ignore affinity); router/picking.py, docs/run_scheduling.md
+    placement: Literal["affinity_or_move", "always_affinity", "least_loaded"] = "always_affinity"
     # vLLM request `priority` sent with this pool's requests (lower is scheduled first inside
     # the engine); None sends none. Needs engines started with `--scheduling-policy priority`
     # (the local launcher adds it when any pool sets this).
@@ -786,7 +786,7 @@ class PoolConfig:
     queue: QueueConfig
     engine_priority: int | None = None
     pinned_instances: tuple[str, ...] = ()
-    placement: str = "affinity_or_move"
+    placement: str = "always_affinity"
 
 
 @dataclass(frozen=True, slots=True)

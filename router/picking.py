@@ -343,18 +343,18 @@ def default_picker(
     fleet: Fleet,
     affinity: RunAffinity,
     rng: random.Random,
-    placement: str | Mapping[str, str] = "affinity_or_move",
+    placement: str | Mapping[str, str] = "always_affinity",
 ) -> Picker:
     """Healthy, granted and untried instances of the pool; scored by run affinity (weight 2), KV
     headroom (1) and load (1).
 
     `placement`, one rule for every pool or one per pool (`pools.<pool>.placement`; a pool not
-    named gets `affinity_or_move`): `affinity_or_move` leaves a full home instance only for an
-    instance with spare room and when the wait costs more than the move (`move_is_faster`);
-    `always_affinity` waits for it whatever the cost (while it is healthy); `least_loaded`
-    ignores affinity (no filter, no affinity score).
+    named gets `always_affinity`, the config's default): `always_affinity` waits for a full
+    home instance whatever the cost (while it is healthy); `affinity_or_move` leaves it only
+    for an instance with spare room and when the wait costs more than the move
+    (`move_is_faster`); `least_loaded` ignores affinity (no filter, no affinity score).
     """
-    default = placement if isinstance(placement, str) else "affinity_or_move"
+    default = placement if isinstance(placement, str) else "always_affinity"
     by_pool = {} if isinstance(placement, str) else dict(placement)
     for rule in (default, *by_pool.values()):
         if rule not in PLACEMENTS:

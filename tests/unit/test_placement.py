@@ -230,4 +230,4 @@ def test_check_config_refuses_an_unknown_placement(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="placement"):
         parse_config(_data(tmp_path, {"placement": "sticky"}))
     config = parse_config(_data(tmp_path, {}))
-    assert config.pools[0].placement == "affinity_or_move"
+    assert config.pools[0].placement == "always_affinity"  # the default

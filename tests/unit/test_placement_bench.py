@@ -56,7 +56,7 @@ def test_the_decisions_of_a_full_home_are_collected_from_the_pickers_debug_recor
         state.prefill_tokens_per_s = 1000.0  # 2,000 tokens: a 2 s move onto idle e1
     affinity = RunAffinity()
     affinity.record("run", "e0", context_tokens=2000)
-    picker = default_picker(fleet, affinity, random.Random(0))
+    picker = default_picker(fleet, affinity, random.Random(0), placement="affinity_or_move")
     cands = picker.candidates(plan_allocation(fleet.capacity_gpus(), {"agent": 1.0}), "agent")
     log = logging.getLogger("router.picking")
     collected = DecisionLog()
