@@ -50,7 +50,11 @@ of latest and smoothed pressure) gets the pressure rule's step at once: the step
 equalises the two, at most `max_step_frac`, never past home; the cooldown still applies. Only
 toward home: leaving home still needs the smoothed gap, so one bad interval cannot pull the
 ratio away; and as the step only equalises, under the load / share model recall and the
-pressure rule do not undo each other under constant demand.
+pressure rule do not undo each other under constant demand. The shell also checks this rule
+alone between decisions (`recall_only`, every second over the trailing `interval_s`), so a lent
+share comes back as soon as the lender's requests show the miss, not at the next decision (in
+the second recall run the morning's chat missed for 10 s before the decision at 190 s recalled
+the engine); still at most one move per `interval_s` and none within `cooldown_s`.
 
 Bounds: a pool never leaves [floor_frac, ceiling_frac] (the schedule's bounds at that time of
 day, see `bounds_at`), and a pool that had traffic in the last `traffic_memory_s` never goes
@@ -262,13 +266,17 @@ def decide(
     frozen: bool = False,
     pinned: Mapping[str, float] | None = None,
     home: Mapping[str, float] | None = None,
+    recall_only: bool = False,
 ) -> Decision:
     """One step of the loop. `bounds` names every pool; `signals` may lack an idle pool.
     `instance_frac` is one instance's share of total capacity (the smallest instance).
     `frozen` holds the shares as they are; `pinned` (shares summing to 1) replaces the loop's
     judgement with the SRE's ratio, still within bounds. `home` (shares summing to 1, the
     configured initial ratio) is where the ratio returns when every pool has traffic and none
-    would be pressured there (see the module docstring); None: no return."""
+    would be pressured there (see the module docstring); None: no return. `recall_only`: the
+    shell's check between decisions (see "Recall" above): a "recalled" decision when the recall
+    rule applies, at least `interval_s` and `cooldown_s` after the last move, else "not_due"
+    with the state left as it was."""
     pools = sorted(bounds)
     raw = {p: pressure_by_signal(signals.get(p, PoolSignals())) for p in pools}
     now_pressure = {p: max(raw[p].values()) for p in pools}
@@ -309,6 +317,20 @@ def decide(
             state=next_state,
         )
 
+    if recall_only:
+        unchanged = replace(result("not_due", current, None, False), state=state)
+        last_move_s = state.last_move_at_s if state.last_move_at_s is not None else -math.inf
+        if (
+            frozen
+            or pinned is not None
+            or home is None
+            or not all(traffic.values())
+            or now_s - last_move_s < max(settings.interval_s, settings.cooldown_s) - _EPS
+        ):
+            return unchanged
+        target = clamp_shares(home, limits)
+        recalled = _recalled(current, target, now_pressure, smoothed, settings, result)
+        return recalled if recalled is not None and recalled.reason == "recalled" else unchanged
     if frozen:
         return result("frozen", current, None, False)
     if pinned is not None:
@@ -337,23 +359,9 @@ def decide(
             return _step(result, "idle_pool", current, Move(giver, receiver, step))
     if home is not None and all(traffic.values()):
         target = clamp_shares(home, limits)
-        recall = _recall(current, target, now_pressure, smoothed, settings)
-        if recall is not None:
-            giver, receiver = recall
-            step = min(
-                _equalising_step(
-                    now_pressure[receiver],
-                    current[receiver],
-                    max(now_pressure[giver], smoothed[giver]),
-                    current[giver],
-                ),
-                settings.max_step_frac,
-                current[giver] - target[giver],
-                target[receiver] - current[receiver],
-            )
-            if step < _MIN_STEP_FRAC:
-                return result("step_too_small", current, None, False)
-            return _step(result, "recalled", current, Move(giver, receiver, step))
+        recalled = _recalled(current, target, now_pressure, smoothed, settings, result)
+        if recalled is not None:
+            return recalled
         at_home = {
             p: 0.0
             if smoothed[p] <= _EPS
@@ -386,6 +394,38 @@ def _equalising_step(p_r: float, s_r: float, p_g: float, s_g: float) -> float:
     (`p_r` at `s_r`), equalises their pressures if each is load / share."""
     load_r, load_g = p_r * s_r, p_g * s_g
     return (load_r * s_g - load_g * s_r) / max(load_r + load_g, _EPS)
+
+
+def _recalled(
+    current: Mapping[str, float],
+    home: Mapping[str, float],
+    now_pressure: Mapping[str, float],
+    smoothed: Mapping[str, float],
+    settings: RebalanceSettings,
+    result: Callable[[str, Mapping[str, float], Move | None, bool], Decision],
+) -> Decision | None:
+    """The recall rule's decision (see `_recall`): the step that equalises the lender's
+    latest pressure with the holder's higher of latest and smoothed, at most `max_step_frac`,
+    never past home ("step_too_small" when that is not worth a move); None when it does not
+    apply."""
+    recall = _recall(current, home, now_pressure, smoothed, settings)
+    if recall is None:
+        return None
+    giver, receiver = recall
+    step = min(
+        _equalising_step(
+            now_pressure[receiver],
+            current[receiver],
+            max(now_pressure[giver], smoothed[giver]),
+            current[giver],
+        ),
+        settings.max_step_frac,
+        current[giver] - home[giver],
+        home[receiver] - current[receiver],
+    )
+    if step < _MIN_STEP_FRAC:
+        return result("step_too_small", current, None, False)
+    return _step(result, "recalled", current, Move(giver, receiver, step))
 
 
 def _recall(

@@ -19,6 +19,10 @@ Every `rebalancer.interval_s` (when `rebalancer.enabled`) `tick()`:
 4. logs the decision with the signals behind it (SQLite, `GET /admin/decisions`) and updates
    the metrics.
 
+Between decisions, every `RECALL_CHECK_S`, `check_recall()` applies the recall rule alone over
+the trailing interval (`decide(..., recall_only=True)`): share lent away comes back as soon as
+the lender misses its target, not at the next decision; otherwise nothing changes.
+
 SRE changes (`set_bounds`, `pin`, `unpin`, `pin_instance`, `unpin_instance`, `freeze`,
 `unfreeze`, `move`, `move_instance`) take effect at once, are saved at `router.state_path`
 (they survive a restart) and are audited (who, when, what, before and after).
@@ -56,11 +60,13 @@ from router.queueing import PoolQueue
 from router.rebalance_store import DecisionLog, SreSettings, load_settings, save_settings
 from router.request import RequestOutcome
 
-__all__ = ["Rebalancer", "SignalWindow"]
+__all__ = ["RECALL_CHECK_S", "Rebalancer", "SignalWindow"]
 
 log = logging.getLogger(__name__)
 
 _RECENT_DECISIONS = 20
+# how often the loop checks the recall rule between decisions (`check_recall`)
+RECALL_CHECK_S = 1.0
 _SHARE_TOLERANCE = 0.01  # a pinned ratio must sum to 1 within this
 
 
@@ -221,11 +227,21 @@ class Rebalancer:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.rc.interval_s)
-            try:
-                self.tick()
-            except Exception:  # one bad tick must not end the loop
-                log.exception("rebalancer tick failed")
+            waited = 0.0
+            while waited < self.rc.interval_s - 1e-9:  # between decisions: the recall check
+                pause = min(RECALL_CHECK_S, self.rc.interval_s - waited)
+                await asyncio.sleep(pause)
+                waited += pause
+                if waited < self.rc.interval_s - 1e-9:
+                    self._guarded(self.check_recall)
+            self._guarded(self.tick)
+
+    @staticmethod
+    def _guarded(step: Callable[[], object]) -> None:
+        try:
+            step()
+        except Exception:  # one bad tick must not end the loop
+            log.exception("rebalancer step failed")
 
     def _restore(self) -> None:
         """Start from the saved ratio and pins (placed from scratch: nothing runs yet)."""
@@ -279,8 +295,10 @@ class Rebalancer:
         pins.update(self.sre.pinned_instances)
         return pins
 
-    def gather(self, now_s: float) -> dict[str, PoolSignals]:
-        since = self.loop_state.last_decision_at_s
+    def gather(self, now_s: float, since_s: float | None = None) -> dict[str, PoolSignals]:
+        """Each pool's signals over the requests since `since_s` (default: the last decision,
+        or one interval back)."""
+        since = self.loop_state.last_decision_at_s if since_s is None else since_s
         since = now_s - self.rc.interval_s if since is None else since
         allocation = self.pool_map.current
         out = {}
@@ -353,6 +371,32 @@ class Rebalancer:
             self._place(decision.shares, now)
             kind = "auto" if decision.reason in ("moved", "home", "recalled") else decision.reason
             self._record(decision, kind, signals, who="loop")
+        return decision
+
+    def check_recall(self) -> Decision | None:
+        """Between decisions: the recall rule alone, over the trailing interval (see
+        `pools.rebalance`, "Recall"). The recall when it fires (placed, logged), else None;
+        nothing else changes."""
+        now = self.clock()
+        signals = self.gather(now, since_s=now - self.rc.interval_s)
+        decision = decide(
+            self.loop_state,
+            signals,
+            self.bounds(),
+            self.rc.settings,
+            now,
+            instance_frac=self._instance_frac(),
+            frozen=self.sre.frozen,
+            pinned=self.sre.pinned_shares,
+            home=self.home_shares(),
+            recall_only=True,
+        )
+        if decision.reason != "recalled":
+            return None
+        self.last_signals = signals
+        self.loop_state = decision.state
+        self._place(decision.shares, now)
+        self._record(decision, "auto", signals, who="loop")
         return decision
 
     def _place(self, shares: Mapping[str, float], now_s: float) -> None:

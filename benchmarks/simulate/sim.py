@@ -4,7 +4,8 @@ admission, picking and rebalancer code, with engines modelled (`benchmarks.simul
 What is real: `pools.fleet.Fleet` (leases, telemetry freshness, the operating point learned
 from the modelled engines' counters), `router.admitter.Admitter._try` (the admission decision,
 the picker and the lease, in one synchronous step), the per-pool `PoolQueue`s,
-`router.rebalancer.Rebalancer.tick` (signals, `pools.rebalance.decide`, `plan_moves`, drains).
+`router.rebalancer.Rebalancer.tick` and `check_recall` (signals, `pools.rebalance.decide`,
+`plan_moves`, drains).
 What is modelled: the engines (processor-sharing batches, a linear TPOT in the batch size, a
 prefill rate), the clients (the harness's workload plan, drawn from the scenario's seed, with
 agent steps following each other after their tool waits), scrapes every
@@ -40,7 +41,7 @@ from router.estimate import Estimate
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity, default_picker
 from router.queueing import PoolQueue, QueueEntry
-from router.rebalancer import Rebalancer
+from router.rebalancer import RECALL_CHECK_S, Rebalancer
 from router.request import RequestContext, RequestOutcome
 
 __all__ = ["SimResult", "simulate"]
@@ -167,7 +168,7 @@ class _Sim:
         self._arrivals_pending += len(arrivals)
         self.at(0.0, "scrape")
         if self.config.rebalancer.enabled:
-            self.at(self.config.rebalancer.interval_s, "tick")
+            self._plan_decisions()
         self.at(0.0, "sample")
         horizon = self.plan.scenario.duration_s + self.plan.scenario.drain_timeout_s
         engines = list(self.engines.values())
@@ -204,6 +205,16 @@ class _Sim:
         self._hold_gpus()
         self._finish()
         return self.result
+
+    def _plan_decisions(self) -> None:
+        """The rebalancer loop's next interval, as `Rebalancer._run` spends it: a recall check
+        every `RECALL_CHECK_S`, then the decision."""
+        interval_s = self.config.rebalancer.interval_s
+        waited = RECALL_CHECK_S
+        while waited < interval_s - 1e-9:
+            self.at(self.now + waited, "recall_check")
+            waited += RECALL_CHECK_S
+        self.at(self.now + interval_s, "tick")
 
     def _hold_gpus(self) -> None:
         """GPU-seconds held by each pool up to now, at the allocation held since the last call
@@ -251,9 +262,9 @@ class _Sim:
         elif kind == "scrape":
             self._scrape()
             self.at(self.now + self.config.router.scrape_interval_s, "scrape")
-        elif kind == "tick":
-            decision = self.rebalancer.tick()
-            if decision.move is not None and decision.changed:
+        elif kind in ("tick", "recall_check"):
+            decision = self.rebalancer.tick() if kind == "tick" else self.rebalancer.check_recall()
+            if decision is not None and decision.move is not None and decision.changed:
                 self.result.decisions.append(
                     {
                         "t_s": round(self.now, 2),
@@ -263,7 +274,8 @@ class _Sim:
                         "share_frac": round(decision.move.share_frac, 4),
                     }
                 )
-            self.at(self.now + self.config.rebalancer.interval_s, "tick")
+            if kind == "tick":
+                self._plan_decisions()
         elif kind == "sample":
             self.result.shares.append((round(self.now, 2), self.rebalancer.placed_shares()))
             self.at(self.now + 5.0, "sample")

@@ -304,3 +304,39 @@ async def test_schedule_window_bounds_move_the_ratio(
     gw: Gateway = await make_gateway(parse_config(data), clock)
     # restoring at start already applies the schedule's floor 0.5
     assert gw.rebalancer.placed_shares()["agent"] == pytest.approx(0.5)
+
+
+async def test_the_recall_check_between_decisions_brings_lent_share_back(
+    tmp_path: Path, make_gateway: Callable[..., Any]
+) -> None:
+    """Share lent to the agent pool at one decision; 11 s later (past the interval and the
+    cooldown, before the next decision) chat requests waited 2.4 s in the queue (pressure
+    2.4 / 0.8 = 3) and the agent pool is calm: the check between decisions recalls the loan,
+    places it and logs it. Before that, with chat calm, the check changes nothing."""
+    clock = Clock()
+    gw: Gateway = await make_gateway(config(tmp_path), clock)
+    rb = gw.rebalancer
+    clock.now_s += 10
+    for _ in range(20):
+        rb.signals.finished(finished("agent", clock.now_s - 1, queue_s=6.0))
+        rb.signals.finished(finished("normal", clock.now_s - 1, queue_s=0.0))
+    assert rb.tick().reason == "moved"
+    lent = rb.placed_shares()["agent"]
+    assert lent > 1 / 3 + 0.05
+    clock.now_s += 5
+    before = rb.loop_state
+    assert rb.check_recall() is None  # within the interval and cooldown, and chat is calm
+    assert rb.loop_state is before
+    clock.now_s += 6
+    for _ in range(20):
+        rb.signals.finished(finished("agent", clock.now_s - 1, queue_s=0.0))
+        rb.signals.finished(finished("normal", clock.now_s - 1, queue_s=2.4))
+    decision = rb.check_recall()
+    assert decision is not None and decision.reason == "recalled"
+    assert decision.pressure["normal"]["queue_wait"] == pytest.approx(3.0)
+    assert rb.placed_shares()["agent"] == pytest.approx(1 / 3)  # back home, not past it
+    assert rb.tick().reason == "not_due"  # one step per interval
+    async with client(gw) as c:
+        await _settle(gw)
+        body = (await c.get("/admin/decisions")).json()
+        assert [d["reason"] for d in body["data"][:2]] == ["recalled", "moved"]

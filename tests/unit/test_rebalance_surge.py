@@ -14,6 +14,9 @@ waiter's wait by 0.4 s each second (wait = backlog / service rate), against the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import pytest
 
 from pools.rebalance import Bounds, LoopState, PoolSignals, RebalanceSettings, decide
@@ -213,3 +216,86 @@ def test_no_recall_in_the_cooldown_nor_past_home() -> None:
     # traffic, keeps one engine's worth (its effective floor), so nothing moves
     assert d.reason == "at_bound"
     assert d.shares == HOME
+
+
+def after_two_decisions() -> LoopState:
+    """Two engines lent to the agent pool at t = 140 s; the decisions at 170 and 180 s saw a
+    backlogged agent pool (pressure 1.1) beside a calm chat pool."""
+    state = LoopState(shares={"agent": TWO_ENGINES, "normal": ONE_ENGINE}, last_move_at_s=140.0)
+    for t in (170.0, 180.0):
+        state = decide(
+            state, morning_signals(1.1, 0.2), BOUNDS, BENCH, t, instance_frac=ONE_ENGINE, home=HOME
+        ).state
+    return state
+
+
+def test_the_recall_check_between_decisions_recalls_before_the_next_decision() -> None:
+    """At 183 s, between the decisions at 180 and 190 s, chat's TTFT p95 is 2.1 s (pressure
+    2.625) and the agent pool's 1.0: the check recalls there, with the step that equalises
+    chat's latest pressure and the agent pool's smoothed one over the window (1.1, 1.1 and
+    the check's 1.0: mean 3.2 / 3): loads 2.625 / 3 = 0.875 and (3.2 / 3) x 2 / 3 = 0.7111, so
+    (0.875 x 2/3 - 0.7111 x 1/3) / (0.875 + 0.7111) = 0.21833. The decision at 190 s is then
+    not due (one step per interval)."""
+    state = after_two_decisions()
+    d = decide(
+        state,
+        morning_signals(1.0, 2.1),
+        BOUNDS,
+        BENCH,
+        183.0,
+        instance_frac=ONE_ENGINE,
+        home=HOME,
+        recall_only=True,
+    )
+    assert d.reason == "recalled"
+    assert d.move is not None and (d.move.from_pool, d.move.to_pool) == ("agent", "normal")
+    load_r, load_g = 2.625 / 3, (3.2 / 3) * 2 / 3
+    assert d.move.share_frac == pytest.approx((load_r * 2 / 3 - load_g / 3) / (load_r + load_g))
+    assert d.move.share_frac == pytest.approx(0.21833, abs=1e-4)
+    following = decide(
+        d.state,
+        morning_signals(1.0, 2.1),
+        BOUNDS,
+        BENCH,
+        190.0,
+        instance_frac=ONE_ENGINE,
+        home=HOME,
+    )
+    assert following.reason == "not_due" and following.move is None
+
+
+def test_the_recall_check_changes_nothing_unless_it_recalls() -> None:
+    """A calm chat pool, a frozen loop, a pinned ratio, or a move less than an interval (or a
+    cooldown) ago: the check leaves the very state it was given, and no decision is logged
+    (the reason is "not_due")."""
+    state = after_two_decisions()
+    cases = [
+        (state, morning_signals(1.1, 0.2), {}),
+        (state, morning_signals(1.0, 2.1), {"frozen": True}),
+        (
+            state,
+            morning_signals(1.0, 2.1),
+            {"pinned": {"agent": TWO_ENGINES, "normal": ONE_ENGINE}},
+        ),
+        (replace(state, last_move_at_s=170.0), morning_signals(1.0, 2.1), {}),  # cooldown 20 s
+    ]
+    for given, signals, extra in cases:
+        d = decide(
+            given,
+            signals,
+            BOUNDS,
+            BENCH,
+            183.0,
+            instance_frac=ONE_ENGINE,
+            home=HOME,
+            recall_only=True,
+            **extra,
+        )
+        assert d.reason == "not_due" and d.move is None, extra
+        assert d.state is given
+    no_cooldown = replace(BENCH, cooldown_s=0.0)
+    moved_at_175 = replace(state, last_move_at_s=175.0)
+    kwargs: dict[str, Any] = {"instance_frac": ONE_ENGINE, "home": HOME, "recall_only": True}
+    signals = morning_signals(1.0, 2.1)
+    assert decide(moved_at_175, signals, BOUNDS, no_cooldown, 183.0, **kwargs).reason == "not_due"
+    assert decide(moved_at_175, signals, BOUNDS, no_cooldown, 185.0, **kwargs).reason == "recalled"
