@@ -27,6 +27,8 @@ from router.http_protocol import guarded_protocol
 __all__ = ["instances_without_launching", "run_blocking", "run_stack"]
 
 log = logging.getLogger(__name__)
+# how long an idle client connection stays open (see `run_stack`)
+CLIENT_KEEP_ALIVE_S = 75
 
 
 class _Server(uvicorn.Server):
@@ -155,6 +157,10 @@ async def run_stack(config: Config, *, launch: bool) -> int:
                 ),
                 timeout_graceful_shutdown=max(1, math.ceil(rc.shutdown_grace_s)),
                 limit_concurrency=rc.max_connections,
+                # longer than clients keep idle connections (httpx 5 s, aiohttp 15 s), so the
+                # client closes an idle one first; at uvicorn's 5 s the router closed
+                # connections clients were about to reuse (`pools.testing.serve`)
+                timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
             )
         )
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
