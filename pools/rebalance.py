@@ -53,8 +53,8 @@ ratio away; and as the step only equalises, under the load / share model recall 
 pressure rule do not undo each other under constant demand. The shell also checks this rule
 alone between decisions (`recall_only`, every second over the trailing `interval_s`), so a lent
 share comes back as soon as the lender's requests show the miss, not at the next decision (in
-the second recall run the morning's chat missed for 10 s before the decision at 190 s recalled
-the engine); still at most one move per `interval_s` and none within `cooldown_s`.
+run R2 of docs/rebalancer.md the morning's chat missed for 10 s before the decision at 190 s
+recalled the engine); still at most one move per `interval_s` and none within `cooldown_s`.
 
 Bounds: a pool never leaves [floor_frac, ceiling_frac] (the schedule's bounds at that time of
 day, see `bounds_at`), and a pool that had traffic in the last `traffic_memory_s` never goes
