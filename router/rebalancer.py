@@ -355,17 +355,7 @@ class Rebalancer:
         now = self.clock()
         signals = self.gather(now)
         self.last_signals = signals
-        decision = decide(
-            self.loop_state,
-            signals,
-            self.bounds(),
-            self.rc.settings,
-            now,
-            instance_frac=self._instance_frac(),
-            frozen=self.sre.frozen,
-            pinned=self.sre.pinned_shares,
-            home=self.home_shares(),
-        )
+        decision = self._decide(signals, now, recall_only=False)
         self.loop_state = decision.state
         if decision.reason != "not_due":
             self._place(decision.shares, now)
@@ -379,18 +369,7 @@ class Rebalancer:
         nothing else changes."""
         now = self.clock()
         signals = self.gather(now, since_s=now - self.rc.interval_s)
-        decision = decide(
-            self.loop_state,
-            signals,
-            self.bounds(),
-            self.rc.settings,
-            now,
-            instance_frac=self._instance_frac(),
-            frozen=self.sre.frozen,
-            pinned=self.sre.pinned_shares,
-            home=self.home_shares(),
-            recall_only=True,
-        )
+        decision = self._decide(signals, now, recall_only=True)
         if decision.reason != "recalled":
             return None
         self.last_signals = signals
@@ -398,6 +377,22 @@ class Rebalancer:
         self._place(decision.shares, now)
         self._record(decision, "auto", signals, who="loop")
         return decision
+
+    def _decide(
+        self, signals: Mapping[str, PoolSignals], now_s: float, *, recall_only: bool
+    ) -> Decision:
+        return decide(
+            self.loop_state,
+            signals,
+            self.bounds(),
+            self.rc.settings,
+            now_s,
+            instance_frac=self._instance_frac(),
+            frozen=self.sre.frozen,
+            pinned=self.sre.pinned_shares,
+            home=self.home_shares(),
+            recall_only=recall_only,
+        )
 
     def _place(self, shares: Mapping[str, float], now_s: float) -> None:
         """Move the allocation toward `shares` (no whole move while another drains)."""

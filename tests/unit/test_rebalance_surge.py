@@ -19,7 +19,14 @@ from typing import Any
 
 import pytest
 
-from pools.rebalance import Bounds, LoopState, PoolSignals, RebalanceSettings, decide
+from pools.rebalance import (
+    Bounds,
+    Decision,
+    LoopState,
+    PoolSignals,
+    RebalanceSettings,
+    decide,
+)
 
 BENCH = RebalanceSettings(
     interval_s=10, hysteresis_frac=0.3, cooldown_s=20, smoothing_window_s=20, max_step_frac=0.34
@@ -229,6 +236,23 @@ def after_two_decisions() -> LoopState:
     return state
 
 
+def recall_check(
+    state: LoopState, signals: dict[str, PoolSignals], now_s: float, **extra: Any
+) -> Decision:
+    """The shell's check between decisions, with the benchmark's settings."""
+    return decide(
+        state,
+        signals,
+        BOUNDS,
+        BENCH,
+        now_s,
+        instance_frac=ONE_ENGINE,
+        home=HOME,
+        recall_only=True,
+        **extra,
+    )
+
+
 def test_the_recall_check_between_decisions_recalls_before_the_next_decision() -> None:
     """At 183 s, between the decisions at 180 and 190 s, chat's TTFT p95 is 2.1 s (pressure
     2.625) and the agent pool's 1.0: the check recalls there, with the step that equalises
@@ -237,16 +261,7 @@ def test_the_recall_check_between_decisions_recalls_before_the_next_decision() -
     (0.875 x 2/3 - 0.7111 x 1/3) / (0.875 + 0.7111) = 0.21833. The decision at 190 s is then
     not due (one step per interval)."""
     state = after_two_decisions()
-    d = decide(
-        state,
-        morning_signals(1.0, 2.1),
-        BOUNDS,
-        BENCH,
-        183.0,
-        instance_frac=ONE_ENGINE,
-        home=HOME,
-        recall_only=True,
-    )
+    d = recall_check(state, morning_signals(1.0, 2.1), 183.0)
     assert d.reason == "recalled"
     assert d.move is not None and (d.move.from_pool, d.move.to_pool) == ("agent", "normal")
     load_r, load_g = 2.625 / 3, (3.2 / 3) * 2 / 3
@@ -269,7 +284,7 @@ def test_the_recall_check_changes_nothing_unless_it_recalls() -> None:
     cooldown) ago: the check leaves the very state it was given, and no decision is logged
     (the reason is "not_due")."""
     state = after_two_decisions()
-    cases = [
+    cases: list[tuple[LoopState, dict[str, PoolSignals], dict[str, Any]]] = [
         (state, morning_signals(1.1, 0.2), {}),
         (state, morning_signals(1.0, 2.1), {"frozen": True}),
         (
@@ -280,17 +295,7 @@ def test_the_recall_check_changes_nothing_unless_it_recalls() -> None:
         (replace(state, last_move_at_s=170.0), morning_signals(1.0, 2.1), {}),  # cooldown 20 s
     ]
     for given, signals, extra in cases:
-        d = decide(
-            given,
-            signals,
-            BOUNDS,
-            BENCH,
-            183.0,
-            instance_frac=ONE_ENGINE,
-            home=HOME,
-            recall_only=True,
-            **extra,
-        )
+        d = recall_check(given, signals, 183.0, **extra)
         assert d.reason == "not_due" and d.move is None, extra
         assert d.state is given
     no_cooldown = replace(BENCH, cooldown_s=0.0)
