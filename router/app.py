@@ -57,7 +57,7 @@ from router.ledger import Ledger
 from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.openapi import openapi_document
-from router.picking import RunAffinity, default_picker
+from router.picking import RunAffinity, default_picker, placement_patience_s
 from router.proxy import CompletionsHandler
 from router.queueing import RunUsage
 from router.rebalancer import Rebalancer
@@ -111,6 +111,7 @@ class Gateway:
             self.affinity,
             rng or random.Random(),
             {p.name: p.placement for p in config.pools},
+            placement_patience_s(config),
         )
         max_num_seqs = _max_num_seqs(config)
         for state in self.fleet:

@@ -21,15 +21,18 @@ follows it (the proxy records where each step ran). See docs/run_scheduling.md.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pools.allocation import Allocation
+from pools.config import Config
 from pools.fleet import Fleet, InstanceState
 
 __all__ = [
+    "ALWAYS_AFFINITY_PATIENCE_FRAC",
     "PLACEMENTS",
     "Candidate",
     "PickRequest",
@@ -40,6 +43,7 @@ __all__ = [
     "filter_affinity_or_move",
     "move_cost_s",
     "move_is_faster",
+    "placement_patience_s",
     "score_kv_headroom",
     "score_load",
     "score_run_affinity",
@@ -337,6 +341,15 @@ class Picker:
 
 
 PLACEMENTS = ("affinity_or_move", "always_affinity", "least_loaded")
+# `always_affinity` waits for a full home this fraction of the queue's `max_wait_s`, then
+# takes any instance with room (`filter_always_affinity`)
+ALWAYS_AFFINITY_PATIENCE_FRAC = 0.5
+
+
+def placement_patience_s(config: Config) -> dict[str, float]:
+    """Each pool's `always_affinity` patience: `ALWAYS_AFFINITY_PATIENCE_FRAC` of its queue's
+    `max_wait_s`."""
+    return {p.name: ALWAYS_AFFINITY_PATIENCE_FRAC * p.queue.max_wait_s for p in config.pools}
 
 
 def default_picker(
@@ -344,14 +357,16 @@ def default_picker(
     affinity: RunAffinity,
     rng: random.Random,
     placement: str | Mapping[str, str] = "always_affinity",
+    patience_s: Mapping[str, float] | None = None,
 ) -> Picker:
     """Healthy, granted and untried instances of the pool; scored by run affinity (weight 2), KV
     headroom (1) and load (1).
 
     `placement`, one rule for every pool or one per pool (`pools.<pool>.placement`; a pool not
     named gets `always_affinity`, the config's default): `always_affinity` waits for a full
-    home instance whatever the cost (while it is healthy); `affinity_or_move` leaves it only
-    for an instance with spare room and when the wait costs more than the move
+    home instance (while it is healthy) until the step has waited the pool's `patience_s`
+    (none given: for ever), then takes any instance with room; `affinity_or_move` leaves it
+    only for an instance with spare room and when the wait costs more than the move
     (`move_is_faster`); `least_loaded` ignores affinity (no filter, no affinity score).
     """
     default = placement if isinstance(placement, str) else "always_affinity"
@@ -361,7 +376,7 @@ def default_picker(
             raise ValueError(f"unknown placement {rule!r}")
     filters: dict[str, Filter] = {
         "affinity_or_move": filter_affinity_or_move(affinity),
-        "always_affinity": filter_always_affinity(affinity),
+        "always_affinity": filter_always_affinity(affinity, patience_s or {}),
     }
     run_affinity = score_run_affinity(affinity)
 
@@ -382,13 +397,17 @@ def default_picker(
     )
 
 
-def filter_always_affinity(affinity: RunAffinity) -> Filter:
+def filter_always_affinity(affinity: RunAffinity, patience_s: Mapping[str, float]) -> Filter:
     """Before `filter_granted`: only the run's home instance while it is healthy, in the pool
-    and untried (for comparison: a step waits for its home however long that takes)."""
+    and untried, until the step has waited its pool's `patience_s` (a pool not named: for
+    ever); after that any candidate, so a step whose home stays full is served elsewhere
+    rather than refused at its queue's `max_wait_s` while other instances idle."""
 
     def keep(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
         home = affinity.get(req.run_key)
         if home is None or home in req.exclude:
+            return cands
+        if req.waited_s >= patience_s.get(req.pool, math.inf):
             return cands
         return [c for c in cands if c.instance_id == home] or cands
 

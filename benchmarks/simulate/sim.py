@@ -39,7 +39,7 @@ from router.admitter import WAITS_FOR_HOME, Admitter
 from router.app import _max_num_seqs
 from router.estimate import Estimate
 from router.metrics import RouterMetrics
-from router.picking import RunAffinity, default_picker
+from router.picking import RunAffinity, default_picker, placement_patience_s
 from router.queueing import PoolQueue, QueueEntry
 from router.rebalancer import RECALL_CHECK_S, Rebalancer
 from router.request import RequestContext, RequestOutcome
@@ -115,7 +115,9 @@ class _Sim:
         self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares, pinned=pinned))
         affinity = RunAffinity()
         placements = {p.name: p.placement for p in config.pools}
-        picker = default_picker(self.fleet, affinity, random.Random(seed), placements)
+        picker = default_picker(
+            self.fleet, affinity, random.Random(seed), placements, placement_patience_s(config)
+        )
         self.affinity = affinity
         metrics = RouterMetrics()
         self.admitter = Admitter(

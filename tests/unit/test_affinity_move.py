@@ -4,11 +4,13 @@ and the admitter's inputs to it (the time a step waited, the expected wait for i
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 
 from pools.allocation import plan_allocation
+from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
@@ -21,6 +23,7 @@ from router.picking import (
     expected_home_wait_s,
     move_cost_s,
     move_is_faster,
+    placement_patience_s,
     uncached_prefill_tokens_per_s,
 )
 
@@ -208,3 +211,43 @@ def test_unknown_placement_is_refused() -> None:
     fleet = Fleet([], clock=lambda: 0.0)
     with pytest.raises(ValueError, match="unknown placement"):
         default_picker(fleet, RunAffinity(), random.Random(0), placement="sticky")
+
+
+def test_always_affinity_stops_waiting_for_home_after_its_patience() -> None:
+    """A step whose home stays full waits for it up to the pool's patience (half the queue's
+    `max_wait_s` in the router), then takes an instance with room, rather than a 429 at
+    `max_wait_s` while the others idle. A pool with no patience given waits for ever."""
+    fleet = Fleet([InstanceSpec(f"e{i}", f"http://e{i}", 1) for i in range(2)], clock=lambda: 0.0)
+    for i in range(2):
+        fleet.record_reading(f"e{i}", _reading())
+    affinity = RunAffinity()
+    affinity.record("run", "e0", context_tokens=6000)
+    picker = default_picker(
+        fleet, affinity, random.Random(0), placement="always_affinity", patience_s={"agent": 60.0}
+    )
+    cands = picker.candidates(plan_allocation(fleet.capacity_gpus(), {"agent": 1.0}), "agent")
+    not_home = frozenset({"e1"})
+    assert _pick(picker, cands, allowed=not_home, waited_s=59.9) is None
+    assert _pick(picker, cands, allowed=not_home, waited_s=60.0) == "e1"
+    assert (
+        _pick(picker, cands, allowed=frozenset({"e0", "e1"}), waited_s=90.0) == "e0"
+    )  # home first
+    patient = default_picker(fleet, affinity, random.Random(0), placement="always_affinity")
+    assert _pick(patient, cands, allowed=not_home, waited_s=1e6) is None
+
+
+def test_the_router_gives_always_affinity_half_the_queue_wait() -> None:
+    config = parse_config(
+        {
+            **copy.deepcopy(DEFAULT_CPU_CONFIG),
+            "pools": {
+                "agent": {
+                    "classes": ["agent"],
+                    "share": {"initial_frac": 0.34},
+                    "queue": {"max_wait_s": 40},
+                },
+                "normal": {"classes": ["normal"], "share": {"initial_frac": 0.66}},
+            },
+        }
+    )
+    assert placement_patience_s(config) == {"agent": 20.0, "normal": 5.0}  # default max wait 10 s
