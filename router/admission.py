@@ -35,7 +35,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Grant", "InstanceView", "Need", "Reject", "Wait", "decide", "fit_reason"]
+__all__ = [
+    "Grant",
+    "InstanceView",
+    "Need",
+    "Reject",
+    "Wait",
+    "decide",
+    "fit_reason",
+    "predicted_ttft_s",
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,14 @@ from router.admission import Grant, InstanceView, Need, Reject, Wait, decide
 from router.errors import CapacityExceeded, NoHealthyInstance
 from router.estimate import Estimate
 from router.metrics import RouterMetrics
-from router.picking import Candidate, Picker, PickRequest, RunAffinity, expected_home_wait_s
+from router.picking import (
+    Candidate,
+    Picker,
+    PickRequest,
+    RunAffinity,
+    expected_home_wait_s,
+    uncached_prefill_tokens_per_s,
+)
 from router.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
 from router.request import RequestContext
 
@@ -212,7 +219,9 @@ class Admitter:
             pool_limit=state.op.limit(self._tpot_target_s[pool]),
             instance_limit=self.instance_limit(state),
             pending_prefill_tokens=state.pending_prefill_tokens(now_s),
-            prefill_tokens_per_s=state.prefill_tokens_per_s,
+            prefill_tokens_per_s=uncached_prefill_tokens_per_s(
+                state.prefill_tokens_per_s, state.prefix_hit_frac
+            ),
             ttft_target_s=p.slo.ttft_p95_ms / 1e3,
             margin_frac=self.margin_frac,
             step_s=_step_s(state),
@@ -334,7 +343,7 @@ class Admitter:
         return self._acquire(chosen.state, ctx.pool, need)
 
     def _acquire(self, state: InstanceState, pool: str, need: Need) -> Lease:
-        rate = state.prefill_tokens_per_s
+        rate = uncached_prefill_tokens_per_s(state.prefill_tokens_per_s, state.prefix_hit_frac)
         prefill = need.prefill_tokens(state.spec.instance_id)
         return self.fleet.acquire(
             state.spec.instance_id,

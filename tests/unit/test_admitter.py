@@ -6,6 +6,7 @@ leases never leak; the official openai client retries a 429 and succeeds."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
+from router.admission import Need, predicted_ttft_s
 from router.app import Gateway, create_app
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
@@ -409,3 +411,20 @@ async def test_router_overhead_is_recorded_once_per_request(make_rig: Any) -> No
     count, total = overhead()
     assert count - count0 == 2
     assert total - sum0 < 0.2  # the second waited ~0.4 s in the queue: not counted
+
+
+async def test_admission_predicts_prefill_at_the_uncached_rate(make_rig: Any) -> None:
+    """vLLM's prefill time covers every prompt token, cached or not, so an engine measured at
+    4,000 prompt tokens/s with 75 % of them found in its prefix cache computes 1,000 uncached
+    tokens/s. A step's 3,000-token prompt, 2,000 of it cached on its home, costs 1 s of prefill
+    there and 3 s elsewhere; at the measured rate admission said 0.25 s and 0.75 s."""
+    rig = await make_rig()
+    state = rig.gateway.fleet.get(rig.instance_id)
+    assert state is not None
+    state.prefill_tokens_per_s, state.prefix_hit_frac = 4000.0, 0.75
+    view = rig.gateway.admitter._view("normal", state, 1.0, 0.0)
+    step_s = view.step_s
+    home = Need(3000, 3100, math.inf, cached_on=rig.instance_id, cached_tokens=2000)
+    elsewhere = Need(3000, 3100, math.inf, cached_on="another", cached_tokens=2000)
+    assert predicted_ttft_s(view, home) == pytest.approx(1.0 + step_s)
+    assert predicted_ttft_s(view, elsewhere) == pytest.approx(3.0 + step_s)
