@@ -31,7 +31,6 @@ SRE changes (`set_bounds`, `pin`, `unpin`, `pin_instance`, `unpin_instance`, `fr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -54,6 +53,7 @@ from pools.rebalance import (
     decide,
     effective_bounds,
 )
+from pools.tasks import cancel_and_wait
 from router.errors import BadRequest, NotFound
 from router.metrics import RouterMetrics
 from router.queueing import PoolQueue
@@ -213,10 +213,7 @@ class Rebalancer:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
