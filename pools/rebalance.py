@@ -56,6 +56,14 @@ share comes back as soon as the lender's requests show the miss, not at the next
 run R2 of docs/rebalancer.md the morning's chat missed for 10 s before the decision at 190 s
 recalled the engine); still at most one move per `interval_s` and none within `cooldown_s`.
 
+A recall holds: for `recall_hold_s` (twice a cooldown plus a smoothing window) the pressure rule
+lends none of the recalling pool's share below what the recall gave back ("recall_hold"). A
+recall shows the load / share model misjudged the lender at the lent share (in day-night run C1
+the chat engine was slowed by the two agent engines beside it on shared cores, not by its own
+load); without the hold the smoothed rule, seeing the lender calm at home, lent the share again
+one cooldown later at the same demand, and the lender missed again. The hold is bounded so the
+ratio still follows a real change of demand, one hold later.
+
 Bounds: a pool never leaves [floor_frac, ceiling_frac] (the schedule's bounds at that time of
 day, see `bounds_at`), and a pool that had traffic in the last `traffic_memory_s` never goes
 below one instance's worth of capacity (where the bounds leave room for that).
@@ -82,6 +90,7 @@ __all__ = [
     "decide",
     "effective_bounds",
     "pressure_by_signal",
+    "recall_hold_s",
 ]
 
 SIGNALS = ("queue_wait", "kv", "ttft", "tpot", "rejections")
@@ -181,6 +190,9 @@ class LoopState:
     last_decision_at_s: float | None = None
     last_move_at_s: float | None = None
     last_traffic_at_s: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    # pool -> (until when, share): a pool that recalled lent share lends none below that share
+    # until then (see "Recall" in the module docstring)
+    held: Mapping[str, tuple[float, float]] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +208,7 @@ class Decision:
     shares: Mapping[str, float]  # target shares after this decision
     move: Move | None
     reason: str  # moved | home | recalled | at_home | pinned | bounds | frozen | cooldown
+    # | recall_hold
     # | within_hysteresis | at_bound | not_due | step_too_small
     pressure: Mapping[str, Mapping[str, float]]  # pool -> signal -> normalised value (raw)
     smoothed: Mapping[str, float]  # pool -> smoothed pressure
@@ -295,16 +308,21 @@ def decide(
     }
     limits = effective_bounds(bounds, traffic, instance_frac)
     current = {p: state.shares.get(p, 0.0) for p in pools}
+    held = {p: h for p, h in state.held.items() if now_s < h[0]}
 
     def result(
         reason: str, shares: Mapping[str, float], move: Move | None, moved: bool
     ) -> Decision:
+        next_held = dict(held)
+        if reason == "recalled" and move is not None:
+            next_held[move.to_pool] = (now_s + recall_hold_s(settings), shares[move.to_pool])
         next_state = LoopState(
             shares=_frozen(shares),
             history=() if moved else history,
             last_decision_at_s=now_s,
             last_move_at_s=now_s if moved else state.last_move_at_s,
             last_traffic_at_s=MappingProxyType(last_traffic),
+            held=MappingProxyType(next_held),
         )
         return Decision(
             at_s=now_s,
@@ -383,10 +401,20 @@ def decide(
     room = min(s_g - limits[giver][0], limits[receiver][1] - s_r)
     if room < _MIN_STEP_FRAC:
         return result("at_bound", current, None, False)
+    if giver in held:
+        room = min(room, s_g - held[giver][1])
+        if room < _MIN_STEP_FRAC:
+            return result("recall_hold", current, None, False)
     step = min(equalise, settings.max_step_frac, room)
     if step < _MIN_STEP_FRAC:
         return result("step_too_small", current, None, False)
     return _step(result, "moved", current, Move(giver, receiver, step))
+
+
+def recall_hold_s(settings: RebalanceSettings) -> float:
+    """How long a recall holds (see "Recall" in the module docstring): two rounds of a
+    cooldown and a full smoothing window, the time the pressure rule needs to move twice."""
+    return 2.0 * (settings.cooldown_s + settings.smoothing_window_s)
 
 
 def _equalising_step(p_r: float, s_r: float, p_g: float, s_g: float) -> float:

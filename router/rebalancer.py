@@ -547,6 +547,7 @@ class Rebalancer:
                 history=self.loop_state.history,
                 last_move_at_s=self.loop_state.last_move_at_s,
                 last_traffic_at_s=self.loop_state.last_traffic_at_s,
+                held=self.loop_state.held,
             ),
             signals,
             self.bounds(),
@@ -757,6 +758,7 @@ class Rebalancer:
             last_decision_at_s=self.loop_state.last_decision_at_s,
             last_move_at_s=now_s,
             last_traffic_at_s=self.loop_state.last_traffic_at_s,
+            held=self.loop_state.held,
         )
         self.moves += 1
         self.metrics.rebalance_moves.labels(move.from_pool, move.to_pool, "forced").inc()

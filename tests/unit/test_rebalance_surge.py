@@ -26,6 +26,7 @@ from pools.rebalance import (
     PoolSignals,
     RebalanceSettings,
     decide,
+    recall_hold_s,
 )
 
 BENCH = RebalanceSettings(
@@ -304,3 +305,29 @@ def test_the_recall_check_changes_nothing_unless_it_recalls() -> None:
     signals = morning_signals(1.0, 2.1)
     assert decide(moved_at_175, signals, BOUNDS, no_cooldown, 183.0, **kwargs).reason == "not_due"
     assert decide(moved_at_175, signals, BOUNDS, no_cooldown, 185.0, **kwargs).reason == "recalled"
+
+
+def test_a_recall_holds_the_lender_share_then_lets_go() -> None:
+    """Run C1's night: chat missed its target beside two busy agent engines and the check
+    recalled the engine; at two engines chat read pressure 0, so one cooldown later the
+    smoothed rule (agent 1.1 against chat 0) lent the engine again at the same demand, and chat
+    missed again. After a recall the recalling pool lends nothing below the share it got back
+    for `recall_hold_s` (2 x (20 s cooldown + 20 s window) = 80 s here); then the pressure rule
+    acts as before."""
+    assert recall_hold_s(BENCH) == 80.0
+    recalled = recall_check(after_two_decisions(), morning_signals(1.0, 2.1), 183.0)
+    assert recalled.reason == "recalled"
+    got_back = recalled.shares["normal"]
+    state = recalled.state
+    assert state.held["normal"] == (263.0, got_back)
+    reasons = {}
+    for t in (190.0, 200.0, 210.0, 220.0, 230.0, 240.0, 250.0, 260.0, 270.0):
+        d = decide(
+            state, morning_signals(1.1, 0.0), BOUNDS, BENCH, t, instance_frac=ONE_ENGINE, home=HOME
+        )
+        state = d.state
+        reasons[t] = d.reason
+        if t < 263.0:
+            assert d.shares["normal"] >= got_back - 1e-9, (t, d)
+    assert reasons[210.0] == "recall_hold"  # past the cooldown, the pressure rule would lend
+    assert reasons[270.0] == "moved"  # the hold is over
