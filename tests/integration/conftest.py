@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -139,6 +140,14 @@ def engine_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFle
 @pytest.fixture(scope="session")
 def real_engines(engine_fleet: EngineFleet) -> list[InstanceSpec]:
     return engine_fleet.instances
+
+
+def wait_for(cond: Any, timeout_s: float = 30.0, interval_s: float = 0.05) -> None:
+    """Poll `cond` until it holds; fail the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(interval_s)
 
 
 def write_router_config(path: Path, urls: list[str], **extra: Any) -> Path:

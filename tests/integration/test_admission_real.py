@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from pools.launchers import InstanceSpec
-from tests.integration.conftest import RouterProcess, free_port, write_router_config
+from tests.integration.conftest import RouterProcess, free_port, wait_for, write_router_config
 
 pytestmark = pytest.mark.integration
 
@@ -95,13 +95,6 @@ class Admitted:
             if all(f'{k}="{v}"' in head for k, v in labels.items()):
                 total += float(value)
         return total
-
-
-def _wait_for(cond: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.05)
 
 
 class EnginePeak:
@@ -183,10 +176,10 @@ def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, li
 def test_a_request_that_cannot_fit_waits_and_is_served(admitted: Admitted) -> None:
     with EnginePeak(admitted.engine_url) as peak:
         first, a = _in_thread(admitted.post, _body("a"))
-        _wait_for(lambda: _inflight(admitted) == 1 or a)
+        wait_for(lambda: _inflight(admitted) == 1 or a)
         assert not a, f"the first request ended before the test could queue behind it: {a}"
         second, b = _in_thread(admitted.post, _body("b"))
-        _wait_for(lambda: admitted.queue_depth() == 1 or b)
+        wait_for(lambda: admitted.queue_depth() == 1 or b)
         assert not b, f"the second request was not queued: {b}"
         first.join(120)
         second.join(120)
@@ -210,10 +203,10 @@ def test_a_full_queue_answers_429_with_retry_after(
     rig = _start(tmp_path, real_engines, max_depth=1)
     try:
         first, a = _in_thread(rig.post, _body("c"))
-        _wait_for(lambda: _inflight(rig) == 1 or a)
+        wait_for(lambda: _inflight(rig) == 1 or a)
         assert not a, a
         second, b = _in_thread(rig.post, _body("d"))
-        _wait_for(lambda: rig.queue_depth() == 1)
+        wait_for(lambda: rig.queue_depth() == 1)
         refused = rig.post(_body("e"))
         assert refused.status_code == 429
         assert int(refused.headers["retry-after"]) >= 1
@@ -232,7 +225,7 @@ def test_a_queued_client_that_disconnects_leaves_no_trace(admitted: Admitted) ->
     prompt_before = _engine_metric(admitted.engine_url, "vllm:prompt_tokens_total")
     # the first runs ~4x longer than the queued client's patience
     first, a = _in_thread(admitted.post, _body("f", max_tokens=4 * MAX_TOKENS))
-    _wait_for(lambda: _inflight(admitted) == 1 or a)
+    wait_for(lambda: _inflight(admitted) == 1 or a)
     assert not a, a
 
     def impatient() -> str:
@@ -243,10 +236,10 @@ def test_a_queued_client_that_disconnects_leaves_no_trace(admitted: Admitted) ->
         return "answered"
 
     ghost, g = _in_thread(impatient)
-    _wait_for(lambda: admitted.queue_depth() == 1 or g)
+    wait_for(lambda: admitted.queue_depth() == 1 or g)
     ghost.join(10)
     assert g == ["gave up"]
-    _wait_for(lambda: admitted.queue_depth() == 0, timeout_s=2)
+    wait_for(lambda: admitted.queue_depth() == 0, timeout_s=2)
     assert _inflight(admitted) == 1  # left the queue while the first still held the engine
     first.join(120)
     assert a[0].status_code == 200
@@ -261,7 +254,7 @@ def test_a_queued_client_that_disconnects_leaves_no_trace(admitted: Admitted) ->
 def test_an_unmeetable_deadline_is_refused_at_once(admitted: Admitted) -> None:
     # a short request and two scrapes so the router has measured the engine's prefill rate
     assert admitted.post({**_body("h"), "max_tokens": 4}).status_code == 200
-    _wait_for(
+    wait_for(
         lambda: (
             admitted.pool_view()["instances"][_normal_id(admitted)]["prefill_tokens_per_s"]
             is not None
@@ -287,7 +280,7 @@ def test_a_deadline_shorter_than_one_engine_step_is_refused_not_timed_out(
     normal_id = _normal_id(admitted)
     # long enough to span scrapes: a sequence running at a scrape gives a TPOT sample
     assert admitted.post(_body("j")).status_code == 200
-    _wait_for(
+    wait_for(
         lambda: admitted.pool_view()["instances"][normal_id]["operating_point"]["samples"] > 0,
         timeout_s=10,
     )
@@ -310,7 +303,7 @@ def test_openai_client_retries_a_429_until_capacity_frees(
     rig = _start(tmp_path, real_engines, max_depth=0)  # no queue: busy means 429
     try:
         first, a = _in_thread(rig.post, _body("j"))
-        _wait_for(lambda: _inflight(rig) == 1 or a)
+        wait_for(lambda: _inflight(rig) == 1 or a)
         assert not a, a
         client = openai.OpenAI(base_url=f"{rig.url}/v1", api_key="unused", max_retries=5)
         reply = client.chat.completions.create(

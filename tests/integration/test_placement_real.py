@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from pools.launchers import InstanceSpec
-from tests.integration.conftest import RouterProcess, free_port, write_router_config
+from tests.integration.conftest import RouterProcess, free_port, wait_for, write_router_config
 
 pytestmark = pytest.mark.integration
 
@@ -44,13 +44,6 @@ def _first(url: str, run: str, max_tokens: int = 1) -> str:
 def _instances(url: str) -> dict[str, Any]:
     view: dict[str, Any] = httpx.get(f"{url}/admin/pools", timeout=5).json()["instances"]
     return view
-
-
-def _wait_for(cond: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("placement", ["affinity_or_move", "always_affinity"])
@@ -111,7 +104,10 @@ def test_a_full_home_moves_the_run_or_waits_for_it(
         ]
         for t in long_steps:
             t.start()
-        _wait_for(lambda: _instances(router.url)[home]["running_by_pool"].get("agent", 0) == 2)
+        wait_for(
+            lambda: _instances(router.url)[home]["running_by_pool"].get("agent", 0) == 2,
+            timeout_s=60.0,
+        )
 
         started = time.monotonic()
         second = _step(router.url, "run", messages, 16)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pools.launchers import InstanceSpec
-from tests.integration.conftest import RouterProcess, free_port, write_router_config
+from tests.integration.conftest import RouterProcess, free_port, wait_for, write_router_config
 
 pytestmark = pytest.mark.integration
 
@@ -40,13 +40,6 @@ def _queue_depth(url: str) -> int:
         "depth"
     ]
     return depth
-
-
-def _wait_for(cond: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.02)
 
 
 def test_a_fresh_run_overtakes_a_served_one_and_the_run_reports_its_time_split(
@@ -75,14 +68,14 @@ def test_a_fresh_run_overtakes_a_served_one_and_the_run_reports_its_time_split(
             time.sleep(0.2)  # its tool call
         blocker = threading.Thread(target=_step, args=(router.url, "blocker", 600, done))
         blocker.start()
-        _wait_for(lambda: len(done) == 3 and _queue_depth(router.url) == 0)
+        wait_for(interval_s=0.02, cond=lambda: len(done) == 3 and _queue_depth(router.url) == 0)
         time.sleep(0.3)  # the blocker is on the engine
         later = [threading.Thread(target=_step, args=(router.url, "long", 32, done))]
         later[0].start()
-        _wait_for(lambda: _queue_depth(router.url) == 1)
+        wait_for(interval_s=0.02, cond=lambda: _queue_depth(router.url) == 1)
         later.append(threading.Thread(target=_step, args=(router.url, "fresh", 32, done)))
         later[1].start()
-        _wait_for(lambda: _queue_depth(router.url) == 2)
+        wait_for(interval_s=0.02, cond=lambda: _queue_depth(router.url) == 2)
         for t in (blocker, *later):
             t.join(timeout=120)
         assert [run for run, _ in done[3:]] == ["blocker", "fresh", "long"]
