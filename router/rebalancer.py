@@ -36,7 +36,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pools.allocation import Allocation, Drain, PoolMap, plan_allocation, plan_moves
@@ -60,7 +60,7 @@ from router.queueing import PoolQueue
 from router.rebalance_store import DecisionLog, SreSettings, load_settings, save_settings
 from router.request import RequestOutcome
 
-__all__ = ["RECALL_CHECK_S", "Rebalancer", "SignalWindow"]
+__all__ = ["RECALL_CHECK_S", "Rebalancer", "SignalWindow", "recall_check_offsets_s"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,12 @@ _RECENT_DECISIONS = 20
 # how often the loop checks the recall rule between decisions (`check_recall`)
 RECALL_CHECK_S = 1.0
 _SHARE_TOLERANCE = 0.01  # a pinned ratio must sum to 1 within this
+
+
+def recall_check_offsets_s(interval_s: float) -> list[float]:
+    """When, within one interval, the loop checks the recall rule: every `RECALL_CHECK_S`,
+    short of the decision at the interval's end."""
+    return [k * RECALL_CHECK_S for k in range(1, math.ceil(interval_s / RECALL_CHECK_S - 1e-9))]
 
 
 def _p95(values: Sequence[float]) -> float | None:
@@ -224,13 +230,12 @@ class Rebalancer:
 
     async def _run(self) -> None:
         while True:
-            waited = 0.0
-            while waited < self.rc.interval_s - 1e-9:  # between decisions: the recall check
-                pause = min(RECALL_CHECK_S, self.rc.interval_s - waited)
-                await asyncio.sleep(pause)
-                waited += pause
-                if waited < self.rc.interval_s - 1e-9:
-                    self._guarded(self.check_recall)
+            elapsed_s = 0.0
+            for at_s in recall_check_offsets_s(self.rc.interval_s):
+                await asyncio.sleep(at_s - elapsed_s)
+                elapsed_s = at_s
+                self._guarded(self.check_recall)
+            await asyncio.sleep(self.rc.interval_s - elapsed_s)
             self._guarded(self.tick)
 
     @staticmethod
@@ -542,13 +547,7 @@ class Rebalancer:
         now = self.clock()
         signals = self.last_signals or self.gather(now)
         decision = decide(
-            LoopState(
-                shares=self.loop_state.shares,
-                history=self.loop_state.history,
-                last_move_at_s=self.loop_state.last_move_at_s,
-                last_traffic_at_s=self.loop_state.last_traffic_at_s,
-                held=self.loop_state.held,
-            ),
+            replace(self.loop_state, last_decision_at_s=None),  # due now
             signals,
             self.bounds(),
             self.rc.settings,
@@ -752,13 +751,8 @@ class Rebalancer:
     def _record_forced(
         self, who: str, shares: Mapping[str, float], move: Move, now_s: float
     ) -> None:
-        self.loop_state = LoopState(
-            shares=dict(shares),
-            history=(),
-            last_decision_at_s=self.loop_state.last_decision_at_s,
-            last_move_at_s=now_s,
-            last_traffic_at_s=self.loop_state.last_traffic_at_s,
-            held=self.loop_state.held,
+        self.loop_state = replace(
+            self.loop_state, shares=dict(shares), history=(), last_move_at_s=now_s
         )
         self.moves += 1
         self.metrics.rebalance_moves.labels(move.from_pool, move.to_pool, "forced").inc()

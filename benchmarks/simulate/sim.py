@@ -41,7 +41,7 @@ from router.estimate import Estimate
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity, default_picker, placement_patience_s
 from router.queueing import PoolQueue, QueueEntry
-from router.rebalancer import RECALL_CHECK_S, Rebalancer
+from router.rebalancer import Rebalancer, recall_check_offsets_s
 from router.request import RequestContext, RequestOutcome
 
 __all__ = ["SimResult", "simulate"]
@@ -209,13 +209,11 @@ class _Sim:
         return self.result
 
     def _plan_decisions(self) -> None:
-        """The rebalancer loop's next interval, as `Rebalancer._run` spends it: a recall check
-        every `RECALL_CHECK_S`, then the decision."""
+        """The rebalancer loop's next interval, as `Rebalancer._run` spends it: the recall checks
+        (`recall_check_offsets_s`), then the decision."""
         interval_s = self.config.rebalancer.interval_s
-        waited = RECALL_CHECK_S
-        while waited < interval_s - 1e-9:
-            self.at(self.now + waited, "recall_check")
-            waited += RECALL_CHECK_S
+        for at_s in recall_check_offsets_s(interval_s):
+            self.at(self.now + at_s, "recall_check")
         self.at(self.now + interval_s, "tick")
 
     def _hold_gpus(self) -> None:
