@@ -510,6 +510,7 @@ class CompletionsHandler:
             )
         if ctx.want_gpu_usage and extra:
             raw = _add_usage(raw, extra)
+        await self._settle_before_final(outcome)
         outcome.response_started = True
         await send(
             {
@@ -584,7 +585,13 @@ class CompletionsHandler:
             outcome.status = error.status
             await send(_error_event(error))
             return
+        await self._settle_before_final(outcome)
         await send({"type": "http.response.body", "body": buf, "more_body": False})
+
+    async def _settle_before_final(self, outcome: RequestOutcome) -> None:
+        """Awaited right before a response's final bytes (the non-streaming body, the
+        stream's last event): H4's durable ledger write."""
+        return None
 
     def _usage_event(self, ctx: RequestContext, event: bytes, outcome: RequestOutcome) -> bytes:
         """Record the usage; drop the usage-only event unless the client asked for it."""
