@@ -483,6 +483,9 @@ class RouterSchema(_Strict):
     # forwarded at once (the behaviour before admission, kept for comparison)
     admission: Literal["on", "off"] = "on"
     kv_margin_frac: float = Field(default=0.05, ge=0.0, lt=1.0)  # KV kept free on every instance
+    # sequences at once on an engine whose /metrics lacks vllm:cache_config_info (its KV
+    # capacity unknown: no KV headroom check there); its operating point may lower it further
+    unknown_kv_max_concurrency: int = Field(default=16, ge=1)
     # The operators' credential for /admin/* and /metrics, apart from any tenant's: the name of
     # an env var holding the key, or the key's hex SHA-256. With no admin credential (no such key
     # and no `admin: true` tenant) /admin/* answers 403, except on an open router (no keys at
@@ -878,6 +881,7 @@ class RouterConfig:
     log_level: str
     admission: str = "on"
     kv_margin_frac: float = 0.05
+    unknown_kv_max_concurrency: int = 16
     max_body_bytes: int = 16 * 1024 * 1024
     body_read_timeout_s: float = 30.0
     head_timeout_s: float = 10.0
@@ -1183,6 +1187,7 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
             log_level=r.log_level,
             admission=r.admission,
             kv_margin_frac=r.kv_margin_frac,
+            unknown_kv_max_concurrency=r.unknown_kv_max_concurrency,
             max_body_bytes=r.max_body_bytes,
             body_read_timeout_s=r.body_read_timeout_s,
             head_timeout_s=r.head_timeout_s,

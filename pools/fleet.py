@@ -68,6 +68,15 @@ class InstanceState:
             return None
         return max(0, self.reading.num_gpu_blocks - 1)
 
+    @property
+    def kv_capacity(self) -> str | None:
+        """ "known" when the engine reports its KV blocks (`vllm:cache_config_info`),
+        "unknown" when its readings lack them (admission then goes by the operating point
+        and `router.unknown_kv_max_concurrency`), None until it has reported."""
+        if self.reading is None:
+            return None
+        return "unknown" if self.reading.num_gpu_blocks is None else "known"
+
     def used_blocks(self) -> float:
         """KV blocks in use: the larger of the router's reservations and the measured use
         corrected for what changed since it was measured."""
@@ -156,6 +165,7 @@ class Fleet:
         self._clock = clock
         self._health_listeners: list[Callable[[str, bool], None]] = []
         self._change_listeners: list[Callable[[str], None]] = []
+        self._warned_unknown_kv: set[str] = set()  # instances already warned about
 
     # -- membership at run time (engines discovered in Kubernetes or placed by Ray) ------------
 
@@ -261,6 +271,15 @@ class Fleet:
         if previous is not None:
             self._learn(state, previous, reading)
         state.reading = reading
+        if reading.num_gpu_blocks is None and instance_id not in self._warned_unknown_kv:
+            self._warned_unknown_kv.add(instance_id)
+            log.warning(
+                "%s does not report its KV capacity (no vllm:cache_config_info in /metrics):"
+                " it is admitted by its operating point and at most"
+                " router.unknown_kv_max_concurrency sequences at once, without KV headroom"
+                " checks",
+                instance_id,
+            )
         state.added_since_reading = 0
         state.released_since_reading = 0
         state.failures = 0

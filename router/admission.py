@@ -8,6 +8,8 @@ views from the fleet and holds the queue and the leases.
 On instance `i`, a sequence of pool `p` fits when all of these hold (DESIGN.md, step 3):
 
 - **fresh and healthy**: stale telemetry counts as full;
+- (an engine that does not report its KV capacity, `kv_known` False, skips both KV checks:
+  the operating point, which the shell caps at `router.unknown_kv_max_concurrency`, decides);
 - **KV, the pool's part**: the blocks `p` has reserved on `i` plus the new ones stay within
   `a[i][p]` × the instance's blocks × (1 − margin);
 - **KV, the instance**: blocks in use (the larger of the router's reservations and the measured
@@ -73,7 +75,7 @@ class InstanceView:
     frac: float  # the pool's allocation of the instance, (0, 1]
     healthy: bool
     fresh: bool  # telemetry younger than stale_after_s
-    capacity_blocks: int  # the engine's num_gpu_blocks (0 when unknown)
+    capacity_blocks: int  # the engine's num_gpu_blocks (0 when unknown or not reported yet)
     block_size: int  # tokens per block
     used_blocks: float  # instance-wide, see pools.fleet
     pool_reserved_blocks: int
@@ -88,6 +90,9 @@ class InstanceView:
     # one engine step at the instance's batch if the sequence joined it (the step that yields
     # the first token after prefill), from the measured TPOT line; 0 when unmeasured
     step_s: float = 0.0
+    # False: the engine's readings lack its KV capacity (no vllm:cache_config_info); the KV
+    # checks are skipped and the operating-point limits (capped by the shell) decide alone
+    kv_known: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,15 +119,15 @@ def fit_reason(view: InstanceView, need: Need) -> str | None:
     """None when the sequence fits on the instance now, else why not."""
     if not view.healthy:
         return "unhealthy"
-    if not view.fresh or view.capacity_blocks <= 0:
+    if not view.fresh or (view.kv_known and view.capacity_blocks <= 0):
         return "stale"
     blocks = _blocks(need.total_tokens, view.block_size)
     usable = view.capacity_blocks * (1.0 - view.margin_frac)
-    if view.used_blocks + blocks > usable:
+    if view.kv_known and view.used_blocks + blocks > usable:
         return "kv"
     alone = view.pool_running == 0
     if not alone:
-        if view.pool_reserved_blocks + blocks > view.frac * usable:
+        if view.kv_known and view.pool_reserved_blocks + blocks > view.frac * usable:
             return "kv"
         limit = min(view.pool_limit, view.instance_limit)
         if view.pool_running >= max(1, int(view.frac * limit)):

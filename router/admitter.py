@@ -93,6 +93,7 @@ class Admitter:
         self.affinity = affinity
         self.clock = clock
         self.margin_frac = config.router.kv_margin_frac
+        self.unknown_kv_max_concurrency = config.router.unknown_kv_max_concurrency
         self.borrow_max_frac = config.rebalancer.borrow_max_frac
         self.pools: dict[str, PoolConfig] = {p.name: p for p in config.pools}
         self.queues = {
@@ -225,13 +226,19 @@ class Admitter:
             ttft_target_s=p.slo.ttft_p95_ms / 1e3,
             margin_frac=self.margin_frac,
             step_s=_step_s(state),
+            kv_known=state.kv_capacity != "unknown",
         )
 
     def instance_limit(self, state: InstanceState) -> int:
-        """The operating point for the strictest TPOT target among the instance's pools."""
+        """The operating point for the strictest TPOT target among the instance's pools; on an
+        engine that does not report its KV capacity, at most `unknown_kv_max_concurrency`
+        (nothing else keeps it short of running out of KV blocks)."""
         pools = self.pool_map.current.pools_of(state.spec.instance_id)
         targets = [self._tpot_target_s[p] for p, f in pools.items() if f > 0]
-        return state.op.limit(min(targets)) if targets else state.op.limit(1e9)
+        limit = state.op.limit(min(targets)) if targets else state.op.limit(1e9)
+        if state.kv_capacity == "unknown":
+            return min(limit, self.unknown_kv_max_concurrency)
+        return limit
 
     @staticmethod
     def _block_size(state: InstanceState) -> int:

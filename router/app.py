@@ -385,6 +385,7 @@ class Gateway:
                 "running": None if r is None else r.running,
                 "waiting": None if r is None else r.waiting,
                 "num_gpu_blocks": None if r is None else r.num_gpu_blocks,
+                "kv_capacity": state.kv_capacity,  # known | unknown | None (not reported)
                 "block_size": None if r is None else r.block_size,
                 "kv_reserved_blocks": state.reserved_blocks,
                 "kv_reserved_blocks_by_pool": dict(state.reserved_by_pool),

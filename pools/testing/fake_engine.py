@@ -83,6 +83,8 @@ class FakeEngineState:
     metrics_fail: bool = False
     health_fail: bool = False
     legacy_metric_names: bool = False  # vllm:gpu_cache_usage_perc, time_per_output_token
+    # False: /metrics has no vllm:cache_config_info (an older vLLM, a proxy, another server)
+    cache_config_info: bool = True
     # live counters
     running: int = 0
     peak_running: int = 0  # the most sequences ever running at once
@@ -129,7 +131,9 @@ class FakeEngineState:
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",'
             f'engine="0",enable_prefix_caching="True",gpu_memory_utilization="0.9",'
-            f'num_gpu_blocks="{self.num_gpu_blocks}",num_cpu_blocks="None"}} 1.0',
+            f'num_gpu_blocks="{self.num_gpu_blocks}",num_cpu_blocks="None"}} 1.0'
+            if self.cache_config_info
+            else "",
             self.ttft_hist.render("vllm:time_to_first_token_seconds", labels),
             self.itl_hist.render(itl_name, labels),
             self.prompt_hist.render("vllm:request_prompt_tokens", labels),
@@ -409,11 +413,17 @@ def main(argv: list[str] | None = None) -> None:
         "--num-gpu-blocks", type=int, default=1024, help="KV blocks the engine reports"
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--no-cache-config-info",
+        action="store_true",
+        help="omit vllm:cache_config_info from /metrics (an engine of unknown KV capacity)",
+    )
     args = parser.parse_args(argv)
     state = FakeEngineState(
         model=args.model,
         num_gpu_blocks=args.num_gpu_blocks,
         block_size=args.block_size,
+        cache_config_info=not args.no_cache_config_info,
         ttft_s=args.ttft_ms / 1e3,
         itl_s=args.itl_ms / 1e3,
         default_max_tokens=args.max_tokens,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from pools.config import not_yet_in_effect
+from pools.config import Config, not_yet_in_effect
 from router.commands._config import load_checked_or_report
 
 
@@ -33,4 +33,21 @@ def run(args: argparse.Namespace) -> int:
     )
     for note in not_yet_in_effect(config):
         print(f"  note: {note}")
+    for warning in kv_capacity_warnings(config):
+        print(f"  warning: {warning}")
     return 0
+
+
+def kv_capacity_warnings(config: Config) -> list[str]:
+    """Engines gpupool does not launch may not report their KV capacity (an older vLLM, a
+    proxy, another OpenAI server): say what admission does then. The local and Ray launchers
+    start the installed vLLM, which reports it (`vllm:cache_config_info`)."""
+    if config.engines.launcher != "static":
+        return []
+    return [
+        "engines.static: an engine whose /metrics lacks vllm:cache_config_info (an older vLLM,"
+        " a proxy, another OpenAI server) has an unknown KV capacity: it gets no KV headroom"
+        " check and runs at most router.unknown_kv_max_concurrency"
+        f" ({config.router.unknown_kv_max_concurrency}) sequences at once (fewer if its"
+        " operating point says so); /admin/pools shows it as kv_capacity: unknown"
+    ]

@@ -286,7 +286,10 @@ def _instances_table(view: dict[str, Any]) -> Table:
             iid,
             Text("healthy", style="green") if i["healthy"] else Text("unhealthy", style="red"),
             pools or DASH,
-            _pct(i.get("kv_usage_frac")),
+            # an engine that does not report its KV capacity: admitted by its operating point
+            Text("kv_capacity: unknown", style="yellow")
+            if i.get("kv_capacity") == "unknown"
+            else _pct(i.get("kv_usage_frac")),
             f"{reserved} blk" + (f" ({_pct(reserved / blocks)})" if blocks else ""),
             _num(i.get("running")),
             _num(i.get("waiting")),

@@ -44,6 +44,7 @@ from router.governance.headers import rate_limit_headers
 from router.governance.limits import TenantLimits, run_limits, tenant_limits
 from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
+from router.governance.runtable import runs_to_forget
 from router.governance.store import GovernanceStore, RunRow, TenantRow
 from router.request import RequestContext, RequestOutcome
 
@@ -259,7 +260,7 @@ class Governor:
             st.runs[run.run_id] = run
             if run.ended is None:
                 st.active[run.run_id] = run
-        self._forget_old_runs(st)
+        self._forget_old_runs(st, self.clock())
 
     def sweep(self) -> None:
         """End the runs idle past `run_idle_timeout_s` (no step in flight, none arrived)."""
@@ -326,7 +327,7 @@ class Governor:
             run.inflight += 1
             run.last_seen_s = now
             self._dirty[(st.config.name, run.run_id)] = run
-            self._forget_old_runs(st)
+            self._forget_old_runs(st, now)
         st.inflight += 1
         st.reserved_tokens += need if st.tokens is not None else 0.0
         self._tickets[ctx.request_id] = _Ticket(
@@ -534,7 +535,7 @@ class Governor:
         run.stopped = stop
         st.runs[run.run_id] = run
         st.runs.move_to_end(run.run_id)
-        self._forget_old_runs(st)
+        self._forget_old_runs(st, now_s)
         log.info("run stopped (%s) for tenant %s", stop.code, st.config.name)
         self._end(st, run, stop.code, now_s)
 
@@ -660,15 +661,16 @@ class Governor:
         for run in idle:
             self._end(st, run, "idle_timeout", now_s)
 
-    def _forget_old_runs(self, st: _Tenant) -> None:
-        while len(st.runs) > self._max_runs:
-            run_id, run = next(iter(st.runs.items()))
-            if run.inflight > 0 or run_id in st.active:
-                st.runs.move_to_end(run_id)  # still working: keep it
-                if len(st.active) >= len(st.runs):
-                    return
-                continue
-            del st.runs[run_id]
+    def _forget_old_runs(self, st: _Tenant, now_s: float) -> None:
+        """Keep at most `max_runs_per_tenant` runs (see `runtable`: ended runs first, then
+        idle active ones, which end as `evicted`; never one with a step in flight)."""
+        if len(st.runs) <= self._max_runs:
+            return
+        inflight = {run_id: run.inflight for run_id, run in st.runs.items()}
+        for run_id in runs_to_forget(inflight, st.active, self._max_runs):
+            run = st.runs.pop(run_id)
+            if run_id in st.active:
+                self._end(st, run, "evicted", now_s)
 
     # ------------------------------------------------------------------ reading
 

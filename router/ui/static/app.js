@@ -138,9 +138,13 @@
         node("td", {field: "id", class: "text"}, id),
         node("td", {field: "healthy", class: "text"}, health),
         node("td", {field: "pools", class: "text"}, shares || DASH),
-        node("td", {title: isNum(blocks) ? `${num(i.kv_used_blocks, 1)} of ${blocks} blocks` : ""},
-          node("span", {field: "kv_usage_frac"}, pct(i.kv_usage_frac)),
-          meter(i.kv_usage_frac, [0.8], i.kv_usage_frac >= 0.8)),
+        i.kv_capacity === "unknown"
+          ? node("td", {field: "kv_capacity", class: "warn", title: "the engine's /metrics has no " +
+              "vllm:cache_config_info: it is admitted by its operating point, without KV checks"},
+              "kv_capacity: unknown")
+          : node("td", {title: isNum(blocks) ? `${num(i.kv_used_blocks, 1)} of ${blocks} blocks` : ""},
+              node("span", {field: "kv_usage_frac"}, pct(i.kv_usage_frac)),
+              meter(i.kv_usage_frac, [0.8], i.kv_usage_frac >= 0.8)),
         node("td", {},
           node("span", {field: "kv_reserved_blocks"}, int(i.kv_reserved_blocks)), " blk ",
           node("span", {class: "muted"}, isNum(reservedFrac) ? `(${pct(reservedFrac)})` : "")),
