@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     field_validator,
     model_validator,
@@ -468,6 +469,8 @@ class RouterSchema(_Strict):
     ledger_path: str = "./.gpupool/ledger.sqlite"
     ledger_flush_interval_s: float = Field(default=0.5, gt=0)
     ledger_retention_days: float = Field(default=30.0, gt=0)
+    # each request's record is committed before its response's final bytes (false: batched)
+    ledger_durable: StrictBool = True
     state_path: str = "./.gpupool/state.json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)  # larger bodies: 413
@@ -877,6 +880,7 @@ class RouterConfig:
     ledger_path: Path
     ledger_flush_interval_s: float
     ledger_retention_days: float
+    ledger_durable: bool
     state_path: Path
     log_level: str
     admission: str = "on"
@@ -1183,6 +1187,7 @@ def _freeze(schema: ConfigSchema, base: Path, source: str) -> Config:
             ledger_path=_resolve(base, r.ledger_path),
             ledger_flush_interval_s=r.ledger_flush_interval_s,
             ledger_retention_days=r.ledger_retention_days,
+            ledger_durable=r.ledger_durable,
             state_path=_resolve(base, r.state_path),
             log_level=r.log_level,
             admission=r.admission,

@@ -4,8 +4,17 @@
 sharing clock on its instance, as a step of its run (tenant, run id) whose attained service
 `queue.order: run_las` reads (and numbers the run's step in arrival order); when the last
 usage is known it stops the clock, so the cost can go in the response (`x-gpupool-gpu-seconds`
-header, `usage.gpu_seconds` with `x-gpupool-usage: 1`); at the end it writes one
-`RequestRecord` to the ledger and counts the GPU-seconds in Prometheus. O(1) per event.
+header, `usage.gpu_seconds` with `x-gpupool-usage: 1`); it writes one `RequestRecord` per
+request to the ledger and counts the GPU-seconds in Prometheus. O(1) per event.
+
+When the record is written: `settling` runs right before a response's final bytes (the proxy
+awaits it) and commits the record durably (`Ledger.commit`, a group commit), so a router killed
+after the client got its answer still has its record. `finished` runs after the response (and
+for every request, settled or not): a request that never settled (refused, failed, or
+disconnected before its final bytes) gets its record there, queued without waiting
+(`Ledger.submit`); a settled one whose outcome changed since (the client left during the final
+send) has its record replaced; otherwise the settled record stands. A ledger failure never
+fails or holds the response beyond `Ledger.commit`'s bound: it is logged, and retried.
 
 It also keeps each run's span (class of its first step, first arrival, last byte out; an LRU
 of `max_runs`), so when governance ends a run, `run_completed` says how long it took.
@@ -52,6 +61,8 @@ class AccountingObserver:
         self.metrics = metrics
         self._clock = clock
         self._wall_clock = wall_clock
+        # request id -> (outcome, status) of its settled record, until `finished`
+        self._settled: dict[str, tuple[str, int]] = {}
 
     def dispatched(self, outcome: RequestOutcome) -> None:
         now = self._clock()
@@ -100,31 +111,44 @@ class AccountingObserver:
         span.last_end_s = max(span.last_end_s, outcome.ended_at_s)
         self._runs.move_to_end(key)
 
+    async def settling(self, outcome: RequestOutcome) -> None:
+        """The response's final bytes are next: stop the clock, set the end time (the last byte
+        out is now) and commit the request's record durably. Never raises for the ledger."""
+        outcome.ended_at_s = self._clock()
+        record = self._record(outcome)
+        self._settled[outcome.ctx.request_id] = (record.outcome, record.status_code)
+        await self.ledger.commit(record)
+
     def finished(self, outcome: RequestOutcome) -> None:
         gpu_s = self._settle(outcome)
         ctx = outcome.ctx
+        settled = self._settled.pop(ctx.request_id, None)
         self._note_step(outcome)
-        offset = self._wall_clock() - self._clock()
         self.metrics.observe_request(ctx.pool, ctx.class_name, ctx.tenant, gpu_s)
-        self.ledger.submit(
-            RequestRecord(
-                request_id=ctx.request_id,
-                run_id=ctx.run_id,
-                step_index=outcome.step_index,
-                tenant=ctx.tenant,
-                class_name=ctx.class_name,
-                pool=ctx.pool,
-                instance=outcome.instance_id,
-                model=ctx.model,
-                started_at_s=ctx.received_at_s + offset,
-                ended_at_s=outcome.ended_at_s + offset,
-                queue_s=outcome.queue_s,
-                ttft_s=outcome.ttft_s,
-                tpot_s=outcome.tpot_s,
-                prompt_tokens=outcome.prompt_tokens,
-                completion_tokens=outcome.completion_tokens,
-                gpu_seconds=gpu_s,
-                outcome=outcome.outcome,
-                status_code=outcome.status,
-            )
+        if settled != (outcome.outcome, outcome.status):
+            self.ledger.submit(self._record(outcome))
+
+    def _record(self, outcome: RequestOutcome) -> RequestRecord:
+        gpu_s = self._settle(outcome)
+        ctx = outcome.ctx
+        offset = self._wall_clock() - self._clock()
+        return RequestRecord(
+            request_id=ctx.request_id,
+            run_id=ctx.run_id,
+            step_index=outcome.step_index,
+            tenant=ctx.tenant,
+            class_name=ctx.class_name,
+            pool=ctx.pool,
+            instance=outcome.instance_id,
+            model=ctx.model,
+            started_at_s=ctx.received_at_s + offset,
+            ended_at_s=outcome.ended_at_s + offset,
+            queue_s=outcome.queue_s,
+            ttft_s=outcome.ttft_s,
+            tpot_s=outcome.tpot_s,
+            prompt_tokens=outcome.prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+            gpu_seconds=gpu_s,
+            outcome=outcome.outcome,
+            status_code=outcome.status,
         )

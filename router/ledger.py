@@ -1,11 +1,26 @@
 """The durable GPU-seconds ledger: one SQLite file (WAL) of finished requests, rolled up per run,
 tenant, class and pool, plus hourly idle/capacity totals so idle time survives a restart.
 
-`Ledger.submit(record)` is O(1) and never touches disk: it appends a row to an in-memory buffer.
-A background task (`start()`/`aclose()`) writes the buffer every `flush_interval_s` in one
-transaction via `asyncio.to_thread`; `aclose()` writes everything left, so a graceful shutdown
-loses nothing and a hard kill loses at most one flush interval. Rows whose request ended more
-than `retention_days` ago are deleted at start and every `maintenance_interval_s`.
+Every write goes through one writer thread that owns its own connection (`_Writer`, started by
+`start()`, joined by `aclose()`); the event loop never waits on disk.
+
+- Durable (`durable=True`, `router.ledger_durable`, the default): `await ledger.commit(record)`
+  returns once the record is committed to the WAL. Commits are grouped: the thread writes every
+  row queued while it was busy in one transaction and wakes their waiters in one callback, so
+  concurrent requests share a commit and a lone request pays one hand-off to the thread and one
+  small transaction (~50 us). The router awaits it right before a response's final bytes, so a
+  `kill -9` loses no record of a response the client received in full. `submit(record)` (O(1),
+  never awaits) queues a record for the next group commit without waiting for it: refusals,
+  errors, mid-stream failures and client disconnects; a kill loses those queued in the last
+  commit's time (~1 ms). A failed commit is logged, never raised: the records go back to the
+  buffer, the periodic flush retries them, and the response is not held or failed.
+- Batched (`durable=False`, the behaviour before): `submit` appends to an in-memory buffer and
+  `commit` is `submit`; a hard kill loses at most one flush interval.
+
+A background task writes the buffer, the idle/capacity growth and run ends every
+`flush_interval_s` in one transaction; `aclose()` writes everything left, so a graceful shutdown
+loses nothing. Rows whose request ended more than `retention_days` ago are deleted at start and
+every `maintenance_interval_s`.
 
 Queries exist twice: sync functions over a `sqlite3.Connection` (the CLI reads the file with
 them) and async methods on `Ledger` (the HTTP layer), which first write the buffer, so a run's
@@ -19,7 +34,9 @@ import contextlib
 import logging
 import math
 import operator
+import queue
 import sqlite3
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +81,9 @@ DAY_S = 86_400.0
 MAX_TRACKED_RUNS = 100_000
 # The outcomes the router records; `outcome` is free text, these are the documented values.
 OUTCOMES = ("ok", "client_error", "engine_error", "aborted", "rejected", "timeout")
+# The longest a durable commit holds a response's final bytes: past it the response goes out,
+# a warning says so, and the record is still written when the disk comes back.
+COMMIT_WAIT_S = 2.0
 
 
 class LedgerError(Exception):
@@ -303,8 +323,126 @@ def _open_reader(path: Path) -> sqlite3.Connection:
     return conn
 
 
+# ---------------------------------------------------------------------------------------------
+# The writer thread
+# ---------------------------------------------------------------------------------------------
+
+_RUN_AT = _FIELDS_BUT_STEP.index("run_id")
+_TENANT_AT = _FIELDS_BUT_STEP.index("tenant")
+_STEP_AT = len(_FIELDS_BUT_STEP)
+# rows, their waiters (None: nobody waits), malformed rows skipped, the error (None: committed)
+_OnCommit = Callable[[list[_Row], list["asyncio.Future[bool] | None"], int, Exception | None], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    done: asyncio.Future[Any]
+
+
+_STOP = object()
+
+
+def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if fut.done():  # its waiter gave up (cancelled, timed out)
+        return
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)
+
+
+class _Writer:
+    """The ledger's one writer: a thread with its own connection, fed by a queue.
+
+    Rows queued with `put` are written in group commits: the thread takes every row queued
+    while it was busy and writes them in one transaction (`_write_batch`: one WAL commit), then
+    hands the outcome to `on_commit` on the event loop in one callback. `call(fn, *args)` runs
+    `fn(conn, *args)` on the thread after every row queued before it, and its future gets the
+    result. Order: rows commit in `put` order; a job sees every row put before it.
+    """
+
+    def __init__(
+        self, conn: sqlite3.Connection, loop: asyncio.AbstractEventLoop, on_commit: _OnCommit
+    ) -> None:
+        self._conn = conn
+        self._loop = loop
+        self._on_commit = on_commit
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._main, name="gpupool-ledger-writer", daemon=True
+        )
+        self.commits = 0  # transactions of rows (a group commit each)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, row: _Row, waiter: asyncio.Future[bool] | None) -> None:
+        self._queue.put((row, waiter))
+
+    def call(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        done: asyncio.Future[T] = self._loop.create_future()
+        self._queue.put(_Job(fn, args, done))
+        return done
+
+    async def aclose(self) -> None:
+        """Write what is queued, stop the thread, close the connection."""
+        self._queue.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._conn.close)
+
+    # -- on the thread ---------------------------------------------------------------------
+
+    def _main(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    items.append(self._queue.get_nowait())
+            rows: list[_Row] = []
+            waiters: list[asyncio.Future[bool] | None] = []
+            for item in items:
+                if item is _STOP:
+                    self._commit(rows, waiters)
+                    return
+                if isinstance(item, _Job):
+                    self._commit(rows, waiters)
+                    rows, waiters = [], []
+                    self._run(item)
+                else:
+                    rows.append(item[0])
+                    waiters.append(item[1])
+            self._commit(rows, waiters)
+
+    def _commit(self, rows: list[_Row], waiters: list[asyncio.Future[bool] | None]) -> None:
+        if not rows:
+            return
+        error: Exception | None = None
+        skipped = 0
+        try:
+            skipped = _write_batch(self._conn, _Batch(rows, {}, 0.0, 0))
+            self.commits += 1
+        except Exception as err:  # handed to the event loop: logged there, rows retried
+            error = err
+        self._post(self._on_commit, rows, waiters, skipped, error)
+
+    def _run(self, job: _Job) -> None:
+        try:
+            result = job.fn(self._conn, *job.args)
+        except Exception as err:
+            self._post(_resolve, job.done, None, err)
+        else:
+            self._post(_resolve, job.done, result, None)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+            self._loop.call_soon_threadsafe(fn, *args)
+
+
 class Ledger:
-    """Buffers request records in memory and writes them to SQLite in batches.
+    """Writes request records to SQLite: each durably before its response ends (`commit`), or
+    buffered and written in batches (`submit`; see the module's docstring).
 
     `clock` is wall time (unix seconds): retention and hourly buckets. `snapshot_source`,
     when given, is polled on the event loop at every flush (e.g.
@@ -324,6 +462,8 @@ class Ledger:
         step_memory_s: float = DAY_S,
         max_buffered_records: int = 200_000,
         max_tracked_runs: int = MAX_TRACKED_RUNS,
+        durable: bool = True,
+        commit_wait_s: float = COMMIT_WAIT_S,
     ) -> None:
         if flush_interval_s <= 0 or retention_days <= 0:
             raise ValueError("flush_interval_s and retention_days must be > 0")
@@ -337,27 +477,35 @@ class Ledger:
         self._maintenance_interval_s = maintenance_interval_s
         self._step_memory_s = step_memory_s
         self._max_buffered = max_buffered_records
+        self.durable = durable
+        self._commit_wait_s = commit_wait_s
         self._buffer: list[_Row] = []
         self._run_ends: list[_Row] = []  # why runs ended, written with the next batch
         # Step numbering. `_steps` is an LRU of (tenant, run_id) -> next step index, at most
         # `max_tracked_runs` long. A run not in it continues after the highest step stored: in
-        # the file, in the buffer (`_unwritten`) or in the batch being written (`_writing`);
-        # those two hold (tenant, run_id) -> highest step + 1 and are bounded by the buffer.
+        # the file, in the buffer (`_unwritten`), in the batch being written (`_writing`) or
+        # queued for a group commit (`_committing`); those hold (tenant, run_id) -> highest
+        # step + 1 and are bounded by the buffer and the queue.
         self._max_tracked_runs = max_tracked_runs
         self._steps: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._unwritten: dict[tuple[str, str], int] = {}
         self._writing: dict[tuple[str, str], int] = {}
+        self._committing: dict[tuple[str, str], int] = {}
         self._reader: sqlite3.Connection | None = None
         self.evicted_runs = 0  # step counters dropped from memory (their runs may come back)
         self._last_idle_gpu_s: dict[str, float] = {}
         self._last_capacity_gpu_s = 0.0
-        self._conn: sqlite3.Connection | None = None
+        self._conn: sqlite3.Connection | None = None  # queries (on worker threads, one at a time)
+        self._writer: _Writer | None = None  # every write
+        self._queued = 0  # rows put to the writer and not yet committed (or failed)
         self._db_lock = asyncio.Lock()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._next_maintenance_s = math.inf
         self.dropped_records = 0  # lost: buffer full (disk stalled) or malformed
         self.written_records = 0
+        self.failed_commits = 0  # group commits that failed (their rows went back to the buffer)
+        self.late_commits = 0  # durable commits that took longer than `commit_wait_s`
 
     @classmethod
     def from_config(
@@ -373,6 +521,7 @@ class Ledger:
             retention_days=config.ledger_retention_days,
             clock=clock,
             snapshot_source=snapshot_source,
+            durable=config.ledger_durable,
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -385,6 +534,14 @@ class Ledger:
         if self._conn is not None:
             raise RuntimeError("ledger already started")
         self._conn = await asyncio.to_thread(connect, self.path)
+        try:
+            writer_conn = await asyncio.to_thread(connect, self.path)
+        except BaseException:
+            conn, self._conn = self._conn, None
+            await asyncio.to_thread(conn.close)
+            raise
+        self._writer = _Writer(writer_conn, asyncio.get_running_loop(), self._committed)
+        self._writer.start()
         now_s = self._clock()
         try:
             await self._maintain(now_s)
@@ -394,6 +551,8 @@ class Ledger:
             self._reader = await asyncio.to_thread(_open_reader, self.path)
         except BaseException:
             conn, self._conn = self._conn, None
+            writer, self._writer = self._writer, None
+            await writer.aclose()
             await asyncio.to_thread(conn.close)
             raise
         for tenant, run_id, step, _ in recent:  # oldest first: the newest end up most recent
@@ -417,10 +576,15 @@ class Ledger:
         finally:
             conn, self._conn = self._conn, None
             reader, self._reader = self._reader, None
+            writer, self._writer = self._writer, None
             async with self._db_lock:
+                if writer is not None:
+                    await writer.aclose()  # what is queued is written first
                 await asyncio.to_thread(conn.close)
                 if reader is not None:
                     await asyncio.to_thread(reader.close)
+            if self._buffer:  # a group commit failed at the end
+                logger.error("ledger closed: %d records not written", len(self._buffer))
 
     # -- the request path (sync, O(1)) -----------------------------------------------------------
 
@@ -457,7 +621,11 @@ class Ledger:
             self.evicted_runs += 1
 
     def _stored_next_step(self, key: tuple[str, str]) -> int:
-        step = max(self._unwritten.get(key, 0), self._writing.get(key, 0))
+        step = max(
+            self._unwritten.get(key, 0),
+            self._writing.get(key, 0),
+            self._committing.get(key, 0),
+        )
         if self._reader is not None:
             tenant, run_id = key
             try:
@@ -470,8 +638,42 @@ class Ledger:
         return step
 
     def submit(self, record: RequestRecord) -> None:
-        """Queue the record for the next flush. O(1); never blocks, never awaits."""
-        if len(self._buffer) >= self._max_buffered:
+        """Queue the record without waiting: for the next group commit (durable, started), else
+        for the next flush. O(1); never blocks, never awaits."""
+        writer = self._writer if self.durable else None
+        row = self._row(record, queued=writer is not None)
+        if row is not None and writer is not None:
+            writer.put(row, None)
+
+    async def commit(self, record: RequestRecord) -> bool:
+        """Write the record durably and return once it is committed (True). Concurrent commits
+        share a transaction. False, never an exception, when the record is not on disk yet: the
+        commit failed (logged; the record is retried with the next flush), took longer than
+        `commit_wait_s` (logged; it is still written), the buffer was full, or the ledger is not
+        durable or not started (then this is `submit`)."""
+        writer = self._writer if self.durable else None
+        row = self._row(record, queued=writer is not None)
+        if row is None or writer is None:
+            return False
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        writer.put(row, waiter)
+        try:
+            async with asyncio.timeout(self._commit_wait_s):
+                return await waiter
+        except TimeoutError:
+            self.late_commits += 1
+            if self.late_commits == 1 or self.late_commits % 1000 == 0:
+                logger.warning(
+                    "ledger: a durable commit took over %g s (%d so far); answering without it",
+                    self._commit_wait_s,
+                    self.late_commits,
+                )
+            return False
+
+    def _row(self, record: RequestRecord, *, queued: bool) -> _Row | None:
+        """The record's row, its step numbered, counted as buffered (`queued`: in the writer's
+        queue, else in `_buffer`). None when the buffer is full (dropped and counted)."""
+        if len(self._buffer) + self._queued >= self._max_buffered:
             self.dropped_records += 1
             if self.dropped_records == 1 or self.dropped_records % 10_000 == 0:
                 logger.error(
@@ -479,15 +681,60 @@ class Ledger:
                     self._max_buffered,
                     self.dropped_records,
                 )
-            return
+            return None
         step = record.step_index
         if record.run_id is not None:
             if step is None:
                 step = self.next_step_index(record.tenant, record.run_id)
             key = (record.tenant, record.run_id)
-            if step >= self._unwritten.get(key, 0):
+            pending = self._committing if queued else self._unwritten
+            if step >= pending.get(key, 0):
+                pending[key] = step + 1
+        row = (*_record_fields(record), step)
+        if queued:
+            self._queued += 1
+        else:
+            self._buffer.append(row)
+        return row
+
+    def _committed(
+        self,
+        rows: list[_Row],
+        waiters: list[asyncio.Future[bool] | None],
+        skipped: int,
+        error: Exception | None,
+    ) -> None:
+        """On the event loop, after a group commit of `rows` (the writer's `on_commit`)."""
+        self._queued -= len(rows)
+        for row in rows:
+            run_id = row[_RUN_AT]
+            if run_id is None:
+                continue
+            key = (row[_TENANT_AT], run_id)
+            step = row[_STEP_AT]
+            if self._committing.get(key) == step + 1:  # no later step of it is queued
+                del self._committing[key]
+            if error is not None and step + 1 > self._unwritten.get(key, 0):
                 self._unwritten[key] = step + 1
-        self._buffer.append((*_record_fields(record), step))
+        if error is None:
+            if skipped:
+                logger.error("ledger: skipped %d malformed records", skipped)
+                self.dropped_records += skipped
+            self.written_records += len(rows) - skipped
+        else:
+            self.failed_commits += 1
+            self._buffer.extend(rows)  # the next flush retries them
+            if self.failed_commits == 1 or self.failed_commits % 1000 == 0:
+                logger.error(
+                    "ledger: a group commit of %d records failed (%d failures so far; the "
+                    "records stay buffered and are retried, responses are not held): %s",
+                    len(rows),
+                    self.failed_commits,
+                    error,
+                )
+        for waiter in waiters:
+            if waiter is not None:
+                _resolve(waiter, error is None, None)
 
     def submit_run_end(
         self,
@@ -508,28 +755,37 @@ class Ledger:
 
     @property
     def buffered(self) -> int:
-        """Records submitted and not yet written."""
-        return len(self._buffer)
+        """Records submitted and not yet written (buffered, or queued for a group commit)."""
+        return len(self._buffer) + self._queued
+
+    @property
+    def group_commits(self) -> int:
+        """Transactions of request rows the writer has committed (each one group commit)."""
+        return 0 if self._writer is None else self._writer.commits
 
     # -- writing ---------------------------------------------------------------------------------
 
     async def flush(self) -> int:
-        """Write the buffer (and idle/capacity growth) in one transaction now. Returns the number
-        of records written. On a write error the records go back to the buffer."""
+        """Write the buffer (and idle/capacity growth) in one transaction now, after every
+        record queued for a group commit. Returns the number of buffered records written. On a
+        write error the records go back to the buffer."""
         async with self._db_lock:
             return await self._flush_locked()
 
     async def _flush_locked(self) -> int:
-        if self._conn is None:
+        writer = self._writer
+        if writer is None:
             raise RuntimeError("ledger not started")
         idle, capacity = self._snapshot_deltas()
         rows, self._buffer = self._buffer, []
         run_ends, self._run_ends = self._run_ends, []
         if not rows and not idle and capacity <= 0.0 and not run_ends:
+            if self._queued:  # wait for the group commits under way (queries see them)
+                await _finish(writer.call(_nothing))
             return 0
         self._writing, self._unwritten = self._unwritten, {}
         batch = _Batch(rows, idle, capacity, math.floor(self._clock() / HOUR_S) * HOUR_S, run_ends)
-        work = asyncio.ensure_future(asyncio.to_thread(_write_batch, self._conn, batch))
+        work = writer.call(_write_batch, batch)
         try:
             skipped = await _finish(work)
         finally:
@@ -571,7 +827,12 @@ class Ledger:
         self._last_capacity_gpu_s -= capacity
 
     async def _maintain(self, now_s: float) -> None:
-        deleted = await self._in_db(_delete_older_than, now_s - self._retention_s)
+        if self._writer is None:
+            raise RuntimeError("ledger not started")
+        async with self._db_lock:
+            deleted = await _finish(
+                self._writer.call(_delete_older_than, now_s - self._retention_s)
+            )
         if deleted:
             logger.info("ledger retention: deleted %d requests older than the window", deleted)
         self._next_maintenance_s = now_s + self._maintenance_interval_s
@@ -653,9 +914,14 @@ class Ledger:
             return await _finish(asyncio.ensure_future(asyncio.to_thread(fn, self._conn, *args)))
 
 
+def _nothing(conn: sqlite3.Connection) -> None:
+    """A writer job that does nothing: awaiting it waits for every row queued before it."""
+
+
 async def _finish(work: asyncio.Future[T]) -> T:
     """Await worker-thread `work`. If the caller is cancelled, still wait for the thread to end
-    before the caller lets go of the lock: one connection is never used by two threads."""
+    before the caller lets go of the lock (one connection is never used by two threads; a write
+    that was cancelled here has still happened or failed)."""
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:

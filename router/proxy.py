@@ -546,6 +546,7 @@ class CompletionsHandler:
                 }
             )
         buf = b""
+        tail = b""  # the stream's `[DONE]` and anything after it: sent after the settle
         first_token_seen = False
         try:
             async for chunk in resp.content.iter_any():
@@ -561,7 +562,9 @@ class CompletionsHandler:
                         lease.first_token(outcome.first_token_at_s)
                     if b'"usage"' in event:
                         event = self._usage_event(ctx, event, outcome)
-                    if event:
+                    if tail or event.startswith(b"data: [DONE]"):
+                        tail += event
+                    elif event:
                         out.append(event)
                 if start:
                     buf = buf[start:]
@@ -586,12 +589,20 @@ class CompletionsHandler:
             await send(_error_event(error))
             return
         await self._settle_before_final(outcome)
-        await send({"type": "http.response.body", "body": buf, "more_body": False})
+        await send({"type": "http.response.body", "body": tail + buf, "more_body": False})
 
     async def _settle_before_final(self, outcome: RequestOutcome) -> None:
         """Awaited right before a response's final bytes (the non-streaming body, the
-        stream's last event): H4's durable ledger write."""
-        return None
+        stream's `[DONE]`): the observers' `settling` hooks, e.g. the ledger's durable commit
+        (router/accounting_observer.py). A failing hook is logged; the response still ends."""
+        for obs in self.observers:
+            settling = getattr(obs, "settling", None)  # optional: RequestObserver's docstring
+            if settling is None:
+                continue
+            try:
+                await settling(outcome)
+            except Exception:
+                log.exception("request observer failed to settle %s", outcome.ctx.request_id)
 
     def _usage_event(self, ctx: RequestContext, event: bytes, outcome: RequestOutcome) -> bytes:
         """Record the usage; drop the usage-only event unless the client asked for it."""

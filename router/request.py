@@ -122,6 +122,11 @@ class RequestObserver(Protocol):
     `dispatched` runs once per upstream attempt (a retry after a refused connection calls it
     again), `usage_extra` when the final usage is known (its items go into the response),
     `finished` exactly once per request that was classified.
+
+    Optional: `async def settling(self, outcome) -> None`, awaited right before a response's
+    final bytes (the body, the stream's `[DONE]`), at most once per request; accounting commits
+    the ledger record there (router/accounting_observer.py). Not every request settles
+    (refusals, failures, disconnects), so `finished` must not depend on it.
     """
 
     def dispatched(self, outcome: RequestOutcome) -> None: ...

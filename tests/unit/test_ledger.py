@@ -78,7 +78,7 @@ async def make_ledger(db: Path, clock: FakeClock) -> AsyncIterator[Callable[...,
 async def test_submit_only_buffers_and_flush_writes_one_batch(
     make_ledger: Callable[..., Any], db: Path
 ) -> None:
-    ledger: Ledger = await make_ledger()
+    ledger: Ledger = await make_ledger(durable=False)  # the batched ledger
     assert not inspect.iscoroutinefunction(Ledger.submit)  # nothing to await on the hot path
     for _ in range(3):
         ledger.submit(rec())
@@ -134,32 +134,30 @@ async def test_graceful_close_keeps_everything_and_reopen_carries_on(
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
-HARD_KILL_SCRIPT = textwrap.dedent(
-    """
-    import asyncio, os, signal, sys
-    from pathlib import Path
-    sys.path.insert(0, {root!r})
-    from tests.unit.test_ledger import rec
-    from router.ledger import Ledger
+HARD_KILL_SCRIPT = """
+import asyncio, os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from tests.unit.test_ledger import rec
+from router.ledger import Ledger
 
-    async def main() -> None:
-        ledger = Ledger(Path({db!r}), flush_interval_s=1000.0)
-        await ledger.start()
-        for i in range(50):
-            ledger.submit(rec(request_id=f"flushed-{{i}}"))
-        await ledger.flush()
-        for i in range(7):
-            ledger.submit(rec(request_id=f"lost-{{i}}"))
-        os.kill(os.getpid(), signal.SIGKILL)
+async def main() -> None:
+    ledger = Ledger(Path({db!r}), flush_interval_s=1000.0, durable={durable})
+    await ledger.start()
+{body}
+    os.kill(os.getpid(), signal.SIGKILL)
 
-    asyncio.run(main())
-    """
-)
+asyncio.run(main())
+"""
 
 
-def test_hard_kill_loses_only_the_unflushed_batch(db: Path) -> None:
+def run_then_kill(db: Path, body: str, *, durable: bool) -> None:
+    """Run `body` (indented, `ledger` in scope) in a process that then kills itself with
+    SIGKILL; check the file it leaves is intact."""
     root = str(Path(__file__).resolve().parents[2])
-    script = HARD_KILL_SCRIPT.format(root=root, db=str(db))
+    script = HARD_KILL_SCRIPT.format(
+        root=root, db=str(db), durable=durable, body=textwrap.indent(textwrap.dedent(body), "    ")
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert proc.returncode == -9, proc.stderr.decode()
     conn = open_readonly(db)
@@ -167,6 +165,17 @@ def test_hard_kill_loses_only_the_unflushed_batch(db: Path) -> None:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         conn.close()
+
+
+def test_hard_kill_loses_only_the_unflushed_batch(db: Path) -> None:
+    body = """
+        for i in range(50):
+            ledger.submit(rec(request_id=f"flushed-{i}"))
+        await ledger.flush()
+        for i in range(7):
+            ledger.submit(rec(request_id=f"lost-{i}"))
+    """
+    run_then_kill(db, body, durable=False)  # the batched ledger
     assert count_rows(db, "request_id LIKE 'flushed-%'") == 50
     assert count_rows(db, "request_id LIKE 'lost-%'") == 0
 
@@ -189,7 +198,7 @@ async def test_full_buffer_drops_and_counts(tmp_path: Path) -> None:
 async def test_a_malformed_record_is_skipped_not_retried_forever(
     make_ledger: Callable[..., Any], db: Path
 ) -> None:
-    ledger: Ledger = await make_ledger()
+    ledger: Ledger = await make_ledger(durable=False)
     ledger.submit(rec(request_id="good-1"))
     ledger.submit(rec(request_id="bad", prompt_tokens=object()))
     ledger.submit(rec(request_id="good-2"))
@@ -210,7 +219,9 @@ async def test_a_failed_flush_keeps_the_rows_and_the_task_retries(
             raise RuntimeError("accountant hiccup")
         return Accountant().conservation(0.0)
 
-    ledger: Ledger = await make_ledger(flush_interval_s=0.01, snapshot_source=flaky_snapshot)
+    ledger: Ledger = await make_ledger(
+        flush_interval_s=0.01, snapshot_source=flaky_snapshot, durable=False
+    )
     ledger.submit(rec())
     with pytest.raises(RuntimeError):
         await ledger.flush()

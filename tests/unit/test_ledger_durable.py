@@ -1,0 +1,302 @@
+"""The durable ledger (router/ledger.py `commit`, router.ledger_durable): a record is on disk
+before its response's final bytes leave the router; concurrent requests share one commit; a
+failed or slow commit is logged and retried and never fails or holds the response."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
+from pools.launchers.base import InstanceSpec
+from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from pools.testing.serve import serve_asgi
+from router.app import Gateway, create_app
+from router.ledger import Ledger, connect
+from router.request import Message, Receive, Scope, Send
+from tests.unit.ledger_records import T0, record
+from tests.unit.test_ledger import run_then_kill
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+
+
+def rows(path: Path, where: str = "1") -> list[sqlite3.Row]:
+    with sqlite3.connect(path) as conn:
+        conn.row_factory = sqlite3.Row
+        return list(conn.execute(f"SELECT * FROM requests WHERE {where} ORDER BY rowid"))
+
+
+def drop_requests_table(path: Path) -> None:
+    """A ledger whose next write fails (an OperationalError, as a broken disk would give)."""
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE requests")
+
+
+def restore_requests_table(path: Path) -> None:
+    connect(path).close()  # the schema again
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "ledger.sqlite"
+
+
+@pytest.fixture
+async def make_ledger(db: Path) -> AsyncIterator[Callable[..., Any]]:
+    started: list[Ledger] = []
+
+    async def make(**kwargs: Any) -> Ledger:
+        kwargs.setdefault("flush_interval_s", 1000.0)  # no periodic flush unless a test says
+        ledger = Ledger(db, clock=lambda: T0, **kwargs)
+        await ledger.start()
+        started.append(ledger)
+        return ledger
+
+    yield make
+    for ledger in started:
+        await ledger.aclose()
+
+
+class WriteLock:
+    """Holds the file's write lock from another connection: the ledger's writer waits."""
+
+    def __init__(self, path: Path) -> None:
+        self._conn = sqlite3.connect(path, isolation_level=None)
+        self._conn.execute("BEGIN IMMEDIATE")
+
+    def release(self) -> None:
+        self._conn.execute("COMMIT")
+        self._conn.close()
+
+
+# --- the ledger ---------------------------------------------------------------------------------
+
+
+async def test_a_commit_returns_once_the_record_is_on_disk(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    assert await ledger.commit(record(request_id="r1")) is True
+    assert [r["request_id"] for r in rows(db)] == ["r1"]  # read by another connection
+    assert (ledger.buffered, ledger.written_records) == (0, 1)
+
+
+async def test_concurrent_commits_share_one_transaction(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    lock = WriteLock(db)
+    first = asyncio.ensure_future(ledger.commit(record(request_id="first")))
+    await asyncio.sleep(0.05)  # the writer takes it and waits for the lock
+    rest = [asyncio.ensure_future(ledger.commit(record(request_id=f"r{i}"))) for i in range(20)]
+    await asyncio.sleep(0.05)
+    assert ledger.buffered == 21
+    assert not first.done() and not any(t.done() for t in rest)  # nobody answers before disk
+    lock.release()
+    assert await first is True and all(await asyncio.gather(*rest))
+    # one transaction for the first, at most one more for the 20 that queued behind it
+    assert ledger.group_commits <= 2
+    assert len(rows(db)) == 21
+
+
+async def test_rows_commit_in_order_and_a_later_record_replaces_an_earlier(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    ledger.submit(record(request_id="x", outcome="ok", status_code=200))
+    assert await ledger.commit(record(request_id="x", outcome="aborted", status_code=499))
+    assert [(r["outcome"], r["status_code"]) for r in rows(db)] == [("aborted", 499)]
+    for i in range(5):  # steps of one run are numbered in commit order
+        ledger.submit(record(request_id=f"s{i}", run_id="ordered"))
+    await ledger.flush()  # waits for every row queued before it
+    steps = rows(db, "run_id = 'ordered'")
+    assert [(r["request_id"], r["step_index"]) for r in steps] == [(f"s{i}", i) for i in range(5)]
+
+
+async def test_a_failed_commit_is_logged_and_retried_never_raised(
+    make_ledger: Callable[..., Any], db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ledger: Ledger = await make_ledger()
+    drop_requests_table(db)
+    with caplog.at_level(logging.ERROR, logger="router.ledger"):
+        assert await ledger.commit(record(request_id="kept")) is False
+    assert any("group commit of 1 records failed" in r.getMessage() for r in caplog.records)
+    assert (ledger.failed_commits, ledger.buffered) == (1, 1)  # back in the buffer
+    restore_requests_table(db)
+    assert await ledger.flush() == 1  # the periodic flush's retry
+    assert [r["request_id"] for r in rows(db)] == ["kept"]
+
+
+async def test_a_slow_commit_lets_the_response_go_and_still_writes(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger(commit_wait_s=0.05)
+    lock = WriteLock(db)
+    assert await ledger.commit(record(request_id="late")) is False
+    assert ledger.late_commits == 1
+    lock.release()
+    await ledger.flush()
+    assert [r["request_id"] for r in rows(db)] == ["late"]
+
+
+async def test_not_durable_is_the_batched_ledger(make_ledger: Callable[..., Any], db: Path) -> None:
+    ledger: Ledger = await make_ledger(durable=False)
+    assert await ledger.commit(record(request_id="b")) is False
+    assert ledger.buffered == 1 and rows(db) == []
+    assert await ledger.flush() == 1
+    assert ledger.group_commits == 0
+
+
+def test_a_hard_kill_right_after_the_commits_loses_none(db: Path) -> None:
+    body = """
+        for i in range(50):
+            assert await ledger.commit(rec(request_id=f"committed-{i}"))
+    """
+    run_then_kill(db, body, durable=True)
+    assert len(rows(db, "request_id LIKE 'committed-%'")) == 50
+
+
+# --- through the router ---------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, **router: Any) -> Config:
+    data = {
+        **DEFAULT_CPU_CONFIG,
+        "router": {
+            "ledger_path": str(tmp_path / "l.sqlite"),
+            "state_path": str(tmp_path / "s.json"),
+            "ledger_flush_interval_s": 600.0,  # no periodic flush within a test
+            **router,
+        },
+    }
+    data["pools"] = {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}}
+    return parse_config(data)
+
+
+class FinalBytesProbe:
+    """An ASGI wrapper that, when a response's final bytes are about to leave the router (the
+    body of a non-streaming response, the message carrying a stream's `[DONE]`), reads the
+    ledger file from another connection: is the request's record there already?"""
+
+    def __init__(self, app: Gateway, path: Path) -> None:
+        self.app = app
+        self.path = path
+        self.seen: dict[str, list[sqlite3.Row]] = {}  # request id -> rows at its final bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = ""
+        streaming = False
+
+        async def probe(message: Message) -> None:
+            nonlocal request_id, streaming
+            if message["type"] == "http.response.start":
+                headers = dict(message["headers"])
+                request_id = headers.get(b"x-gpupool-request-id", b"").decode()
+                streaming = headers.get(b"content-type") == b"text/event-stream"
+            elif message["type"] == "http.response.body" and request_id:
+                body = message.get("body", b"")
+                final = b"[DONE]" in body if streaming else not message.get("more_body")
+                if final and request_id not in self.seen:
+                    try:
+                        found = rows(self.path, f"request_id = '{request_id}'")
+                    except sqlite3.OperationalError:  # a test broke the file on purpose
+                        found = []
+                    self.seen[request_id] = found
+            await send(message)
+
+        await self.app(scope, receive, probe)
+
+
+@pytest.fixture
+async def router(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient, FakeEngineState]]:
+    state = FakeEngineState()
+    async with serve_asgi(make_fake_engine(state)) as url:
+        gateway = create_app(_config(tmp_path), [InstanceSpec("engine-0", url, 1)])
+        await gateway.start()
+        probe = FinalBytesProbe(gateway, tmp_path / "l.sqlite")
+        transport = httpx.ASGITransport(app=probe)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            client.probe = probe  # type: ignore[attr-defined]
+            yield gateway, client, state
+        await gateway.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+async def test_the_record_is_on_disk_before_the_final_bytes(
+    router: tuple[Gateway, httpx.AsyncClient, FakeEngineState], stream: bool
+) -> None:
+    _, client, _ = router
+    probe: FinalBytesProbe = client.probe  # type: ignore[attr-defined]
+    body = {**BODY, "stream": stream, "stream_options": {"include_usage": True}}
+    if not stream:
+        del body["stream_options"]
+    resp = await client.post("/v1/chat/completions", json=body, headers={"x-gpupool-run-id": "r"})
+    assert resp.status_code == 200
+    request_id = resp.headers["x-gpupool-request-id"]
+    (row,) = probe.seen[request_id]  # there when the final bytes left, not after
+    usage = (
+        resp.json()["usage"]
+        if not stream
+        else next(
+            __import__("orjson").loads(line[6:])["usage"]
+            for line in resp.content.split(b"\n")
+            if line.startswith(b"data: {") and b'"usage"' in line
+        )
+    )
+    assert (row["outcome"], row["status_code"], row["run_id"], row["step_index"]) == (
+        "ok",
+        200,
+        "r",
+        0,
+    )
+    # the whole record: the tokens the client was told, a cost, an end after the start
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert row["gpu_seconds"] > 0 and row["ended_at_s"] >= row["started_at_s"]
+    if stream:
+        assert row["ttft_s"] is not None and row["tpot_s"] is not None
+        assert resp.content.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_ledger_failure_does_not_fail_the_request(
+    router: tuple[Gateway, httpx.AsyncClient, FakeEngineState],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gateway, client, _ = router
+    path = tmp_path / "l.sqlite"
+    drop_requests_table(path)
+    with caplog.at_level(logging.ERROR, logger="router.ledger"):
+        resp = await client.post("/v1/chat/completions", json={**BODY, "stream": True})
+    assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
+    assert any("group commit" in r.getMessage() for r in caplog.records)
+    restore_requests_table(path)
+    await gateway.ledger.flush()
+    assert [r["request_id"] for r in rows(path)] == [resp.headers["x-gpupool-request-id"]]
+
+
+async def test_a_refusal_or_failure_is_written_by_the_next_group_commit(
+    router: tuple[Gateway, httpx.AsyncClient, FakeEngineState], tmp_path: Path
+) -> None:
+    """Not awaited by the response, yet not left for the 600 s flush either."""
+    _, client, state = router
+    state.failure, state.fail_next = "http500", 1
+    resp = await client.post("/v1/chat/completions", json=BODY)
+    assert resp.status_code == 502
+    request_id = resp.headers["x-gpupool-request-id"]
+    for _ in range(200):
+        if found := rows(tmp_path / "l.sqlite", f"request_id = '{request_id}'"):
+            break
+        await asyncio.sleep(0.01)
+    assert [(r["outcome"], r["status_code"]) for r in found] == [("engine_error", 502)]
