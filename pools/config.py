@@ -343,14 +343,21 @@ class PoolSchema(_Strict):
 
 
 class RunGuardsSchema(_Strict):
-    """Limits on one agent run (requests sharing a run id); null: no limit. A stopped run's
-    next step gets 403 with code run_steps / run_tokens / run_gpu_seconds / run_duration /
-    run_loop (router/governance/guards.py)."""
+    """Limits on one agent run (an explicit run id, or one task of a session: a user message
+    and the tool steps after it); null: no limit. A stopped run's next step gets 403 with code
+    run_steps / run_tokens / run_gpu_seconds / run_duration / run_loop and the setting to raise
+    (router/governance/guards.py); ending the run releases its id.
 
-    max_steps: int | None = Field(default=50, gt=0)  # the 51st step is refused
+    The defaults stop runaways, not work: a coding agent's task (Claude Code, Codex) takes
+    a few hundred tool steps and may stay busy for an hour, so the step limit is 500 (the 501st
+    dispatched step is refused; refused and failed attempts do not count) and the duration is
+    one hour of active time (pauses longer than governance.run_idle_timeout_s do not count).
+    Loop detection (loop_repeats) catches an agent stuck on one call long before either."""
+
+    max_steps: int | None = Field(default=500, gt=0)  # steps dispatched to an engine
     max_tokens: int | None = Field(default=None, gt=0)  # prompt + completion, settled
     max_gpu_seconds: float | None = Field(default=None, gt=0)
-    max_duration_s: float | None = Field(default=600.0, gt=0)  # from the run's first step
+    max_duration_s: float | None = Field(default=3600.0, gt=0)  # active time
     loop_repeats: int = Field(default=3, ge=0)  # same tool call + arguments N times; 0: off
 
 
@@ -797,10 +804,10 @@ class PoolConfig:
 
 @dataclass(frozen=True, slots=True)
 class RunGuardsConfig:
-    max_steps: int | None = 50
+    max_steps: int | None = 500
     max_tokens: int | None = None
     max_gpu_seconds: float | None = None
-    max_duration_s: float | None = 600.0
+    max_duration_s: float | None = 3600.0
     loop_repeats: int = 3
 
 

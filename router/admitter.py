@@ -161,12 +161,12 @@ class Admitter:
         """The request's need. A later step of a run, on the instance that served its last
         step, expects the last step's context (prompt + completion) in the prefix cache, as
         often as that instance's measured prefix-cache hit rate says cached tokens survive."""
-        cached_on = self.affinity.get(ctx.run_key)
+        cached_on = self.affinity.get(ctx.home_key)
         cached = 0
         if cached_on is not None:
             state = self.fleet.get(cached_on)
             hit = state.prefix_hit_frac if state is not None else None
-            context = self.affinity.context_tokens(ctx.run_key)
+            context = self.affinity.context_tokens(ctx.home_key)
             cached = int(min(estimate.prompt_tokens, context) * (hit or 0.0))
         return Need(
             estimate.prompt_tokens,
@@ -288,7 +288,7 @@ class Admitter:
             for v in views
             if v.instance_id in allowed and (state := self.fleet.get(v.instance_id)) is not None
         ]
-        req = PickRequest(ctx.pool, ctx.run_key, exclude=exclude, allowed=allowed)
+        req = PickRequest(ctx.pool, ctx.home_key, exclude=exclude, allowed=allowed)
         chosen = self.picker.pick(req, cands)
         if chosen is None:
             return None
@@ -335,7 +335,7 @@ class Admitter:
         )
         req = PickRequest(
             ctx.pool,
-            ctx.run_key,
+            ctx.home_key,  # affinity follows the session: its runs share the prefix
             exclude,
             allowed,
             waited_s,

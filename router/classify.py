@@ -9,9 +9,12 @@ Rules come from config and are tried in order, first match wins; each rule is a 
 - `run_id`: a run identity is present;
 and the configured default class (`normal`) when none matches.
 
-Run identity, so agent clients work with gpupool as with other routers: `x-gpupool-run-id`,
-`x-dynamo-trajectory-id`, `x-claude-code-session-id`, Codex's `session-id` / `thread-id`,
-`x-session-id`, or vllm-project/router's `vllm_xargs.agentic_context` in the body.
+Run identity, so agent clients work with gpupool as with other routers: `x-gpupool-run-id`
+(one run, as given), or a session identity: `x-dynamo-trajectory-id`, `x-claude-code-session-id`,
+Codex's `session-id` / `thread-id`, `x-session-id`, or vllm-project/router's
+`vllm_xargs.agentic_context` in the body. A session holds many runs, one per task: classify
+names the session and the user message the step belongs to (`router.governance.boundary`,
+which needs the request's `protocol`); the governor then numbers the run, `<session>:<n>`.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from typing import Any
 
 from pools.config import Config, TenantConfig
 from router.errors import BadRequest, ClassNotAllowed
+from router.governance.boundary import PROTOCOLS, anchor
 from router.request import RequestContext
 
-__all__ = ["RUN_ID_HEADERS", "RequestContext", "classify", "run_identity"]
+__all__ = ["RUN_ID_HEADERS", "RequestContext", "classify", "run_identity", "session_identity"]
+
+EXPLICIT_RUN_HEADER = "x-gpupool-run-id"
 
 RUN_ID_HEADERS = (
     "x-gpupool-run-id",
@@ -39,6 +45,7 @@ Rule = Callable[[Headers, dict[str, Any], TenantConfig, Config, str | None], str
 
 
 def run_identity(headers: Headers, body: dict[str, Any]) -> str | None:
+    """The request's run or session identity, as given (at most 256 characters)."""
     for name in RUN_ID_HEADERS:
         value = headers.get(name)
         if value:
@@ -54,6 +61,13 @@ def run_identity(headers: Headers, body: dict[str, Any]) -> str | None:
                 if isinstance(value, str | int) and str(value):
                     return str(value)[:256]
     return None
+
+
+def session_identity(headers: Headers, body: dict[str, Any]) -> str | None:
+    """The identity when it names a session (anything but `x-gpupool-run-id`), else None."""
+    if headers.get(EXPLICIT_RUN_HEADER):
+        return None
+    return run_identity(headers, body)
 
 
 def _rule_header(
@@ -132,9 +146,14 @@ def classify(
     *,
     request_id: str,
     now_s: float,
+    protocol: str = "chat",
 ) -> RequestContext:
-    """Decide class, pool, priority, deadline and run id. Raises `BadRequest`/`ClassNotAllowed`."""
+    """Decide class, pool, priority, deadline and run id. `protocol`: chat, completions,
+    responses or messages (how the body's turns read). Raises `BadRequest`/`ClassNotAllowed`."""
+    assert protocol in PROTOCOLS, protocol
     run = run_identity(headers, body)
+    session = session_identity(headers, body)
+    turn = anchor(body, protocol) if session is not None else None
     class_name: str | None = None
     for rule_name in config.classification.rules:
         class_name = RULES[rule_name](headers, body, tenant, config, run)
@@ -171,4 +190,6 @@ def classify(
         received_at_s=now_s,
         want_gpu_usage=headers.get("x-gpupool-usage", "").lower() in ("1", "true", "yes"),
         tenant_weight=tenant.weight,
+        session_id=session,
+        session_turn=None if turn is None else turn.key,
     )

@@ -55,12 +55,24 @@ class RequestContext:
     received_at_s: float
     want_gpu_usage: bool = False  # x-gpupool-usage: 1 -> usage gains gpu_seconds
     tenant_weight: float = 1.0  # the tenant's share in weighted fair queuing
+    # a session identity (not x-gpupool-run-id): run_id is then one of its runs, `<session>:<n>`
+    session_id: str | None = None
+    # the key of the user message the step belongs to (router.governance.boundary); None: none
+    session_turn: str | None = None
 
     @property
     def run_key(self) -> tuple[str, str] | None:
         """The run's identity, (tenant, run id): two tenants may use the same run id. None
         for a request without a run."""
         return None if self.run_id is None else (self.tenant, self.run_id)
+
+    @property
+    def home_key(self) -> tuple[str, str] | None:
+        """What run affinity follows: the session (its runs share a conversation, so its
+        prefix is cached where its last step ran), else the run."""
+        if self.session_id is not None:
+            return (self.tenant, self.session_id)
+        return self.run_key
 
 
 @dataclass(slots=True)

@@ -7,7 +7,9 @@
 Reads the ledger SQLite file directly (default: `router.ledger_path` of `--config`, else the
 built-in `./.gpupool/ledger.sqlite`), or with `--url` a running router's API:
 `GET {url}/admin/accounting?top=N[&tenant=T]` and `GET {url}/v1/runs/{run_id}`, with the key
-from `--api-key` or `$GPUPOOL_API_KEY` as a bearer token. Both paths print the same JSON shapes
+from `--api-key` or `$GPUPOOL_API_KEY` as a bearer token. A session id (Claude Code's, Codex's)
+names many runs, `<session>:1`, `<session>:2`, ... (one per task); with `--url`, `show SESSION`
+lists them and shows the current one. Both paths print the same JSON shapes
 (router/ledger.py: `top_runs_report`, `run_summary`).
 
 Exit codes: 0 success; 1 the run is unknown, or the router is unreachable or failed;
@@ -260,6 +262,14 @@ def _format_report(report: dict[str, Any]) -> str:
 
 
 def _format_run(run: dict[str, Any]) -> str:
+    if run.get("object") == "gpupool.session":  # `--url` with a session id: its runs
+        head = [
+            f"session {run['session_id']}: runs {', '.join(run['runs'])}",
+            f"current run {run['current_run'] or '-'}",
+            "",
+        ]
+        current = run.get("current")
+        return "\n".join(head) + ("\n" + _format_run(current) if current else "")
     t = run["totals"]
     ttft, tpot = run["ttft_s"], run["tpot_s"]
     out = [

@@ -4,7 +4,9 @@
     await enter(ctx, estimate, signals)  guards, cost cap, concurrency, then reserve the
                                          tenant's tokens and request (waiting while its bucket
                                          refills, within the deadline); raises a refusal
-    finished(outcome)                    settle to the real usage, count the run's step
+    dispatched(outcome)                  the step reached an engine: it counts toward max_steps
+    finished(outcome)                    settle to the real usage (a step the engine failed
+                                         stops counting)
     rate_headers(tenant)                 OpenAI's x-ratelimit-* headers for a response
 
 It is a `RequestObserver` (its `finished` runs after accounting's, so the request's
@@ -29,7 +31,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,13 +41,26 @@ from router.errors import BadRequest, RateLimited, RunStopped
 from router.estimate import Estimate
 from router.governance.borrowing import LenderView, pick_lender
 from router.governance.bucket import TokenBucket, WindowSum
-from router.governance.guards import RunLimits, RunState, Stop, check_step
+from router.governance.guards import (
+    STOP_FIELDS,
+    RunLimits,
+    RunState,
+    Stop,
+    active_time_s,
+    check_step,
+    touch,
+)
 from router.governance.headers import rate_limit_headers
-from router.governance.limits import TenantLimits, run_limits, tenant_limits
+from router.governance.limits import (
+    TenantLimits,
+    run_limit_settings,
+    run_limits,
+    tenant_limits,
+)
 from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
-from router.governance.runtable import runs_to_forget
-from router.governance.store import GovernanceStore, RunRow, TenantRow
+from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
+from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
 
 __all__ = ["Governor", "RunEnd", "StepSignals"]
@@ -57,6 +72,10 @@ TASK_TYPE_HEADER = "x-gpupool-task-type"
 HOUR_S = 3600.0
 DAY_S = 86_400.0
 MAX_RUNS_PER_TENANT = 10_000  # run states kept per tenant (stopped runs stay refused while kept)
+MAX_SESSIONS_PER_TENANT = 10_000  # sessions whose run numbering is kept, least recently used go
+# a dispatched step that ended so counts toward max_steps (an engine error or the engine's own
+# 4xx does not: nothing was generated)
+_STEP_OUTCOMES = frozenset({"ok", "aborted", "timeout"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +109,7 @@ class _Ticket:
     reserved_request: bool
     run: RunState | None
     run_end: bool
+    counted: bool = False  # the step was dispatched and counts toward the run's max_steps
 
 
 @dataclass(eq=False)
@@ -104,6 +124,8 @@ class _Tenant:
     inflight: int = 0
     reserved_tokens: float = 0.0
     runs: OrderedDict[str, RunState] = field(default_factory=OrderedDict)
+    sessions: OrderedDict[str, SessionRuns] = field(default_factory=OrderedDict)
+    session_seen_s: dict[str, float] = field(default_factory=dict)
     active: dict[str, RunState] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # FIFO among its rate waiters
     refilled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -140,6 +162,8 @@ class Governor:
         self._dirty: dict[tuple[str, str], RunState] = {}  # runs changed since the last save
         self._pending_tenants: dict[str, TenantRow] = {}  # restored, applied at first use
         self._pending_runs: dict[str, list[RunRow]] = {}
+        self._pending_sessions: dict[str, list[SessionRow]] = {}
+        self._dirty_sessions: set[tuple[str, str]] = set()
         self._saves = 0
         for tenant in config.tenants:
             self._state(tenant)
@@ -153,7 +177,8 @@ class Governor:
         if self._store is not None:
             await asyncio.to_thread(self._store.open)
             tenants, runs = await asyncio.to_thread(self._store.load)
-            self._restore(tenants, runs)
+            sessions = await asyncio.to_thread(self._store.load_sessions)
+            self._restore(tenants, runs, sessions)
         self._task = asyncio.create_task(self._sweep_loop(), name="gpupool-governance-sweep")
 
     async def aclose(self) -> None:
@@ -213,19 +238,41 @@ class Governor:
                 None if run.stopped is None else run.stopped.code,
                 None if run.stopped is None else run.stopped.message,
                 run.ended,
+                run.active_s,
+                run.settings,
             )
             for (tenant, _), run in self._dirty.items()
         ]
         self._dirty = {}
-        await asyncio.to_thread(self._store.save, tenants, runs)
+        sessions = []
+        for tenant, session_id in self._dirty_sessions:
+            st = self._tenants.get(tenant)
+            runs_of = None if st is None else st.sessions.get(session_id)
+            if st is not None and runs_of is not None:
+                sessions.append(
+                    SessionRow(
+                        tenant,
+                        session_id,
+                        self._unix(st.session_seen_s.get(session_id, now)),
+                        runs_of.last,
+                        runs_of.current,
+                        list(runs_of.anchors.items()),
+                    )
+                )
+        self._dirty_sessions = set()
+        await asyncio.to_thread(self._store.save, tenants, runs, sessions)
         self._saves += 1
         if self._saves % 600 == 1:  # about every 10 minutes: runs idle for a day go
             await asyncio.to_thread(self._store.forget_runs_before, self._wall_clock() - DAY_S)
 
-    def _restore(self, tenants: list[TenantRow], runs: list[RunRow]) -> None:
+    def _restore(
+        self, tenants: list[TenantRow], runs: list[RunRow], sessions: Sequence[SessionRow] = ()
+    ) -> None:
         self._pending_tenants = {t.tenant: t for t in tenants}
         for row in runs:
             self._pending_runs.setdefault(row.tenant, []).append(row)
+        for srow in sorted(sessions, key=lambda x: x.last_seen_s):
+            self._pending_sessions.setdefault(srow.tenant, []).append(srow)
         for st in list(self._tenants.values()):  # the configured tenants exist already
             self._apply_saved(st)
 
@@ -253,13 +300,29 @@ class Governor:
                 steps=r.steps,
                 tokens=r.tokens,
                 gpu_seconds=r.gpu_seconds,
-                stopped=None if r.stop_code is None else Stop(r.stop_code, r.stop_message or ""),
+                stopped=(
+                    None
+                    if r.stop_code is None
+                    else Stop(
+                        r.stop_code,
+                        r.stop_message or "",
+                        r.settings.get(STOP_FIELDS.get(r.stop_code, "")),
+                    )
+                ),
                 ended=r.ended,
                 restored_gpu_seconds=r.gpu_seconds,
+                active_s=r.active_s,
+                settings=dict(r.settings),
             )
             st.runs[run.run_id] = run
             if run.ended is None:
                 st.active[run.run_id] = run
+        for srow in self._pending_sessions.pop(name, []):
+            st.sessions[srow.session_id] = SessionRuns(
+                srow.last_run, srow.current_run, OrderedDict(srow.anchors)
+            )
+            st.session_seen_s[srow.session_id] = self._mono(srow.last_seen_s)
+        self._forget_old_sessions(st)
         self._forget_old_runs(st, self.clock())
 
     def sweep(self) -> None:
@@ -278,8 +341,9 @@ class Governor:
         headers: Mapping[str, str],
         body: dict[str, Any],
     ) -> tuple[RequestContext, StepSignals]:
-        """The step's signals, and the context with the tier's queue weight. Raises
-        `BadRequest` for an unknown task type."""
+        """The step's signals, and the context with the tier's queue weight and, for a step of
+        a session, the run it belongs to (`<session>:<n>`, see `boundary` and `runtable`).
+        Raises `BadRequest` for an unknown task type."""
         task_type = headers.get(TASK_TYPE_HEADER) or None
         if task_type is not None and task_type not in self._task_types:
             raise BadRequest(
@@ -295,7 +359,11 @@ class Governor:
             task_type=task_type,
             messages=messages if isinstance(messages, list) else None,
         )
-        weight = self._state(tenant).limits.queue_weight
+        st = self._state(tenant)
+        if ctx.session_id is not None:
+            number = self._session(st, ctx.session_id).run_for(ctx.session_turn)
+            ctx = dataclasses.replace(ctx, run_id=session_run_id(ctx.session_id, number))
+        weight = st.limits.queue_weight
         if weight != 1.0:
             ctx = dataclasses.replace(ctx, tenant_weight=ctx.tenant_weight * weight)
         return ctx, signals
@@ -323,9 +391,8 @@ class Governor:
                 st.runs[run.run_id] = run
                 st.active[run.run_id] = run
             st.runs.move_to_end(run.run_id)
-            run.steps += 1
+            touch(run, now, self._idle_timeout_s)
             run.inflight += 1
-            run.last_seen_s = now
             self._dirty[(st.config.name, run.run_id)] = run
             self._forget_old_runs(st, now)
         st.inflight += 1
@@ -355,16 +422,21 @@ class Governor:
                     started_at_s=now_s,
                     last_seen_s=now_s,
                     limits=run_limits(self.config, ctx.class_name, st.config, signals.task_type),
+                    settings=run_limit_settings(
+                        self.config, ctx.class_name, st.config, signals.task_type
+                    ),
                 )
             else:
                 new_run = run.ended is not None
             looping = None
             if signals.messages is not None:
                 looping = repeated_tool_call(signals.messages, run.limits.loop_repeats)
-            stop = check_step(run, now_s, looping)
+            stop = check_step(run, now_s, looping, self._idle_timeout_s)
             if stop is not None:
                 self._stop(st, run, stop, now_s)
-                raise RunStopped(stop.message, stop.code)
+                if signals.run_end:  # refused, and the client ends it: its id starts afresh
+                    self._release(st, run)
+                raise RunStopped(stop.message, stop.code, param=stop.setting)
         if new_run:
             self._check_cost(st, now_s)
             self._check_runs(st, now_s, ctx.run_id is not None)
@@ -542,7 +614,14 @@ class Governor:
     # ------------------------------------------------------------------ settling
 
     def dispatched(self, outcome: RequestOutcome) -> None:
-        pass
+        """The step reached an engine: it counts toward its run's `max_steps` (once, however
+        many attempts it takes)."""
+        ticket = self._tickets.get(outcome.ctx.request_id)
+        if ticket is None or ticket.run is None or ticket.counted:
+            return
+        ticket.counted = True
+        ticket.run.steps += 1
+        self._dirty[(ticket.tenant, ticket.run.run_id)] = ticket.run
 
     def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
         return {}
@@ -570,13 +649,16 @@ class Governor:
         self.metrics.tokens_settled.labels(st.config.name).inc(used)
         run = ticket.run
         if run is not None:
+            touch(run, now, self._idle_timeout_s)
             run.inflight -= 1
+            if ticket.counted and outcome.outcome not in _STEP_OUTCOMES:
+                run.steps -= 1  # the engine failed it (or never got it): not a step
             run.tokens += used
             run.gpu_seconds += gpu_s
-            run.last_seen_s = now
             self._dirty[(st.config.name, run.run_id)] = run
             if ticket.run_end:
                 self._end(st, run, "client_end", now)
+                self._session_run_ended(st, run.run_id)
         self._check_alert(st, now)
         st.refilled.set()
         self._export(st, now)
@@ -620,13 +702,68 @@ class Governor:
         return run.restored_gpu_seconds, run.last_seen_s
 
     def end_run(self, tenant: str, run_id: str) -> RunState | None:
-        """End a run now (`POST /v1/runs/{run_id}/end`). Returns it, None when unknown."""
+        """End a run now (`POST /v1/runs/{run_id}/end`); a run a guard stopped is released,
+        so its id starts a fresh run. Returns it, None when unknown."""
         st = self._tenants.get(tenant)
-        run = None if st is None else st.runs.get(run_id)
-        if st is None or run is None:
+        if st is None:
+            return None
+        session = st.sessions.get(run_id)
+        if run_id not in st.runs and session is not None and session.current:
+            run_id = session_run_id(run_id, session.current)  # a session: its current run
+        run = st.runs.get(run_id)
+        if run is None:
             return None
         self._end(st, run, "client_end", self.clock())
+        self._release(st, run)
         return run
+
+    def session(self, tenant: str, session_id: str) -> dict[str, Any] | None:
+        """`GET /v1/runs/{session}`: a session's runs (the latest 100), or None when the id
+        is not a session the tenant has used."""
+        st = self._tenants.get(tenant)
+        runs_of = None if st is None else st.sessions.get(session_id)
+        if runs_of is None:
+            return None
+        first = max(1, runs_of.last - 99)
+        return {
+            "object": "gpupool.session",
+            "session_id": session_id,
+            "runs": [session_run_id(session_id, n) for n in range(first, runs_of.last + 1)],
+            "current_run": (
+                session_run_id(session_id, runs_of.current) if runs_of.current else None
+            ),
+        }
+
+    def _session(self, st: _Tenant, session_id: str) -> SessionRuns:
+        runs_of = st.sessions.get(session_id)
+        if runs_of is None:
+            runs_of = st.sessions[session_id] = SessionRuns()
+            self._forget_old_sessions(st)
+        st.sessions.move_to_end(session_id)
+        st.session_seen_s[session_id] = self.clock()
+        self._dirty_sessions.add((st.config.name, session_id))
+        return runs_of
+
+    def _forget_old_sessions(self, st: _Tenant) -> None:
+        while len(st.sessions) > MAX_SESSIONS_PER_TENANT:
+            session_id, _ = st.sessions.popitem(last=False)
+            st.session_seen_s.pop(session_id, None)
+
+    def _release(self, st: _Tenant, run: RunState) -> None:
+        """A run the client ended: its id starts a fresh run next (a guard that stopped it
+        already reported why it ended)."""
+        if run.ended != "client_end":
+            run.ended = "client_end"
+            self._dirty[(st.config.name, run.run_id)] = run
+        self._session_run_ended(st, run.run_id)
+
+    def _session_run_ended(self, st: _Tenant, run_id: str) -> None:
+        """A session's run the client ended: its task's next step starts the next run."""
+        session_id, _, number = run_id.rpartition(":")
+        runs_of = st.sessions.get(session_id)
+        if runs_of is not None and number.isdigit():
+            runs_of.ended(int(number))
+            self._dirty_sessions.add((st.config.name, session_id))
 
     def _end(self, st: _Tenant, run: RunState, reason: str, now_s: float) -> None:
         if run.ended is not None and run.ended != "idle_timeout":
@@ -733,6 +870,7 @@ class Governor:
                     "tokens": r.tokens,
                     "gpu_seconds": round(r.gpu_seconds, 6),
                     "age_s": round(now - r.started_at_s, 3),
+                    "active_s": round(active_time_s(r, now, self._idle_timeout_s), 3),
                     "max_duration_s": r.limits.max_duration_s,
                     "idle_s": round(now - r.last_seen_s, 3),
                 }

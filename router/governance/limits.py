@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pools.config import Config, TenantConfig
 from router.governance.guards import RunLimits
 
-__all__ = ["TenantLimits", "run_limits", "tenant_limits"]
+__all__ = ["TenantLimits", "run_limit_settings", "run_limits", "tenant_limits"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,3 +60,19 @@ def run_limits(
         if duration_s is not None:
             limits = replace(limits, max_duration_s=duration_s)
     return limits
+
+
+def run_limit_settings(
+    config: Config, class_name: str, tenant: TenantConfig, task_type: str | None
+) -> dict[str, str]:
+    """Where each of `run_limits`' guards came from, as the config setting to raise (the 403
+    of a stopped run names it): `classes.<class>.run_guards.<field>`, the tenant's override,
+    or the task type's duration."""
+    names = ("max_steps", "max_tokens", "max_gpu_seconds", "max_duration_s", "loop_repeats")
+    settings = {name: f"classes.{class_name}.run_guards.{name}" for name in names}
+    for name, _ in tenant.run_guards:
+        settings[name] = f"tenants[{tenant.name}].run_guards.{name}"
+    chosen = task_type or tenant.task_type
+    if chosen is not None and chosen in dict(config.governance.task_types_s):
+        settings["max_duration_s"] = f"governance.task_types_s.{chosen}"
+    return settings

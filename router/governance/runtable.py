@@ -1,4 +1,5 @@
-"""Which remembered runs a tenant forgets (pure, bounded, always terminating).
+"""A tenant's runs: which remembered runs it forgets (pure, bounded, always terminating), and
+how a session's runs are numbered (`SessionRuns`).
 
 The governor remembers up to `max_runs` runs per tenant (stopped runs stay refused while they
 are remembered; active runs keep their guard counters). Past the bound it forgets, oldest
@@ -15,10 +16,58 @@ flight. Each call looks at every run at most twice: O(len(runs)), whatever the s
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Container, Mapping
+from dataclasses import dataclass, field
 from itertools import islice
 
-__all__ = ["runs_to_forget"]
+__all__ = ["MAX_ANCHORS", "SessionRuns", "runs_to_forget", "session_run_id"]
+
+MAX_ANCHORS = 32  # a session's task anchors remembered (its latest tasks and side requests)
+
+
+def session_run_id(session_id: str, number: int) -> str:
+    """A session's n-th run: `<session>:<n>` (a colon, not a slash: the id goes in
+    `/v1/runs/{run_id}` paths as one segment)."""
+    return f"{session_id}:{number}"
+
+
+@dataclass(slots=True)
+class SessionRuns:
+    """How one session's steps map to its runs (see `boundary`): each task anchor (the user
+    message a step belongs to) gets the next number the first time it is seen and keeps it,
+    so a retried step or a task's later tool steps land in the same run. A step with no anchor
+    (a completions prompt, a Responses follow-up of tool outputs only) joins the current run.
+    Numbers only grow: an ended run's anchor is forgotten, so its task continues as a new run."""
+
+    last: int = 0  # the highest number given
+    current: int = 0  # the run of the session's latest step (0: none yet)
+    anchors: OrderedDict[str, int] = field(default_factory=OrderedDict)  # oldest first
+
+    def run_for(self, anchor_key: str | None) -> int:
+        """The run number of a step with this anchor (None: no anchor)."""
+        if anchor_key is None:
+            number = self.current or self._next()
+        else:
+            found = self.anchors.get(anchor_key)
+            number = self._next() if found is None else found
+            self.anchors[anchor_key] = number
+            self.anchors.move_to_end(anchor_key)
+            while len(self.anchors) > MAX_ANCHORS:
+                self.anchors.popitem(last=False)
+        self.current = number
+        return number
+
+    def ended(self, number: int) -> None:
+        """Run `number` ended: its task's next step starts a new run."""
+        for key in [k for k, n in self.anchors.items() if n == number]:
+            del self.anchors[key]
+        if self.current == number:
+            self.current = 0
+
+    def _next(self) -> int:
+        self.last += 1
+        return self.last
 
 
 def runs_to_forget(inflight: Mapping[str, int], active: Container[str], max_runs: int) -> list[str]:

@@ -69,7 +69,8 @@ def router(
         tenants=[
             _tenant("budget", tokens_per_minute=600),
             _tenant("retry", tokens_per_minute=1200),
-            _tenant("agent"),  # the default guards: 50 steps, loop after 3 repeats
+            # 50 steps (the default is 500: too slow here), loop after 3 repeats (the default)
+            _tenant("agent", run_guards={"max_steps": 50}),
             _tenant("gpu", run_guards={"max_gpu_seconds": 0.05}),
             _tenant("capped", cost_cap_gpu_seconds_per_hour=0.05),
             _tenant("other", admin=True),  # also reads /metrics

@@ -220,6 +220,11 @@ async def test_the_step_after_max_steps_is_refused_and_the_ledger_says_why(rig: 
     assert (await rig.post("guarded", x_gpupool_run_id="other")).status_code == 200
     summary = (await rig.get("guarded", "/v1/runs/r")).json()
     assert summary["end"]["reason"] == "run_steps" and summary["end"]["steps"] == 3
+    assert error["param"] == "tenants[guarded].run_guards.max_steps"
+    # ended by the client, the same id starts a fresh run (it used to stay 403 for good)
+    ended = await rig.client.post("/v1/runs/r/end", headers={"authorization": "Bearer k-guarded"})
+    assert ended.status_code == 200 and ended.json()["reason"] == "client_end"
+    assert (await rig.post("guarded", x_gpupool_run_id="r")).status_code == 200
 
 
 async def test_a_looping_run_is_stopped(rig: Rig) -> None:
@@ -292,7 +297,7 @@ async def test_budget_shows_what_is_left(rig: Rig) -> None:
     assert budget["concurrency"]["requests"] == {"limit": 2, "in_flight": 0}
     assert budget["tokens"] is None and budget["cost"]["hourly"] is None
     (run,) = budget["active_runs"]
-    assert run["run_id"] == "a" and run["steps"] == 1 and run["max_steps"] == 50
+    assert run["run_id"] == "a" and run["steps"] == 1 and run["max_steps"] == 500
     mid = (await rig.get("mid", "/v1/budget")).json()
     assert mid["tokens"] == {"limit_per_minute": 600, "remaining": 600, "reset_s": 0.0}
     assert (await rig.client.get("/v1/budget")).status_code == 401

@@ -4,6 +4,7 @@ with a step in flight), and which run states it may forget."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,9 +13,11 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
+from router.errors import RunStopped
 from router.estimate import Estimate
 from router.governance import GovernanceMetrics, Governor, StepSignals
 from router.governance.runtable import runs_to_forget
+from router.governance.store import GovernanceStore
 from router.request import RequestContext, RequestOutcome
 
 
@@ -168,3 +171,154 @@ async def test_the_governor_survives_any_sequence_of_run_states(
                 assert st_.runs.get(run.run_id) is run or run.ended == "client_end"
         if what != "idle":  # the table is trimmed as a step enters
             assert len(st_.runs) <= max(max_runs, len(busy)) + 1  # + the step just let in
+
+
+# ------------------------------------------------------------------------------ guard semantics
+
+
+def guarded(clock: Clock, **guards: Any) -> Governor:
+    cfg = parse_config(
+        {
+            **DEFAULT_CPU_CONFIG,
+            "tenants": [{"name": "t", "api_key_sha256": "0" * 64, "run_guards": guards}],
+            "governance": {"run_idle_timeout_s": 30},
+        }
+    )
+    return governor(clock, cfg)
+
+
+async def served_step(gov: Governor, run_id: str, clock: Clock, took_s: float = 1.0) -> None:
+    outcome = await start_step(gov, run_id, clock)
+    dispatch(gov, outcome, clock)
+    clock.now_s += took_s
+    finish(gov, outcome, clock)
+
+
+async def test_only_steps_an_engine_served_count_toward_max_steps() -> None:
+    clock = Clock()
+    gov = guarded(clock, max_steps=2)
+    refused = await start_step(gov, "r", clock)  # the queue refused it (429): no engine
+    refused.outcome, refused.reason = "rejected", "queue_full"
+    finish(gov, refused, clock, status=429)
+    left = await start_step(gov, "r", clock)  # the client left while it waited (499)
+    left.outcome = "aborted"
+    finish(gov, left, clock, status=499)
+    failed = await start_step(gov, "r", clock)  # dispatched, retried, then the engine failed
+    dispatch(gov, failed, clock)
+    dispatch(gov, failed, clock)
+    failed.outcome = "engine_error"
+    finish(gov, failed, clock, status=502)
+    unreachable = await start_step(gov, "r", clock)  # no engine answered the connection
+    dispatch(gov, unreachable, clock)
+    unreachable.outcome = "engine_error"
+    finish(gov, unreachable, clock, status=502)
+    assert gov._tenants["t"].runs["r"].steps == 0
+    retried = await start_step(gov, "r", clock)  # two attempts, one step
+    dispatch(gov, retried, clock)
+    dispatch(gov, retried, clock)
+    finish(gov, retried, clock)
+    await served_step(gov, "r", clock)
+    assert gov._tenants["t"].runs["r"].steps == 2
+    with pytest.raises(RunStopped) as stopped:
+        await start_step(gov, "r", clock)
+    assert stopped.value.code == "run_steps"
+
+
+async def test_an_aborted_step_after_dispatch_counts() -> None:
+    """The engine worked on it until the client left: it is a step."""
+    clock = Clock()
+    gov = guarded(clock, max_steps=1)
+    outcome = await start_step(gov, "r", clock)
+    dispatch(gov, outcome, clock)
+    outcome.outcome = "aborted"
+    finish(gov, outcome, clock, status=499)
+    with pytest.raises(RunStopped):
+        await start_step(gov, "r", clock)
+
+
+async def test_the_403_names_the_setting_to_raise() -> None:
+    clock = Clock()
+    gov = guarded(clock, max_steps=1)  # the tenant's override
+    await served_step(gov, "r", clock)
+    with pytest.raises(RunStopped) as stopped:
+        await start_step(gov, "r", clock)
+    assert stopped.value.param == "tenants[t].run_guards.max_steps"
+    assert "raise tenants[t].run_guards.max_steps" in stopped.value.message
+    plain = governor(clock, config(classes={"agent": {"run_guards": {"max_steps": 1}}}))
+    await served_step(plain, "r", clock)
+    with pytest.raises(RunStopped) as stopped:
+        await start_step(plain, "r", clock)
+    assert stopped.value.param == "classes.agent.run_guards.max_steps"
+    payload = stopped.value.payload()
+    assert payload["param"] == "classes.agent.run_guards.max_steps"
+
+
+async def test_ending_a_stopped_run_lets_its_id_start_afresh() -> None:
+    clock = Clock()
+    gov = guarded(clock, max_steps=1)
+    await served_step(gov, "r", clock)
+    for _ in range(2):  # stopped, and stays so
+        with pytest.raises(RunStopped):
+            await start_step(gov, "r", clock)
+    ended = gov.end_run("t", "r")
+    assert ended is not None and ended.ended == "client_end" and ended.steps == 1
+    await served_step(gov, "r", clock)  # a fresh run under the same id
+    assert gov._tenants["t"].runs["r"].steps == 1
+    # x-gpupool-run-end on a refused step ends it too: refused, then released
+    c = ctx(gov, "r", clock)
+    with pytest.raises(RunStopped):
+        await gov.enter(c, ESTIMATE, signals(gov, run_end=True))
+    await served_step(gov, "r", clock)
+
+
+async def test_run_duration_counts_active_time_only() -> None:
+    """max_duration_s 100 s with a 30 s idle timeout: busy stretches count, a pause longer
+    than 30 s with nothing in flight does not, a step in flight for 50 s does."""
+    clock = Clock()
+    gov = guarded(clock, max_duration_s=100.0)
+    await served_step(gov, "r", clock, took_s=50.0)  # 50 s in flight: counts
+    clock.now_s += 20.0  # a short pause: counts (70 s)
+    await served_step(gov, "r", clock, took_s=10.0)  # 80 s
+    clock.now_s += 3600.0  # the user went to lunch: does not count
+    await served_step(gov, "r", clock, took_s=15.0)  # 95 s
+    run = gov._tenants["t"].runs["r"]
+    assert run.active_s == pytest.approx(95.0)
+    clock.now_s += 10.0  # 105 s active
+    with pytest.raises(RunStopped) as stopped:
+        await start_step(gov, "r", clock)
+    assert stopped.value.code == "run_duration"
+    assert stopped.value.param == "tenants[t].run_guards.max_duration_s"
+
+
+async def test_a_150_step_task_is_served_on_the_default_guards() -> None:
+    """Issue 22: a coding agent's 150 tool steps, 4 s each with 2 s of tool time between,
+    under the default guards."""
+    clock = Clock()
+    gov = governor(clock)
+    for _ in range(150):
+        await served_step(gov, "session", clock, took_s=4.0)
+        clock.now_s += 2.0
+    run = gov._tenants["t"].runs["session"]
+    assert run.steps == 150 and run.stopped is None
+
+
+async def test_active_time_and_guard_settings_survive_a_restart(tmp_path: Path) -> None:
+    clock = Clock()
+    store = GovernanceStore(tmp_path / "g.sqlite")
+    gov = governor(clock, guarded(clock, max_steps=1).config, store=store)
+    await gov.start()
+    await served_step(gov, "r", clock, took_s=12.0)
+    with pytest.raises(RunStopped):
+        await start_step(gov, "r", clock)
+    await gov.aclose()
+    again = governor(clock, gov.config, store=GovernanceStore(tmp_path / "g.sqlite"))
+    await again.start()
+    try:
+        run = again._tenants["t"].runs["r"]
+        assert run.active_s == pytest.approx(12.0) and run.steps == 1
+        assert run.settings["max_steps"] == "tenants[t].run_guards.max_steps"
+        with pytest.raises(RunStopped) as stopped:
+            await start_step(again, "r", clock)
+        assert stopped.value.param == "tenants[t].run_guards.max_steps"
+    finally:
+        await again.aclose()
