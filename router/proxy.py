@@ -275,7 +275,7 @@ class CompletionsHandler:
                     gp_headers.extend(self.governor.rate_headers(ctx.tenant))
             if waiter is not None:
                 waiter.reason = "queue"
-            admit_start_s = self.clock()
+            admit_start_s = outcome.admission_started_at_s = self.clock()
             lease = await self.admitter.admit(ctx, estimate)
             await self._stop_waiting(waiter, outcome)
             outcome.admitted_at_s = self.clock()
@@ -354,6 +354,7 @@ class CompletionsHandler:
             outcome.status = failure.status
             outcome.outcome = _outcome_of(failure.status)
             outcome.reason = failure.code
+            outcome.error_type = failure.type
             if outcome.wait_stream_open:  # the wait's comments started the stream: an event
                 outcome.wait_stream_open = False
                 await send(_error_event(failure))

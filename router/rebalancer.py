@@ -8,7 +8,12 @@ Every `rebalancer.interval_s` (when `rebalancer.enabled`) `tick()`:
    counted when the request is dispatched, or the age of the request at the head of the
    queue, whichever is longer; target: the pool's TTFT target),
    KV use of the pool's part of its instances, TTFT and TPOT p95 of the interval's streaming
-   requests, and the fraction refused with a 429 (`SignalWindow`, a `RequestObserver`);
+   requests, and the fraction refused for capacity (`SignalWindow`, a `RequestObserver`).
+   Only what admission did counts: its refusals (`capacity_exceeded`: queue full, queue
+   timeout, shed, deadline unmeetable) and the time in the pool's queue. A tenant's own
+   budget (governance: `token_rate`, `tenant_concurrency`, `cost_cap`, run guards, and the
+   time waited for the tenant's bucket) says nothing about the pool's capacity, so a request
+   refused before admission is not counted at all;
 2. decides (bounds from the config, its time-of-day schedule, or an SRE override; a pinned
    ratio or a freeze from the SREs; home: the configured `initial_frac` ratio as placed);
 3. places the target with as few changes as possible: the split instance is resized at once
@@ -54,7 +59,7 @@ from pools.rebalance import (
     effective_bounds,
 )
 from pools.tasks import cancel_and_wait
-from router.errors import BadRequest, NotFound
+from router.errors import BadRequest, CapacityExceeded, NotFound
 from router.metrics import RouterMetrics
 from router.queueing import PoolQueue
 from router.rebalance_store import DecisionLog, SreSettings, load_settings, save_settings
@@ -92,11 +97,29 @@ class _Seen:
     rejected: bool
 
 
+def _queue_wait_s(outcome: RequestOutcome) -> float | None:
+    """The time the request waited for admission (its pool's queue), not for its tenant's
+    budget before that; None when it never asked admission (refused or answered before)."""
+    start = outcome.admission_started_at_s
+    if start is None:
+        return None
+    if outcome.admitted_at_s is not None:
+        return max(0.0, outcome.admitted_at_s - start)
+    return max(0.0, outcome.ended_at_s - start) if outcome.rejected else 0.0
+
+
+def _capacity_refusal(outcome: RequestOutcome) -> bool:
+    """Admission refused it for capacity (429 `capacity_exceeded`); a tenant's own limit
+    (429 `rate_limit_error`, 403 `run_stopped`) is not the pool's capacity."""
+    return outcome.status == 429 and outcome.error_type == CapacityExceeded.type
+
+
 class SignalWindow:
     """A `RequestObserver` that remembers each pool's requests for one window: queue waits
     when they end (at dispatch: a long agent step's wait counts at once, not when the step
     finishes seconds later; or at the end for a request never dispatched), TTFT, TPOT and
-    refusals when the request ends."""
+    capacity refusals when the request ends. Requests that never reached admission
+    (governance refusals, bad requests) are not counted."""
 
     def __init__(self, pools: Sequence[str], *, max_events: int = 50_000) -> None:
         self._seen: dict[str, deque[_Seen]] = {p: deque(maxlen=max_events) for p in pools}
@@ -112,23 +135,23 @@ class SignalWindow:
             return
         self._wait_counted.add(request_id)
         at_s = outcome.dispatched_at_s
-        waits.append((at_s if at_s is not None else outcome.ctx.received_at_s, outcome.queue_s))
+        wait_s = _queue_wait_s(outcome) or 0.0
+        waits.append((at_s if at_s is not None else outcome.ctx.received_at_s, wait_s))
 
     def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
         return {}
 
     def finished(self, outcome: RequestOutcome) -> None:
         seen = self._seen.get(outcome.ctx.pool)
-        if seen is None:
+        counted = outcome.ctx.request_id in self._wait_counted
+        self._wait_counted.discard(outcome.ctx.request_id)
+        wait_s = _queue_wait_s(outcome)
+        if seen is None or wait_s is None:  # never reached admission: not the pool's doing
             return
-        if outcome.ctx.request_id in self._wait_counted:
-            self._wait_counted.discard(outcome.ctx.request_id)
-        else:
-            self._waits[outcome.ctx.pool].append((outcome.ended_at_s, outcome.queue_s))
-        rejected = outcome.rejected and outcome.status == 429
-        seen.append(
-            _Seen(outcome.ended_at_s, outcome.queue_s, outcome.ttft_s, outcome.tpot_s, rejected)
-        )
+        if not counted:
+            self._waits[outcome.ctx.pool].append((outcome.ended_at_s, wait_s))
+        rejected = _capacity_refusal(outcome)
+        seen.append(_Seen(outcome.ended_at_s, wait_s, outcome.ttft_s, outcome.tpot_s, rejected))
 
     def waits(self, pool: str, since_s: float) -> list[float]:
         """The queue waits that ended (dispatch, or the end of a request never dispatched)

@@ -90,6 +90,10 @@ class RequestOutcome:
     status: int = 0
     outcome: str = "ok"  # ok | client_error | engine_error | rejected | aborted | timeout
     reason: str = "200"
+    error_type: str | None = None  # the refusal's error type (capacity_exceeded, ...), if any
+    # asked admission for a lease, after governance (the pool's queue wait starts); None: it
+    # never got that far (refused or answered before: governance, a bad request, auth)
+    admission_started_at_s: float | None = None
     admitted_at_s: float | None = None  # the lease was granted (queue wait ends)
     dispatched_at_s: float | None = None  # the (last) upstream request was sent
     first_token_at_s: float | None = None  # streaming only

@@ -418,6 +418,8 @@ class _Sim:
             ctx=req.ctx,
             status=status,
             outcome="ok" if status == 200 else "rejected",
+            error_type=None if status == 200 else "capacity_exceeded",  # admission's refusals
+            admission_started_at_s=req.ctx.received_at_s,  # no governance in the simulator
             admitted_at_s=req.admitted_s,
             first_token_at_s=req.first_token_s,
             ended_at_s=self.now,

@@ -109,9 +109,10 @@ def finished(pool: str, ended_at_s: float, *, queue_s: float, status: int = 200)
         received_at_s=ended_at_s - queue_s - 1.0,
     )
     out = RequestOutcome(ctx=ctx, status=status, ended_at_s=ended_at_s)
+    out.admission_started_at_s = ctx.received_at_s  # governance let it through at once
     out.admitted_at_s = ctx.received_at_s + queue_s
     if status == 429:
-        out.outcome = "rejected"
+        out.outcome, out.error_type = "rejected", "capacity_exceeded"
         out.admitted_at_s = None
     return out
 
