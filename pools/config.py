@@ -425,6 +425,11 @@ class TenantSchema(_Strict):
     run_guards: RunGuardsSchema | None = None
     default_class: str | None = None
     may_set_class: bool = True
+    # the best queue priority its requests may ask for (x-gpupool-priority; higher goes
+    # first): a higher one is clamped to it (or to the class's default_priority when that is
+    # higher). The body's vLLM `priority` (lower goes first) is clamped to no better than
+    # the pool's engine_priority (0 when unset) minus this.
+    max_priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     admin: bool = False  # may read /admin/* and /metrics (router.admin_api_key_env may too)
 
     @field_validator("api_key_sha256")
@@ -861,6 +866,7 @@ class TenantConfig:
     daily_budget_gpu_seconds: float | None = None
     borrow_max_frac: float | None = None
     task_type: str | None = None
+    max_priority: int = 0
     # the run guard fields the tenant overrides, as (field, value) pairs
     run_guards: tuple[tuple[str, float | int | None], ...] = ()
 
@@ -1022,6 +1028,7 @@ def _freeze_keys(
                 daily_budget_gpu_seconds=t.daily_budget_gpu_seconds,
                 borrow_max_frac=t.borrow_max_frac,
                 task_type=t.task_type,
+                max_priority=t.max_priority,
                 run_guards=(
                     ()
                     if t.run_guards is None

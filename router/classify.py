@@ -9,6 +9,10 @@ Rules come from config and are tried in order, first match wins; each rule is a 
 - `run_id`: a run identity is present;
 and the configured default class (`normal`) when none matches.
 
+Priority: `x-gpupool-priority` (higher goes first) and the body's vLLM `priority` (lower goes
+first) are clamped to the tenant's `max_priority` (default 0), so no caller jumps the queue
+past what its tenant was given.
+
 Run identity, so agent clients work with gpupool as with other routers: `x-gpupool-run-id`
 (one run, as given), or a session identity: `x-dynamo-trajectory-id`, `x-claude-code-session-id`,
 Codex's `session-id` / `thread-id`, `x-session-id`, or vllm-project/router's
@@ -22,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pools.config import Config, TenantConfig
+from pools.config import ClassConfig, Config, TenantConfig
 from router.errors import BadRequest, ClassNotAllowed
 from router.governance.boundary import PROTOCOLS, anchor
 from router.request import RequestContext
@@ -138,6 +142,31 @@ def _int_header(headers: Headers, name: str) -> int | None:
     return value
 
 
+def _clamped_priority(requested: int | None, tenant: TenantConfig, cls: ClassConfig) -> int:
+    """The queue priority a request gets (higher goes first): its class's default, or what it
+    asked for, no better than its tenant's `max_priority` (or the class's default, if higher:
+    asking for the default is never a demotion)."""
+    if requested is None:
+        return cls.default_priority
+    return min(requested, max(tenant.max_priority, cls.default_priority))
+
+
+def _clamp_engine_priority(
+    body: dict[str, Any], tenant: TenantConfig, engine_priority: int | None
+) -> None:
+    """Clamp the body's vLLM `priority` (lower goes first inside the engine) to no better than
+    the pool's `engine_priority` (0, vLLM's default, when unset) minus the tenant's
+    `max_priority`, in place. Raises `BadRequest` for a value that is not an integer."""
+    if "priority" not in body:
+        return
+    value = body["priority"]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest("'priority' must be an integer", "invalid_field", param="priority")
+    best = (engine_priority or 0) - tenant.max_priority
+    if value < best:
+        body["priority"] = best
+
+
 def classify(
     headers: Headers,
     body: dict[str, Any],
@@ -149,7 +178,9 @@ def classify(
     protocol: str = "chat",
 ) -> RequestContext:
     """Decide class, pool, priority, deadline and run id. `protocol`: chat, completions,
-    responses or messages (how the body's turns read). Raises `BadRequest`/`ClassNotAllowed`."""
+    responses or messages (how the body's turns read). Clamps the priority asked for (the
+    `x-gpupool-priority` header, and the body's vLLM `priority`, in place) to the tenant's
+    `max_priority`. Raises `BadRequest`/`ClassNotAllowed`."""
     assert protocol in PROTOCOLS, protocol
     run = run_identity(headers, body)
     session = session_identity(headers, body)
@@ -164,7 +195,8 @@ def classify(
     pool = config.pool_for_class(class_name)
     assert pool is not None, "config validation guarantees every class has a pool"
     cls = config.class_config(class_name)
-    priority = _int_header(headers, "x-gpupool-priority")
+    priority = _clamped_priority(_int_header(headers, "x-gpupool-priority"), tenant, cls)
+    _clamp_engine_priority(body, tenant, pool.engine_priority)
     deadline_ms = _int_header(headers, "x-gpupool-deadline-ms")
     if deadline_ms is not None and deadline_ms <= 0:
         raise BadRequest(
@@ -179,7 +211,7 @@ def classify(
         tenant=tenant.name,
         class_name=class_name,
         pool=pool.name,
-        priority=cls.default_priority if priority is None else priority,
+        priority=priority,
         deadline_s=now_s + (deadline_ms / 1e3 if deadline_ms is not None else cls.timeout_s),
         run_id=run,
         model=str(body.get("model")),
