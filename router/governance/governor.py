@@ -322,6 +322,10 @@ class Governor:
                 srow.last_run, srow.current_run, OrderedDict(srow.anchors)
             )
             st.session_seen_s[srow.session_id] = self._mono(srow.last_seen_s)
+        for run in st.runs.values():  # a session's run: `<session>:<n>`
+            session_id, _, number = run.run_id.rpartition(":")
+            if number.isdigit() and session_id in st.sessions:
+                run.session_id = session_id
         self._forget_old_sessions(st)
         self._forget_old_runs(st, self.clock())
 
@@ -425,6 +429,7 @@ class Governor:
                     settings=run_limit_settings(
                         self.config, ctx.class_name, st.config, signals.task_type
                     ),
+                    session_id=ctx.session_id,
                 )
             else:
                 new_run = run.ended is not None
@@ -439,7 +444,7 @@ class Governor:
                 raise RunStopped(stop.message, stop.code, param=stop.setting)
         if new_run:
             self._check_cost(st, now_s)
-            self._check_runs(st, now_s, ctx.run_id is not None)
+            self._check_runs(st, now_s, ctx)
         limit = st.limits.max_concurrent_requests
         if limit is not None and st.inflight >= limit:
             self._refuse(
@@ -470,12 +475,15 @@ class Governor:
                     window.wait_below_s(cap, now_s),
                 )
 
-    def _check_runs(self, st: _Tenant, now_s: float, is_run: bool) -> None:
+    def _check_runs(self, st: _Tenant, now_s: float, ctx: RequestContext) -> None:
+        """`max_concurrent_runs`: a new run needs a free slot. A session's runs share one
+        slot (its next task is not a second agent working at once)."""
         limit = st.limits.max_concurrent_runs
-        if not is_run or limit is None:
+        if ctx.run_id is None or limit is None:
             return
         self._expire_idle(st, now_s)
-        if len(st.active) < limit:
+        slots = {r.session_id or r.run_id for r in st.active.values()}
+        if len(slots) < limit or (ctx.session_id is not None and ctx.session_id in slots):
             return
         idle_ends = [
             r.last_seen_s + self._idle_timeout_s - now_s
@@ -485,7 +493,7 @@ class Governor:
         self._refuse(
             st,
             "tenant_concurrency",
-            f"tenant {st.config.name!r} has {len(st.active)} agent runs active, its limit is"
+            f"tenant {st.config.name!r} has {len(slots)} agent runs active, its limit is"
             f" {limit} (max_concurrent_runs): end one (x-gpupool-run-end: 1 on its last step,"
             " or POST /v1/runs/{run_id}/end) or wait for it to go idle",
             min(idle_ends, default=1.0),

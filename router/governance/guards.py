@@ -80,6 +80,7 @@ class RunState:
     active_s: float = 0.0  # active time up to last_seen_s (see `touch`)
     # guard field (max_steps, ...) -> the setting it came from; absent: run_guards.<field>
     settings: dict[str, str] = field(default_factory=dict)
+    session_id: str | None = None  # the session it is a run of (None: an explicit run id)
 
     def setting(self, name: str) -> str:
         return self.settings.get(name, f"run_guards.{name}")

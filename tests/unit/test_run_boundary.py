@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from router.classify import classify
-from router.errors import RunStopped
+from router.errors import RateLimited, RunStopped
 from router.estimate import Estimate
 from router.governance import GovernanceMetrics, Governor, StepSignals
 from router.governance.boundary import anchor, starts_new_run
@@ -356,3 +356,35 @@ def test_classify_names_the_session_and_the_turn() -> None:
 
 def test_signals_type_is_exported() -> None:
     assert StepSignals(tenant=TENANT).run_end is False
+
+
+async def test_a_sessions_runs_share_one_concurrency_slot() -> None:
+    """A free tenant (one agent run at a time) types its next task while the last run is
+    still active: the session holds the slot, so it is served; another session is refused."""
+    config = parse_config(
+        {
+            **DEFAULT_CPU_CONFIG,
+            "tenants": [{"name": "t", "api_key_sha256": "0" * 64, "tier": "free"}],
+        }
+    )
+    tenant = config.tenants[0]
+    clock = Clock()
+    gov = Governor(config, GovernanceMetrics(CollectorRegistry()), clock=clock)
+
+    async def step(headers: dict[str, str], body: dict[str, Any]) -> str:
+        ctx = classify(headers, body, tenant, config, request_id=f"r{next(_ids)}", now_s=clock())
+        ctx, signals = gov.prepare(ctx, tenant, headers, body)
+        await gov.enter(ctx, ESTIMATE, signals)
+        outcome = RequestOutcome(ctx=ctx, estimate=ESTIMATE, status=200)
+        gov.finished(outcome)
+        assert ctx.run_id is not None
+        return ctx.run_id
+
+    sid = SESSION["x-claude-code-session-id"]
+    assert await step(SESSION, _task(1)) == f"{sid}:1"
+    turn2 = _task(1)
+    turn2["messages"] += [_cc_assistant(), _user("next")]
+    assert await step(SESSION, turn2) == f"{sid}:2"  # run 1 still active: same slot
+    with pytest.raises(RateLimited) as refused:
+        await step({"x-claude-code-session-id": "another"}, _task(0))
+    assert refused.value.code == "tenant_concurrency"
