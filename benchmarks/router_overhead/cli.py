@@ -43,6 +43,7 @@ ALL_TARGETS = (
     "direct",
     "gpupool",
     "gpupool-admission-off",
+    "gpupool-ledger-batched",
     "vllm-router",
     "production-stack",
     "litellm",

@@ -14,6 +14,7 @@ PORTS: dict[str, int] = {
     "gpupool": 8520,
     "gpupool-real": 8521,
     "gpupool-admission-off": 8522,
+    "gpupool-ledger-batched": 8523,
     "vllm-router": 8530,
     "vllm-router-metrics": 8531,
     "vllm-router-real": 8532,

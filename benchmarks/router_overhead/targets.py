@@ -3,6 +3,8 @@ and why it cannot run when it cannot.
 
 - `direct`: the engine itself, the limit (no proxy process);
 - `gpupool`: `gpupool serve` over one static URL (both pools split one instance);
+  `gpupool-admission-off` and `gpupool-ledger-batched`: the same with `router.admission: off`
+  or `router.ledger_durable: false`, for an A/B in the same run;
 - `vllm-router`: vllm-project's Rust router (`pip install vllm-router`), round robin;
 - `production-stack`: vLLM production-stack's Python router from a source snapshot, static
   discovery, round robin;
@@ -70,7 +72,9 @@ class TargetSpec:
         return None
 
 
-def gpupool_config(engine_url: str, state_dir: Path, admission: str = "on") -> dict[str, object]:
+def gpupool_config(
+    engine_url: str, state_dir: Path, admission: str = "on", ledger_durable: bool = True
+) -> dict[str, object]:
     """One static engine shared by both pools (the single-GPU split)."""
     return {
         "model": {"name": MODEL, "path": "./.gpupool/models/tiny"},
@@ -83,6 +87,7 @@ def gpupool_config(engine_url: str, state_dir: Path, admission: str = "on") -> d
             "ledger_path": str(state_dir / "ledger.sqlite"),
             "state_path": str(state_dir / "state.json"),
             "admission": admission,
+            "ledger_durable": ledger_durable,
         },
     }
 
@@ -111,12 +116,14 @@ def gpupool_target(
     paths: PeerPaths,
     workdir: Path,
     admission: str = "on",
+    ledger_durable: bool = True,
 ) -> TargetSpec:
-    """`gpupool serve` over one static engine (admission on, or off for comparison)."""
+    """`gpupool serve` over one static engine (admission on, or off for comparison; the
+    durable ledger, or the batched one for comparison)."""
     state = workdir / f"{name}-state"
     state.mkdir(parents=True, exist_ok=True)
     cfg = workdir / f"{name}.json"
-    cfg.write_text(json.dumps(gpupool_config(engine_url, state, admission)))
+    cfg.write_text(json.dumps(gpupool_config(engine_url, state, admission, ledger_durable)))
     exe = paths.gpupool_venv / "bin" / "gpupool"
     return TargetSpec(
         name=name,
@@ -127,7 +134,7 @@ def gpupool_target(
         needs=(exe,),
         install_hint="pip install -e . into .venv",
         note="gpupool serve, one static engine split between the agent and normal pools"
-        f", admission {admission}",
+        f", admission {admission}, ledger {'durable' if ledger_durable else 'batched'}",
     )
 
 
@@ -165,7 +172,7 @@ def vllm_router_target(
 def make_targets(
     engine_url: str, ports: dict[str, int], paths: PeerPaths, workdir: Path
 ) -> list[TargetSpec]:
-    """All five targets in report order; `ports` maps a target name to its port."""
+    """Every target in report order; `ports` maps a target name to its port."""
     ps_py = paths.pstack_venv / "bin" / "python"
     ll = paths.litellm_venv / "bin" / "litellm"
     ll_cfg = workdir / "litellm.yaml"
@@ -183,6 +190,14 @@ def make_targets(
             paths,
             workdir,
             admission="off",
+        ),
+        gpupool_target(
+            "gpupool-ledger-batched",
+            ports["gpupool-ledger-batched"],
+            engine_url,
+            paths,
+            workdir,
+            ledger_durable=False,
         ),
         vllm_router_target(
             "vllm-router", ports["vllm-router"], ports["vllm-router-metrics"], engine_url, paths
