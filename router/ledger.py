@@ -179,6 +179,9 @@ _INSERT = (
     f"INSERT OR REPLACE INTO requests ({', '.join(_FIELDS_BUT_STEP)}, step_index) "
     f"VALUES ({', '.join('?' for _ in _COLUMNS)})"
 )
+# one INSERT of many rows: a group commit is one statement (one step on the writer thread)
+_INSERT_ROWS_HEAD = _INSERT[: _INSERT.index("VALUES") + len("VALUES ")]
+_ONE_ROW = "(" + ", ".join("?" for _ in _COLUMNS) + ")"
 _ADD_IDLE = (
     "INSERT INTO idle_hourly (hour_start_s, pool, idle_gpu_seconds) VALUES (?, ?, ?) "
     "ON CONFLICT (hour_start_s, pool) DO UPDATE SET "
@@ -285,6 +288,21 @@ def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> int:
     return skipped
 
 
+def _insert_rows(conn: sqlite3.Connection, rows: list[_Row], max_rows: int) -> int:
+    """Write `rows` in one transaction: one multi-row INSERT (its own transaction), or, with a
+    malformed row or more than `max_rows`, `_write_batch` (which skips what is malformed).
+    Returns how many rows were skipped."""
+    if len(rows) <= max_rows:
+        sql = _INSERT_ROWS_HEAD + ", ".join([_ONE_ROW] * len(rows))
+        try:
+            conn.execute(sql, [value for row in rows for value in row])
+        except (sqlite3.InterfaceError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
+            pass  # nothing was written: find the bad rows below
+        else:
+            return 0
+    return _write_batch(conn, _Batch(rows, {}, 0.0, 0))
+
+
 def _delete_older_than(conn: sqlite3.Connection, cutoff_s: float) -> int:
     conn.execute("BEGIN IMMEDIATE")
     try:
@@ -378,6 +396,8 @@ class _Writer:
     ) -> None:
         self._conn = conn
         self._delay_s = delay_s
+        # rows one INSERT may carry (SQLite's limit on bound variables)
+        self._max_rows = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(_COLUMNS)
         self._loop = loop
         self._on_commit = on_commit
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -434,7 +454,7 @@ class _Writer:
         error: Exception | None = None
         skipped = 0
         try:
-            skipped = _write_batch(self._conn, _Batch(rows, {}, 0.0, 0))
+            skipped = _insert_rows(self._conn, rows, self._max_rows)
             self.commits += 1
         except Exception as err:  # handed to the event loop: logged there, rows retried
             error = err

@@ -120,6 +120,22 @@ async def test_rows_commit_in_order_and_a_later_record_replaces_an_earlier(
     assert [(r["request_id"], r["step_index"]) for r in steps] == [(f"s{i}", i) for i in range(5)]
 
 
+async def test_a_malformed_record_is_skipped_and_its_group_still_commits(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    lock = WriteLock(db)  # the three queue up and go in one group
+    commits = [
+        asyncio.ensure_future(ledger.commit(record(request_id=rid, prompt_tokens=tokens)))
+        for rid, tokens in (("good-1", 1), ("bad", object()), ("good-2", 2))
+    ]
+    await asyncio.sleep(0.05)
+    lock.release()
+    await asyncio.gather(*commits)
+    assert [r["request_id"] for r in rows(db)] == ["good-1", "good-2"]
+    assert (ledger.dropped_records, ledger.failed_commits) == (1, 0)
+
+
 async def test_a_failed_commit_is_logged_and_retried_never_raised(
     make_ledger: Callable[..., Any], db: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
