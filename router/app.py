@@ -39,6 +39,7 @@ from router.accounting import Accountant, with_restored
 from router.accounting_metrics import AccountingMetrics
 from router.accounting_observer import AccountingObserver
 from router.admitter import Admitter
+from router.engine_calls import EngineCalls
 from router.errors import (
     BadRequest,
     GpupoolError,
@@ -58,11 +59,13 @@ from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.openapi import openapi_document
 from router.picking import RunAffinity, default_picker, placement_patience_s
+from router.protocols import ADAPTERS, MessagesAdapter, ResponsesAdapter
 from router.proxy import CompletionsHandler
 from router.queueing import RunUsage
 from router.rebalancer import Rebalancer
 from router.rebalancer_api import register_pools_admin
 from router.request import Message, Receive, RequestObserver, Scope, Send
+from router.response_placement import ResponsePlacement
 from router.ui import register_ui
 
 __all__ = ["Gateway", "create_app"]
@@ -166,7 +169,7 @@ class Gateway:
             drain_timeout_s=source.drain_timeout_s if source is not None else 0.0,
             registry=self.metrics.registry,
             new_operating_point=lambda: OperatingPoint(max_num_seqs=max_num_seqs),
-            on_join=lambda iid: self.scraper.track(iid) if self.scraper is not None else None,
+            on_join=self._instance_joined,
             on_gone=self.metrics.forget_instance,
             clock=clock,
         )
@@ -177,6 +180,11 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.scraper: TelemetryScraper | None = None
         self.handler: CompletionsHandler | None = None
+        self.engine_calls: EngineCalls | None = None
+        # where each stored response lives (previous_response_id): a file next to the ledger
+        self.placement = ResponsePlacement(
+            ledger_path.with_name(ledger_path.stem + ".responses.sqlite")
+        )
         self.max_model_len_tokens: int | None = config.model.max_model_len_tokens
         # the last hour for the status page's plots (GET /admin/history)
         self.history = History(lambda: reading_from(self.pools_view(), self.metrics.registry))
@@ -201,6 +209,7 @@ class Gateway:
         await self.ledger.start()
         await self.gpu_sampler.start()
         await self.governor.start()
+        await self.placement.start()
         self._seed_operating_points()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
@@ -229,6 +238,17 @@ class Gateway:
             observers=self._observers,
             clock=self.clock,
             governor=self.governor,
+            placement=self.placement,
+        )
+        self.engine_calls = EngineCalls(
+            config=self.config,
+            tenants=self.tenants,
+            fleet=self.fleet,
+            admitter=self.admitter,
+            session=self.session,
+            metrics=self.metrics,
+            placement=self.placement,
+            clock=self.clock,
         )
         if self.tenants.open:
             log.warning("no API keys configured: the router is open to anyone who can reach it")
@@ -273,6 +293,7 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         await self.governor.aclose()
+        await self.placement.aclose()
         await self.rebalancer.aclose()
         await self.ledger.aclose()
         await self.gpu_sampler.aclose()
@@ -303,6 +324,11 @@ class Gateway:
             gpu_seconds=end.gpu_seconds,
         )
 
+    def _instance_joined(self, instance_id: str) -> None:
+        self.metrics.instance_joined(instance_id)
+        if self.scraper is not None:
+            self.scraper.track(instance_id)
+
     def _shares_changed(self, allocation: Any) -> None:
         now = self.clock()
         for state in self.fleet:
@@ -322,14 +348,23 @@ class Gateway:
             )
             await _error_response(err)(scope, receive, send)
             return
-        if scope["type"] == "http" and scope["method"] == "POST" and self.handler is not None:
+        if scope["type"] == "http" and self.handler is not None:
             path = scope["path"]
-            if path == "/v1/chat/completions":
-                await self.handler(scope, receive, send, chat=True)
+            method = scope["method"]
+            if method == "POST" and (adapter := ADAPTERS.get(path)) is not None:
+                await self.handler(scope, receive, send, adapter=adapter)
                 return
-            if path == "/v1/completions":
-                await self.handler(scope, receive, send, chat=False)
-                return
+            calls = self.engine_calls
+            if calls is not None and path.startswith("/v1/"):
+                if method == "POST" and path == "/v1/messages/count_tokens":
+                    await calls.count_tokens(scope, receive, send, _MESSAGES)
+                    return
+                response_id, cancel = _response_path(path)
+                if response_id is not None and method == ("POST" if cancel else "GET"):
+                    await calls.response(
+                        scope, receive, send, _RESPONSES, response_id, cancel=cancel
+                    )
+                    return
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
@@ -590,6 +625,11 @@ class Gateway:
         async def run_detail(run_id: str, request: Request) -> dict[str, Any]:
             tenant = self.tenants.authenticate(request.headers.get("authorization"))
             summary = await self.ledger.run_summary(run_id, tenant.name)
+            session = None if summary else self.governor.session(tenant.name, run_id)
+            if session is not None:  # a session id: its runs, and its current run's summary
+                current = session["current_run"]
+                latest = current and await self.ledger.run_summary(current, tenant.name)
+                return {**session, "current": latest or None}
             if summary is None:
                 raise NotFound(f"no run {run_id!r} for tenant {tenant.name!r}", "run_not_found")
             return summary
@@ -618,14 +658,36 @@ class Gateway:
             )
             return report
 
-        # The Gateway serves these two itself once started; declared here so that another
+        # The Gateway serves these itself once started; declared here so that another
         # method on them answers 405 (an unknown path answers 404 through _http_error).
         @api.post("/v1/chat/completions")
         @api.post("/v1/completions")
+        @api.post("/v1/responses")
+        @api.post("/v1/messages")
+        @api.post("/v1/messages/count_tokens")
+        @api.get("/v1/responses/{response_id}")
+        @api.post("/v1/responses/{response_id}/cancel")
         async def not_started() -> Response:
             raise NoHealthyInstance("the router has not started yet", "not_started")
 
         return api
+
+
+_MESSAGES = MessagesAdapter()
+_RESPONSES = ResponsesAdapter()
+
+
+def _response_path(path: str) -> tuple[str | None, bool]:
+    """(response id, cancel) of `/v1/responses/{id}` and `/v1/responses/{id}/cancel`."""
+    if not path.startswith("/v1/responses/"):
+        return None, False
+    rest = path[len("/v1/responses/") :]
+    cancel = rest.endswith("/cancel")
+    if cancel:
+        rest = rest[: -len("/cancel")]
+    if not rest or "/" in rest:
+        return None, False
+    return rest, cancel
 
 
 def _float_param(raw: str | None, name: str) -> float | None:

@@ -2,7 +2,8 @@
 
 Every error a client can see derives from `GpupoolError` and renders as OpenAI's shape:
 `{"error": {"message", "type", "code", "param"}}` (plus `retryable` / `retry_after_seconds`
-for capacity errors). Nothing else in the router picks a status code.
+for capacity errors), or, on the Anthropic Messages API, as Anthropic's
+(`anthropic_payload`, `anthropic_status`). Nothing else in the router picks a status code.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ __all__ = [
     "RequestTimeout",
     "RunStopped",
     "Unauthorized",
+    "anthropic_body",
+    "anthropic_payload",
+    "anthropic_status",
     "error_for_status",
+    "retry_after_seconds",
 ]
 
 
@@ -122,11 +127,11 @@ class CapacityExceeded(GpupoolError):
         self.retry_after_s = retry_after_s
 
     def payload(self) -> dict[str, Any]:
-        seconds = max(1, round(self.retry_after_s))
+        seconds = retry_after_seconds(self.retry_after_s)
         return {**super().payload(), "retryable": True, "retry_after_seconds": seconds}
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"retry-after", str(max(1, round(self.retry_after_s))).encode())]
+        return [(b"retry-after", str(retry_after_seconds(self.retry_after_s)).encode())]
 
 
 class RateLimited(CapacityExceeded):
@@ -136,11 +141,8 @@ class RateLimited(CapacityExceeded):
 
     type = "rate_limit_error"
 
-    def payload(self) -> dict[str, Any]:
-        return {**super().payload(), "retry_after_seconds": max(1, math.ceil(self.retry_after_s))}
-
     def headers(self) -> list[tuple[bytes, bytes]]:
-        seconds = max(1, math.ceil(self.retry_after_s))
+        seconds = retry_after_seconds(self.retry_after_s)
         ms = max(1, math.ceil(self.retry_after_s * 1000))
         return [(b"retry-after", str(seconds).encode()), (b"retry-after-ms", str(ms).encode())]
 
@@ -172,6 +174,56 @@ class DeadlineExceeded(GpupoolError):
 
     status = 504
     type = "timeout_error"
+
+
+def retry_after_seconds(retry_after_s: float) -> int:
+    """`Retry-After` in whole seconds: rounded up (the capacity is expected by then, not a
+    moment after), at least 1; a non-finite wait reads as 1."""
+    if not math.isfinite(retry_after_s):
+        return 1
+    return max(1, math.ceil(retry_after_s))
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); `overloaded`
+# (529) is what gpupool answers on /v1/messages where it would answer 429 `queue_full`.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+_OVERLOADED_CODES = frozenset({"queue_full", "shed"})
+
+
+def anthropic_status(err: GpupoolError) -> int:
+    """The status `err` answers with on the Anthropic Messages API: gpupool's own, except a
+    full queue, which is 529 `overloaded_error` there."""
+    return 529 if err.status == 429 and err.code in _OVERLOADED_CODES else err.status
+
+
+def anthropic_payload(err: GpupoolError) -> dict[str, Any]:
+    """`err` in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`, plus
+    gpupool's `code` (and `retry_after_seconds` for capacity errors) beside them."""
+    status = anthropic_status(err)
+    inner: dict[str, Any] = {
+        "type": _ANTHROPIC_TYPES.get(status, "api_error"),
+        "message": err.message,
+        "code": err.code,
+    }
+    if isinstance(err, CapacityExceeded):
+        inner["retry_after_seconds"] = retry_after_seconds(err.retry_after_s)
+    return {"type": "error", "error": inner}
+
+
+def anthropic_body(err: GpupoolError) -> bytes:
+    return orjson.dumps(anthropic_payload(err))
 
 
 def error_for_status(status: int, message: str, code: str) -> GpupoolError:

@@ -64,7 +64,13 @@ __all__ = [
     "HEURISTIC_BYTES_PER_TOKEN",
     "MIN_P95_SAMPLES",
     "Estimate",
+    "EstimateInput",
     "TokenEstimator",
+    "content_texts",
+    "estimate_input",
+    "positive_int",
+    "read_openai",
+    "template_json",
 ]
 
 log = logging.getLogger(__name__)
@@ -111,6 +117,8 @@ class Estimate:
     sequences: int = 1
     exact_prompt_tokens: int = 0
     features: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    # the output limit the request names, per sequence, uncapped (None: it names none)
+    requested_output_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -204,6 +212,10 @@ class _TokenCounter:
         # A piece's first chunk has no space before it: tokens alone minus tokens after a
         # space. A leading space is not an extra one: it joins the first word.
         self._first_delta: dict[str, float] = {"": -self._space_tokens}
+
+    def encode_len(self, text: str) -> int:
+        """Tokens of `text` encoded whole, no special tokens (not memoised)."""
+        return self._encode_len(text)
 
     def _encode_len(self, text: str, special: bool = False) -> int:
         try:
@@ -331,8 +343,9 @@ class _TokenCounter:
 
 
 @dataclass(slots=True)
-class _Parsed:
-    """What an estimate needs from a body, read once."""
+class EstimateInput:
+    """What an estimate needs from a body, read once: each protocol's adapter reads its own
+    body shape into this (`read_openai` for chat and completions; `router.protocols`)."""
 
     pieces: list[str]  # message text and prompts
     json_pieces: list[str]  # tool-call names and arguments, the tools list as JSON
@@ -376,18 +389,7 @@ def _read_chat(
             if not isinstance(message, dict):
                 continue
             n_messages += 1
-            content = message.get("content")
-            if isinstance(content, str):
-                if content:
-                    pieces.append(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict):
-                        text = part.get("text")
-                        if isinstance(text, str) and text:
-                            pieces.append(text)
-                    elif isinstance(part, str) and part:
-                        pieces.append(part)
+            content_texts(message.get("content"), pieces)
             calls = message.get("tool_calls")
             if isinstance(calls, list):
                 for call in calls:
@@ -435,7 +437,66 @@ def _read_prompt(body: dict[str, Any], pieces: list[str]) -> tuple[int, int, int
     return texts, prompts, ids
 
 
-def _read(body: Any, chat: bool) -> _Parsed:
+def estimate_input(
+    pieces: list[str],
+    json_pieces: list[str],
+    *,
+    messages: int,
+    tool_calls: int,
+    has_tools: bool,
+    requested_output: int | None,
+    min_output: int = 0,
+) -> EstimateInput:
+    """The input of one chat-templated conversation (a chat, responses or messages request)."""
+    return EstimateInput(
+        pieces=pieces,
+        json_pieces=json_pieces,
+        chars=sum(map(len, pieces)) + sum(map(len, json_pieces)),
+        exact_tokens=0,
+        chat=True,
+        messages=messages,
+        tool_calls=tool_calls,
+        has_tools=has_tools,
+        text_prompts=0,
+        prompts=1,
+        sequences=1,
+        requested_output=requested_output,
+        min_output=min_output,
+    )
+
+
+def content_texts(content: Any, pieces: list[str]) -> None:
+    """Append the text of a message content to `pieces`: a string, or a list of parts (each a
+    string or an object with `text`: OpenAI's `text` / `input_text` / `output_text`)."""
+    if isinstance(content, str):
+        if content:
+            pieces.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str) and text:
+                    pieces.append(text)
+            elif isinstance(part, str) and part:
+                pieces.append(part)
+
+
+def template_json(value: Any) -> str:
+    """`value` as a chat template renders it (transformers' `tojson`; "" when it cannot)."""
+    return _dumps(value)
+
+
+def positive_int(value: Any) -> int | None:
+    """A whole number above 0 (an integral float too), else None."""
+    return _positive_int(value)
+
+
+def read_openai(body: Any, *, chat: bool) -> EstimateInput:
+    """A /v1/chat/completions (`chat`) or /v1/completions body's estimate input."""
+    return _read(body, chat)
+
+
+def _read(body: Any, chat: bool) -> EstimateInput:
     if not isinstance(body, dict):
         body = {}
     pieces: list[str] = []
@@ -454,7 +515,7 @@ def _read(body: Any, chat: bool) -> _Parsed:
     n = _positive_int(body.get("n")) or 1
     best_of = _positive_int(body.get("best_of")) or 1
     sequences = min(max(n, best_of), MAX_SEQUENCES) * max(prompts, 1)
-    return _Parsed(
+    return EstimateInput(
         pieces=pieces,
         json_pieces=json_pieces,
         chars=sum(map(len, pieces)) + sum(map(len, json_pieces)),
@@ -524,8 +585,51 @@ class TokenEstimator:
         return cls(
             tokenizer_path=path if path.is_file() else None,
             expected_output_tokens={c.name: c.expected_output_tokens for c in config.classes},
-            max_model_len_tokens=config.model.max_model_len_tokens,
+            max_model_len_tokens=config.model.max_model_len_tokens
+            or _model_context_tokens(config.model.path),
         )
+
+    def context_exceeded_early(self, parsed: EstimateInput) -> int | None:
+        """A long input's lower bound on the context it needs, when that is already over
+        `max_model_len` (else None): the tokens of its first characters, `2 × max_model_len`
+        at a time up to `8 × max_model_len`, plus the output limit it names. Counts that much
+        text at most (a few ms) where the whole estimate of a 50,000-word prompt would encode
+        all of it (a few hundred ms); the chat template's tokens are left out, and a cut
+        word counts as its parts (never fewer tokens than whole), so it never refuses what
+        fits."""
+        limit = self._max_model_len
+        counter = self._counter
+        if limit is None or counter is None or parsed.chars <= 4 * limit:
+            return None
+        budget = 8 * limit
+        step = 2 * limit  # encoded a step at a time: most long prompts are over after one
+        output = parsed.requested_output or 0
+        tokens = 0
+        for piece in (*parsed.pieces, *parsed.json_pieces):
+            for start in range(0, min(len(piece), budget), step):
+                part = piece[start : start + min(step, budget)]
+                tokens += counter.encode_len(part)
+                budget -= len(part)
+                if tokens + output > limit or tokens >= limit:
+                    return tokens + output
+                if budget <= 0:
+                    return None
+        return None
+
+    def context_needed(self, estimate: Estimate) -> int | None:
+        """The context the request needs (prompt plus the output limit it names) when that is
+        over `max_model_len`, else None: it can never be served, whatever the load. Without
+        the tokenizer the byte heuristic may be off by a fifth, so the prompt counts 0.8 of
+        its estimate."""
+        limit = self._max_model_len
+        if limit is None:
+            return None
+        prompt = estimate.prompt_tokens
+        counted = prompt if estimate.source == "tokenizer" else int(prompt * 0.8)
+        output = estimate.requested_output_tokens or 0
+        if counted + output > limit or counted >= limit:
+            return prompt + output
+        return None
 
     @property
     def source(self) -> str:
@@ -547,7 +651,15 @@ class TokenEstimator:
     ) -> Estimate:
         """`estimate`, with the tokenizer's work in a worker thread when more than
         `ASYNC_TEXT_CHARS` of the body's text has not been counted before."""
-        parsed = _read(body, chat)
+        return await self.estimate_input_async(_read(body, chat), class_name=class_name)
+
+    @property
+    def max_model_len_tokens(self) -> int | None:
+        """The engines' context length (prompt + output), None when unknown."""
+        return self._max_model_len
+
+    async def estimate_input_async(self, parsed: EstimateInput, *, class_name: str) -> Estimate:
+        """`estimate_async` of an input a protocol adapter read (`EstimateInput`)."""
         counter = self._counter
         if counter is None or parsed.chars <= ASYNC_TEXT_CHARS:
             return self._finish(parsed, self._content(parsed), class_name)
@@ -582,7 +694,7 @@ class TokenEstimator:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _content(self, parsed: _Parsed) -> tuple[float, float]:
+    def _content(self, parsed: EstimateInput) -> tuple[float, float]:
         """(text, JSON) in tokens, or in UTF-8 bytes without a tokenizer."""
         if self._counter is not None:
             counts = self._counter.count((parsed.pieces, parsed.json_pieces)) or [0.0, 0.0]
@@ -592,7 +704,9 @@ class TokenEstimator:
             float(sum(map(_utf8_bytes, parsed.json_pieces))),
         )
 
-    def _finish(self, parsed: _Parsed, content: tuple[float, float], class_name: str) -> Estimate:
+    def _finish(
+        self, parsed: EstimateInput, content: tuple[float, float], class_name: str
+    ) -> Estimate:
         text_prompts = parsed.text_prompts
         exact = parsed.exact_tokens
         if self._counter is not None:
@@ -626,6 +740,7 @@ class TokenEstimator:
             sequences=sequences,
             exact_prompt_tokens=exact,
             features=features,
+            requested_output_tokens=requested,
         )
 
     def _record_output(self, class_name: str, tokens: int) -> None:
@@ -640,6 +755,18 @@ class TokenEstimator:
             self._p95[class_name] = ordered[math.ceil(0.95 * len(ordered)) - 1]
             since = 0
         self._since_p95[class_name] = since
+
+
+def _model_context_tokens(model_path: Path) -> int | None:
+    """The model's own context length (`max_position_embeddings` in its `config.json`), which
+    vLLM uses when `--max-model-len` is not given; None when unreadable."""
+    try:
+        value = json.loads((Path(model_path) / "config.json").read_text()).get(
+            "max_position_embeddings"
+        )
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _load_counter(path: Path) -> _TokenCounter | None:

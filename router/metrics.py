@@ -27,14 +27,15 @@ class RouterMetrics:
         self.requests = Counter(
             "gpupool_requests_total",
             "Requests by pool, class, outcome (ok, client_error, engine_error, rejected,"
-            " aborted) and reason (HTTP status or error code)",
-            ["pool", "class", "outcome", "reason"],
+            " aborted), reason (HTTP status or error code) and endpoint (chat, completions,"
+            " responses, messages, count_tokens, responses_get, responses_cancel)",
+            ["pool", "class", "outcome", "reason", "endpoint"],
             registry=r,
         )
         self.latency = Histogram(
             "gpupool_request_duration_seconds",
             "End-to-end request latency at the router",
-            ["pool", "class"],
+            ["pool", "class", "endpoint"],
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
@@ -220,6 +221,7 @@ class RouterMetrics:
         )
         self._children: dict[tuple[str, ...], object] = {}
         self._preemptions_exported: dict[str, float] = {}
+        self._gone: set[str] = set()  # instances forgotten and not joined again
         # every family labelled by instance alone: `forget_instance` drops their series
         self._per_instance = (
             self.inflight,
@@ -243,19 +245,30 @@ class RouterMetrics:
                 family.remove(instance_id)
         self._children.pop(("inflight", instance_id), None)
         self._preemptions_exported.pop(instance_id, None)
+        self._gone.add(instance_id)
+
+    def instance_joined(self, instance_id: str) -> None:
+        """An engine (re)joined the fleet: its in-flight series is exported again, fresh."""
+        self._gone.discard(instance_id)
 
     def request_done(
-        self, pool: str, cls: str, outcome: str, reason: str, latency_s: float
+        self,
+        pool: str,
+        cls: str,
+        outcome: str,
+        reason: str,
+        latency_s: float,
+        endpoint: str = "chat",
     ) -> None:
-        key = ("r", pool, cls, outcome, reason)
+        key = ("r", pool, cls, outcome, reason, endpoint)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = self.requests.labels(pool, cls, outcome, reason)
+            child = self._children[key] = self.requests.labels(pool, cls, outcome, reason, endpoint)
         child.inc()  # type: ignore[attr-defined]
-        lkey = ("l", pool, cls)
+        lkey = ("l", pool, cls, endpoint)
         child = self._children.get(lkey)
         if child is None:
-            child = self._children[lkey] = self.latency.labels(pool, cls)
+            child = self._children[lkey] = self.latency.labels(pool, cls, endpoint)
         child.observe(latency_s)  # type: ignore[attr-defined]
 
     def observe_ttft(self, cls: str, ttft_s: float) -> None:
@@ -273,9 +286,14 @@ class RouterMetrics:
         child.observe(tpot_s)  # type: ignore[attr-defined]
 
     def set_inflight(self, instance: str, value: int) -> None:
+        """The router's sequences on `instance`; ignored for an instance that left the fleet
+        (`forget_instance`: its last leases' releases must not bring its series back) until it
+        joins again (`instance_joined`)."""
         key = ("inflight", instance)
         child = self._children.get(key)
         if child is None:
+            if instance in self._gone:
+                return
             child = self._children[key] = self.inflight.labels(instance)
         child.set(value)  # type: ignore[attr-defined]
 

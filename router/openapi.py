@@ -31,7 +31,10 @@ _ANY: Schema = {}  # any JSON value: gpupool reads it leniently, the engine vali
 
 _ERROR_DESCRIPTIONS = {
     400: "Malformed JSON, a missing or mistyped field, a bad gpupool header or query parameter, "
-    "or the engine's own 400 (prompt too long, invalid sampling parameters), passed through",
+    "a prompt and output limit over the model's context (context_length_exceeded), a sequence "
+    "over every instance's KV cache (kv_capacity_exceeded), an unknown or lost "
+    "previous_response_id (previous_response_not_found), or the engine's own 400, passed "
+    "through",
     401: "No API key, a malformed Authorization header, or an unknown key",
     403: "The key is valid but may not do this (class choice, /admin/*, /metrics)",
     404: "Unknown path, model, or run (a run of another tenant looks unknown)",
@@ -44,6 +47,8 @@ _ERROR_DESCRIPTIONS = {
     503: "No healthy engine in the request's pool",
     504: "The request's deadline (x-gpupool-deadline-ms or the class timeout) passed",
 }
+# the Anthropic Messages API answers every error in Anthropic's shape; 529 for a full queue
+_ANTHROPIC_STATUSES = (400, 401, 403, 404, 405, 408, 413, 429, 502, 503, 504, 529)
 
 
 def _ref(name: str) -> Schema:
@@ -56,6 +61,10 @@ def _json(schema: Schema, description: str) -> Schema:
 
 def _errors(*statuses: int) -> dict[str, Schema]:
     return {str(s): {"$ref": f"#/components/responses/Error{s}"} for s in statuses}
+
+
+def _anthropic_errors(*statuses: int) -> dict[str, Schema]:
+    return {str(s): {"$ref": f"#/components/responses/AnthropicError{s}"} for s in statuses}
 
 
 def _obj(required: list[str], properties: dict[str, Schema], **extra: Any) -> Schema:
@@ -139,6 +148,85 @@ def _schemas(config: Config) -> dict[str, Schema]:
             },
             description="OpenAI's error shape; 429s add retryable and retry_after_seconds",
         ),
+        "AnthropicError": _obj(
+            ["type", "error"],
+            {
+                "type": {"const": "error"},
+                "error": _obj(
+                    ["type", "message"],
+                    {
+                        "type": _STR,
+                        "message": _STR,
+                        "code": {"type": ["string", "integer", "null"]},
+                        "retry_after_seconds": {"type": "integer", "minimum": 1},
+                    },
+                ),
+            },
+            description="Anthropic's error shape (/v1/messages): error.type is "
+            "invalid_request_error, authentication_error, permission_error, not_found_error, "
+            "request_too_large, rate_limit_error, overloaded_error (529: queue full), "
+            "timeout_error or api_error; gpupool adds its code",
+        ),
+        "ResponsesRequest": _obj(
+            ["model", "input"],
+            {
+                "model": model,
+                "stream": {"type": ["boolean", "null"], "description": "Stream SSE events"},
+                "input": {
+                    "anyOf": [_STR, {"type": "array"}],
+                    "description": "Text or input items; read for the estimate, passed through",
+                },
+                "instructions": {"type": ["string", "null"]},
+                "max_output_tokens": {
+                    "type": ["integer", "null"],
+                    "minimum": 1,
+                    "description": read_for_estimate,
+                },
+                "previous_response_id": {
+                    "type": ["string", "null"],
+                    "description": "Continue a stored response: sent to the engine that "
+                    "stored it; unknown or lost: 400 previous_response_not_found",
+                },
+                "tools": {"description": "A non-empty list classifies into the tools class"},
+            },
+        ),
+        "Response": _obj(
+            ["id", "object"],
+            {"id": _STR, "object": {"const": "response"}, "usage": {"type": ["object", "null"]}},
+            description="The engine's response, passed through",
+        ),
+        "MessagesRequest": _obj(
+            ["model", "messages", "max_tokens"],
+            {
+                "model": model,
+                "stream": {"type": ["boolean", "null"], "description": "Stream SSE events"},
+                "messages": {
+                    "type": "array",
+                    "minItems": 1,
+                    "description": "Passed through; the engine validates each message",
+                },
+                "max_tokens": {"type": "integer", "minimum": 1},
+                "system": {"anyOf": [_STR, {"type": "array"}]},
+                "tools": {"description": "A non-empty list classifies into the tools class"},
+            },
+        ),
+        "Message": _obj(
+            ["id", "type", "content"],
+            {"id": _STR, "type": {"const": "message"}, "content": {"type": "array"}},
+            description="The engine's message, passed through",
+        ),
+        "CountTokensRequest": _obj(
+            ["model", "messages"],
+            {
+                "model": model,
+                "messages": {
+                    "type": "array",
+                    "minItems": 1,
+                    "description": "Passed through; the engine validates each message",
+                },
+            },
+        ),
+        "TokenCount": _obj(["input_tokens"], {"input_tokens": _INT}),
         "ChatCompletionRequest": _obj(
             ["model", "messages"],
             {
@@ -388,6 +476,7 @@ def _response_headers() -> dict[str, Schema]:
         "x-gpupool-request-id": header("The router's id for this request"),
         "x-gpupool-pool": header("The pool that served it"),
         "x-gpupool-class": header("The class it was given"),
+        "x-gpupool-priority": header("The priority it was queued with", _INT),
         "x-gpupool-instance": header("The engine instance that served it"),
         "x-gpupool-gpu-seconds": header(
             "GPU-seconds it cost (non-streaming answers)", {"type": "number", "minimum": 0}
@@ -423,6 +512,89 @@ def _generation(config: Config, security: list[Schema], *, chat: bool) -> Schema
                 **_errors(400, 401, 403, 404, 408, 413, 429, 502, 503, 504),
             },
         }
+    }
+
+
+def _agent_generation(config: Config, security: list[Schema], *, messages: bool) -> Schema:
+    request, answer = (
+        ("MessagesRequest", "Message") if messages else ("ResponsesRequest", "Response")
+    )
+    errors = (
+        _anthropic_errors(*_ANTHROPIC_STATUSES)
+        if messages
+        else _errors(400, 401, 403, 404, 408, 413, 429, 502, 503, 504)
+    )
+    return {
+        "post": {
+            "operationId": "createMessage" if messages else "createResponse",
+            "summary": "Create an Anthropic message through the pools"
+            if messages
+            else "Create an OpenAI response through the pools",
+            "description": "The same path as chat completions: classified, admitted (or "
+            "queued, or refused), proxied and accounted. Bytes pass through.",
+            "security": security,
+            "parameters": _header_parameters(config),
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request)}},
+            },
+            "responses": {
+                "200": {
+                    "description": "The engine's answer: JSON, or server-sent events with "
+                    '"stream": true (a failure mid-stream ends it with an error event)',
+                    "headers": _response_headers(),
+                    "content": {
+                        "application/json": {"schema": _ref(answer)},
+                        "text/event-stream": {"schema": _ref("StreamEvent")},
+                    },
+                },
+                **errors,
+            },
+        }
+    }
+
+
+def _engine_calls(security: list[Schema]) -> dict[str, Schema]:
+    rid = [{"name": "response_id", "in": "path", "required": True, "schema": _STR}]
+    count: Schema = {
+        "post": {
+            "operationId": "countMessageTokens",
+            "summary": "Count a message's input tokens on an engine (no admission)",
+            "security": security,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref("CountTokensRequest")}},
+            },
+            "responses": {
+                "200": _json(_ref("TokenCount"), "The engine's count"),
+                **_anthropic_errors(400, 401, 404, 408, 413, 502, 503),
+            },
+        }
+    }
+    get = _get(
+        "getResponse",
+        "A stored response, from the engine that stored it",
+        _json(_ref("Response"), "The response"),
+        401,
+        404,
+        502,
+        security=security,
+    )
+    cancel = _post(
+        "cancelResponse",
+        "Cancel a background response on the engine that stored it",
+        None,
+        _json(_ref("Response"), "The response"),
+        400,
+        401,
+        404,
+        502,
+        security=security,
+    )
+    return {
+        "/v1/messages/count_tokens": count,
+        "/v1/responses/{response_id}": {**get, "parameters": rid},
+        "/v1/responses/{response_id}/cancel": {**cancel, "parameters": rid},
     }
 
 
@@ -585,6 +757,9 @@ def openapi_document(config: Config, access: OperatorAccess) -> dict[str, Any]:
     paths: dict[str, Schema] = {
         "/v1/chat/completions": _generation(config, tenant, chat=True),
         "/v1/completions": _generation(config, tenant, chat=False),
+        "/v1/responses": _agent_generation(config, tenant, messages=False),
+        "/v1/messages": _agent_generation(config, tenant, messages=True),
+        **_engine_calls(tenant),
         "/v1/models": _get(
             "listModels",
             "The served model",
@@ -723,6 +898,12 @@ def openapi_document(config: Config, access: OperatorAccess) -> dict[str, Any]:
         elif status == 429:
             response["headers"] = {"retry-after": {"schema": _INT, "required": True}}
         responses[f"Error{status}"] = response
+    for status in _ANTHROPIC_STATUSES:
+        description = _ERROR_DESCRIPTIONS.get(status, "The queue is full (overloaded)")
+        response = _json(_ref("AnthropicError"), description)
+        if status in (429, 529):
+            response["headers"] = {"retry-after": {"schema": _INT, "required": True}}
+        responses[f"AnthropicError{status}"] = response
     return {
         "openapi": "3.1.0",
         "info": {

@@ -1,18 +1,28 @@
-"""The request path for `/v1/chat/completions` and `/v1/completions`, as a raw ASGI handler.
+"""The request path for every generation endpoint, as a raw ASGI handler: `/v1/chat/completions`,
+`/v1/completions`, `/v1/responses` and `/v1/messages`.
 
 authenticate -> read -> parse -> classify -> estimate -> admit (queue or 429) -> pick and lease
 -> proxy -> settle -> release (DESIGN.md, "The request path"). Each arrow is one call; a retry
-re-picks within the admission grant. It runs outside FastAPI's routing and middleware on
-purpose: it sits on every token of every request, and the ASGI stack is most of what a Python
-proxy costs (benchmarks/results/router_overhead.md).
+re-picks within the admission grant. What differs between the protocols (required fields,
+what the estimate counts, the first generated token, the usage, the last event, the error
+shape) is each protocol adapter's (`router.protocols`); the path itself is one. It runs
+outside FastAPI's routing and middleware on purpose: it sits on every token of every request,
+and the ASGI stack is most of what a Python proxy costs (benchmarks/results/router_overhead.md).
 
 Proxy rules:
 - the API key is checked from the headers before the body is read; the body is read within
   `router.body_read_timeout_s` (408) and `router.max_body_bytes` (413);
-- bytes pass through; the router parses the request body once, the first content event (for
-  TTFT) and the usage event (tokens); nothing else of the stream;
-- a streaming request always asks vLLM for `stream_options.include_usage`; the usage event is
-  stripped again when the client did not ask for it;
+- bytes pass through; the router parses the request body once, the first generated token's
+  event (for TTFT: text, a tool call or reasoning) and the usage event (tokens); nothing else
+  of the stream;
+- a streaming chat or completions request always asks vLLM for `stream_options.include_usage`;
+  the usage event is stripped again when the client did not ask for it;
+- a request that can never be served answers 400 before admission: its prompt and output
+  limit over the model's context (`context_length_exceeded`), its sequence over every
+  instance's whole KV cache (`kv_capacity_exceeded`), a `previous_response_id` the router
+  does not know or whose engine is gone (`previous_response_not_found`);
+- a follow-up response (`previous_response_id`) goes only to the instance that stored the
+  response it continues (`router.response_placement`), waiting for it when it is busy;
 - a client that disconnects aborts the upstream request (the connection to the engine is
   closed, and vLLM aborts the sequence), or leaves the admission queue if it was waiting;
 - a connect failure before any byte was sent marks the instance unhealthy and re-picks another
@@ -30,6 +40,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -53,6 +64,7 @@ from router.governance import Governor, StepSignals
 from router.identity import Tenants
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity
+from router.protocols import ProtocolAdapter
 from router.request import (
     Message,
     Receive,
@@ -62,31 +74,24 @@ from router.request import (
     Scope,
     Send,
 )
+from router.response_placement import ResponsePlacement, StoredResponse
 from router.wait_comments import HEADER as WAIT_COMMENTS_HEADER
 from router.wait_comments import WaitComments, wait_comments_after_s
 
-__all__ = ["CompletionsHandler"]
+__all__ = ["CompletionsHandler", "parse_request_body", "read_request_body", "request_headers"]
 
 log = logging.getLogger(__name__)
 
 _SSE_SEP = b"\n\n"
+_DEFAULT_BLOCK_SIZE = 16  # vLLM's, until an engine reports its own
 
 
-def _headers(scope: Scope) -> dict[str, str]:
+def request_headers(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-def _is_first_token(event: bytes) -> bool:
-    """True for an event carrying output (not vLLM's role-only opening event)."""
-    if event.startswith(b"data: [DONE]"):
-        return False
-    if b'"content":""' in event or b'"choices":[]' in event:
-        return b'"tool_calls"' in event
-    return b'"content":' in event or b'"text":' in event or b'"tool_calls"' in event
-
-
 class CompletionsHandler:
-    """Serves one OpenAI generation endpoint (`chat` or `completions`) through the pools."""
+    """Serves the generation endpoints through the pools, each through its protocol adapter."""
 
     def __init__(
         self,
@@ -102,9 +107,11 @@ class CompletionsHandler:
         observers: list[RequestObserver] | None = None,
         clock: Callable[[], float] = time.monotonic,
         governor: Governor | None = None,
+        placement: ResponsePlacement | None = None,
     ) -> None:
         self.config = config
         self.governor = governor
+        self.placement = placement if placement is not None else ResponsePlacement(None)
         self.tenants = tenants
         self.fleet = fleet
         self.admitter = admitter
@@ -124,10 +131,12 @@ class CompletionsHandler:
 
     # ----------------------------------------------------------------------------- entry
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, *, adapter: ProtocolAdapter
+    ) -> None:
         now = self.clock()
         request_id = "gp-" + os.urandom(8).hex()
-        headers = _headers(scope)
+        headers = request_headers(scope)
         signals: StepSignals | None = None
         tenant_name: str | None = None
         try:
@@ -135,31 +144,66 @@ class CompletionsHandler:
             tenant_name = tenant.name
             body_bytes = await self._read_body(receive)
             read_s = self.clock()
-            body = self._parse(body_bytes, chat)
-            ctx = classify(headers, body, tenant, self.config, request_id=request_id, now_s=now)
-            if self.governor is not None:
-                ctx, signals = self.governor.prepare(ctx, tenant, headers, body)
-            wait_after_s = wait_comments_after_s(headers.get(WAIT_COMMENTS_HEADER))
+            body = self._parse(body_bytes, adapter)
+            ctx = classify(
+                headers,
+                body,
+                tenant,
+                self.config,
+                request_id=request_id,
+                now_s=now,
+                protocol=adapter.name,
+            )
+            ctx, stored = self._follow_up(ctx, body, adapter)
             try:
-                estimate = await self.estimator.estimate_async(
-                    body, chat=chat, class_name=ctx.class_name
+                parsed = adapter.estimate_input(body)
+                if (needed := self.estimator.context_exceeded_early(parsed)) is not None:
+                    raise self._context_error(needed, parsed.requested_output or 0)
+                if self.governor is not None:
+                    ctx, signals = self.governor.prepare(ctx, tenant, headers, body)
+                wait_after_s = wait_comments_after_s(headers.get(WAIT_COMMENTS_HEADER))
+                estimate = await self.estimator.estimate_input_async(
+                    parsed, class_name=ctx.class_name
                 )
             except RecursionError:  # it re-encodes JSON it reads (tools): a body nested too deep
                 raise _too_deep() from None
+            if stored is not None:  # the engine renders the stored conversation before it
+                estimate = replace(
+                    estimate,
+                    prompt_tokens=estimate.prompt_tokens + stored.context_tokens,
+                    exact_prompt_tokens=estimate.exact_prompt_tokens + stored.context_tokens,
+                )
+            self._check_servable(ctx, estimate)
         except GpupoolError as err:
             extra = [(b"x-gpupool-request-id", request_id.encode())]
             if self.governor is not None and tenant_name is not None:
                 extra += self.governor.rate_headers(tenant_name)
-            await _send_error(send, err, extra)
+            await _send_error(send, err, extra, adapter)
             self.metrics.request_done(
-                "none", "none", _outcome_of(err.status), err.code, self.clock() - now
+                "none",
+                "none",
+                _outcome_of(err.status),
+                err.code,
+                self.clock() - now,
+                adapter.name,
             )
             return
         except ConnectionError:
             return  # the client left while sending its body
-        outcome = RequestOutcome(ctx=ctx, estimate=estimate)
+        outcome = RequestOutcome(ctx=ctx, estimate=estimate, endpoint=adapter.name)
         task = asyncio.ensure_future(
-            self._serve(ctx, body, body_bytes, chat, send, outcome, read_s, signals, wait_after_s)
+            self._serve(
+                ctx,
+                body,
+                body_bytes,
+                adapter,
+                send,
+                outcome,
+                read_s,
+                signals,
+                wait_after_s,
+                stored,
+            )
         )
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
@@ -180,41 +224,95 @@ class CompletionsHandler:
     async def _read_body(self, receive: Receive) -> bytes:
         try:
             async with asyncio.timeout(self._body_timeout_s):
-                return await _read_body(receive, self._max_body_bytes)
+                return await read_request_body(receive, self._max_body_bytes)
         except TimeoutError:
             raise RequestTimeout(
                 f"the request body did not arrive within {self._body_timeout_s:g} s",
                 "body_timeout",
             ) from None
 
-    def _parse(self, raw: bytes, chat: bool) -> dict[str, Any]:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as err:
-            raise BadRequest(f"request body is not valid JSON: {err}", "invalid_json") from None
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object", "invalid_body")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest("missing required field 'model'", "missing_field", param="model")
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest(
-                    "'messages' must be a non-empty list", "missing_field", param="messages"
-                )
-        elif "prompt" not in body:
-            raise BadRequest("missing required field 'prompt'", "missing_field", param="prompt")
-        if model != self.config.model.name:
-            raise ModelNotFound(
-                f"The model `{model}` does not exist. Served models: {self.config.model.name}.",
-                "model_not_found",
-                param="model",
-            )
+    def _parse(self, raw: bytes, adapter: ProtocolAdapter) -> dict[str, Any]:
+        body = parse_request_body(raw, self.config.model.name, adapter.validate)
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise BadRequest("'stream' must be a boolean", "invalid_field", param="stream")
         return body
+
+    def _follow_up(
+        self, ctx: RequestContext, body: dict[str, Any], adapter: ProtocolAdapter
+    ) -> tuple[RequestContext, StoredResponse | None]:
+        """A follow-up response (`previous_response_id`): where the response it continues is
+        stored, which must be a healthy instance of the fleet; the chain is the request's run
+        when it names no other, and its pool is one the instance serves."""
+        previous = body.get("previous_response_id") if adapter.stateful else None
+        if not isinstance(previous, str) or not previous:
+            return ctx, None
+        stored = self.placement.get(previous)
+        if stored is None or stored.tenant != ctx.tenant:
+            raise BadRequest(
+                f"previous response {previous[:80]!r} was not made through gpupool, or is "
+                "too old to be remembered; send the whole conversation as `input` instead",
+                "previous_response_not_found",
+                param="previous_response_id",
+            )
+        state = self.fleet.get(stored.instance_id)
+        if state is None or not state.healthy or state.leaving:
+            raise BadRequest(
+                f"previous response {previous[:80]!r} was stored by engine "
+                f"{stored.instance_id!r}, which is gone; send the whole conversation as "
+                "`input` instead",
+                "previous_response_not_found",
+                param="previous_response_id",
+            )
+        if ctx.run_id is None:
+            ctx = replace(ctx, run_id=stored.chain_root)
+        pools = dict(self.admitter.pool_map.current.pools_of(stored.instance_id))
+        if pools.get(ctx.pool, 0.0) <= 0.0 and pools:
+            ctx = replace(ctx, pool=max(pools, key=lambda p: pools[p]))
+        return ctx, stored
+
+    def _check_servable(self, ctx: RequestContext, estimate: Estimate) -> None:
+        """Refuse (400, before admission) a request no instance can ever serve: over the
+        model's context, or over the whole KV cache of every instance of its pool."""
+        needed = self.estimator.context_needed(estimate)
+        if needed is not None:
+            raise self._context_error(needed, estimate.requested_output_tokens or 0)
+        capacity = self._largest_kv_tokens(ctx.pool)
+        if capacity is not None and estimate.total_tokens > capacity:
+            raise BadRequest(
+                f"the request needs about {estimate.total_tokens} tokens of KV cache (prompt "
+                f"and expected output); the largest instance of pool {ctx.pool!r} holds "
+                f"{capacity}. Reduce the prompt or the output limit.",
+                "kv_capacity_exceeded",
+                param="messages",
+            )
+
+    def _context_error(self, needed: int, output: int) -> BadRequest:
+        limit = self.estimator.max_model_len_tokens
+        return BadRequest(
+            f"prompt is too long: {needed} tokens > {limit} maximum. This model's maximum "
+            f"context length is {limit} tokens; the request needs at least {needed - output} "
+            f"for the prompt and {output} for the output. Reduce the prompt or the output "
+            "limit.",
+            "context_length_exceeded",
+            param="messages",
+        )
+
+    def _largest_kv_tokens(self, pool: str) -> int | None:
+        """The most tokens one sequence may hold on any healthy instance of `pool` (its KV
+        blocks less admission's margin); None while any of them has not reported its blocks."""
+        largest: int | None = None
+        for instance_id in self.admitter.pool_map.current.instances_for(pool):
+            state = self.fleet.get(instance_id)
+            if state is None or not state.healthy:
+                continue
+            blocks = state.capacity_blocks
+            if blocks is None or state.reading is None:
+                return None
+            block_size = state.reading.block_size or _DEFAULT_BLOCK_SIZE
+            tokens = int(blocks * (1.0 - self.admitter.margin_frac)) * block_size
+            largest = tokens if largest is None else max(largest, tokens)
+        return largest
 
     # ----------------------------------------------------------------------------- serving
 
@@ -223,32 +321,34 @@ class CompletionsHandler:
         ctx: RequestContext,
         body: dict[str, Any],
         body_bytes: bytes,
-        chat: bool,
+        adapter: ProtocolAdapter,
         send: Send,
         outcome: RequestOutcome,
         read_s: float,
         signals: StepSignals | None = None,
         wait_after_s: float | None = None,
+        stored: StoredResponse | None = None,
     ) -> None:
         gp_headers = [
             (b"x-gpupool-request-id", ctx.request_id.encode()),
             (b"x-gpupool-pool", ctx.pool.encode()),
             (b"x-gpupool-class", ctx.class_name.encode()),
+            (b"x-gpupool-priority", str(ctx.priority).encode()),
         ]
-        changed = False
-        if ctx.stream:
-            options = body.get("stream_options")
-            if not isinstance(options, dict) or not options.get("include_usage"):
-                body["stream_options"] = {
-                    **(options if isinstance(options, dict) else {}),
-                    "include_usage": True,
-                }
-                changed = True
+        changed = adapter.prepare(body, ctx)
         engine_priority = self._engine_priority.get(ctx.pool)
-        if engine_priority is not None and "priority" not in body:
+        if engine_priority is not None and "priority" not in body and adapter.engine_priority:
             body["priority"] = engine_priority  # vLLM schedules lower values first
             changed = True
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+        elif "priority" in body:
+            changed = True  # the client's own, which classify may have clamped (max_priority)
+        path = adapter.path
+        # a follow-up goes to the instance that stored its previous response, nowhere else
+        pinned = (
+            frozenset(s.spec.instance_id for s in self.fleet) - {stored.instance_id}
+            if stored is not None
+            else frozenset()
+        )
         estimate = outcome.estimate
         assert estimate is not None
         refused: set[str] = set()  # refused the connection: never retried for this request
@@ -276,7 +376,7 @@ class CompletionsHandler:
             if waiter is not None:
                 waiter.reason = "queue"
             admit_start_s = outcome.admission_started_at_s = self.clock()
-            lease = await self.admitter.admit(ctx, estimate)
+            lease = await self.admitter.admit(ctx, estimate, exclude=pinned)
             await self._stop_waiting(waiter, outcome)
             outcome.admitted_at_s = self.clock()
             queued_s = outcome.admitted_at_s - admit_start_s + governed_s
@@ -321,6 +421,8 @@ class CompletionsHandler:
                     # nothing reached the engine: it is down or not listening
                     refused.add(instance_id)
                     self.fleet.record_failure(instance_id, f"connect failed: {err}", immediate=True)
+                    if stored is not None:  # the stored response went with the engine
+                        raise _engine_gone(body, instance_id) from None
                     lease = await self._retry(ctx, estimate, lease, refused, tried, attempts, err)
                     continue
                 except TimeoutError:
@@ -330,11 +432,13 @@ class CompletionsHandler:
                 except (aiohttp.ClientError, OSError) as err:
                     # reset or closed before the response head (often a stale pooled
                     # connection); no byte has reached the client, so try again
-                    lease = await self._retry(ctx, estimate, lease, refused, tried, attempts, err)
+                    lease = await self._retry(
+                        ctx, estimate, lease, refused, tried, attempts, err, pinned
+                    )
                     continue
                 try:
-                    self.affinity.record(ctx.run_key, instance_id)
-                    await self._relay(ctx, resp, send, headers, outcome, lease)
+                    self.affinity.record(ctx.home_key, instance_id)
+                    await self._relay(ctx, resp, send, headers, outcome, lease, adapter, stored)
                 except BaseException:
                     resp.close()  # drop the connection: vLLM aborts the sequence
                     raise
@@ -357,7 +461,7 @@ class CompletionsHandler:
             outcome.error_type = failure.type
             if outcome.wait_stream_open:  # the wait's comments started the stream: an event
                 outcome.wait_stream_open = False
-                await send(_error_event(failure))
+                await send(_error_event(failure, adapter))
             if outcome.response_started:
                 return
             await _send_error(
@@ -369,6 +473,7 @@ class CompletionsHandler:
                     if outcome.instance_id
                     else []
                 ),
+                adapter,
             )
         finally:
             if waiter is not None:
@@ -395,9 +500,11 @@ class CompletionsHandler:
         tried: set[str],
         attempts: int,
         err: BaseException,
+        pinned: frozenset[str] = frozenset(),
     ) -> Lease:
         """A new lease for another attempt: another instance the request fits on now, else
-        one that failed without refusing, else the queue again (never a refused instance)."""
+        one that failed without refusing, else the queue again (never a refused instance).
+        A pinned request (`pinned`: every instance but its own) only ever retries its own."""
         lease.release()
         self.metrics.set_inflight(lease.instance_id, lease.state.inflight)
         if attempts > self._max_retries:
@@ -407,6 +514,8 @@ class CompletionsHandler:
                 "engine_unreachable",
             ) from None
         self.metrics.retries.labels(ctx.pool).inc()
+        if pinned:
+            return await self.admitter.admit(ctx, estimate, exclude=pinned)
         log.info(
             "%s: %s failed before answering (%s); retrying",
             ctx.request_id,
@@ -441,6 +550,8 @@ class CompletionsHandler:
         headers: list[tuple[bytes, bytes]],
         outcome: RequestOutcome,
         lease: Lease,
+        adapter: ProtocolAdapter,
+        stored: StoredResponse | None = None,
     ) -> None:
         status = resp.status
         outcome.status = status
@@ -454,10 +565,16 @@ class CompletionsHandler:
                 raise EngineFailure(
                     f"engine {outcome.instance_id} failed: {detail}", "engine_error"
                 )
+            if status == 404 and stored is not None:
+                # the engine no longer holds the response (it restarted since): never a 404
+                # that reads like a wrong path, nor a silent answer without the history
+                outcome.status = 400
+                raise _engine_gone(None, outcome.instance_id or "?")
             outcome.outcome, outcome.reason = "client_error", str(status)
+            raw = adapter.engine_error(status, raw)
             if outcome.wait_stream_open:  # the engine's refusal, as the stream's one event
                 outcome.wait_stream_open = False
-                body = b"data: " + raw.strip() + b"\n\ndata: [DONE]\n\n"
+                body = adapter.refusal_event(raw)
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return
             ctype = resp.headers.get("content-type", "application/json").encode()
@@ -472,9 +589,9 @@ class CompletionsHandler:
             await send({"type": "http.response.body", "body": raw})
             return
         if ctx.stream:
-            await self._relay_stream(ctx, resp, send, headers, outcome, lease)
+            await self._relay_stream(ctx, resp, send, headers, outcome, lease, adapter, stored)
         else:
-            await self._relay_body(ctx, resp, send, headers, outcome)
+            await self._relay_body(ctx, resp, send, headers, outcome, adapter, stored)
 
     async def _relay_body(
         self,
@@ -483,6 +600,8 @@ class CompletionsHandler:
         send: Send,
         headers: list[tuple[bytes, bytes]],
         outcome: RequestOutcome,
+        adapter: ProtocolAdapter,
+        stored: StoredResponse | None = None,
     ) -> None:
         try:
             raw = await resp.read()
@@ -496,21 +615,28 @@ class CompletionsHandler:
             ) from None
         outcome.ended_at_s = self.clock()  # a whole body: no first token to observe
         extra_headers: list[tuple[bytes, bytes]] = []
-        try:
-            usage = orjson.loads(raw).get("usage") or {}
-            outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
-        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
-            pass
-        extra: dict[str, Any] = {}
-        for obs in self.observers:
-            extra.update(obs.usage_extra(outcome))
+        data: Any = None
+        with contextlib.suppress(orjson.JSONDecodeError):
+            data = orjson.loads(raw)
+        if isinstance(data, dict):
+            with contextlib.suppress(TypeError, ValueError):
+                tokens = adapter.body_usage(data)
+                if tokens is not None:
+                    outcome.prompt_tokens, outcome.completion_tokens = tokens
+            outcome.response_id = adapter.body_response_id(data)
+        extra = self._extras(outcome)
         for key, value in extra.items():
             extra_headers.append(
                 (f"x-gpupool-{key.replace('_', '-')}".encode(), str(value).encode())
             )
-        if ctx.want_gpu_usage and extra:
-            raw = _add_usage(raw, extra)
+        if (
+            ctx.want_gpu_usage
+            and extra
+            and isinstance(data, dict)
+            and adapter.add_body_usage(data, extra)
+        ):
+            raw = orjson.dumps(data)
+        self._remember_response(outcome, ctx, stored)
         await self._settle_before_final(outcome)
         outcome.response_started = True
         await send(
@@ -530,6 +656,8 @@ class CompletionsHandler:
         headers: list[tuple[bytes, bytes]],
         outcome: RequestOutcome,
         lease: Lease,
+        adapter: ProtocolAdapter,
+        stored: StoredResponse | None = None,
     ) -> None:
         if outcome.wait_stream_open:  # the wait's comments sent the status line already
             outcome.wait_stream_open = False
@@ -547,8 +675,11 @@ class CompletionsHandler:
                 }
             )
         buf = b""
-        tail = b""  # the stream's `[DONE]` and anything after it: sent after the settle
+        tail = b""  # the stream's last event and anything after it: sent after the settle
         first_token_seen = False
+        want_id = adapter.stateful
+        marker = adapter.usage_marker
+        extras = lambda: self._extras(outcome)  # noqa: E731
         try:
             async for chunk in resp.content.iter_any():
                 buf += chunk
@@ -557,13 +688,16 @@ class CompletionsHandler:
                 while (end := buf.find(_SSE_SEP, start)) >= 0:
                     event = buf[start : end + 2]
                     start = end + 2
-                    if not first_token_seen and _is_first_token(event):
+                    if not first_token_seen and adapter.is_first_token(event):
                         first_token_seen = True
                         outcome.first_token_at_s = self.clock()
                         lease.first_token(outcome.first_token_at_s)
-                    if b'"usage"' in event:
-                        event = self._usage_event(ctx, event, outcome)
-                    if tail or event.startswith(b"data: [DONE]"):
+                    if want_id and (rid := adapter.response_id(event)) is not None:
+                        outcome.response_id = rid
+                        want_id = False
+                    if marker in event:
+                        event = adapter.usage_event(ctx, event, outcome, extras)
+                    if tail or adapter.is_final_event(event):
                         tail += event
                     elif event:
                         out.append(event)
@@ -587,8 +721,10 @@ class CompletionsHandler:
             outcome.outcome = _outcome_of(error.status)
             outcome.reason = "midstream" if error.status == 502 else error.code
             outcome.status = error.status
-            await send(_error_event(error))
+            await send(_error_event(error, adapter))
             return
+        outcome.ended_at_s = self.clock()
+        self._remember_response(outcome, ctx, stored)
         await self._settle_before_final(outcome)
         await send({"type": "http.response.body", "body": tail + buf, "more_body": False})
 
@@ -605,31 +741,31 @@ class CompletionsHandler:
             except Exception:
                 log.exception("request observer failed to settle %s", outcome.ctx.request_id)
 
-    def _usage_event(self, ctx: RequestContext, event: bytes, outcome: RequestOutcome) -> bytes:
-        """Record the usage; drop the usage-only event unless the client asked for it."""
-        try:
-            data = orjson.loads(event[5:].strip()) if event.startswith(b"data:") else None
-        except orjson.JSONDecodeError:
-            return event
-        if not isinstance(data, dict) or not isinstance(data.get("usage"), dict):
-            return event
-        usage = data["usage"]
-        outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
-        if data.get("choices"):
-            return event  # continuous usage stats on a content event: keep it
-        if not (ctx.client_wants_usage or ctx.want_gpu_usage):
-            return b""
-        outcome.ended_at_s = self.clock()
-        if not ctx.want_gpu_usage:
-            return event
+    def _extras(self, outcome: RequestOutcome) -> dict[str, Any]:
+        """What the observers add to a response's usage (GPU-seconds, ...), once its tokens
+        are known."""
         extra: dict[str, Any] = {}
         for obs in self.observers:
             extra.update(obs.usage_extra(outcome))
-        if not extra:
-            return event
-        usage.update(extra)
-        return b"data: " + orjson.dumps(data) + b"\n\n"
+        return extra
+
+    def _remember_response(
+        self, outcome: RequestOutcome, ctx: RequestContext, previous: StoredResponse | None
+    ) -> None:
+        """A stored response's place, before the client can send a follow-up to it; its
+        chain is the previous response's, or starts with it."""
+        rid = outcome.response_id
+        if rid is None or outcome.instance_id is None:
+            return
+        self.placement.remember(
+            rid,
+            StoredResponse(
+                tenant=ctx.tenant,
+                instance_id=outcome.instance_id,
+                chain_root=previous.chain_root if previous is not None else rid,
+                context_tokens=outcome.prompt_tokens + outcome.completion_tokens,
+            ),
+        )
 
     def _finish(self, outcome: RequestOutcome) -> None:
         ctx = outcome.ctx
@@ -642,15 +778,16 @@ class CompletionsHandler:
             outcome.outcome,
             outcome.reason,
             outcome.ended_at_s - ctx.received_at_s,
+            outcome.endpoint,
         )
         if outcome.outcome == "ok":
             if (ttft := outcome.ttft_s) is not None:
                 self.metrics.observe_ttft(ctx.class_name, ttft)
             if (tpot := outcome.tpot_s) is not None:
                 self.metrics.observe_tpot(ctx.class_name, tpot)
-            if ctx.run_key is not None and outcome.instance_id is not None:
+            if ctx.home_key is not None and outcome.instance_id is not None:
                 self.affinity.record(
-                    ctx.run_key,
+                    ctx.home_key,
                     outcome.instance_id,
                     outcome.prompt_tokens + outcome.completion_tokens,
                 )
@@ -668,6 +805,30 @@ class CompletionsHandler:
                 obs.finished(outcome)
             except Exception:
                 log.exception("request observer failed for %s", ctx.request_id)
+
+
+def parse_request_body(
+    raw: bytes, served_model: str, validate: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """A request body: a JSON object with a `model`, checked by `validate` (the protocol's
+    required fields), then the model checked against the served one."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise BadRequest(f"request body is not valid JSON: {err}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", "invalid_body")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("missing required field 'model'", "missing_field", param="model")
+    validate(body)
+    if model != served_model:
+        raise ModelNotFound(
+            f"The model `{model}` does not exist. Served models: {served_model}.",
+            "model_not_found",
+            param="model",
+        )
+    return body
 
 
 def _too_deep() -> BadRequest:
@@ -699,7 +860,7 @@ def _outcome_of(status: int) -> str:
     return "ok"
 
 
-async def _read_body(receive: Receive, max_bytes: int) -> bytes:
+async def read_request_body(receive: Receive, max_bytes: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -743,19 +904,35 @@ def _engine_message(raw: bytes) -> str:
     return raw[:200].decode("utf-8", "replace") or "empty response"
 
 
-def _error_event(err: GpupoolError) -> Message:
-    """The last message of a started stream that failed: an OpenAI-shaped error event."""
-    body = b"data: " + err.body() + b"\n\ndata: [DONE]\n\n"
-    return {"type": "http.response.body", "body": body, "more_body": False}
+def _engine_gone(body: dict[str, Any] | None, instance_id: str) -> BadRequest:
+    previous = (body or {}).get("previous_response_id")
+    what = f"previous response {str(previous)[:80]!r}" if previous else "the previous response"
+    return BadRequest(
+        f"{what} was stored by engine {instance_id!r}, which no longer holds it (it stopped or "
+        "restarted); send the whole conversation as `input` instead",
+        "previous_response_not_found",
+        param="previous_response_id",
+    )
 
 
-async def _send_error(send: Send, err: GpupoolError, headers: list[tuple[bytes, bytes]]) -> None:
-    body = err.body()
+def _error_event(err: GpupoolError, adapter: ProtocolAdapter) -> Message:
+    """The last message of a started stream that failed: an error event in the protocol's
+    shape."""
+    return {"type": "http.response.body", "body": adapter.error_event(err), "more_body": False}
+
+
+async def _send_error(
+    send: Send,
+    err: GpupoolError,
+    headers: list[tuple[bytes, bytes]],
+    adapter: ProtocolAdapter,
+) -> None:
+    status, body, err_headers = adapter.error_response(err)
     await send(
         {
             "type": "http.response.start",
-            "status": err.status,
-            "headers": [(b"content-type", b"application/json"), *headers, *err.headers()],
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), *headers, *err_headers],
         }
     )
     await send({"type": "http.response.body", "body": body})

@@ -81,11 +81,13 @@ class RequestOutcome:
 
     Times are on the router's monotonic clock. `first_token_at_s` is set only where the first
     token is observed, i.e. for streaming responses: a non-streaming response arrives whole, so
-    its TTFT and TPOT are unknown (None), never its whole latency in disguise.
+    its TTFT and TPOT are unknown (None), never its whole latency in disguise. The first token
+    is the first generated one of any kind: text, a tool call's arguments, or reasoning.
     """
 
     ctx: RequestContext
     estimate: Estimate | None = None
+    endpoint: str = "chat"  # chat | completions | responses | messages (router.protocols)
     instance_id: str | None = None
     status: int = 0
     outcome: str = "ok"  # ok | client_error | engine_error | rejected | aborted | timeout
@@ -101,6 +103,7 @@ class RequestOutcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     response_started: bool = False  # the status line went to the client
+    response_id: str | None = None  # a stored response's id (the Responses API)
     # started by SSE wait comments (router/wait_comments.py); no relay has written since
     wait_stream_open: bool = False
     # accounting (router.accounting_observer)

@@ -156,6 +156,9 @@ def build_engine_command(
         dtype,
     ]
     env = dict(base_env or {})
+    # vLLM keeps a Responses API response (for `previous_response_id`, GET, cancel) only with
+    # this set; the router sends each follow-up to the engine that stored its response
+    env.setdefault("VLLM_ENABLE_RESPONSES_API_STORE", "1")
 
     def add(flag: str, *values: str) -> None:
         if flag in flags:

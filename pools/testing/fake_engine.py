@@ -7,6 +7,14 @@ What it does, in vLLM 0.32's shapes:
   `stream_options.include_usage`) and not; `max_tokens` output tokens of one word each;
   prompt tokens counted as whitespace-separated words; a prompt over `max_model_len_tokens`
   gets vLLM's 400; an unknown model gets vLLM's 404.
+- `POST /v1/responses` (stream and not; each response is stored: `previous_response_id`
+  continues it, an unknown one gets vLLM's 404), `GET /v1/responses/{id}`,
+  `POST /v1/responses/{id}/cancel`, `POST /v1/messages` (stream and not),
+  `POST /v1/messages/count_tokens` (`pools.testing.fake_protocols`).
+- With `reasoning_tokens` > 0 every answer starts with that many reasoning deltas (chat:
+  `delta.reasoning`; responses: `response.reasoning_text.delta`; messages: `thinking_delta`)
+  before its `max_tokens` output tokens; the first comes after `ttft_s`, each next after
+  `itl_s`.
 - `GET /v1/models`, `GET /health`, `GET /metrics` (`vllm:kv_cache_usage_perc`,
   `vllm:num_requests_running|waiting`, `vllm:cache_config_info`, `vllm:num_preemptions_total`,
   TTFT and inter-token histograms).
@@ -27,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from pools.testing import fake_protocols as fp
 
 __all__ = ["FakeEngineState", "main", "make_fake_engine"]
 
@@ -85,6 +95,9 @@ class FakeEngineState:
     legacy_metric_names: bool = False  # vllm:gpu_cache_usage_perc, time_per_output_token
     # False: /metrics has no vllm:cache_config_info (an older vLLM, a proxy, another server)
     cache_config_info: bool = True
+    reasoning_tokens: int = 0  # reasoning deltas before the output (a reasoning parser's)
+    # stored responses (the Responses API): id -> (context tokens, body)
+    responses: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     # live counters
     running: int = 0
     peak_running: int = 0  # the most sequences ever running at once
@@ -162,6 +175,14 @@ def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
     return len(str(prompt).split()) + 1
 
 
+_PROTOCOLS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+}
+
+
 def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awaitable[None]]:
     """Build the ASGI app. Pass a `FakeEngineState` to script it and read its counters."""
     st = state or FakeEngineState()
@@ -188,18 +209,25 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
             if not message.get("more_body"):
                 return b"".join(chunks)
 
-    async def generate(scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+    async def generate(scope: Scope, receive: Receive, send: Send, proto: str) -> None:
+        chat = proto == "chat"
         try:
             raw = await read_body(receive)
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             await respond(send, 400, _error_body("invalid JSON", "BadRequestError", 400))
             return
+        if not isinstance(body, dict):
+            await respond(send, 400, _error_body("not an object", "BadRequestError", 400))
+            return
         if st.keep_requests:
             st.requests_seen.append(body)
         if body.get("model") != st.model:
             msg = f"The model `{body.get('model')}` does not exist. Valid aliases: {st.model}."
             await respond(send, 404, _error_body(msg, "NotFoundError", 404, "model"))
+            return
+        if proto in ("responses", "messages"):
+            await _agent_protocol(send, body, proto)
             return
         prompt_tokens = _prompt_tokens(body, chat)
         if prompt_tokens > st.max_model_len_tokens:
@@ -212,11 +240,7 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
             await respond(send, 400, _error_body(msg, "BadRequestError", 400, "input_tokens"))
             return
         failure = st.take_failure()
-        if failure == "http500":
-            await respond(send, 500, _error_body("EngineCore died", "InternalServerError", 500))
-            return
-        if failure == "hang":
-            await asyncio.sleep(3600)
+        if await _failed(send, failure):
             return
         max_tokens = int(
             body.get("max_tokens") or body.get("max_completion_tokens") or st.default_max_tokens
@@ -303,7 +327,9 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
 
         def chunk(i: int, last: bool) -> bytes:
             if chat:
-                delta: dict[str, Any] = {"content": " tok"}
+                delta: dict[str, Any] = (
+                    {"reasoning": " think"} if i < st.reasoning_tokens else {"content": " tok"}
+                )
                 if i == 0:
                     delta["role"] = "assistant"
                 choice: dict[str, Any] = {
@@ -318,13 +344,14 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
 
         if st.ttft_s:
             await asyncio.sleep(st.ttft_s)
-        for i in range(max_tokens):
+        generated = max_tokens + (st.reasoning_tokens if chat else 0)
+        for i in range(generated):
             if i and st.itl_s:
                 await asyncio.sleep(st.itl_s)
             await send(
                 {
                     "type": "http.response.body",
-                    "body": chunk(i, i == max_tokens - 1),
+                    "body": chunk(i, i == generated - 1),
                     "more_body": True,
                 }
             )
@@ -334,8 +361,8 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
         if opts.get("include_usage"):
             usage = {
                 "prompt_tokens": prompt_tokens,
-                "completion_tokens": max_tokens,
-                "total_tokens": prompt_tokens + max_tokens,
+                "completion_tokens": generated,
+                "total_tokens": prompt_tokens + generated,
             }
             data = {
                 "id": cid,
@@ -354,6 +381,115 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
             )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
+    async def _failed(send: Send, failure: str | None) -> bool:
+        """Answer a scripted failure before any output ("http500", "hang"); True if it did."""
+        if failure == "http500":
+            await respond(send, 500, _error_body("EngineCore died", "InternalServerError", 500))
+            return True
+        if failure == "hang":
+            await asyncio.sleep(3600)
+            return True
+        return False
+
+    async def _agent_protocol(send: Send, body: dict[str, Any], proto: str) -> None:
+        """/v1/responses and /v1/messages: checks, counters, the body or the stream."""
+        responses = proto == "responses"
+        refusal = fp.responses_refusal(body) if responses else fp.messages_refusal(body)
+        if refusal is not None:
+            await respond(send, *refusal)
+            return
+        stored_tokens = 0
+        previous = body.get("previous_response_id") if responses else None
+        if previous is not None:
+            if previous not in st.responses:
+                msg = f"Response with id '{previous}' not found."
+                await respond(send, 404, _error_body(msg, "invalid_request_error", 404, "id"))
+                return
+            stored_tokens = st.responses[previous][0]
+        prompt = (
+            fp.responses_prompt_tokens(body, stored_tokens)
+            if responses
+            else fp.messages_prompt_tokens(body)
+        )
+        limit = body.get("max_output_tokens") if responses else body.get("max_tokens")
+        output = limit if isinstance(limit, int) and limit > 0 else st.default_max_tokens
+        if prompt + output > st.max_model_len_tokens:
+            msg = f"This model's maximum context length is {st.max_model_len_tokens} tokens."
+            await respond(send, *fp.too_long(msg, anthropic=not responses))
+            return
+        failure = st.take_failure()
+        if await _failed(send, failure):
+            return
+        st.served += 1
+        rid = ("resp_" if responses else "msg_") + f"{st.served:08x}{id(st) % 65536:04x}"
+        reasoning = st.reasoning_tokens
+        if responses:
+            st.responses[rid] = (
+                prompt + reasoning + output,
+                fp.responses_body(rid, st.model, prompt, reasoning, output),
+            )
+        blocks = math.ceil((prompt + reasoning + output) / st.block_size)
+        st.running += 1
+        st.peak_running = max(st.peak_running, st.running)
+        st.used_blocks += blocks
+        try:
+            if not body.get("stream"):
+                delay = st.ttft_s + st.itl_s * max(0, reasoning + output - 1)
+                if delay:
+                    await asyncio.sleep(delay)
+                make = fp.responses_body if responses else fp.messages_body
+                await respond(send, 200, make(rid, st.model, prompt, reasoning, output))
+                return
+            events = (fp.responses_events if responses else fp.messages_events)(
+                rid, st.model, prompt, reasoning, output
+            )
+            await _send_events(send, events, failure)
+        except (ConnectionError, asyncio.CancelledError):
+            st.aborted += 1
+            raise
+        finally:
+            st.running -= 1
+            st.used_blocks -= blocks
+
+    async def _send_events(send: Send, events: list[bytes], failure: str | None) -> None:
+        """SSE events, the first delta after `ttft_s`, each next one after `itl_s`."""
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        deltas = 0
+        for event in events:
+            name = event.split(b"\n", 1)[0]
+            if name.endswith((b".delta", b"content_block_delta")):
+                await asyncio.sleep(st.itl_s if deltas else st.ttft_s)
+                deltas += 1
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            if failure == "drop_midstream" and deltas:
+                raise ConnectionError("scripted mid-stream failure")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def count_tokens(receive: Receive, send: Send) -> None:
+        try:
+            body = orjson.loads(await read_body(receive))
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            await respond(send, 400, fp.messages_refusal({})[1])  # type: ignore[index]
+            return
+        await respond(send, 200, orjson.dumps({"input_tokens": fp.messages_prompt_tokens(body)}))
+
+    async def stored_response(send: Send, path: str) -> None:
+        rid = path[len("/v1/responses/") :].removesuffix("/cancel")
+        stored = st.responses.get(rid)
+        if stored is None:
+            msg = f"Response with id '{rid}' not found."
+            await respond(send, 404, _error_body(msg, "invalid_request_error", 404, "response_id"))
+            return
+        await respond(send, 200, stored[1])
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while True:
@@ -365,10 +501,12 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
                     return
         path = scope["path"]
         method = scope["method"]
-        if method == "POST" and path == "/v1/chat/completions":
-            await generate(scope, receive, send, chat=True)
-        elif method == "POST" and path == "/v1/completions":
-            await generate(scope, receive, send, chat=False)
+        if method == "POST" and path in _PROTOCOLS:
+            await generate(scope, receive, send, _PROTOCOLS[path])
+        elif method == "POST" and path == "/v1/messages/count_tokens":
+            await count_tokens(receive, send)
+        elif path.startswith("/v1/responses/"):
+            await stored_response(send, path)
         elif path == "/health":
             await respond(send, 503 if st.health_fail else 200, b"")
         elif path == "/metrics":

@@ -119,7 +119,7 @@ def vllm_like(engine: ASGIApp, seen_headers: list[dict[bytes, bytes]] | None = N
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or scope["method"] != "POST" or path == "/metrics":
+        if scope["type"] != "http" or path not in ("/v1/chat/completions", "/v1/completions"):
             await engine(scope, receive, send)
             return
         if seen_headers is not None:

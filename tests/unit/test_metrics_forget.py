@@ -27,6 +27,7 @@ def test_a_departed_engine_leaves_no_series_and_comes_back_fresh() -> None:
     assert 'gpupool_inflight_requests{instance="engine-b"} 3.0' in text
     # back under the same id: exported again, and its preemption counter restarts from the
     # engine's own total (a new process counts from 0)
+    m.instance_joined("engine-a")
     m.set_inflight("engine-a", 1)
     m.set_preemptions("engine-a", 2)
     text = _exposition(registry)
@@ -44,3 +45,15 @@ def test_every_family_labelled_by_instance_alone_is_forgotten() -> None:
     }
     forgotten = {next(iter(family.describe())).name for family in m._per_instance}
     assert per_instance and per_instance == forgotten
+
+
+def test_a_departed_engines_last_lease_release_does_not_bring_its_series_back() -> None:
+    """The last leases on a departed engine are released after `forget_instance`: their
+    `set_inflight` must not export the engine's in-flight series again."""
+    registry = CollectorRegistry()
+    m = RouterMetrics(registry)
+    m.set_inflight("engine-a", 2)
+    m.forget_instance("engine-a")
+    m.set_inflight("engine-a", 1)  # a lease released after the engine left
+    m.set_inflight("engine-a", 0)
+    assert 'instance="engine-a"' not in _exposition(registry)

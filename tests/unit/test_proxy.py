@@ -218,7 +218,10 @@ async def test_no_healthy_instance_is_503_and_ready_says_so(tmp_path: Path) -> N
 async def test_metrics_and_admin_views(rig: Rig) -> None:
     await rig.client.post("/v1/chat/completions", json=BODY)
     text = (await rig.client.get("/metrics")).text
-    assert 'gpupool_requests_total{class="normal",outcome="ok",pool="normal",reason="200"}' in text
+    assert (
+        'gpupool_requests_total{class="normal",endpoint="chat",outcome="ok",pool="normal",'
+        'reason="200"}' in text
+    )
     assert "gpupool_gpu_seconds_total" in text and "gpupool_idle_gpu_seconds_total" in text
     view = (await rig.client.get("/admin/pools")).json()
     assert set(view["pools"]) == {"agent", "normal"}
