@@ -138,6 +138,13 @@ class Admitter:
         if len(queue) == 0:
             result = self._try(ctx, need, now, exclude)
             if isinstance(result, Lease):
+                log.debug(
+                    "%s: admitted at once to %s (pool %s, %d tokens)",
+                    ctx.request_id,
+                    result.instance_id,
+                    ctx.pool,
+                    need.total_tokens,
+                )
                 return result
         else:  # others wait: never jump the queue, only check the deadline can be met
             result = decide(self._views(ctx.pool, now), need, now, queue_wait_s=wait_s)
@@ -421,8 +428,17 @@ class Admitter:
                 "queue_timeout",
                 retry_after_s=queue.expected_wait_s(ahead, self.clock(), default_s=timeout_s),
             )
-        self.metrics.observe_queue_wait(ctx.pool, ctx.class_name, self.clock() - now_s)
-        return future.result()
+        waited_s = self.clock() - now_s
+        self.metrics.observe_queue_wait(ctx.pool, ctx.class_name, waited_s)
+        lease = future.result()
+        log.debug(
+            "%s: admitted to %s after %.3f s in pool %s's queue",
+            ctx.request_id,
+            lease.instance_id,
+            waited_s,
+            ctx.pool,
+        )
+        return lease
 
     def _attained_gpu_s(self, ctx: RequestContext, now_s: float) -> float:
         """The GPU-seconds the request's run has received (run_las pools; 0 otherwise or for a

@@ -34,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpupool",
         description="GPU inference pool manager: one OpenAI endpoint over many vLLM engines.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging (for up and serve it wins over router.log_level)",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)

@@ -97,7 +97,9 @@ def _banner(config: Config, gateway_view: dict[str, object], host: str, port: in
 
 
 def run_blocking(config: Config, *, launch: bool) -> int:
-    """Run the stack on uvloop (as uvicorn does when it owns the loop), else asyncio's loop."""
+    """Run the stack on uvloop (as uvicorn does when it owns the loop), else asyncio's loop.
+    Logs at `router.log_level` (`gpupool -v` has made it debug), uvicorn's loggers too."""
+    logging.getLogger().setLevel(config.router.log_level.upper())
     # Everything is imported by now: keep those objects (~65k) out of the cyclic GC's scans.
     # Measured: CPU per proxied request 282 -> 261 us (benchmarks/results/router_overhead.md).
     gc.collect()
@@ -149,7 +151,7 @@ async def run_stack(config: Config, *, launch: bool) -> int:
         server = _Server(
             uvicorn.Config(
                 gateway,
-                log_level="warning",
+                log_level=rc.log_level,  # access lines stay off: one per request
                 access_log=False,
                 lifespan="on",
                 http=guarded_protocol(

@@ -70,3 +70,11 @@ def with_port(config: Config, port: int | None) -> Config:
     if port is None:
         return config
     return dataclasses.replace(config, router=dataclasses.replace(config.router, port=port))
+
+
+def with_verbose(config: Config, verbose: bool) -> Config:
+    """`gpupool -v` wins over `router.log_level`: the router and uvicorn log at debug."""
+    if not verbose:
+        return config
+    router = dataclasses.replace(config.router, log_level="debug")
+    return dataclasses.replace(config, router=router)

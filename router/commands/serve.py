@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from router.commands._config import load_checked_or_report, with_port
+from router.commands._config import load_checked_or_report, with_port, with_verbose
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,4 +22,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from router.stack import run_blocking
 
-    return run_blocking(with_port(config, args.port), launch=False)
+    config = with_verbose(with_port(config, args.port), getattr(args, "verbose", False))
+    return run_blocking(config, launch=False)

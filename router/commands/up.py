@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from pools.devmodel import SHAPES, is_dev_model, make_dev_model
-from router.commands._config import check_or_report, load_or_report, with_port
+from router.commands._config import check_or_report, load_or_report, with_port, with_verbose
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_or_report(args.config)
     if config is None:
         return 2
-    config = with_port(config, args.port)
+    config = with_verbose(with_port(config, args.port), getattr(args, "verbose", False))
     model = config.model
     if model.load_format == "dummy" and not is_dev_model(model.path) and model.path.name in SHAPES:
         make_dev_model(model.path, model.path.name)

@@ -132,6 +132,9 @@ def test_prompt_and_key_markers_reach_no_log(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=90)
     assert code == 0, log.read_text()
+    # the router really logged at debug (router.log_level), so the grep below reads its debug
+    # lines too (one per admitted request, with the request id, never the prompt or key)
+    assert "DEBUG router.admitter" in log.read_text()
 
     engine_logs = [p for p in run_dir.rglob("*") if p.is_file() and p.suffix == ".log"]
     assert engine_logs and all(p.stat().st_size > 0 for p in engine_logs), engine_logs
