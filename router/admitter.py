@@ -274,7 +274,9 @@ class Admitter:
             return self._borrow(ctx, need, now_s, exclude)
         allowed = frozenset(decision.instance_ids) - exclude
         if not allowed:
-            return None
+            # it fits only where it may not go (a follow-up pinned to the engine that stored
+            # its response, a retry's tried instances): it keeps its place, the rest may go
+            return WAITS_FOR_HOME
         free = {v.instance_id: _free_slots(v) for v in views}
         lease = self._lease(
             ctx, need, allowed, exclude, now_s=now_s, waited_s=waited_s, free=free, queued=queued

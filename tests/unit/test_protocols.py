@@ -446,13 +446,22 @@ async def test_a_follow_up_waits_for_its_busy_engine_rather_than_go_elsewhere(ri
 
     freeing = asyncio.ensure_future(free_later())
     start = time.perf_counter()
-    resp = await rig.client.post(
-        "/v1/responses", json={**RESPONSES, "previous_response_id": first.json()["id"]}
+    follow_up = asyncio.ensure_future(
+        rig.client.post(
+            "/v1/responses", json={**RESPONSES, "previous_response_id": first.json()["id"]}
+        )
     )
+    await asyncio.sleep(0.05)  # it waits in the queue for its engine
+    # a request behind it in the same pool is not held up by it: it goes elsewhere at once
+    other = await rig.client.post("/v1/responses", json=RESPONSES)
+    other_s = time.perf_counter() - start
+    resp = await follow_up
     waited = time.perf_counter() - start
     await freeing
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-gpupool-instance"] == home and waited >= 0.25
+    assert other.status_code == 200 and other.headers["x-gpupool-instance"] != home
+    assert other_s < 0.25
 
 
 async def test_response_placements_survive_a_router_restart(tmp_path: Path) -> None:
