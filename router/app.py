@@ -346,7 +346,7 @@ class Gateway:
                 "`Authorization: Bearer <key>` to change anything",
                 "basic_read_only",
             )
-            await _error_response(err)(scope, receive, send)
+            await _error_response(err, scope["path"])(scope, receive, send)
             return
         if scope["type"] == "http" and self.handler is not None:
             path = scope["path"]
@@ -498,14 +498,15 @@ class Gateway:
         )
         access = OperatorAccess.from_config(self.tenants, self.config.router)
 
-        # Every error answers OpenAI's shape; routing's own 404/405 and validation too.
+        # Every error answers OpenAI's shape (Anthropic's under /v1/messages); routing's own
+        # 404/405 and validation too.
         @api.exception_handler(GpupoolError)
         async def _gpupool_error(request: Request, err: GpupoolError) -> Response:
-            return _error_response(err)
+            return _error_response(err, request.url.path)
 
         @api.exception_handler(HTTPException)
         async def _http_error(request: Request, err: HTTPException) -> Response:
-            return _error_response(_framework_error(request, err))
+            return _error_response(_framework_error(request, err), request.url.path)
 
         @api.exception_handler(RequestValidationError)
         async def _validation_error(request: Request, err: RequestValidationError) -> Response:
@@ -748,12 +749,15 @@ def _basic_credentials_on_a_change(scope: Scope) -> bool:
     return False
 
 
-def _error_response(err: GpupoolError) -> Response:
+def _error_response(err: GpupoolError, path: str = "") -> Response:
+    """`err` in the shape of the API `path` belongs to (Anthropic's under /v1/messages)."""
+    adapter = _MESSAGES if path.startswith("/v1/messages") else _RESPONSES
+    status, body, headers = adapter.error_response(err)
     return Response(
-        err.body(),
-        status_code=err.status,
+        body,
+        status_code=status,
         media_type="application/json",
-        headers={k.decode(): v.decode() for k, v in err.headers()},
+        headers={k.decode(): v.decode() for k, v in headers},
     )
 
 

@@ -21,7 +21,8 @@ What it does, in vLLM 0.32's shapes:
 - Behaviour is scripted through `FakeEngineState`: latencies, a failure mode for the next
   requests, and live counters tests can read (running, aborted, served).
 
-Run standalone: `python -m pools.testing.fake_engine --port 9000 [--ttft-ms 0 --itl-ms 0]`.
+Run standalone: `python -m pools.testing.fake_engine --port 9000 [--ttft-ms 0 --itl-ms 0
+--reasoning-tokens 0]`.
 """
 
 from __future__ import annotations
@@ -552,6 +553,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument(
+        "--reasoning-tokens",
+        type=int,
+        default=0,
+        help="reasoning deltas before each answer's output (chat, responses, messages)",
+    )
+    parser.add_argument(
         "--no-cache-config-info",
         action="store_true",
         help="omit vllm:cache_config_info from /metrics (an engine of unknown KV capacity)",
@@ -562,6 +569,7 @@ def main(argv: list[str] | None = None) -> None:
         num_gpu_blocks=args.num_gpu_blocks,
         block_size=args.block_size,
         cache_config_info=not args.no_cache_config_info,
+        reasoning_tokens=args.reasoning_tokens,
         ttft_s=args.ttft_ms / 1e3,
         itl_s=args.itl_ms / 1e3,
         default_max_tokens=args.max_tokens,

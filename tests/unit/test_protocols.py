@@ -497,3 +497,17 @@ async def test_get_and_cancel_a_response_go_to_its_engine(rig: Rig) -> None:
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "response_not_found"
     assert rig.metric("gpupool_requests_total", endpoint="responses_get") == 2
+
+
+async def test_routing_errors_on_the_messages_api_are_anthropic_shaped(rig: Rig) -> None:
+    wrong_method = await rig.client.get("/v1/messages")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    assert wrong_method.json()["type"] == "error"
+    basic = await rig.client.post(
+        "/v1/messages", json=MESSAGES, headers={"authorization": "Basic dTpw"}
+    )
+    assert basic.status_code == 401 and basic.json()["type"] == "error"
+    assert basic.json()["error"]["type"] == "authentication_error"
+    chat = await rig.client.get("/v1/chat/completions")
+    assert chat.status_code == 405 and "type" not in chat.json()  # OpenAI's shape there
