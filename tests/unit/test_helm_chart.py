@@ -9,7 +9,8 @@ Helm v4's SDK; no helm binary, no cluster):
 - each engine group's vLLM arguments are the ones the local launcher derives for the same
   settings (`build_engine_command`);
 - bad values (negative replicas, an unknown GPU type, a pool floor above its ceiling) fail with
-  a message naming the value.
+  a message naming the value;
+- no tenants (a router open to every pod) fails the render unless `router.allowOpen: true`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ CHART = ROOT / "helm" / "gpupool"
 EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
 KUBE_VERSIONS = ("1.30.0", "1.37.0")  # the oldest and newest the chart is checked against
 RELEASE, NAMESPACE = "gp", "llm"
+# the chart's defaults have no tenant, which it refuses to render unless the router may be open
+OPEN: dict[str, Any] = {"router": {"allowOpen": True}}
 
 
 def _values(path: Path) -> dict[str, Any]:
@@ -84,7 +87,7 @@ def test_the_examples_are_the_four_the_docs_name() -> None:
 
 @pytest.mark.parametrize("example", [None, *EXAMPLES], ids=lambda p: p.stem if p else "defaults")
 def test_schema_and_strict_lint_pass(example: Path | None) -> None:
-    values = _values(example) if example else {}
+    values = _values(example) if example else OPEN
     with helm.Chart.load(CHART) as chart:
         chart.validate_schema(values)
     for version in KUBE_VERSIONS:
@@ -95,7 +98,7 @@ def test_schema_and_strict_lint_pass(example: Path | None) -> None:
 
 @pytest.mark.parametrize("example", [None, *EXAMPLES], ids=lambda p: p.stem if p else "defaults")
 def test_every_manifest_is_valid_kubernetes(example: Path | None) -> None:
-    docs = list(_documents(_render(_values(example) if example else None)))
+    docs = list(_documents(_render(_values(example) if example else OPEN)))
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "ConfigMap", "Secret", "StatefulSet"} <= kinds
     for doc in docs:
@@ -106,7 +109,7 @@ def test_every_manifest_is_valid_kubernetes(example: Path | None) -> None:
 
 
 def test_the_validator_catches_an_unknown_field() -> None:
-    docs = list(_documents(_render(None)))
+    docs = list(_documents(_render(OPEN)))
     sts = _by_kind(docs, "StatefulSet")[0]
     sts["spec"]["replica"] = 2  # a typo of `replicas`
     for version in KUBE_VERSIONS:
@@ -128,8 +131,8 @@ def _router_config(tmp_path: Path, values: dict[str, Any] | None) -> Path:
 def test_router_configmap_passes_check_config(
     example: Path | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    values = _values(example) if example else {}
-    path = _router_config(tmp_path, values or None)
+    values = _values(example) if example else OPEN
+    path = _router_config(tmp_path, values)
     # the keys the Deployment puts in the router's environment from its Secrets
     monkeypatch.setenv("GPUPOOL_ENGINE_KEY", "engine-key-for-the-test")
     for i, tenant in enumerate(values.get("tenants", [])):
@@ -207,12 +210,12 @@ def test_service_monitor_selects_the_router() -> None:
 
 
 def test_service_monitor_auto_needs_the_operators_crd() -> None:
-    docs = list(_documents(_render(None)))  # offline render: no monitoring.coreos.com API
+    docs = list(_documents(_render(OPEN)))  # offline render: no monitoring.coreos.com API
     assert _by_kind(docs, "ServiceMonitor") == []
 
 
 def test_dashboard_configmap_ships_the_projects_grafana_dashboard() -> None:
-    docs = list(_documents(_render(None)))
+    docs = list(_documents(_render(OPEN)))
     board = _named(docs, "ConfigMap", "-dashboard")
     assert board["metadata"]["labels"]["grafana_dashboard"] == "1"  # Grafana's sidecar label
     shipped = json.loads(board["data"]["gpupool.json"])
@@ -250,7 +253,7 @@ def test_tenant_keys_reach_the_router_only_through_a_secret(tmp_path: Path) -> N
 
 
 def test_discovery_by_api_gets_a_read_only_role_and_dns_gets_none() -> None:
-    docs = list(_documents(_render(None)))
+    docs = list(_documents(_render(OPEN)))
     (role,) = _by_kind(docs, "Role")
     assert role["rules"] == [
         {
@@ -396,3 +399,28 @@ def test_engines_in_config_are_refused() -> None:
     values["config"]["engines"] = {"launcher": "local"}
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError):
         chart.validate_schema(values)
+
+
+def test_no_tenants_fails_the_render_unless_the_router_may_be_open() -> None:
+    """With `tenants: []` the router's /v1/* and /metrics are open to every pod that reaches
+    its Service; the chart rendered that silently (issue 23)."""
+    with pytest.raises(helm.HelmError) as err:
+        _render(None)  # the chart's defaults
+    assert "router.allowOpen: true" in str(err.value) and "tenants" in str(err.value)
+    # said on purpose: an open router, and its config has no tenants
+    config = _router_config_text(OPEN)
+    assert config["tenants"] == []
+    # a tenant closes it: no allowOpen needed
+    closed = {"tenants": [{"name": "team-a", "apiKey": "k" * 32}]}
+    assert [t["name"] for t in _router_config_text(closed)["tenants"]] == ["team-a"]
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError):
+        chart.validate_schema({"router": {"allowOpen": "yes"}})
+
+
+def _router_config_text(values: dict[str, Any]) -> dict[str, Any]:
+    docs = list(_documents(_render(values)))
+    (configmap,) = [
+        d for d in _by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-config")
+    ]
+    config: dict[str, Any] = yaml.safe_load(configmap["data"]["config.yaml"])
+    return config
