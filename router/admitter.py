@@ -424,11 +424,14 @@ class Admitter:
             self.metrics.queue_depth(ctx.pool, len(queue))
             self.metrics.rejected(ctx.pool, "queue_timeout")
             self.metrics.observe_queue_wait(ctx.pool, ctx.class_name, self.clock() - now_s)
-            ahead = len(queue)
+            # a retry joins the back of the queue: the time for those waiting now and then
+            # itself to drain; with no drain measured, as long as it waited (max_wait_s, or
+            # less if its deadline came first): a retry sooner would find nothing freed
+            places = len(queue) + 1
             raise CapacityExceeded(
                 f"waited {timeout_s:.1f} s in pool {ctx.pool!r}'s queue without capacity freeing",
                 "queue_timeout",
-                retry_after_s=queue.expected_wait_s(ahead, self.clock(), default_s=timeout_s),
+                retry_after_s=queue.expected_wait_s(places, self.clock(), default_s=timeout_s),
             )
         waited_s = self.clock() - now_s
         self.metrics.observe_queue_wait(ctx.pool, ctx.class_name, waited_s)
