@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -57,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, type=Path, help="folder for the .md and .json")
     p.add_argument("--quick", action="store_true", help="a ~1-minute smoke run")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds of each phase (c=1, c=64, streaming) instead of the plan's, for a finer "
+        "A/B on a noisy machine",
+    )
     p.add_argument(
         "--targets",
         default=",".join(ALL_TARGETS),
@@ -141,6 +148,10 @@ def _clean(obj: Any) -> Any:
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     plan = Plan.quick() if args.quick else Plan()
+    if args.rounds is not None:
+        plan = dataclasses.replace(
+            plan, c1_rounds=args.rounds, hi_rounds=args.rounds, stream_rounds=args.rounds
+        )
     repo = args.repo.resolve()
     paths = PeerPaths.default(repo)
     workdir = Path(tempfile.mkdtemp(prefix="router-overhead-", dir="/tmp"))
