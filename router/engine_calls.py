@@ -37,7 +37,7 @@ __all__ = ["EngineCalls"]
 
 log = logging.getLogger(__name__)
 
-_HOP_HEADERS = frozenset({"content-type", "content-encoding"})
+_PASSED_HEADERS = frozenset({"content-type", "content-encoding"})
 _CHAT = ChatAdapter()  # its check: `messages`, a non-empty list
 
 
@@ -187,7 +187,7 @@ class EngineCalls:
             ) from None
         try:
             out = [(k.lower().encode(), v.encode()) for k, v in resp.headers.items()]
-            out = [(k, v) for k, v in out if k.decode() in _HOP_HEADERS]
+            out = [(k, v) for k, v in out if k.decode() in _PASSED_HEADERS]
             out.append((b"x-gpupool-instance", state.spec.instance_id.encode()))
             await send({"type": "http.response.start", "status": resp.status, "headers": out})
             if not stream:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pools.launchers.engine_args import build_engine_command
 from tests.unit.test_engine_args import ALL_FLAGS, _configs
-from tests.unit.test_helm_chart import _by_kind, _documents, _render
+from tests.unit.test_helm_chart import CHART, _by_kind, _documents, _render, _values
 
 
 def test_local_and_ray_engines_store_responses(tmp_path: Path) -> None:
@@ -31,6 +31,7 @@ def test_local_and_ray_engines_store_responses(tmp_path: Path) -> None:
 
 
 def test_helm_engines_store_responses() -> None:
-    (sts,) = _by_kind(list(_documents(_render(None))), "StatefulSet")
+    values = _values(CHART / "examples" / "eight-gpu-tp2.yaml")
+    (sts,) = _by_kind(list(_documents(_render(values))), "StatefulSet")
     env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["VLLM_ENABLE_RESPONSES_API_STORE"]["value"] == "1"
