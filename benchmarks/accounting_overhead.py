@@ -1,6 +1,9 @@
 """Micro-benchmark: what GPU-seconds accounting adds to each request on the router's event loop
-(`Accountant.begin` + `Accountant.end` + building a `RequestRecord` + `Ledger.submit`), and how
-fast the background flush writes those records to SQLite (off the loop, in a worker thread).
+(`Accountant.begin` + `Accountant.end` + building a `RequestRecord` + `Ledger.submit`), how
+fast the background flush writes those records to SQLite (off the loop, in a worker thread),
+and what the durable ledger's `Ledger.commit` costs (`router.ledger_durable`): its latency for
+a lone request and its CPU per record with many requests committing at once (group commit),
+against `Ledger.submit` into the batched ledger, all CPU of the process (writer thread too).
 
     .venv/bin/python -m benchmarks.accounting_overhead [--requests 100000] [--instances 8]
         [--concurrency 32] [--out benchmarks/results/accounting_overhead.md]
@@ -85,7 +88,7 @@ def breakdown_us(requests: int, instances: int) -> dict[str, float]:
     t0 = time.perf_counter()
     records = [_record(k, 1.0, 0.0) for k in range(requests)]
     build = time.perf_counter() - t0
-    ledger = Ledger(Path("unused.sqlite"))  # submit needs no open file
+    ledger = Ledger(Path("unused.sqlite"), durable=False)  # submit needs no open file
     t0 = time.perf_counter()
     for rec in records:
         ledger.submit(rec)
@@ -97,13 +100,89 @@ def breakdown_us(requests: int, instances: int) -> dict[str, float]:
     }
 
 
+async def lone_commits_us(ledger: Ledger, n: int) -> tuple[list[float], float]:
+    """`n` commits one after another (a lone request each): their latencies (µs, sorted) and
+    the process's CPU per commit (µs)."""
+    latencies = []
+    cpu0 = time.process_time()
+    for k in range(n):
+        rec = _record(k, 1.0, 0.0)
+        t0 = time.perf_counter()
+        await ledger.commit(rec)
+        latencies.append((time.perf_counter() - t0) * 1e6)
+    return sorted(latencies), (time.process_time() - cpu0) / n * 1e6
+
+
+async def concurrent_cpu_us(ledger: Ledger, n: int, concurrency: int) -> tuple[float, float]:
+    """`concurrency` tasks each writing `n // concurrency` records, each yielding to the loop
+    between records (as requests do); every record on disk at the end. Returns the process's
+    CPU per record (µs) and wall time per record (µs)."""
+    per_task = n // concurrency
+
+    async def task(t: int) -> None:
+        for k in range(t * per_task, (t + 1) * per_task):
+            rec = _record(k, 1.0, 0.0)
+            if ledger.durable:
+                await ledger.commit(rec)
+            else:
+                ledger.submit(rec)
+            await asyncio.sleep(0)
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(task(t) for t in range(concurrency)))
+    await ledger.flush()
+    done = per_task * concurrency
+    return (time.process_time() - cpu0) / done * 1e6, (time.perf_counter() - t0) / done * 1e6
+
+
+async def durable_lines(args: argparse.Namespace) -> list[str]:
+    rows: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for durable in (True, False):
+            ledger = Ledger(
+                Path(tmp) / f"{durable}.sqlite", flush_interval_s=3600.0, durable=durable
+            )
+            await ledger.start()
+            cpu_us, wall_us = await concurrent_cpu_us(ledger, args.commits, args.concurrency)
+            commits = ledger.group_commits
+            if durable:
+                lat, lone_cpu_us = await lone_commits_us(ledger, args.commits // 10)
+            await ledger.aclose()
+            name = "`commit` (durable)" if durable else "`submit` + flush (batched)"
+            rows.append(
+                f"| {name}, {args.concurrency} at once | {cpu_us:.1f} µs CPU/record, "
+                f"{wall_us:.1f} µs wall/record"
+                + (
+                    f", {args.commits / max(commits, 1):.1f} records per commit |"
+                    if durable
+                    else " |"
+                )
+            )
+    p50, p99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99)]
+    return [
+        "",
+        "## The durable ledger (`Ledger.commit`)",
+        "",
+        "| measure | value |",
+        "| --- | --- |",
+        f"| a lone commit, latency p50 / p99 ({len(lat)} in a row) | {p50:.0f} / {p99:.0f} µs |",
+        f"| a lone commit, CPU (loop + writer thread) | {lone_cpu_us:.0f} µs |",
+        *rows,
+        "",
+        "A lone request waits for one hand-off to the writer thread and one small transaction "
+        "before its final bytes; many at once share commits, so the CPU per record approaches "
+        "the batched ledger's.",
+        "",
+    ]
+
+
 def _dir_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir())
 
 
 async def measure(args: argparse.Namespace) -> str:
     with tempfile.TemporaryDirectory() as tmp:
-        ledger = Ledger(Path(tmp) / "ledger.sqlite", flush_interval_s=3600.0)
+        ledger = Ledger(Path(tmp) / "ledger.sqlite", flush_interval_s=3600.0, durable=False)
         await ledger.start()
         chunks = hot_path_us(args.requests, args.instances, args.concurrency, ledger)
         buffered = ledger.buffered
@@ -140,7 +219,7 @@ async def measure(args: argparse.Namespace) -> str:
             "",
             "The flush runs in a worker thread every `ledger_flush_interval_s` (0.5 s), so the "
             "event loop only pays the per-request figure.",
-            "",
+            *await durable_lines(args),
         ]
     )
 
@@ -150,6 +229,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--instances", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--commits", type=int, default=20_000, help="records for the durable part")
     parser.add_argument("--out", type=Path, default=None, help="also write the Markdown here")
     args = parser.parse_args()
     text = asyncio.run(measure(args))
