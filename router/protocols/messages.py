@@ -29,6 +29,19 @@ __all__ = ["MessagesAdapter", "prompt_tokens_of"]
 
 _DELTAS = (b'"text_delta"', b'"input_json_delta"', b'"thinking_delta"')
 _ENGINE_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+_ANTHROPIC_TYPES = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "request_too_large",
+        "rate_limit_error",
+        "api_error",
+        "overloaded_error",
+        "timeout_error",
+    }
+)
 
 
 def prompt_tokens_of(usage: dict[str, Any]) -> int:
@@ -173,15 +186,21 @@ class MessagesAdapter(ProtocolAdapter):
         return b"event: error\ndata: " + anthropic_body(err) + b"\n\n"
 
     def engine_error(self, status: int, raw: bytes) -> bytes:
-        """vLLM answers some refusals on /v1/messages (request validation) in OpenAI's shape:
-        those are rewritten into Anthropic's; Anthropic-shaped ones pass through."""
+        """vLLM answers refusals on /v1/messages in OpenAI's shape (request validation) or in
+        Anthropic's envelope with its own error type (`BadRequestError`): both are rewritten
+        into Anthropic's shape and types; a body already so passes through."""
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
             data = None
-        if isinstance(data, dict) and data.get("type") == "error":
-            return raw
         error = data.get("error") if isinstance(data, dict) else None
+        if (
+            isinstance(data, dict)
+            and data.get("type") == "error"
+            and isinstance(error, dict)
+            and error.get("type") in _ANTHROPIC_TYPES
+        ):
+            return raw
         message = error.get("message") if isinstance(error, dict) else None
         if not isinstance(message, str):
             message = raw[:500].decode("utf-8", "replace") or f"engine answered {status}"

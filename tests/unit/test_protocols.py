@@ -511,3 +511,17 @@ async def test_routing_errors_on_the_messages_api_are_anthropic_shaped(rig: Rig)
     assert basic.json()["error"]["type"] == "authentication_error"
     chat = await rig.client.get("/v1/chat/completions")
     assert chat.status_code == 405 and "type" not in chat.json()  # OpenAI's shape there
+
+
+def test_engine_refusals_on_messages_are_rewritten_into_anthropics_types() -> None:
+    adapter = MessagesAdapter()
+    fastapi = b'{"error":{"message":"1 validation error","type":"Bad Request","code":400}}'
+    vllm = b'{"type":"error","error":{"type":"BadRequestError","message":"too long"}}'
+    own = b'{"type":"error","error":{"type":"not_found_error","message":"gone"}}'
+    for raw, status, kind, message in (
+        (fastapi, 400, "invalid_request_error", "1 validation error"),
+        (vllm, 400, "invalid_request_error", "too long"),
+        (own, 404, "not_found_error", "gone"),
+    ):
+        out = orjson.loads(adapter.engine_error(status, raw))
+        assert out == {"type": "error", "error": {"type": kind, "message": message}}
