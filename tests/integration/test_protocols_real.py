@@ -216,5 +216,6 @@ def test_a_50000_word_prompt_is_400_context_length_exceeded_everywhere(
         if path == "/v1/messages":
             assert payload["type"] == "error"
             assert payload["error"]["type"] == "invalid_request_error"
+    print(f"50,000-word prompt, 400 context_length_exceeded, seconds per endpoint: {times}")
     assert max(times.values()) < 0.1, times
     assert _engine_prompt_tokens(real_engines) == before  # no engine saw any of them
