@@ -615,7 +615,7 @@ class Gateway:
                 )
             return {
                 "object": "gpupool.run_end",
-                "run_id": run_id,
+                "run_id": run.run_id,  # a session's id ends its current run, `<session>:<n>`
                 "reason": run.ended,
                 "steps": run.steps,
                 "tokens": run.tokens,

@@ -1,6 +1,7 @@
 """The governance shell: tenant budgets and run guards on the request path.
 
-    prepare(ctx, tenant, headers, body)  read the step's signals (run end, task type, history)
+    prepare(ctx, tenant, headers, body)  read the step's signals (run end, task type, history);
+                                         a session's step gets its run, `<session>:<n>`
     await enter(ctx, estimate, signals)  guards, cost cap, concurrency, then reserve the
                                          tenant's tokens and request (waiting while its bucket
                                          refills, within the deadline); raises a refusal
