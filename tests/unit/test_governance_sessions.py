@@ -114,3 +114,63 @@ async def test_the_engine_sees_the_clamped_priority(rig: Rig) -> None:
     assert resp.status_code == 200
     assert resp.headers["x-gpupool-priority"] == "0"
     assert rig.engine.requests_seen[-1]["priority"] == 0
+
+
+async def _budget_runs(rig: Rig) -> dict[str, int]:
+    budget = (await rig.client.get("/v1/budget", headers=KEY)).json()
+    return {r["run_id"]: r["steps"] for r in budget["active_runs"]}
+
+
+async def test_claude_code_on_messages_gets_one_run_per_typed_prompt(rig: Rig) -> None:
+    """Claude Code's own shapes on /v1/messages: tool results come back as `tool_result`
+    blocks of a user message (with a system reminder beside them), a typed prompt as text."""
+    headers = {**KEY, "x-claude-code-session-id": SESSION, "anthropic-version": "2023-06-01"}
+    prompt = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "<system-reminder>context</system-reminder>"},
+            {"type": "text", "text": "run the tests", "cache_control": {"type": "ephemeral"}},
+        ],
+    }
+    messages: list[dict[str, Any]] = [prompt]
+    for i in range(3):
+        body = {"model": "tiny", "max_tokens": 2, "messages": messages}
+        resp = await rig.client.post("/v1/messages", json=body, headers=headers)
+        assert resp.status_code == 200, resp.text
+        messages += [
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "Bash", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": "ok"},
+                    {"type": "text", "text": "<system-reminder>todo</system-reminder>"},
+                ],
+            },
+        ]
+    assert await _budget_runs(rig) == {f"{SESSION}:1": 3}
+    messages += [
+        {"role": "assistant", "content": [{"type": "text", "text": "all green"}]},
+        {"role": "user", "content": [{"type": "text", "text": "commit it"}]},
+    ]
+    body = {"model": "tiny", "max_tokens": 2, "messages": messages}
+    assert (await rig.client.post("/v1/messages", json=body, headers=headers)).status_code == 200
+    assert await _budget_runs(rig) == {f"{SESSION}:1": 3, f"{SESSION}:2": 1}
+
+
+async def test_a_codex_session_on_responses_gets_one_run_per_user_message(rig: Rig) -> None:
+    headers = {**KEY, "session-id": SESSION}
+    items: list[dict[str, Any]] = [{"role": "user", "content": "list the files"}]
+    for i in range(2):
+        body = {"model": "tiny", "max_output_tokens": 2, "input": items, "store": False}
+        resp = await rig.client.post("/v1/responses", json=body, headers=headers)
+        assert resp.status_code == 200, resp.text
+        items += [
+            {"type": "function_call", "call_id": f"c{i}", "name": "ls", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": f"c{i}", "output": "a.py"},
+        ]
+    body = {"model": "tiny", "max_output_tokens": 2, "input": "now a new task", "store": False}
+    assert (await rig.client.post("/v1/responses", json=body, headers=headers)).status_code == 200
+    assert await _budget_runs(rig) == {f"{SESSION}:1": 2, f"{SESSION}:2": 1}
