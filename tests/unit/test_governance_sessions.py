@@ -1,8 +1,9 @@
 """Sessions and guards on the router's request path, against a fake engine over real HTTP
 (issue 22): a coding agent's 150-step task under one `x-claude-code-session-id` on the
 default config is served, engine failures do not count as steps, a new user message starts the
-session's next run, and `GET /v1/runs/{session}` shows the session; the engine sees a clamped
-body `priority` (issue 23)."""
+session's next run, and `GET /v1/runs/{session}` shows the session; Claude Code's shapes on
+/v1/messages and Codex's on /v1/responses follow the same rule; the engine sees a clamped body
+`priority` (issue 23)."""
 
 from __future__ import annotations
 
