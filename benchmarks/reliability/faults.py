@@ -895,7 +895,13 @@ class DelayProxy:
     """A TCP proxy in front of one engine that holds each `GET /metrics` request for
     `delay_s` before passing it on, and notes when completions are dispatched through it and
     when /metrics answers start flowing back. HTTP/1.1 without pipelining: a connection
-    carries one request at a time, so a chunk that starts a request starts with its method."""
+    carries one request at a time, so a chunk that starts a request starts with its method.
+
+    While it holds a request the client's connection has no engine connection, and the held
+    request goes to the engine on a new one: vLLM closes a connection idle for 5 s
+    (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and closing the client's under the held request would be
+    a failed scrape the engine never caused (with a 4 s delay on the kept-alive connection, a
+    slow machine's run lost that race and failed the test)."""
 
     def __init__(self, upstream_url: str) -> None:
         host_port = upstream_url.split("://", 1)[1]
@@ -904,6 +910,7 @@ class DelayProxy:
         self.delay_s = 0.0
         self.dispatched_at: list[float] = []  # a completion request reached the proxy
         self.metrics_answered_at: list[float] = []  # a /metrics answer started back
+        self.metrics_forwarded_at: list[float] = []  # a /metrics request went to the engine
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -922,45 +929,52 @@ class DelayProxy:
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(self.host, self.upstream_port)
-        except OSError:
-            writer.close()
-            return
         awaiting_metrics = [False]
+        # the engine connection and the task copying its answers back; replaced for a held
+        # /metrics request, and the client's connection ends when the engine closes its own
+        upstream: list[tuple[asyncio.StreamWriter, asyncio.Task[None]]] = []
 
-        async def client_to_engine() -> None:
+        async def engine_to_client(up_reader: asyncio.StreamReader) -> None:
+            with contextlib.suppress(OSError):
+                while data := await up_reader.read(65536):
+                    if awaiting_metrics[0]:
+                        awaiting_metrics[0] = False
+                        self.metrics_answered_at.append(time.monotonic())
+                    writer.write(data)
+                    await writer.drain()
+            writer.close()
+
+        def disconnect() -> None:
+            for up_writer, pump in upstream:
+                pump.cancel()
+                up_writer.close()
+            upstream.clear()
+
+        async def connect() -> asyncio.StreamWriter:
+            disconnect()
+            up_reader, up_writer = await asyncio.open_connection(self.host, self.upstream_port)
+            upstream.append((up_writer, asyncio.ensure_future(engine_to_client(up_reader))))
+            return up_writer
+
+        try:
+            up_writer = await connect()
             while data := await reader.read(65536):
                 if data.startswith(b"GET /metrics"):
                     if self.delay_s > 0:
+                        disconnect()
                         await asyncio.sleep(self.delay_s)
+                        up_writer = await connect()
                     awaiting_metrics[0] = True
+                    self.metrics_forwarded_at.append(time.monotonic())
                 elif data.startswith(b"POST "):
                     self.dispatched_at.append(time.monotonic())
                 up_writer.write(data)
                 await up_writer.drain()
-
-        async def engine_to_client() -> None:
-            while data := await up_reader.read(65536):
-                if awaiting_metrics[0]:
-                    awaiting_metrics[0] = False
-                    self.metrics_answered_at.append(time.monotonic())
-                writer.write(data)
-                await writer.drain()
-
-        pumps = [
-            asyncio.ensure_future(client_to_engine()),
-            asyncio.ensure_future(engine_to_client()),
-        ]
-        try:
-            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
+        except (OSError, asyncio.CancelledError):
             pass
         finally:
-            for pump in pumps:
-                pump.cancel()
-            for w in (writer, up_writer):
-                w.close()
+            disconnect()
+            writer.close()
 
     def stale_dispatches(self, since_s: float, until_s: float, stale_after_s: float) -> list[float]:
         """Dispatches in [since, until) more than `stale_after_s` after the last /metrics answer
@@ -989,10 +1003,13 @@ async def slow_metrics(
     delay_s: float = 4.0,
     phase_s: float = 12.0,
     slack_s: float = 0.35,
+    scrape_interval_s: float = 0.5,
+    scrape_timeout_s: float | None = None,
+    unhealthy_after_failures: int = 2,
 ) -> JsonDict:
     """Closed-loop clients on the normal pool through a proxy per engine; for `phase_s` one
-    engine's /metrics takes `delay_s` (> `stale_after_s`, < the scrape timeout), before and
-    after it answers at once."""
+    engine's /metrics takes `delay_s` (> `stale_after_s`, < `scrape_timeout_s`, by default
+    `2 * delay_s + 2`), before and after it answers at once."""
     engines = setup.engines
     proxies = [DelayProxy(e.url) for e in engines.instances]
     for p in proxies:
@@ -1004,8 +1021,9 @@ async def slow_metrics(
         slots=max(1, clients // 2),
         router={
             "stale_after_s": stale_after_s,
-            "scrape_timeout_s": delay_s * 2 + 2,
-            "scrape_interval_s": 0.5,
+            "scrape_timeout_s": delay_s * 2 + 2 if scrape_timeout_s is None else scrape_timeout_s,
+            "scrape_interval_s": scrape_interval_s,
+            "unhealthy_after_failures": unhealthy_after_failures,
         },
     )
     router = RouterProcess("serve", config, setup.work / "slow-metrics" / "router.log")
@@ -1075,9 +1093,24 @@ async def slow_metrics(
             for iid, a in ages.items()
         },
         "slow_engine_stayed_healthy": all(health.get(victim, [False])),
+        # the slow engine's /metrics answers: held `delay_s` by the proxy, then the engine's own
+        "slow_engine_metrics_answer_s": _answer_times(proxy, slow_from, slow_until),
         "slow_engine_share_of_time_stale": _round(_share(victim_ages, stale_after_s)),
         "router_idle_after_s": _round(idle_s),
     }
+
+
+def _answer_times(proxy: DelayProxy, since_s: float, until_s: float) -> JsonDict:
+    """How long the engine itself took to start each /metrics answer forwarded in
+    [since, until), after the proxy's hold: the max and the count."""
+    answers = sorted(proxy.metrics_answered_at)
+    took = []
+    for asked in proxy.metrics_forwarded_at:
+        if since_s <= asked < until_s:
+            after = [a - asked for a in answers if a >= asked]
+            if after:
+                took.append(after[0])
+    return {"count": len(took), "engine_max_s": _round(max(took, default=None))}
 
 
 def _share(values: list[float], above: float) -> float:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.e2e.stack import GPUPOOL, REPO, wait_ready
+from tests.e2e.stack import GPUPOOL, REPO, seed_vllm_flags, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -134,6 +134,7 @@ def test_engines_die_with_a_killed_parent(tmp_path: Path) -> None:
     }
     path = tmp_path / "one.yaml"
     path.write_text(yaml.safe_dump(config))
+    seed_vllm_flags(tmp_path / "run")
     log = tmp_path / "up.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -178,6 +179,7 @@ def test_two_cpu_engines_without_a_kv_size_start_closed_and_log_no_prompt(
     }
     path = tmp_path / "two.yaml"
     path.write_text(yaml.safe_dump(config))
+    seed_vllm_flags(tmp_path / "run")
     url = f"http://127.0.0.1:{config['router']['port']}"
     log = tmp_path / "up.log"
     with log.open("wb") as out:

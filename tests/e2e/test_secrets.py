@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.e2e.stack import GPUPOOL, REPO, wait_ready
+from tests.e2e.stack import GPUPOOL, REPO, seed_vllm_flags, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -65,6 +65,7 @@ def test_prompt_and_key_markers_reach_no_log(tmp_path: Path) -> None:
     }
     path = tmp_path / "secrets.yaml"
     path.write_text(yaml.safe_dump(config))
+    seed_vllm_flags(run_dir)
     url = f"http://127.0.0.1:{ROUTER_PORT}"
     log = tmp_path / "up.log"
     env = {**os.environ, "GPUPOOL_TEST_SECRET_KEY": key}

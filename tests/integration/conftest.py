@@ -31,7 +31,7 @@ import yaml
 from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec, LocalLauncher
-from tests.e2e.stack import wait_ready
+from tests.e2e.stack import seed_vllm_flags, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / ".gpupool" / "models" / "tiny"
@@ -60,6 +60,7 @@ class EngineFleet:
     def __init__(self, run_dir: Path) -> None:
         if not is_dev_model(MODEL_DIR):
             make_dev_model(MODEL_DIR, "tiny")
+        seed_vllm_flags(run_dir)
         self.config = parse_config(
             {
                 "model": {

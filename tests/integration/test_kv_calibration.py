@@ -29,6 +29,7 @@ from pools.launchers.engine_args import build_engine_command, supported_vllm_fla
 from pools.launchers.engine_plan import arg_value, engine_problems, probe_host
 from pools.launchers.health import wait_healthy
 from pools.launchers.local import EngineProcess
+from tests.e2e.stack import seed_vllm_flags
 from tests.integration.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MODEL_DIR, EngineFleet
 
 pytestmark = pytest.mark.integration
@@ -138,6 +139,7 @@ def test_check_config_refuses_exactly_what_vllm_refuses(tmp_path: Path) -> None:
     assert engine_problems(_config(fits, 8170, tmp_path), host) == []
     (problem,) = engine_problems(_config(short, 8171, tmp_path), host)
     assert "less than one 4096-token sequence" in problem
+    seed_vllm_flags(tmp_path)
     flags = supported_vllm_flags(tmp_path)
 
     async def both() -> list[bool]:
