@@ -57,8 +57,10 @@ class StreamResult:
 class LoadClient:
     """One keep-alive connection pool per target; `aclose()` when done."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 120.0) -> None:
-        self.url = base_url.rstrip("/") + "/v1/chat/completions"
+    def __init__(
+        self, base_url: str, *, timeout_s: float = 120.0, path: str = "/v1/chat/completions"
+    ) -> None:
+        self.url = base_url.rstrip("/") + path
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=120)
         self.session = aiohttp.ClientSession(
             connector=connector,
