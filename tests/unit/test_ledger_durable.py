@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
+from pools.config import DEFAULT_CPU_CONFIG, Config, ConfigError, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
@@ -177,6 +177,14 @@ def test_a_hard_kill_right_after_the_commits_loses_none(db: Path) -> None:
     """
     run_then_kill(db, body, durable=True)
     assert len(rows(db, "request_id LIKE 'committed-%'")) == 50
+
+
+def test_the_setting_takes_only_a_boolean(tmp_path: Path) -> None:
+    assert _config(tmp_path).router.ledger_durable is True  # the default
+    assert _config(tmp_path, ledger_durable=False).router.ledger_durable is False
+    for meaningless in ("yes", "off", 1, None):
+        with pytest.raises(ConfigError, match="ledger_durable"):
+            _config(tmp_path, ledger_durable=meaningless)
 
 
 # --- through the router ---------------------------------------------------------------------
