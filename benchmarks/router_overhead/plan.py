@@ -21,6 +21,9 @@ PORTS: dict[str, int] = {
     "vllm-router-real-metrics": 8533,
     "production-stack": 8540,
     "litellm": 8550,
+    # benchmarks.router_overhead.protocols: its own engine and router, apart from the above
+    "protocols-engine": 8560,
+    "protocols-gpupool": 8561,
 }
 
 

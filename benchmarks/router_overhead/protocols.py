@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
@@ -200,9 +201,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         else "not pinned",
         "workdir": str(workdir),
     }
-    engine = await start_engine(paths, workdir, placement, plan.engine_itl_ms)
-    engine_url = f"http://127.0.0.1:{PORTS['engine']}"
-    spec = gpupool_target("gpupool", PORTS["gpupool"], engine_url, paths, workdir)
+    for name in ("protocols-engine", "protocols-gpupool"):
+        _require_free(PORTS[name])  # else another run's process would answer in its place
+    engine = await start_engine(
+        paths, workdir, placement, plan.engine_itl_ms, port=PORTS["protocols-engine"]
+    )
+    engine_url = f"http://127.0.0.1:{PORTS['protocols-engine']}"
+    spec = gpupool_target("gpupool", PORTS["protocols-gpupool"], engine_url, paths, workdir)
     assert spec.argv is not None
     gp = start_proc(
         "gpupool",
@@ -232,6 +237,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     result["load_average_at_end"] = load_average()
     result["elapsed_s"] = round(time.monotonic() - started, 1)
     return result
+
+
+def _require_free(port: int) -> None:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise SystemExit(f"port {port} is taken ({err}): is another run going?") from None
 
 
 def _git_head(repo: Path) -> str:

@@ -81,9 +81,11 @@ class Live:
 
 
 async def start_engine(
-    paths: PeerPaths, workdir: Path, placement: Placement, itl_ms: float
+    paths: PeerPaths, workdir: Path, placement: Placement, itl_ms: float, port: int | None = None
 ) -> Proc:
-    """The fast fake engine every target sits in front of, on the load generator's CPUs."""
+    """The fast fake engine every target sits in front of, on the load generator's CPUs
+    (on `port`, default PORTS["engine"])."""
+    port = PORTS["engine"] if port is None else port
     python = str(paths.gpupool_venv / "bin" / "python")
     argv = [
         python,
@@ -92,7 +94,7 @@ async def start_engine(
         "--host",
         "127.0.0.1",
         "--port",
-        str(PORTS["engine"]),
+        str(port),
         "--ttft-ms",
         "0",
         "--itl-ms",
@@ -106,7 +108,7 @@ async def start_engine(
         nice=placement.served_nice,
         cwd=paths.repo,
     )
-    await wait_ready(proc, f"http://127.0.0.1:{PORTS['engine']}/health", timeout_s=30)
+    await wait_ready(proc, f"http://127.0.0.1:{port}/health", timeout_s=30)
     return proc
 
 
