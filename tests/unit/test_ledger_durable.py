@@ -204,6 +204,10 @@ def _config(tmp_path: Path, **router: Any) -> Config:
     return parse_config(data)
 
 
+# a stream's last event, per protocol: chat and completions, the Responses API, Anthropic Messages
+_LAST_EVENTS = (b"data: [DONE]", b"event: response.completed", b"event: message_stop")
+
+
 class FinalBytesProbe:
     """An ASGI wrapper that, when a response's final bytes are about to leave the router (the
     body of a non-streaming response, the message carrying a stream's `[DONE]`), reads the
@@ -226,7 +230,11 @@ class FinalBytesProbe:
                 streaming = headers.get(b"content-type") == b"text/event-stream"
             elif message["type"] == "http.response.body" and request_id:
                 body = message.get("body", b"")
-                final = b"[DONE]" in body if streaming else not message.get("more_body")
+                final = (
+                    any(marker in body for marker in _LAST_EVENTS)
+                    if streaming
+                    else not message.get("more_body")
+                )
                 if final and request_id not in self.seen:
                     try:
                         found = rows(self.path, f"request_id = '{request_id}'")
@@ -291,6 +299,26 @@ async def test_the_record_is_on_disk_before_the_final_bytes(
     if stream:
         assert row["ttft_s"] is not None and row["tpot_s"] is not None
         assert resp.content.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"model": "tiny", "input": "hello", "max_output_tokens": 5}),
+        ("/v1/messages", {**BODY, "max_tokens": 5}),
+    ],
+    ids=["responses", "messages"],
+)
+async def test_every_protocol_s_stream_is_recorded_before_its_last_event(
+    router: tuple[Gateway, httpx.AsyncClient, FakeEngineState], path: str, body: dict[str, Any]
+) -> None:
+    _, client, _ = router
+    probe: FinalBytesProbe = client.probe  # type: ignore[attr-defined]
+    resp = await client.post(path, json={**body, "stream": True})
+    assert resp.status_code == 200
+    assert any(marker in resp.content for marker in _LAST_EVENTS)  # the stream ended whole
+    (row,) = probe.seen[resp.headers["x-gpupool-request-id"]]
+    assert (row["outcome"], row["status_code"], row["completion_tokens"]) == ("ok", 200, 5)
 
 
 async def test_a_ledger_failure_does_not_fail_the_request(
