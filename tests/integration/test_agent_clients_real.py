@@ -35,7 +35,6 @@ import pytest
 
 from pools.launchers import InstanceSpec
 from tests.integration.conftest import (
-    ENGINE_KEY_ENV,
     RouterProcess,
     free_port,
     write_router_config,
@@ -50,7 +49,7 @@ MODEL = "tiny"
 
 
 class Target:
-    """Where the clients point: the router (or, while developing, one engine directly)."""
+    """Where the clients point: the router's URL and a tenant's key."""
 
     def __init__(self, url: str, key: str) -> None:
         self.url = url
@@ -68,9 +67,6 @@ class Target:
 def target(
     real_engines: list[InstanceSpec], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Target]:
-    if os.environ.get("GPUPOOL_AGENT_CLIENTS_DIRECT"):
-        yield Target(real_engines[0].url, os.environ[ENGINE_KEY_ENV])
-        return
     d: Path = tmp_path_factory.mktemp("agent-clients")
     config = write_router_config(
         d / "gpupool.yaml",
@@ -418,9 +414,6 @@ def test_replayed_claude_code_session_of_150_steps_on_the_default_config(
             prompt_tokens += events[0][1]["message"]["usage"]["input_tokens"]
     elapsed_s = time.monotonic() - started
     print(f"{SESSION_STEPS} steps in {elapsed_s:.1f} s")
-    if os.environ.get("GPUPOOL_AGENT_CLIENTS_DIRECT"):
-        return
-
     auth = {"authorization": f"Bearer {target.key}"}
     # one task: the first step starts run <session>:1, every tool-result step continues it
     session_view = httpx.get(f"{target.url}/v1/runs/{session}", headers=auth, timeout=10)
