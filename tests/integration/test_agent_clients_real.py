@@ -413,7 +413,6 @@ def test_replayed_claude_code_session_of_150_steps_on_the_default_config(
             assert events[0][0] == "message_start" and events[-1][0] == "message_stop", step
             prompt_tokens += events[0][1]["message"]["usage"]["input_tokens"]
     elapsed_s = time.monotonic() - started
-    print(f"{SESSION_STEPS} steps in {elapsed_s:.1f} s")
     auth = {"authorization": f"Bearer {target.key}"}
     # one task: the first step starts run <session>:1, every tool-result step continues it
     session_view = httpx.get(f"{target.url}/v1/runs/{session}", headers=auth, timeout=10)
@@ -425,3 +424,6 @@ def test_replayed_claude_code_session_of_150_steps_on_the_default_config(
     assert run["totals"]["outcomes"] == {"ok": SESSION_STEPS}
     assert run["totals"]["prompt_tokens"] == prompt_tokens  # what the engine reported
     assert run["classes"] == ["agent"]
+    instances = sorted({r["instance"] for r in run["requests"]})
+    queue_s = run["totals"]["queue_s"]
+    print(f"{SESSION_STEPS} steps in {elapsed_s:.1f} s on {instances}, {queue_s:.2f} s queued")
