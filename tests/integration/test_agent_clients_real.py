@@ -12,8 +12,9 @@
   step is served on the default config, and the ledger holds the steps.
 
 The dev model has random weights, so a tool call is made deterministic the way clients force
-one: a tool without parameters and a forced tool choice, whose structured output can only be
-that call with `{}` arguments.
+one: a `strict` tool without parameters and a forced tool choice, whose structured output can
+only be that call with `{}` arguments; a turn that must end in text gets its end-of-turn token
+biased up (`logit_bias`).
 """
 
 from __future__ import annotations
