@@ -5,32 +5,30 @@ on an existing cluster (`engines.ray.address`: "auto" or "host:port") or a local
 The actor (`EngineHost`) runs on whichever node Ray chose: it picks a free port there, builds
 the vLLM command with the same launcher-neutral builder as the local launcher
 (`engine_args.build_engine_command`, with `engine_plan.plan_engines` run on that node, so
-dtype and KV size fit the node), and starts the engine as its child. When the engine exits,
-the actor exits too, and Ray restarts the actor (`max_restarts`), which starts a new engine,
-possibly on another node and port.
+dtype and KV size fit the node), and starts the engine as its child under `reaper.py`, which
+takes the engine's whole process tree (its OpenAI server and `VLLM::EngineCore`) down when the
+engine exits, when the actor stops it, or when the actor's process dies (`ray.kill`). When the
+engine exits, the actor exits too, and Ray restarts the actor (`max_restarts`), which starts a
+new engine, possibly on another node and port.
 
 The router finds the engines through `source` (`RayEngineSource`): every poll asks each
 actor for its address; an actor that is dead or restarting does not answer in time and is
 left out of the answer (the router drains it), and when it answers again, at its new address,
 the router readmits it after a good scrape. Instance ids are stable (`ray-engine-<i>`).
 `aclose()` stops each engine, then kills its actor (no restart); a local cluster is shut down.
-The actors are owned by this process: if it dies, Ray takes them and their engines down (the
-engine also gets SIGTERM when its actor's process dies).
+The actors are owned by this process: if it dies, Ray takes them down, and their reapers take
+their engines down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import logging
 import os
 import secrets
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,12 +42,11 @@ from pools.launchers.base import InstanceSpec, LauncherError, ProgressFn
 from pools.launchers.engine_args import build_engine_command, engine_environ, supported_vllm_flags
 from pools.launchers.engine_plan import plan_engines, plan_problems, probe_host
 from pools.launchers.health import wait_healthy
+from pools.launchers.reaper import ReapedProcess
 
 __all__ = ["EngineHost", "RayEngineSource", "RayLauncher", "engine_settings"]
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 def engine_settings(ray: RayEnginesConfig, *, port: int, run_dir: Path) -> LocalEnginesConfig:
@@ -95,13 +92,6 @@ def _free_port(port_range: tuple[int, int] | None, index: int = 0, count: int = 
     )
 
 
-def _die_with_parent() -> None:
-    """In the engine between fork and exec: SIGTERM when the actor's process dies."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class EngineHost:
     """The body of one engine actor (wrapped by `ray.remote` at launch). Runs on a Ray node."""
 
@@ -135,14 +125,11 @@ class EngineHost:
         self.url = f"http://{node_ip}:{port}"
         self.log_path = run_dir / f"engine-{index}-{port}.log"
         with self.log_path.open("ab") as logfile:
-            self._proc = subprocess.Popen(
+            self._proc = ReapedProcess(
                 command.argv,
+                settings.stop_grace_s,
                 env=engine_environ(os.environ, command),
-                stdin=subprocess.DEVNULL,
                 stdout=logfile,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         self._stopping = False
         threading.Thread(target=self._watch, name="engine-watch", daemon=True).start()
@@ -158,13 +145,13 @@ class EngineHost:
         return self.url
 
     def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to the reaper, which gives the engine its grace (the reaper's own, from
+        `engine_settings`) and then kills what is left; should the reaper not be done
+        `grace_s` later, its whole tree gets SIGKILL here."""
         self._stopping = True
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout=grace_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, signal.SIGKILL)
+        self._proc.terminate()
+        if self._proc.wait(grace_s + 5.0) is None:
+            self._proc.kill()
 
 
 class RayEngineSource(TimingFromConfig):

@@ -1,7 +1,9 @@
 """The Ray launcher for real: a local Ray cluster (its own ports, 8700-8749), two CPU vLLM
 engines placed on it as actors, the router serving through them. One engine's actor is killed;
-Ray restarts it (a new engine, at a new port), and the router drains it out and readmits it,
-while every request that had not started on the killed engine succeeds."""
+Ray restarts it (a new engine, at a port free on the node), and the router drains it out and
+readmits it, while every request that had not started on the killed engine succeeds. The
+killed actor's engine goes with it, `VLLM::EngineCore` included (one used to be left running,
+parent 1)."""
 
 from __future__ import annotations
 
@@ -12,20 +14,24 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import ray
 
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import make_launcher
-from pools.launchers.ray import RayLauncher
+from pools.launchers.ray import RayLauncher, engine_settings
+from pools.launchers.reaper import OWNER_POLL_S
 from router.app import create_app
+from tests.e2e.stack import seed_vllm_flags
 
 pytestmark = pytest.mark.integration
 
@@ -108,7 +114,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(timeout=30)
+            head.wait(timeout=3)  # idle, it exits in ~2 s; after this test it hung 10-30 s
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)
         log.close()
@@ -149,6 +155,30 @@ def _config(address: str, tmp_path: Path) -> Any:
     return parse_config(data)
 
 
+def _engine_tree(url: str) -> list[psutil.Process]:
+    """The vLLM server listening at `url`'s port and its descendants (`VLLM::EngineCore`)."""
+    port = url.rsplit(":", 1)[1]
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "--port" in argv[:-1] and argv[argv.index("--port") + 1] == port:
+            with contextlib.suppress(psutil.Error):
+                return [proc, *proc.children(recursive=True)]
+    raise AssertionError(f"no engine process listens on port {port}")
+
+
+def _running(procs: list[psutil.Process], until_s: float = 0.0) -> list[str]:
+    """Those of `procs` still running (not zombies), once none is or at monotonic `until_s`."""
+    while True:
+        out = []
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
+        if not out or time.monotonic() >= until_s:
+            return out
+        time.sleep(0.2)
+
+
 async def _ask(client: httpx.AsyncClient, cls: str) -> httpx.Response:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     return await client.post(
@@ -160,6 +190,7 @@ async def test_ray_engines_serve_and_a_killed_actor_is_restarted_and_readmitted(
     ray_cluster: str, tmp_path: Path
 ) -> None:
     config = _config(ray_cluster, tmp_path)
+    seed_vllm_flags(Path(tempfile.gettempdir()) / "gpupool-ray")  # the actors' run_dir
     launcher = make_launcher(config)
     assert isinstance(launcher, RayLauncher)
     instances = await launcher.start()
@@ -187,25 +218,40 @@ async def test_ray_engines_serve_and_a_killed_actor_is_restarted_and_readmitted(
             victim_pool = next(c for c, i in served.items() if i == "ray-engine-0")
             other_pool = next(c for c in served if c != victim_pool)
 
+            old_engine = _engine_tree(old_url)
+            assert any("EngineCore" in " ".join(p.cmdline()) for p in old_engine), old_engine
             ray.kill(launcher.actors[0], no_restart=False)  # Ray restarts it (max_restarts -1)
             killed_at = time.monotonic()
 
             # traffic goes on: the other pool's requests all succeed; the victim's pool's
             # requests wait (queue) or fail only if they had started on the dead engine
+            # (the restarted actor's engine may listen at the old address: the old engine is
+            # gone, its port free again)
             results: list[tuple[str, int, str | None]] = []
-            readmitted_s = None
+            out_s = readmitted_s = None
             while time.monotonic() - killed_at < 240:
                 resp = await _ask(client, other_pool)
                 results.append(
                     (other_pool, resp.status_code, resp.headers.get("x-gpupool-instance"))
                 )
                 state = gateway.fleet.get("ray-engine-0")
-                if state is not None and state.healthy and state.spec.url != old_url:
+                in_rotation = state is not None and state.healthy
+                if not in_rotation and out_s is None:
+                    out_s = time.monotonic() - killed_at
+                if in_rotation and out_s is not None:
                     readmitted_s = time.monotonic() - killed_at
                     break
                 await asyncio.sleep(0.5)
+            assert out_s is not None, "ray-engine-0 never left rotation after its actor died"
             assert readmitted_s is not None, "ray-engine-0 was not readmitted within 240 s"
             assert all(code == 200 for _, code, _ in results), results
+            # the killed actor's engine tree is gone: its reaper saw the actor die (a poll),
+            # gave the engine its stop grace, then killed what was left
+            grace_s = engine_settings(config.engines.ray, port=0, run_dir=tmp_path).stop_grace_s
+            left = await asyncio.to_thread(
+                _running, old_engine, until_s=killed_at + OWNER_POLL_S + grace_s + 5
+            )
+            assert not left, left
 
             resp = await _ask(client, victim_pool)  # the restarted engine serves its pool again
             assert resp.status_code == 200, resp.text
@@ -216,12 +262,10 @@ async def test_ray_engines_serve_and_a_killed_actor_is_restarted_and_readmitted(
                 )
                 for c in ("moved", "leaving", "joined")
             }
-            # out while restarting and back at the new address (moved), or drained out and
-            # joined again
-            assert changes["moved"] or (changes["leaving"] and changes["joined"]), changes
             print(
-                f"ray-engine-0 readmitted {readmitted_s:.1f} s after its actor was killed;"
-                f" {len(results)} requests to the other pool meanwhile, all 200"
+                f"ray-engine-0 out of rotation {out_s:.1f} s and readmitted {readmitted_s:.1f} s"
+                f" after its actor was killed ({changes}); {len(results)} requests to the other"
+                " pool meanwhile, all 200"
             )
     finally:
         await gateway.aclose()

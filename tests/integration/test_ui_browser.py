@@ -175,7 +175,20 @@ def test_the_status_page_shows_the_live_pools_in_a_real_browser(
 
     with Load(ui_router) as load:
         _wait(loaded, 120, "the load to reach the engines")
-        time.sleep(11)  # two more history samples (every 5 s) with latency in them
+
+        def measured() -> bool:  # history (a sample every 5 s) with latency and rates in it
+            samples = httpx.get(f"{ui_router}/admin/history", headers=admin).json()["samples"]
+            return all(
+                any(
+                    v is not None
+                    for sample in samples
+                    for series in sample[part].values()
+                    for v in series.values()
+                )
+                for part in ("latency", "rates")
+            )
+
+        _wait(measured, 60, "latency and rates in the history")
 
         problems: list[str] = []
         with sync_playwright() as pw:
