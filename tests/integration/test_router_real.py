@@ -16,6 +16,7 @@ from tests.integration.conftest import (
     EngineFleet,
     RouterProcess,
     free_port,
+    wait_for,
     write_router_config,
 )
 
@@ -196,8 +197,8 @@ def test_client_disconnect_frees_the_engine(router_url: str, real_engines: list)
         lines = resp.iter_lines()
         for _ in range(5):
             next(lines)
-        time.sleep(1.5)  # let a scrape-independent reading settle
-        assert _engine_running(engine_url) >= 1, "the long request should be running"
+        # the engine's own gauge (read from its /metrics, not the router's scrape) shows it
+        wait_for(lambda: _engine_running(engine_url) >= 1, timeout_s=30, interval_s=0.2)
     # the client is gone: the engine must drop the sequence well before 3000 tokens
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and _engine_running(engine_url) > 0:
