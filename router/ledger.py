@@ -12,8 +12,9 @@ Every write goes through one writer thread that owns its own connection (`_Write
   `kill -9` loses no record of a response the client received in full. `submit(record)` (O(1),
   never awaits) queues a record for the next group commit without waiting for it: refusals,
   errors, mid-stream failures and client disconnects; a kill loses those not committed yet
-  (one commit's time; under load up to COMMIT_DELAY_S more). A failed commit is logged, never raised: the records go back to the
-  buffer, the periodic flush retries them, and the response is not held or failed.
+  (one commit's time; under load up to COMMIT_DELAY_S more). A failed commit is logged, never
+  raised: the records go back to the buffer, the periodic flush retries them, and the response
+  is not held or failed.
 - Batched (`durable=False`, the behaviour before): `submit` appends to an in-memory buffer and
   `commit` is `submit`; a hard kill loses at most one flush interval.
 

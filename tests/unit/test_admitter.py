@@ -379,8 +379,13 @@ async def test_a_deadline_hit_mid_stream_is_a_timeout_not_an_engine_error(make_r
     assert reply.status == 200  # the stream had started
     assert b'"deadline_exceeded"' in reply.body and reply.body.endswith(b"data: [DONE]\n\n")
     requests = rig.gateway.metrics.requests
-    assert requests.labels("normal", "normal", "timeout", "deadline_exceeded", "chat")._value.get() == 1  # type: ignore[attr-defined]
-    assert requests.labels("normal", "normal", "engine_error", "midstream", "chat")._value.get() == 0  # type: ignore[attr-defined]
+    assert (
+        requests.labels("normal", "normal", "timeout", "deadline_exceeded", "chat")._value.get()
+        == 1
+    )  # type: ignore[attr-defined]
+    assert (
+        requests.labels("normal", "normal", "engine_error", "midstream", "chat")._value.get() == 0
+    )  # type: ignore[attr-defined]
     assert _leases(rig) == (0, 0)
 
 

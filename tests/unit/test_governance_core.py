@@ -305,7 +305,9 @@ def test_run_guards_layer_class_then_tenant_then_task_type() -> None:
     assert run_limits(config, "agent", u, None) == RunLimits(20, 9000, None, 3600.0, 3)
     assert run_limits(config, "agent", t, None) == RunLimits(80, 9000, None, 180.0, 3)
     assert run_limits(config, "agent", t, "long").max_duration_s == 1800.0
-    assert run_limits(config, "normal", u, None) == RunLimits()  # the defaults: 500 steps, 1 h active
+    assert (
+        run_limits(config, "normal", u, None) == RunLimits()
+    )  # the defaults: 500 steps, 1 h active
 
 
 def test_unknown_tier_or_task_type_is_a_config_error() -> None:
