@@ -29,7 +29,7 @@ from gpu_probe.nvml import NvmlApi
 from gpu_probe.sampler import GpuSampler
 from kvcache_model import KVCacheModelError, LatencyPrior, gpu_spec, load_geometry
 from pools.allocation import PoolMap, plan_allocation
-from pools.config import Config, ConfigError, contract_problems, load_config
+from pools.config import Config, ConfigError, TenantConfig, contract_problems, load_config
 from pools.discovery import DiscoveryLoop, EngineSource
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
@@ -488,6 +488,13 @@ class Gateway:
                 m.engine_waiting.labels(iid).set(state.reading.waiting)
                 m.telemetry_age.labels(iid).set(self.fleet.age_s(state) or 0.0)
 
+    def _tenant_of(self, request: Request) -> TenantConfig:
+        """The calling tenant: `Authorization: Bearer KEY`, or `x-api-key` (Anthropic's
+        clients). Raises `Unauthorized`."""
+        return self.tenants.authenticate(
+            request.headers.get("authorization"), request.headers.get("x-api-key")
+        )
+
     def _build_api(self) -> FastAPI:
         api = FastAPI(
             title="gpupool",
@@ -536,7 +543,7 @@ class Gateway:
 
         @api.get("/v1/models")
         async def models(request: Request) -> dict[str, Any]:
-            self.tenants.authenticate(request.headers.get("authorization"))
+            self._tenant_of(request)
             entry: dict[str, Any] = {
                 "id": self.config.model.name,
                 "object": "model",
@@ -601,12 +608,12 @@ class Gateway:
 
         @api.get("/v1/budget")
         async def budget(request: Request) -> dict[str, Any]:
-            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            tenant = self._tenant_of(request)
             return self.governor.budget(tenant)
 
         @api.post("/v1/runs/{run_id}/end")
         async def end_run(run_id: str, request: Request) -> dict[str, Any]:
-            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            tenant = self._tenant_of(request)
             run = self.governor.end_run(tenant.name, run_id)
             if run is None:
                 raise NotFound(
@@ -624,7 +631,7 @@ class Gateway:
 
         @api.get("/v1/runs/{run_id}")
         async def run_detail(run_id: str, request: Request) -> dict[str, Any]:
-            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            tenant = self._tenant_of(request)
             summary = await self.ledger.run_summary(run_id, tenant.name)
             session = None if summary else self.governor.session(tenant.name, run_id)
             if session is not None:  # a session id: its runs, and its current run's summary
@@ -637,7 +644,7 @@ class Gateway:
 
         @api.get("/v1/runs")
         async def runs(request: Request) -> dict[str, Any]:
-            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            tenant = self._tenant_of(request)
             q = request.query_params
             since_s = _float_param(q.get("since_s", q.get("since")), "since_s")
             limit = _int_param(q.get("limit"), "limit", default=50, low=1, high=1000)

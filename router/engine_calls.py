@@ -73,7 +73,9 @@ class EngineCalls:
         pool = cls = "none"
         try:
             headers = request_headers(scope)
-            tenant = self.tenants.authenticate(headers.get("authorization"))
+            tenant = self.tenants.authenticate(
+                headers.get("authorization"), headers.get("x-api-key")
+            )
             raw = await read_request_body(receive, self.config.router.max_body_bytes)
             body = self._parse(raw)
             ctx = classify(
@@ -110,7 +112,9 @@ class EngineCalls:
         endpoint = "responses_cancel" if cancel else "responses_get"
         try:
             headers = request_headers(scope)
-            tenant = self.tenants.authenticate(headers.get("authorization"))
+            tenant = self.tenants.authenticate(
+                headers.get("authorization"), headers.get("x-api-key")
+            )
             if cancel:
                 await read_request_body(receive, self.config.router.max_body_bytes)
             stored = self.placement.get(response_id)

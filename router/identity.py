@@ -62,12 +62,20 @@ def _tenant_digest(tenant: TenantConfig) -> bytes | None:
     return key_digest(tenant.api_key) if tenant.api_key else None
 
 
-def _presented_key(authorization: str | None) -> str:
+def _presented_key(authorization: str | None, x_api_key: str | None = None) -> str:
     """The key in an `Authorization: Bearer <key>` value, or the password of `Basic` credentials
     (any user name: a browser asks for them on the status page, `GET /ui`, and then sends them
-    with the page's own calls to /admin/*). Raises `Unauthorized`."""
+    with the page's own calls to /admin/*), or, with no `Authorization`, an `x-api-key` value
+    (how the Anthropic SDK and Claude Code send `ANTHROPIC_API_KEY`). Raises `Unauthorized`."""
+    if not authorization and x_api_key is not None:
+        if not x_api_key.strip():
+            raise Unauthorized("empty x-api-key header", "invalid_api_key")
+        return x_api_key.strip()
     if not authorization:
-        raise Unauthorized("missing API key: send `Authorization: Bearer <key>`", "missing_api_key")
+        raise Unauthorized(
+            "missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
+            "missing_api_key",
+        )
     scheme, _, key = authorization.partition(" ")
     if scheme.lower() == "basic":
         key = _basic_password(key.strip())
@@ -126,11 +134,12 @@ class Tenants:
         stored = _tenant_digest(tenant)
         return tenant if stored is not None and hmac.compare_digest(digest, stored) else None
 
-    def authenticate(self, authorization: str | None) -> TenantConfig:
-        """The tenant for an `Authorization` header value. Raises `Unauthorized`."""
+    def authenticate(self, authorization: str | None, x_api_key: str | None = None) -> TenantConfig:
+        """The tenant for an `Authorization` header value (or, without one, an `x-api-key`
+        value). Raises `Unauthorized`."""
         if self.open:
             return self.by_name.get("default", ANONYMOUS)
-        tenant = self.find(_presented_key(authorization))
+        tenant = self.find(_presented_key(authorization, x_api_key))
         if tenant is None:
             raise Unauthorized("invalid API key", "invalid_api_key")
         return tenant

@@ -140,7 +140,9 @@ class CompletionsHandler:
         signals: StepSignals | None = None
         tenant_name: str | None = None
         try:
-            tenant = self.tenants.authenticate(headers.get("authorization"))
+            tenant = self.tenants.authenticate(
+                headers.get("authorization"), headers.get("x-api-key")
+            )
             tenant_name = tenant.name
             body_bytes = await self._read_body(receive)
             read_s = self.clock()

@@ -525,3 +525,29 @@ def test_engine_refusals_on_messages_are_rewritten_into_anthropics_types() -> No
     ):
         out = orjson.loads(adapter.engine_error(status, raw))
         assert out == {"type": "error", "error": {"type": kind, "message": message}}
+
+
+async def test_anthropic_clients_authenticate_with_x_api_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Anthropic SDK and Claude Code send `ANTHROPIC_API_KEY` as `x-api-key`, not as
+    `Authorization`: a tenant's key there is that tenant; a wrong one is a 401."""
+    monkeypatch.setenv("XKEY_TEST_KEY", "sk-x-test")
+    data = {**DEFAULT_CPU_CONFIG, "router": _router(tmp_path)}
+    data["tenants"] = [{"name": "team-x", "api_key_env": "XKEY_TEST_KEY"}]
+    async with make_rig(tmp_path, config=parse_config(data)) as rig:
+        ok = await rig.client.post(
+            "/v1/messages", json=MESSAGES, headers={"x-api-key": "sk-x-test"}
+        )
+        assert ok.status_code == 200, ok.text
+        counted = await rig.client.post(
+            "/v1/messages/count_tokens", json=MESSAGES, headers={"x-api-key": "sk-x-test"}
+        )
+        assert counted.status_code == 200, counted.text
+        seen = rig.seen()
+        wrong = await rig.client.post("/v1/messages", json=MESSAGES, headers={"x-api-key": "nope"})
+        assert wrong.status_code == 401
+        assert wrong.json()["error"]["type"] == "authentication_error"
+        empty = await rig.client.post("/v1/messages", json=MESSAGES, headers={"x-api-key": " "})
+        assert empty.status_code == 401
+        assert rig.seen() == seen  # the refusals reached no engine
