@@ -6,7 +6,8 @@
 - the OpenAI Agents SDK on its default Responses model (`set_default_openai_client`), an agent
   with one function tool and `tool_choice="required"`: the runner calls the tool and finishes;
 - the `anthropic` SDK: `messages.create`, `messages.stream` with a `tool_use` -> `tool_result`
-  round trip, `messages.count_tokens` (equal to the prompt tokens the engine bills);
+  round trip, `messages.count_tokens` (equal to the prompt tokens the engine bills); the key
+  as `x-api-key` (`api_key=`, ANTHROPIC_API_KEY) and as a Bearer token (`auth_token=`);
 - LangChain's `ChatOpenAI(use_responses_api=True)`;
 - a replayed 150-step coding-agent session with Claude Code's headers and message shapes: every
   step is served on the default config, and the ledger holds the steps.
@@ -59,8 +60,10 @@ class Target:
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key, max_retries=0)
 
-    def anthropic(self) -> anthropic.Anthropic:
-        # Claude Code with ANTHROPIC_AUTH_TOKEN: `authorization: Bearer <token>`
+    def anthropic(self, *, x_api_key: bool = False) -> anthropic.Anthropic:
+        if x_api_key:  # ANTHROPIC_API_KEY: `x-api-key: <key>`
+            return anthropic.Anthropic(base_url=self.url, api_key=self.key, max_retries=0)
+        # ANTHROPIC_AUTH_TOKEN: `authorization: Bearer <token>`
         return anthropic.Anthropic(base_url=self.url, auth_token=self.key, max_retries=0)
 
 
@@ -218,7 +221,7 @@ RUN_TESTS_TOOL: dict[str, Any] = {
 
 
 def test_anthropic_messages_create_and_count_tokens(target: Target) -> None:
-    client = target.anthropic()
+    client = target.anthropic(x_api_key=True)
     messages: list[Any] = [{"role": "user", "content": "Why does the build fail?"}]
     system = "You are a coding agent."
     counted = client.messages.count_tokens(model=MODEL, system=system, messages=messages)
