@@ -592,7 +592,7 @@ class TokenEstimator:
     def context_exceeded_early(self, parsed: EstimateInput) -> int | None:
         """A long input's lower bound on the context it needs, when that is already over
         `max_model_len` (else None): the tokens of its first characters, `2 × max_model_len`
-        at a time up to `8 × max_model_len`, plus the output limit it names. Counts that much
+        at a time up to `8 × max_model_len`, plus one output token. Counts that much
         text at most (a few ms) where the whole estimate of a 50,000-word prompt would encode
         all of it (a few hundred ms); the chat template's tokens are left out, and a cut
         word counts as its parts (never fewer tokens than whole), so it never refuses what
@@ -603,32 +603,33 @@ class TokenEstimator:
             return None
         budget = 8 * limit
         step = 2 * limit  # encoded a step at a time: most long prompts are over after one
-        output = parsed.requested_output or 0
         tokens = 0
         for piece in (*parsed.pieces, *parsed.json_pieces):
             for start in range(0, min(len(piece), budget), step):
                 part = piece[start : start + min(step, budget)]
                 tokens += counter.encode_len(part)
                 budget -= len(part)
-                if tokens + output > limit or tokens >= limit:
-                    return tokens + output
+                if tokens >= limit:  # no room for one output token (see context_needed)
+                    return tokens + 1
                 if budget <= 0:
                     return None
         return None
 
     def context_needed(self, estimate: Estimate) -> int | None:
-        """The context the request needs (prompt plus the output limit it names) when that is
-        over `max_model_len`, else None: it can never be served, whatever the load. Without
-        the tokenizer the byte heuristic may be off by a fifth, so the prompt counts 0.8 of
-        its estimate."""
+        """The context the request needs (its prompt plus one output token) when that is over
+        `max_model_len`, else None. Such a prompt can never be served, whatever the load. A
+        prompt that fits with an output limit that does not is served as vLLM serves it: the
+        output stops at the end of the context (vLLM 0.32 answers 200 on chat, completions,
+        responses and messages alike; Claude Code asks `max_tokens` 32,000 of any model), and
+        the estimate's output is capped there already. Without the tokenizer the byte heuristic
+        may be off by a fifth, so the prompt counts 0.8 of its estimate."""
         limit = self._max_model_len
         if limit is None:
             return None
         prompt = estimate.prompt_tokens
         counted = prompt if estimate.source == "tokenizer" else int(prompt * 0.8)
-        output = estimate.requested_output_tokens or 0
-        if counted + output > limit or counted >= limit:
-            return prompt + output
+        if counted >= limit:
+            return prompt + 1
         return None
 
     @property

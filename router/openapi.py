@@ -31,7 +31,7 @@ _ANY: Schema = {}  # any JSON value: gpupool reads it leniently, the engine vali
 
 _ERROR_DESCRIPTIONS = {
     400: "Malformed JSON, a missing or mistyped field, a bad gpupool header or query parameter, "
-    "a prompt and output limit over the model's context (context_length_exceeded), a sequence "
+    "a prompt alone over the model's context (context_length_exceeded), a sequence "
     "over every instance's KV cache (kv_capacity_exceeded), an unknown or lost "
     "previous_response_id (previous_response_not_found), or the engine's own 400, passed "
     "through",

@@ -17,8 +17,9 @@ Proxy rules:
   of the stream;
 - a streaming chat or completions request always asks vLLM for `stream_options.include_usage`;
   the usage event is stripped again when the client did not ask for it;
-- a request that can never be served answers 400 before admission: its prompt and output
-  limit over the model's context (`context_length_exceeded`), its sequence over every
+- a request that can never be served answers 400 before admission: its prompt alone over the
+  model's context (`context_length_exceeded`; an output limit past the context's end is
+  served as vLLM serves it, stopping there), its sequence over every
   instance's whole KV cache (`kv_capacity_exceeded`), a `previous_response_id` the router
   does not know or whose engine is gone (`previous_response_not_found`);
 - a follow-up response (`previous_response_id`) goes only to the instance that stored the
@@ -160,7 +161,7 @@ class CompletionsHandler:
             try:
                 parsed = adapter.estimate_input(body)
                 if (needed := self.estimator.context_exceeded_early(parsed)) is not None:
-                    raise self._context_error(needed, parsed.requested_output or 0)
+                    raise self._context_error(needed)
                 if self.governor is not None:
                     ctx, signals = self.governor.prepare(ctx, tenant, headers, body)
                 wait_after_s = wait_comments_after_s(headers.get(WAIT_COMMENTS_HEADER))
@@ -278,7 +279,7 @@ class CompletionsHandler:
         model's context, or over the whole KV cache of every instance of its pool."""
         needed = self.estimator.context_needed(estimate)
         if needed is not None:
-            raise self._context_error(needed, estimate.requested_output_tokens or 0)
+            raise self._context_error(needed)
         capacity = self._largest_kv_tokens(ctx.pool)
         if capacity is not None and estimate.total_tokens > capacity:
             raise BadRequest(
@@ -289,13 +290,12 @@ class CompletionsHandler:
                 param="messages",
             )
 
-    def _context_error(self, needed: int, output: int) -> BadRequest:
+    def _context_error(self, needed: int) -> BadRequest:
         limit = self.estimator.max_model_len_tokens
         return BadRequest(
             f"prompt is too long: {needed} tokens > {limit} maximum. This model's maximum "
-            f"context length is {limit} tokens; the request needs at least {needed - output} "
-            f"for the prompt and {output} for the output. Reduce the prompt or the output "
-            "limit.",
+            f"context length is {limit} tokens; the prompt alone takes about {needed - 1}, "
+            "leaving no room for a single output token. Reduce the prompt.",
             "context_length_exceeded",
             param="messages",
         )

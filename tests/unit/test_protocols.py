@@ -334,11 +334,13 @@ async def test_context_length_exceeded_on_every_endpoint_before_admission(rig: R
             assert error["type"] == "invalid_request_error"
         assert elapsed < 0.5, (path, elapsed)  # generous here; the real-engine test asks 0.1
     assert rig.seen() == 0
-    # a prompt that fits with its output but not with a larger output limit
+    # a prompt that fits, with an output limit over what the context leaves: served as vLLM
+    # serves it (the output stops at the context's end), as Claude Code's max_tokens 32,000 is
     fits = await rig.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100})
     assert fits.status_code == 200
     over = await rig.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5000})
-    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+    assert over.status_code == 200, over.text
+    assert rig.seen() == 2
 
 
 async def test_a_sequence_over_every_instances_kv_cache_is_a_400(tmp_path: Path) -> None:
