@@ -484,15 +484,28 @@ def _response_headers() -> dict[str, Schema]:
     }
 
 
-def _generation(config: Config, security: list[Schema], *, chat: bool) -> Schema:
-    request = "ChatCompletionRequest" if chat else "CompletionRequest"
-    what = "chat completion" if chat else "completion"
+_OPENAI_GENERATION_ERRORS = (400, 401, 403, 404, 408, 413, 429, 502, 503, 504)
+
+
+def _generation(
+    config: Config,
+    security: list[Schema],
+    *,
+    operation: str,
+    summary: str,
+    description: str,
+    request: str,
+    answer: str,
+    answer_description: str,
+    errors: dict[str, Schema],
+) -> Schema:
+    """One generation endpoint (chat, completions, responses, messages): the same path, so the
+    same parameters, headers and answer shapes; only names and error shapes differ."""
     return {
         "post": {
-            "operationId": "createChatCompletion" if chat else "createCompletion",
-            "summary": f"Create a {what} through the pools",
-            "description": "Classified, admitted (or queued, or refused with 429), proxied to "
-            "an engine in the class's pool and accounted in GPU-seconds. Bytes pass through.",
+            "operationId": operation,
+            "summary": summary,
+            "description": description,
             "security": security,
             "parameters": _header_parameters(config),
             "requestBody": {
@@ -501,46 +514,7 @@ def _generation(config: Config, security: list[Schema], *, chat: bool) -> Schema
             },
             "responses": {
                 "200": {
-                    "description": f"The engine's {what}: JSON, or server-sent events with "
-                    '"stream": true (a failure mid-stream ends it with an error event)',
-                    "headers": _response_headers(),
-                    "content": {
-                        "application/json": {"schema": _ref("Completion")},
-                        "text/event-stream": {"schema": _ref("StreamEvent")},
-                    },
-                },
-                **_errors(400, 401, 403, 404, 408, 413, 429, 502, 503, 504),
-            },
-        }
-    }
-
-
-def _agent_generation(config: Config, security: list[Schema], *, messages: bool) -> Schema:
-    request, answer = (
-        ("MessagesRequest", "Message") if messages else ("ResponsesRequest", "Response")
-    )
-    errors = (
-        _anthropic_errors(*_ANTHROPIC_STATUSES)
-        if messages
-        else _errors(400, 401, 403, 404, 408, 413, 429, 502, 503, 504)
-    )
-    return {
-        "post": {
-            "operationId": "createMessage" if messages else "createResponse",
-            "summary": "Create an Anthropic message through the pools"
-            if messages
-            else "Create an OpenAI response through the pools",
-            "description": "The same path as chat completions: classified, admitted (or "
-            "queued, or refused), proxied and accounted. Bytes pass through.",
-            "security": security,
-            "parameters": _header_parameters(config),
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _ref(request)}},
-            },
-            "responses": {
-                "200": {
-                    "description": "The engine's answer: JSON, or server-sent events with "
+                    "description": f"{answer_description}: JSON, or server-sent events with "
                     '"stream": true (a failure mid-stream ends it with an error event)',
                     "headers": _response_headers(),
                     "content": {
@@ -552,6 +526,41 @@ def _agent_generation(config: Config, security: list[Schema], *, messages: bool)
             },
         }
     }
+
+
+def _openai_generation(config: Config, security: list[Schema], *, chat: bool) -> Schema:
+    what = "chat completion" if chat else "completion"
+    return _generation(
+        config,
+        security,
+        operation="createChatCompletion" if chat else "createCompletion",
+        summary=f"Create a {what} through the pools",
+        description="Classified, admitted (or queued, or refused with 429), proxied to "
+        "an engine in the class's pool and accounted in GPU-seconds. Bytes pass through.",
+        request="ChatCompletionRequest" if chat else "CompletionRequest",
+        answer="Completion",
+        answer_description=f"The engine's {what}",
+        errors=_errors(*_OPENAI_GENERATION_ERRORS),
+    )
+
+
+def _agent_generation(config: Config, security: list[Schema], *, messages: bool) -> Schema:
+    return _generation(
+        config,
+        security,
+        operation="createMessage" if messages else "createResponse",
+        summary="Create an Anthropic message through the pools"
+        if messages
+        else "Create an OpenAI response through the pools",
+        description="The same path as chat completions: classified, admitted (or "
+        "queued, or refused), proxied and accounted. Bytes pass through.",
+        request="MessagesRequest" if messages else "ResponsesRequest",
+        answer="Message" if messages else "Response",
+        answer_description="The engine's answer",
+        errors=_anthropic_errors(*_ANTHROPIC_STATUSES)
+        if messages
+        else _errors(*_OPENAI_GENERATION_ERRORS),
+    )
 
 
 def _engine_calls(security: list[Schema]) -> dict[str, Schema]:
@@ -755,8 +764,8 @@ def openapi_document(config: Config, access: OperatorAccess) -> dict[str, Any]:
     since_s = _query("since_s", since, "Only runs with a request ending at or after it (s)")
     whole = {"type": "integer", "minimum": 1, "maximum": 1000}
     paths: dict[str, Schema] = {
-        "/v1/chat/completions": _generation(config, tenant, chat=True),
-        "/v1/completions": _generation(config, tenant, chat=False),
+        "/v1/chat/completions": _openai_generation(config, tenant, chat=True),
+        "/v1/completions": _openai_generation(config, tenant, chat=False),
         "/v1/responses": _agent_generation(config, tenant, messages=False),
         "/v1/messages": _agent_generation(config, tenant, messages=True),
         **_engine_calls(tenant),
