@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pools.tasks import cancel_and_wait
+from pools.periodic import Periodic
 
 __all__ = [
     "History",
@@ -246,8 +246,7 @@ class History:
         self.buffer = HistoryBuffer(interval_s=interval_s, window_s=window_s)
         self._read = read
         self._wall_clock = wall_clock
-        self._sleep = sleep
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("gpupool-history", self.sample_once, interval_s, sleep=sleep)
 
     def sample_once(self) -> JsonDict | None:
         """Take one sample now; None when reading the router failed (logged, not raised)."""
@@ -258,19 +257,13 @@ class History:
             return None
 
     async def start(self) -> None:
-        if self._task is not None:
+        if self._loop.running:
             return
         self.sample_once()
-        self._task = asyncio.create_task(self._run(), name="gpupool-history")
-
-    async def _run(self) -> None:
-        while True:
-            await self._sleep(self.buffer.interval_s)
-            self.sample_once()
+        self._loop.start()
 
     async def aclose(self) -> None:
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        await self._loop.aclose()
 
     def view(self, since_s: float | None = None) -> JsonDict:
         return self.buffer.view(since_s)

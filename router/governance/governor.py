@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pools.config import Config, TenantConfig
-from pools.tasks import cancel_and_wait
+from pools.periodic import Periodic
 from router.errors import BadRequest, RateLimited, RunStopped
 from router.estimate import Estimate
 from router.governance.borrowing import LenderView, pick_lender
@@ -150,14 +150,15 @@ class Governor:
         self.metrics = metrics
         self.clock = clock
         self.on_run_end = on_run_end
-        self._sweep_interval_s = sweep_interval_s
         self._max_runs = max_runs_per_tenant
         self._task_types = dict(config.governance.task_types_s)
         self._idle_timeout_s = config.governance.run_idle_timeout_s
         self._max_wait_s = {p.name: p.queue.max_wait_s for p in config.pools}
         self._tenants: dict[str, _Tenant] = {}
         self._tickets: dict[str, _Ticket] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._sweep_loop = Periodic(
+            "gpupool-governance-sweep", self._sweep_and_save, sweep_interval_s
+        )
         self._store = store
         self._wall_clock = wall_clock
         self._dirty: dict[tuple[str, str], RunState] = {}  # runs changed since the last save
@@ -173,32 +174,27 @@ class Governor:
 
     async def start(self) -> None:
         """Restore the saved state (if a store is given) and start the sweep."""
-        if self._task is not None:
+        if self._sweep_loop.running:
             return
         if self._store is not None:
             await asyncio.to_thread(self._store.open)
             tenants, runs = await asyncio.to_thread(self._store.load)
             sessions = await asyncio.to_thread(self._store.load_sessions)
             self._restore(tenants, runs, sessions)
-        self._task = asyncio.create_task(self._sweep_loop(), name="gpupool-governance-sweep")
+        self._sweep_loop.start()
 
     async def aclose(self) -> None:
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        await self._sweep_loop.aclose()
         if self._store is not None:
             await self.save()
             # closed once: a second aclose (the gateway's, after a failed start) finds nothing
             store, self._store = self._store, None
             await asyncio.to_thread(store.close)
 
-    async def _sweep_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._sweep_interval_s)
-            try:
-                self.sweep()
-                await self.save()
-            except Exception:
-                log.exception("governance sweep failed")
+    async def _sweep_and_save(self) -> None:
+        """The sweep loop's tick, every `sweep_interval_s`."""
+        self.sweep()
+        await self.save()
 
     # ------------------------------------------------------------------ durability
 
