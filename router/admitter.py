@@ -10,8 +10,16 @@ arrives or the allocation changes and it is at the head and fits. It raises
 queue at once and never reaches an engine.
 
 The decision, the pick and the lease happen in one synchronous step, so no other request can
-take the headroom a grant saw. A retry after a refused connection re-picks among the instances
-that fit now, without queueing again (`repick`); only when none is left does it queue again.
+take the headroom a grant saw. The synchronous core is public, so the simulator
+(`router.simulate`) runs the same code in simulated time: `admit_now` (a lease at once, a
+refusal, or None: it must queue), `enqueue` (a `Waiter` joins its pool's queue, with the
+waiting bookkeeping: steps waiting for their run's home, attained service), `dispatch_once(now)`
+(one pass over the queued entries in order: decide → pick → lease, or keep waiting: for the
+run's home, placement patience, affinity-or-move) and `withdraw` (an entry leaves unserved).
+The async shell (`admit`, `pump`) only awaits, resolves futures and schedules passes.
+
+A retry after a refused connection re-picks among the instances that fit now, without
+queueing again (`repick`); only when none is left does it queue again.
 
 With `router.admission: off` every request is leased to the best healthy instance at once
 (the behaviour before admission, kept for comparison); reservations are still tracked so the
@@ -27,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 from pools.allocation import PoolMap
 from pools.config import Config, PoolConfig
@@ -46,7 +55,7 @@ from router.picking import (
 from router.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
 from router.request import RequestContext
 
-__all__ = ["Admitter"]
+__all__ = ["Admitter", "Waiter"]
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +70,47 @@ class _WaitsForHome:
 WAITS_FOR_HOME = _WaitsForHome()
 
 
+class Waiter(Protocol):
+    """A queued request as `dispatch_once` sees it: what it needs, where it may not go, and
+    how to answer it. `admitted` and `refused` are called at most once, and never once
+    `gone()` is true."""
+
+    @property
+    def ctx(self) -> RequestContext: ...
+
+    @property
+    def need(self) -> Need: ...
+
+    @property
+    def exclude(self) -> frozenset[str]: ...
+
+    def gone(self) -> bool:
+        """The request no longer waits (its client left, it timed out, it was shed)."""
+        ...
+
+    def admitted(self, lease: Lease) -> None: ...
+
+    def refused(self, err: CapacityExceeded) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class _Waiter:
+    """The router's waiter: a future the request's task awaits."""
+
     ctx: RequestContext
     need: Need
     future: asyncio.Future[Lease]
     exclude: frozenset[str]
+
+    def gone(self) -> bool:
+        return self.future.done()
+
+    def admitted(self, lease: Lease) -> None:
+        self.future.set_result(lease)
+
+    def refused(self, err: CapacityExceeded) -> None:
+        if not self.future.done():
+            self.future.set_exception(err)
 
 
 class Admitter:
@@ -125,18 +169,29 @@ class Admitter:
     async def admit(
         self, ctx: RequestContext, estimate: Estimate, *, exclude: frozenset[str] = frozenset()
     ) -> Lease:
-        need = self._need(ctx, estimate)
+        need = self.need(ctx, estimate)
+        now = self.clock()
+        lease = self.admit_now(ctx, need, now, exclude)
+        if lease is not None:
+            return lease
+        return await self._wait(ctx, need, exclude, now)
+
+    def admit_now(
+        self, ctx: RequestContext, need: Need, now_s: float, exclude: frozenset[str] = frozenset()
+    ) -> Lease | None:
+        """`admit`'s synchronous step: a lease at once (the pool's queue is empty and the
+        sequence fits), or None (it must queue: `enqueue`). Raises `CapacityExceeded` or
+        `NoHealthyInstance` for a refusal."""
         if not self.enabled:
             lease = self._lease_unchecked(ctx, need, exclude)
             if lease is None:
                 raise self._no_instance(ctx.pool)
             return lease
         queue = self.queues[ctx.pool]
-        now = self.clock()
-        wait_s = queue.expected_wait_s(len(queue), now, default_s=0.0)
+        wait_s = queue.expected_wait_s(len(queue), now_s, default_s=0.0)
         result: Lease | Grant | Wait | Reject | _WaitsForHome | None
         if len(queue) == 0:
-            result = self._try(ctx, need, now, exclude)
+            result = self._try(ctx, need, now_s, exclude)
             if isinstance(result, Lease):
                 log.debug(
                     "%s: admitted at once to %s (pool %s, %d tokens)",
@@ -147,16 +202,16 @@ class Admitter:
                 )
                 return result
         else:  # others wait: never jump the queue, only check the deadline can be met
-            result = decide(self._views(ctx.pool, now), need, now, queue_wait_s=wait_s)
+            result = decide(self._views(ctx.pool, now_s), need, now_s, queue_wait_s=wait_s)
         if isinstance(result, Reject):
             raise self._reject(ctx, result, wait_s)
-        return await self._wait(ctx, need, queue, exclude, now)
+        return None
 
     def repick(
         self, ctx: RequestContext, estimate: Estimate, exclude: frozenset[str]
     ) -> Lease | None:
         """A lease on another instance that fits now (for a retry), or None."""
-        need = self._need(ctx, estimate)
+        need = self.need(ctx, estimate)
         if not self.enabled:
             return self._lease_unchecked(ctx, need, exclude)
         result = self._try(ctx, need, self.clock(), exclude)
@@ -164,7 +219,7 @@ class Admitter:
 
     # ------------------------------------------------------------------ deciding
 
-    def _need(self, ctx: RequestContext, estimate: Estimate) -> Need:
+    def need(self, ctx: RequestContext, estimate: Estimate) -> Need:
         """The request's need. A later step of a run, on the instance that served its last
         step, expects the last step's context (prompt + completion) in the prefix cache, as
         often as that instance's measured prefix-cache hit rate says cached tokens survive."""
@@ -376,23 +431,19 @@ class Admitter:
 
     # ------------------------------------------------------------------ waiting
 
-    async def _wait(
-        self,
-        ctx: RequestContext,
-        need: Need,
-        queue: PoolQueue,
-        exclude: frozenset[str],
-        now_s: float,
-    ) -> Lease:
-        pool = self.pools[ctx.pool]
-        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+    def enqueue(self, waiter: Waiter, now_s: float) -> QueueEntry:
+        """`waiter` joins its pool's queue (counted among the steps waiting for its run's home
+        when it has one); a lower-priority entry it sheds is refused. Raises
+        `CapacityExceeded` (queue_full) when the queue is full."""
+        ctx, need = waiter.ctx, waiter.need
+        queue = self.queues[ctx.pool]
         entry = QueueEntry(
             tenant=ctx.tenant,
             priority=ctx.priority,
             cost_tokens=float(need.total_tokens),
             weight=ctx.tenant_weight,
             enqueued_at_s=now_s,
-            payload=_Waiter(ctx, need, future, exclude),
+            payload=waiter,
             attained_gpu_s=self._attained_gpu_s(ctx, now_s),
             run_key=ctx.run_key,
         )
@@ -412,15 +463,41 @@ class Admitter:
         if shed is not None:
             self._shed(shed, queue, now_s)
         self.metrics.queue_depth(ctx.pool, len(queue))
+        return entry
+
+    def max_wait_s(self, ctx: RequestContext, enqueued_at_s: float) -> float:
+        """How long a request queued at `enqueued_at_s` may wait: its pool's
+        `queue.max_wait_s`, or less when its deadline comes first (below 0 when it has
+        passed)."""
+        pool = self.pools[ctx.pool]
+        return min(pool.queue.max_wait_s, ctx.deadline_s - enqueued_at_s)
+
+    def withdraw(self, entry: QueueEntry) -> None:
+        """`entry` leaves its pool's queue unserved (timed out, its client left)."""
+        waiter: Waiter = entry.payload
+        queue = self.queues[waiter.ctx.pool]
+        queue.remove(entry)
+        self._left(queue.pool, entry)
+
+    async def _wait(
+        self,
+        ctx: RequestContext,
+        need: Need,
+        exclude: frozenset[str],
+        now_s: float,
+    ) -> Lease:
+        queue = self.queues[ctx.pool]
+        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        entry = self.enqueue(_Waiter(ctx, need, future, exclude), now_s)
         self.schedule_pump()
-        timeout_s = min(pool.queue.max_wait_s, ctx.deadline_s - now_s)
+        timeout_s = self.max_wait_s(ctx, now_s)
         try:
             done, _ = await asyncio.wait({future}, timeout=max(0.0, timeout_s))
         except asyncio.CancelledError:
-            self._abandon(queue, entry, future)
+            self._abandon(entry, future)
             raise
         if not done:
-            self._abandon(queue, entry, future)
+            self._abandon(entry, future)
             self.metrics.queue_depth(ctx.pool, len(queue))
             self.metrics.rejected(ctx.pool, "queue_timeout")
             self.metrics.observe_queue_wait(ctx.pool, ctx.class_name, self.clock() - now_s)
@@ -453,11 +530,10 @@ class Admitter:
             return 0.0
         return attained.attained_gpu_s((ctx.tenant, ctx.run_id), now_s)
 
-    def _abandon(self, queue: PoolQueue, entry: QueueEntry, future: asyncio.Future[Lease]) -> None:
+    def _abandon(self, entry: QueueEntry, future: asyncio.Future[Lease]) -> None:
         if future.done() and not future.cancelled() and future.exception() is None:
             future.result().release()  # granted just as the waiter gave up
-        queue.remove(entry)
-        self._left(queue.pool, entry)
+        self.withdraw(entry)
         future.cancel()
 
     def homebound(self, pool: str) -> dict[str, int]:
@@ -476,17 +552,16 @@ class Admitter:
 
     def _shed(self, entry: QueueEntry, queue: PoolQueue, now_s: float) -> None:
         self._left(queue.pool, entry)
-        waiter: _Waiter = entry.payload
+        waiter: Waiter = entry.payload
         self.metrics.rejected(queue.pool, "shed")
-        if not waiter.future.done():
-            waiter.future.set_exception(
-                CapacityExceeded(
-                    f"shed from pool {queue.pool!r}'s full queue for a higher-priority request"
-                    " (priority below 0 is shed first)",
-                    "shed",
-                    retry_after_s=queue.expected_wait_s(len(queue), now_s, default_s=1.0),
-                )
+        waiter.refused(
+            CapacityExceeded(
+                f"shed from pool {queue.pool!r}'s full queue for a higher-priority request"
+                " (priority below 0 is shed first)",
+                "shed",
+                retry_after_s=queue.expected_wait_s(len(queue), now_s, default_s=1.0),
             )
+        )
 
     # ------------------------------------------------------------------ dispatch
 
@@ -502,17 +577,27 @@ class Admitter:
         loop.call_soon(self.pump)
 
     def pump(self) -> None:
-        """Give each pool's queue head a lease while it fits (head-of-line order). A head that
-        fits but waits for its run's home instance (the placement rule) is passed over for
-        this pass: the entries behind it may go, and it keeps its place."""
+        """One dispatch pass now (`dispatch_once`), and another soon when it may lend more."""
         self._pump_scheduled = False
-        now = self.clock()
+        if self.dispatch_once(self.clock()):
+            self.schedule_pump()
+
+    def dispatch_once(self, now: float) -> bool:
+        """Give each pool's queue head a lease while it fits (head-of-line order): decide →
+        pick → lease in one synchronous step per entry, with the waiting bookkeeping (the
+        time it has waited feeds placement patience and the affinity-or-move wait; the steps
+        waiting for each home). A head that fits but waits for its run's home instance (the
+        placement rule) is passed over for this pass: the entries behind it may go, and it
+        keeps its place. A head whose deadline can no longer be met is refused.
+
+        Returns True when another pass may dispatch more: something was leased and pools
+        may borrow (a queue that emptied may lend now to a pool passed over earlier)."""
         dispatched = False
         for queue in self.queues.values():
             homebound: set[QueueEntry] = set()
             while (entry := queue.peek(now, homebound)) is not None:
-                waiter: _Waiter = entry.payload
-                if waiter.future.done():
+                waiter: Waiter = entry.payload
+                if waiter.gone():
                     queue.remove(entry)
                     self._left(queue.pool, entry)
                     continue
@@ -527,23 +612,21 @@ class Admitter:
                 if isinstance(result, Lease):
                     queue.pop(entry, now)
                     self._left(queue.pool, entry)
-                    waiter.future.set_result(result)
+                    waiter.admitted(result)
                     dispatched = True
                     continue
                 if isinstance(result, Reject) and result.code == "deadline_unmeetable":
                     queue.remove(entry)
                     self._left(queue.pool, entry)
                     self.metrics.rejected(queue.pool, result.code)
-                    waiter.future.set_exception(self._capacity(result, 1.0))
+                    waiter.refused(self._capacity(result, 1.0))
                     continue
                 if isinstance(result, _WaitsForHome):
                     homebound.add(entry)
                     continue
                 break
             self.metrics.queue_depth(queue.pool, len(queue))
-        if dispatched and self.borrow_max_frac > 0:
-            # a queue that emptied may lend now to a pool passed over earlier in this pass
-            self.schedule_pump()
+        return dispatched and self.borrow_max_frac > 0
 
     # ------------------------------------------------------------------ errors
 
