@@ -4,8 +4,9 @@ The one loop skeleton for the router's and the pools' background work (history s
 engine discovery, per-instance telemetry scrapes, the governance sweep, response placements
 and the ledger's flush). What every one of them needs, written once:
 
-- the first tick comes `first_delay_s` after `start` (default: one interval; a component that
-  wants a tick at once takes it itself in its own `start`, before the loop);
+- the first tick comes one interval after `start`, or `first_delay_s` after it when given
+  (0: at once, without a sleep). Most components take a first tick themselves in their own
+  `start`, before the loop, so that a failing first tick fails the start;
 - without `clock`, the loop sleeps `interval_s` after each tick; with `clock`, ticks are
   `interval_s` apart start to start (the sleep is shortened by the tick's own time, never
   below 0);
@@ -52,7 +53,7 @@ class Periodic:
             raise ValueError(f"interval_s must be >= 0, got {interval_s}")
         self.name = name
         self.interval_s = interval_s
-        self.first_delay_s = interval_s if first_delay_s is None else first_delay_s
+        self.first_delay_s = first_delay_s
         self._tick = tick
         self._clock = clock
         self._sleep = sleep
@@ -87,7 +88,9 @@ class Periodic:
         await cancel_and_wait(task)  # a no-op for a task already ended
 
     async def _run(self) -> None:
-        if self.first_delay_s > 0:
+        if self.first_delay_s is None:
+            await self._sleep(self.interval_s)
+        elif self.first_delay_s > 0:
             await self._sleep(self.first_delay_s)
         while self._active is None or self._active():
             started_s = self._clock() if self._clock is not None else 0.0

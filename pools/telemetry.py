@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import re
 import time
 from collections.abc import Callable
@@ -24,11 +23,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from pools.fleet import Fleet
-from pools.tasks import cancel_and_wait
+from pools.periodic import Periodic
 
 __all__ = ["InstanceReading", "TelemetryScraper", "parse_vllm_metrics"]
-
-log = logging.getLogger(__name__)
 
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -147,7 +144,7 @@ class TelemetryScraper:
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._loops: dict[str, Periodic] = {}
         self._running = False
 
     async def start(self) -> None:
@@ -159,26 +156,25 @@ class TelemetryScraper:
     def track(self, instance_id: str) -> None:
         """Scrape an instance that joined the fleet after `start` (its loop ends when it
         leaves the fleet). No-op before `start` and for an instance already scraped."""
-        task = self._tasks.get(instance_id)
-        if not self._running or (task is not None and not task.done()):
+        loop = self._loops.get(instance_id)
+        if not self._running or (loop is not None and loop.running):
             return
-        self._tasks[instance_id] = asyncio.create_task(
-            self._loop(instance_id), name=f"telemetry-scraper-{instance_id}"
+        # scrapes `interval_s` apart start to start, the first at once; a failed one is
+        # logged and the next comes on time
+        self._loops[instance_id] = loop = Periodic(
+            f"telemetry-scraper-{instance_id}",
+            lambda: self.scrape(instance_id),
+            self._interval_s,
+            first_delay_s=0.0,
+            clock=self._clock,
+            active=lambda: self._fleet.get(instance_id) is not None,
         )
+        loop.start()
 
     async def aclose(self) -> None:
         self._running = False
-        tasks, self._tasks = list(self._tasks.values()), {}
-        await cancel_and_wait(*tasks)
-
-    async def _loop(self, instance_id: str) -> None:
-        while self._fleet.get(instance_id) is not None:
-            started = self._clock()
-            try:
-                await self.scrape(instance_id)
-            except Exception:  # a bug here must not stop telemetry for good
-                log.exception("telemetry scrape of %s failed", instance_id)
-            await asyncio.sleep(max(0.0, self._interval_s - (self._clock() - started)))
+        loops, self._loops = list(self._loops.values()), {}
+        await asyncio.gather(*(loop.aclose() for loop in loops))
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(i) for i in self._fleet.instance_ids()))

@@ -14,16 +14,14 @@ placements (a hard kill loses at most the last batch).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ResponsePlacement", "StoredResponse"]
+from pools.periodic import Periodic
 
-log = logging.getLogger(__name__)
+__all__ = ["ResponsePlacement", "StoredResponse"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -57,7 +55,10 @@ class ResponsePlacement:
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._pending: list[tuple[str, StoredResponse]] = []
         self._conn: sqlite3.Connection | None = None
-        self._task: asyncio.Task[None] | None = None
+        # a flush in progress finishes on close: its rows were taken off `_pending`
+        self._flush_loop = Periodic(
+            "gpupool-response-placement", self.flush, flush_every_s, interrupt_tick=False
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -67,15 +68,10 @@ class ResponsePlacement:
     async def start(self) -> None:
         if self.path is not None and self._conn is None:
             await asyncio.to_thread(self._open)
-        if self._task is None:
-            self._task = asyncio.ensure_future(self._flush_loop())
+        self._flush_loop.start()
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._flush_loop.aclose()
         await self.flush()
         if self._conn is not None:
             self._conn.close()
@@ -111,14 +107,6 @@ class ResponsePlacement:
             self._pending.append((response_id, stored))
 
     # ------------------------------------------------------------------ disk
-
-    async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_every_s)
-            try:
-                await self.flush()
-            except Exception:
-                log.exception("could not save response placements")
 
     async def flush(self) -> None:
         if not self._pending or self._conn is None:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
-from pools.tasks import cancel_and_wait
+from pools.periodic import Periodic
 
 if TYPE_CHECKING:
     from pools.launchers.base import InstanceSpec
@@ -75,8 +75,9 @@ class DiscoveryLoop:
     ) -> None:
         self._source = source
         self._on_answer = on_answer
-        self._sleep = sleep
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic(
+            "engine-discovery", self.poll_once, source.poll_interval_s, sleep=sleep
+        )
         self._failing = False
         self.polls = 0  # answers handed on
         self.failures = 0  # polls that raised
@@ -100,16 +101,7 @@ class DiscoveryLoop:
 
     async def start(self) -> None:
         await self.poll_once()
-        self._task = asyncio.create_task(self._run(), name="engine-discovery")
-
-    async def _run(self) -> None:
-        while True:
-            await self._sleep(self._source.poll_interval_s)
-            try:
-                await self.poll_once()
-            except Exception:  # a bug in a receiver must not stop discovery for good
-                log.exception("engine discovery round failed")
+        self._loop.start()  # a bug in a receiver is logged; it does not stop discovery
 
     async def aclose(self) -> None:
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        await self._loop.aclose()
