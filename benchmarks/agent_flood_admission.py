@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import httpx
 import yaml
 
+from benchmarks.outputs import bulk_path
 from pools.config import parse_config
 from pools.launchers import InstanceSpec, LocalLauncher
 
@@ -264,7 +265,7 @@ def _main(args: argparse.Namespace) -> int:
         for mode, port in ROUTER_PORTS.items():
             path = out / f"router-{mode}.yaml"
             path.write_text(yaml.safe_dump(_router_config(mode, engines, state)))
-            log = (out / f"router-{mode}.log").open("wb")
+            log = bulk_path(out, f"router-{mode}.log").open("wb")
             gpupool = str(Path(sys.executable).parent / "gpupool")
             routers[mode] = subprocess.Popen(
                 [gpupool, "serve", "--config", str(path), "--port", str(port)],

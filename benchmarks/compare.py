@@ -3,8 +3,10 @@
 `run_compare` checks every target answers `GET /v1/models`, sizes prompts (the model's
 tokenizer when one is found, else tokens per word; the chat template's tokens per message
 either way, both calibrated once from the first target's `usage.prompt_tokens`), draws the
-plan once, runs it against each target with a pause between, and writes `report.json`,
-`report.md`, the plots and the per-target records into `out_dir`.
+plan once, runs it against each target with a pause between, and writes `report.json` and
+`report.md` into `out_dir`, the plots and the per-target records into
+`benchmarks.outputs.bulk_dir(out_dir)` (`benchmarks/out/...` for a folder under
+`benchmarks/results/`, so they are not committed).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import aiohttp
 import orjson
 
 from benchmarks.metrics import summarize_target
+from benchmarks.outputs import bulk_dir, display_path
 from benchmarks.plots import write_plots
 from benchmarks.prompts import VOCABULARY, PromptMaker
 from benchmarks.records import TargetResult
@@ -190,6 +193,7 @@ async def run_compare(
         scenario, summaries, seed=seed, machine=describe_machine(), created_at=created, notes=notes
     )
     report["plots"] = await asyncio.to_thread(write_plots, out_dir, scenario, results)
+    report["plots_dir"] = display_path(bulk_dir(out_dir))
     report["prompt_sizing"] = {
         "tokenizer": tokenizer_path,
         "tokens_per_word": prompts.tokens_per_word,

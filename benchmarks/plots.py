@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.metrics import tpot_ms
+from benchmarks.outputs import bulk_dir
 from benchmarks.records import TargetResult
 from benchmarks.report import safe_name
 from benchmarks.scenario import Scenario
@@ -33,12 +34,14 @@ def _cdf(ax: object, values: Sequence[float], label: str, color: str) -> None:
 
 
 def write_plots(out_dir: Path, scenario: Scenario, results: Sequence[TargetResult]) -> list[str]:
-    """Write the PNGs into `out_dir`; returns their file names."""
+    """Write the PNGs into `bulk_dir(out_dir)` (not committed under `benchmarks/results/`);
+    returns their file names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out_dir = bulk_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
     for spec in scenario.classes:

@@ -1,5 +1,6 @@
 """Writing a comparison report: `report.json` (everything, machine-readable), `report.md`
-(side-by-side tables, one column per target) and the raw records as JSONL per target.
+(side-by-side tables, one column per target) and the raw records as JSONL per target (in
+`benchmarks.outputs.bulk_dir(out_dir)`: not committed under `benchmarks/results/`).
 
 `build_report` is pure (summaries in, a dict out); `write_report` does the file I/O;
 `render_markdown` turns the dict into tables. The machine description comes from
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.outputs import bulk_path
 from benchmarks.records import TargetResult
 from benchmarks.scenario import Scenario
 
@@ -108,8 +110,9 @@ def _rounded(value: Any) -> Any:
 
 
 def write_records(out_dir: Path, result: TargetResult) -> Path:
-    """One JSON line per request (`"type": "request"`) and per agent run (`"type": "run"`)."""
-    path = out_dir / f"records-{safe_name(result.name)}.jsonl"
+    """One JSON line per request (`"type": "request"`) and per agent run (`"type": "run"`), in
+    `bulk_dir(out_dir)`."""
+    path = bulk_path(out_dir, f"records-{safe_name(result.name)}.jsonl")
     with path.open("w") as f:
         for r in result.requests:
             f.write(json.dumps({"type": "request", **_rounded(r.to_json())}) + "\n")
@@ -287,7 +290,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["none", ""]
     plots = report.get("plots") or []
     if plots:
-        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+        where = report.get("plots_dir") or "the report's folder"
+        lines += [
+            "## Plots",
+            "",
+            f"Written to `{where}` with the raw records, not committed: rerun the command that"
+            " wrote this report to regenerate them.",
+            "",
+            *[f"- `{p}`" for p in plots],
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -23,10 +23,12 @@ for every configuration (fresh ledger and state). During each run the engine's a
 router's `/metrics` are sampled every 0.5 s.
 
 Writes into `--out`: `report.md` and `report.json` (per run and per configuration, the issue's
-targets checked), `harness/` (the harness's own report with one column per run, its plots
-and `records-<run>.jsonl`), `samples/<run>.jsonl` (the 0.5 s samples), `metrics/<run>.prom`
-(the router's gpupool_* metrics at the end of the run), `configs/` (the router and engine
-configs used) and `logs/` (warnings and errors from the routers' logs).
+targets checked), `harness/` (the harness's own report with one column per run) and `configs/`
+(the router and engine configs used). The bulky files go to the same folders under
+`benchmarks.outputs.bulk_dir(--out)` (`benchmarks/out/...` for an `--out` under
+`benchmarks/results/`, not committed): `harness/` (plots and `records-<run>.jsonl`),
+`samples/<run>.jsonl` (the 0.5 s samples), `metrics/<run>.prom` (the router's gpupool_*
+metrics at the end of the run) and `logs/` (warnings and errors from the routers' logs).
 
 Run it from the repository root (the configs' paths are relative to it). The script raises
 its own scheduling priority (`--nice`, default -5) after the engines have started, so the
@@ -59,6 +61,7 @@ import yaml
 
 from benchmarks.compare import calibrate_prompts, check_target
 from benchmarks.metrics import summarize_target
+from benchmarks.outputs import bulk_dir, display_path
 from benchmarks.plots import write_plots
 from benchmarks.prompts import PromptMaker, find_tokenizer
 from benchmarks.records import TargetResult
@@ -562,8 +565,9 @@ async def run_one(
         for line in router_text.splitlines()
         if line.startswith("gpupool_") or line.startswith("# TYPE gpupool_")
     ]
-    (out / "metrics" / f"{run_name}.prom").write_text("\n".join(gp) + "\n")
-    with (out / "samples" / f"{run_name}.jsonl").open("w") as f:
+    bulk = bulk_dir(out)
+    (bulk / "metrics" / f"{run_name}.prom").write_text("\n".join(gp) + "\n")
+    with (bulk / "samples" / f"{run_name}.jsonl").open("w") as f:
         for row in sampler.samples:
             f.write(json.dumps(row) + "\n")
     log_lines = [
@@ -571,7 +575,7 @@ async def run_one(
         for line in router.log_path.read_text(errors="replace").splitlines()
         if " WARNING " in line or " ERROR " in line or "Traceback" in line
     ]
-    (out / "logs" / f"{run_name}-router-warnings.log").write_text(
+    (bulk / "logs" / f"{run_name}-router-warnings.log").write_text(
         "\n".join(log_lines) + ("\n" if log_lines else "")
     )
     rs = parse_prom(router_text, ("gpupool_",))
@@ -953,8 +957,10 @@ def _git_head() -> str:
 async def amain(args: argparse.Namespace) -> int:
     out = Path(args.out)
     work = Path(args.work_dir)
-    for sub in ("configs", "samples", "metrics", "logs", "harness"):
+    for sub in ("configs", "harness"):
         (out / sub).mkdir(parents=True, exist_ok=True)
+    for sub in ("samples", "metrics", "logs", "harness"):
+        (bulk_dir(out) / sub).mkdir(parents=True, exist_ok=True)
     for sub in ("logs", "state"):
         (work / sub).mkdir(parents=True, exist_ok=True)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -1058,6 +1064,7 @@ async def amain(args: argparse.Namespace) -> int:
         notes="kv_pressure runs; the configurations are described in ../report.md",
     )
     harness["plots"] = write_plots(out / "harness", scenario, results)
+    harness["plots_dir"] = display_path(bulk_dir(out / "harness"))
     write_report(out / "harness", harness)
     _write(out, args, configs, numbers, info, scenario, plan, partial=False)
     print(f"report: {out / 'report.md'} ({out / 'report.json'})")

@@ -35,6 +35,7 @@ import yaml
 
 from benchmarks.agent_flood_admission import Loop, _wait_ready
 from benchmarks.metrics import meets_slo, tpot_ms
+from benchmarks.outputs import bulk_dir, bulk_path
 from benchmarks.records import RequestRecord
 from benchmarks.scenario import load_scenario
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
@@ -228,7 +229,7 @@ def run_mode(mode: str, engines: list[str], out: Path, state: Path) -> None:
     _forget_state(state, mode)
     config_path = out / f"router-{mode}.yaml"
     config_path.write_text(yaml.safe_dump(router_config(mode, engines, state)))
-    log = (out / f"router-{mode}.log").open("wb")
+    log = bulk_path(out, f"router-{mode}.log").open("wb")
     gpupool = str(Path(sys.executable).parent / "gpupool")
     proc = subprocess.Popen(
         [gpupool, "serve", "--config", str(config_path), "--port", str(port)],
@@ -296,7 +297,7 @@ def run_idle(engines: list[str], out: Path, state: Path) -> None:
     config["router"]["ledger_path"] = str(state / f"ledger-{mode}.sqlite")
     config["rebalancer"]["decision_log_path"] = str(state / f"decisions-{mode}.sqlite")
     config_path.write_text(yaml.safe_dump(config))
-    log = (out / f"router-{mode}.log").open("wb")
+    log = bulk_path(out, f"router-{mode}.log").open("wb")
     gpupool = str(Path(sys.executable).parent / "gpupool")
     proc = subprocess.Popen(
         [gpupool, "serve", "--config", str(config_path), "--port", str(port)],
@@ -358,7 +359,7 @@ def run_idle(engines: list[str], out: Path, state: Path) -> None:
 
 
 def _records(folder: Path) -> list[RequestRecord]:
-    path = next(folder.glob("records-*.jsonl"))
+    path = next(bulk_dir(folder).glob("records-*.jsonl"))
     out = []
     for line in path.read_text().splitlines():
         data = json.loads(line)

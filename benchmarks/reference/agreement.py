@@ -103,7 +103,9 @@ def run_gpupool(url: str, out: Path, duration_s: float) -> dict[str, Any]:
 
 
 def run_vllm(url: str, out: Path, n: int, seed: int) -> dict[str, Any]:
-    with (out.parent / f"{out.name}.log").open("w") as log:
+    from benchmarks.outputs import bulk_path
+
+    with bulk_path(out.parent, f"{out.name}.log").open("w") as log:
         subprocess.run(
             [
                 sys.executable,

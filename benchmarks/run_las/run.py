@@ -46,6 +46,7 @@ import yaml
 from benchmarks.admission.kv_pressure import reset_prefix_cache
 from benchmarks.compare import run_compare
 from benchmarks.engines import agent_pool_router, cpu_engines
+from benchmarks.outputs import bulk_dir
 from benchmarks.placement import hit_rate, prefix_counters
 from benchmarks.prompts import find_tokenizer
 from benchmarks.report import safe_name
@@ -277,7 +278,7 @@ def _mode(
 ) -> ModeResult:
     target = next(t for t in report["targets"] if t["name"] == name)
     tok_s = sum(c["output_tokens_per_s"] for c in target["classes"].values())
-    records = out / f"records-{safe_name(name)}.jsonl"
+    records = bulk_dir(out) / f"records-{safe_name(name)}.jsonl"
     window = window_tokens_per_s(records, window_s)
     return ModeResult(name, load_runs(records), tok_s, queue_s, window)
 

@@ -33,6 +33,7 @@ import aiohttp
 import yaml
 
 from benchmarks.client import stream_chat
+from benchmarks.outputs import bulk_path
 from benchmarks.records import RequestRecord
 from benchmarks.router_overhead.procs import Proc, start_proc, wait_ready
 from benchmarks.router_overhead.stats import percentile
@@ -132,7 +133,9 @@ async def run(args: argparse.Namespace) -> int:
         engine.stop()
         with contextlib.suppress(OSError):
             if router is not None:
-                (out / "gpupool-serve.log").write_text(router.log_path.read_text(errors="replace"))
+                bulk_path(out, "gpupool-serve.log").write_text(
+                    router.log_path.read_text(errors="replace")
+                )
 
 
 async def _measure(
@@ -260,12 +263,12 @@ async def _measure(
         " SLO targets loose, queue depth 8192, router.max_connections 4096, admission on",
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    with (out / "samples.csv").open("w", newline="") as f:
+    with bulk_path(out, "samples.csv").open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["t_s", "rss_mib", "fds", "engine_running"])
         for p in points:
             writer.writerow([round(p.t_s, 3), round(p.rss_mib, 3), p.fds, p.engine_running])
-    _plot(points, out / "connections.png", n)
+    _plot(points, bulk_path(out, "connections.png"), n)
     (out / "report.md").write_text(_report(summary))
     log(
         json.dumps(

@@ -10,10 +10,12 @@ Capacity: the mix (two chat requests per agent step) is sent open-loop at rising
 rate at which chat TTFT starts to climb: its p90 first exceeds twice the first step's (a step
 with a failed request stops at the rate before it). The soak sends `--load-frac` (0.7) of it.
 
-Writes to `--out`: `samples.csv` (every 10 s: time, phase, RSS, fds, asyncio tasks, sent,
-failed), `calibration.json`, `summary.json` (slopes per hour, start and end values, requests
-sent and failed by class and error, the conservation check of `/admin/accounting` at the end),
-`accounting.json`, `report.md`, `soak.png`.
+Writes to `--out`: `calibration.json`, `summary.json` (slopes per hour, start and end values,
+requests sent and failed by class and error, the conservation check of `/admin/accounting` at
+the end), `accounting.json`, `report.md`; to `benchmarks.outputs.bulk_dir(--out)`
+(`benchmarks/out/...` for an `--out` under `benchmarks/results/`, not committed):
+`samples.csv` (every 10 s: time, phase, RSS, fds, asyncio tasks, sent, failed), `soak.png`,
+`gpupool-up.log`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import aiohttp
 import yaml
 
 from benchmarks.client import stream_chat
+from benchmarks.outputs import bulk_path
 from benchmarks.records import RequestRecord
 from benchmarks.router_overhead.procs import Proc, StartFailed, start_proc, wait_ready
 from benchmarks.router_overhead.stats import percentile
@@ -361,10 +364,10 @@ async def soak(args: argparse.Namespace) -> int:
             (out / "accounting.json").write_text(json.dumps(accounting, indent=2) + "\n")
         summary = _summarize(args, load, samples, cal, rate, soak_start, soak_end, accounting)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _write_csv(out / "samples.csv", samples)
+        _write_csv(bulk_path(out, "samples.csv"), samples)
         plot_samples(
             samples,
-            out / "soak.png",
+            bulk_path(out, "soak.png"),
             f"gpupool soak: {args.minutes:g} min at {rate:.2f} req/s"
             f" ({args.load_frac:.0%} of {cal.get('capacity_req_per_s') or 0:.2f})",
         )
@@ -378,7 +381,7 @@ async def soak(args: argparse.Namespace) -> int:
         if fake is not None:
             fake.stop()
         with contextlib.suppress(OSError):
-            (out / "gpupool-up.log").write_text(proc.log_path.read_text(errors="replace"))
+            bulk_path(out, "gpupool-up.log").write_text(proc.log_path.read_text(errors="replace"))
     return code
 
 
