@@ -10,12 +10,13 @@ gateway.aclose()` stops them; the ASGI lifespan calls both, and tests may call t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -73,6 +74,17 @@ __all__ = ["Gateway", "create_app"]
 log = logging.getLogger(__name__)
 
 _PRIOR_CONTEXT_TOKENS = 2048  # context at which the roofline prior's TPOT line is drawn
+
+
+class _Component(Protocol):
+    async def start(self) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+async def _start(stack: contextlib.AsyncExitStack, component: _Component) -> None:
+    """Start `component`; once started, its `aclose` is the next thing `stack` undoes."""
+    await component.start()
+    stack.push_async_callback(component.aclose)
 
 
 class Gateway:
@@ -189,13 +201,25 @@ class Gateway:
         # the last hour for the status page's plots (GET /admin/history)
         self.history = History(lambda: reading_from(self.pools_view(), self.metrics.registry))
         self.api = self._build_api()
-        self._started = False
+        self._stack: contextlib.AsyncExitStack | None = None  # the started components' closes
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def started(self) -> bool:
+        return self._stack is not None
+
     async def start(self) -> None:
-        if self._started:
+        """Start the components in dependency order. Each one's close goes on an exit stack as
+        soon as its start succeeds: a start that raises closes what had started, in reverse
+        order, and raises; `aclose` is the reverse of `start`. No-op when started."""
+        if self._stack is not None:
             return
+        async with contextlib.AsyncExitStack() as stack:
+            await self._start_components(stack)
+            self._stack = stack.pop_all()
+
+    async def _start_components(self, stack: contextlib.AsyncExitStack) -> None:
         rc = self.config.router
         now = self.clock()
         allocation = self.pool_map.current
@@ -205,16 +229,20 @@ class Gateway:
                 iid, float(state.spec.gpus), dict(allocation.pools_of(iid)), now
             )
         self.pool_map.on_change(self._shares_changed)
-        await self.rebalancer.start()
-        await self.ledger.start()
-        await self.gpu_sampler.start()
-        await self.governor.start()
-        await self.placement.start()
+        for component in (
+            self.rebalancer,
+            self.ledger,
+            self.gpu_sampler,
+            self.governor,
+            self.placement,
+        ):
+            await _start(stack, component)
         self._seed_operating_points()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
+        stack.push_async_callback(self.session.close)
         self.scraper = TelemetryScraper(
             self.fleet,
             self.session,
@@ -223,9 +251,9 @@ class Gateway:
             clock=self.clock,
         )
         if self._scrape:
-            await self.scraper.start()
+            await _start(stack, self.scraper)
         if self.discovery is not None:
-            await self.discovery.start()
+            await _start(stack, self.discovery)
         self.handler = CompletionsHandler(
             config=self.config,
             tenants=self.tenants,
@@ -252,8 +280,7 @@ class Gateway:
         )
         if self.tenants.open:
             log.warning("no API keys configured: the router is open to anyone who can reach it")
-        await self.history.start()
-        self._started = True
+        await _start(stack, self.history)
 
     def _seed_operating_points(self) -> None:
         """On a known GPU, start each instance's operating point from the roofline prior
@@ -285,19 +312,10 @@ class Gateway:
         )
 
     async def aclose(self) -> None:
-        if self.discovery is not None:
-            await self.discovery.aclose()
-        await self.history.aclose()
-        if self.scraper is not None:
-            await self.scraper.aclose()
-        if self.session is not None:
-            await self.session.close()
-        await self.governor.aclose()
-        await self.placement.aclose()
-        await self.rebalancer.aclose()
-        await self.ledger.aclose()
-        await self.gpu_sampler.aclose()
-        self._started = False
+        """Close what `start` started, in reverse order. Idempotent."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
 
     def _run_usage(self, run_key: Hashable, now_s: float) -> RunUsage | None:
         """A run's attained service for `queue.order: run_las`: the accountant's, plus what

@@ -90,7 +90,7 @@ async def make_gateway() -> AsyncIterator[Callable[..., Any]]:
 
     yield make
     for gateway in made:
-        if gateway._started:  # a test may have closed it already (a restart)
+        if gateway.started:  # a test may have closed it already (a restart)
             await gateway.aclose()
 
 
