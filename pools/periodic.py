@@ -5,8 +5,8 @@ engine discovery, per-instance telemetry scrapes, the governance sweep, response
 and the ledger's flush). What every one of them needs, written once:
 
 - the first tick comes one interval after `start`, or `first_delay_s` after it when given
-  (0: at once, without a sleep). Most components take a first tick themselves in their own
-  `start`, before the loop, so that a failing first tick fails the start;
+  (0: at once, without a sleep). History and discovery take their first tick in their own
+  `start`, before the loop starts;
 - without `clock`, the loop sleeps `interval_s` after each tick; with `clock`, ticks are
   `interval_s` apart start to start (the sleep is shortened by the tick's own time, never
   below 0);
