@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pools.config import RouterConfig
+from pools.periodic import Periodic
 from router.accounting import ConservationReport
 from router.ledger_queries import (
     HOUR_S,
@@ -537,8 +538,10 @@ class Ledger:
         self._waiters: deque[tuple[float, asyncio.Future[bool]]] = deque()
         self._watchdog: asyncio.TimerHandle | None = None
         self._db_lock = asyncio.Lock()
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        # a flush in progress finishes on close (aclose then writes the rest)
+        self._flush_loop = Periodic(
+            "gpupool-ledger-flush", self._flush_and_maintain, flush_interval_s, interrupt_tick=False
+        )
         self._next_maintenance_s = math.inf
         self.dropped_records = 0  # lost: buffer full (disk stalled) or malformed
         self.written_records = 0
@@ -596,15 +599,11 @@ class Ledger:
         for tenant, run_id, step, _ in recent:  # oldest first: the newest end up most recent
             key = (tenant, run_id)
             self._remember(key, max(step + 1, self._steps.get(key, 0)))
-        self._stop.clear()
-        self._task = asyncio.create_task(self._run(), name="gpupool-ledger-flush")
+        self._flush_loop.start()
 
     async def aclose(self) -> None:
         """Stop the flush task, write everything buffered, close the file. Idempotent."""
-        if self._task is not None:
-            self._stop.set()
-            await self._task
-            self._task = None
+        await self._flush_loop.aclose()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -894,19 +893,13 @@ class Ledger:
             logger.info("ledger retention: deleted %d requests older than the window", deleted)
         self._next_maintenance_s = now_s + self._maintenance_interval_s
 
-    async def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self._flush_interval_s)
-            if self._stop.is_set():
-                return  # aclose writes the rest
-            try:
-                await self.flush()
-                now_s = self._clock()
-                if now_s >= self._next_maintenance_s:
-                    await self._maintain(now_s)
-            except Exception:  # the task must outlive a bad disk; the rows stay buffered
-                logger.exception("ledger write failed (will retry next interval)")
+    async def _flush_and_maintain(self) -> None:
+        """The flush loop's tick, every `flush_interval_s`. A failure (a bad disk) is logged
+        and retried next interval; the rows stay buffered."""
+        await self.flush()
+        now_s = self._clock()
+        if now_s >= self._next_maintenance_s:
+            await self._maintain(now_s)
 
     # -- queries ---------------------------------------------------------------------------------
 
