@@ -1,15 +1,26 @@
-"""The whole stack through the CLI, as a newcomer runs it: `gpupool up` on the embedded default
-(three real CPU engines), the official OpenAI client through it, Ctrl-C, and no engine left
-behind; also when gpupool itself is killed; two CPU engines configured without a KV size; and
-bad configs exiting 2."""
+"""The whole stack through the CLI, in two `gpupool up` stacks (each takes 25-45 s to start on
+two cores, so each is checked for several things at once):
+
+- the embedded default as a newcomer runs it (three real CPU engines): the official OpenAI
+  client through it, Ctrl-C, and no engine left behind;
+- a new user's config (two CPU engines, no KV size, no dtype) with a tenant and the router at
+  debug: both engines start and serve, each refuses a request without its key, no prompt or key
+  reaches any file written, and every engine dies when gpupool itself is killed;
+
+and bad configs exiting 2.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import signal
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -110,19 +121,27 @@ def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Pat
     assert _engine_children_alive(tree) == [], "an engine process outlived gpupool"
 
 
-def test_engines_die_with_a_killed_parent(tmp_path: Path) -> None:
-    config = {
+NEW_USER_ENGINE_PORTS = range(8180, 8182)
+TENANT = "team-secret"
+RUN_ID = "run-secrets-1"
+
+
+def _new_user_config(tmp_path: Path, router_port: int) -> dict[str, Any]:
+    """A new user's config, `local: {count: 2}` with no kv_cache_bytes and no dtype, plus a tenant
+    whose key comes from GPUPOOL_TEST_SECRET_KEY and the router logging at debug; every file
+    gpupool writes (engine logs, ledger, state) lands under `tmp_path`. 512 tokens of context, so
+    that the over-length prompt (~3,000 tokens) is refused."""
+    return {
         "model": {
             "name": "tiny",
             "path": str(REPO / ".gpupool/models/tiny"),
-            "max_model_len_tokens": 2048,
+            "max_model_len_tokens": 512,
         },
         "engines": {
             "launcher": "local",
             "local": {
-                "count": 1,
-                "base_port": 8175,
-                "kv_cache_bytes": 32 * 2**20,
+                "count": 2,
+                "base_port": NEW_USER_ENGINE_PORTS.start,
                 "run_dir": str(tmp_path / "run"),
             },
         },
@@ -130,73 +149,109 @@ def test_engines_die_with_a_killed_parent(tmp_path: Path) -> None:
             "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
             "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
         },
-        "router": {"port": _free_port(), "ledger_path": str(tmp_path / "ledger.sqlite")},
-    }
-    path = tmp_path / "one.yaml"
-    path.write_text(yaml.safe_dump(config))
-    seed_vllm_flags(tmp_path / "run")
-    log = tmp_path / "up.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [GPUPOOL, "up", "--config", str(path)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
-        )
-    wait_ready(f"http://127.0.0.1:{config['router']['port']}", proc, log, timeout_s=300)
-    (engine,) = _engines_on(range(8175, 8176))
-    tree = _process_tree(engine.pid)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and _engine_children_alive(tree):
-        time.sleep(0.5)
-    survivors = _engine_children_alive(tree)
-    for pid in survivors:  # do not leave them behind for the rest of the suite
-        os.kill(pid, signal.SIGKILL)
-    assert survivors == [], "engines outlived a SIGKILLed gpupool"
-
-
-def test_two_cpu_engines_without_a_kv_size_start_closed_and_log_no_prompt(
-    tmp_path: Path,
-) -> None:
-    """A new user's config: `local: {count: 2}`, no kv_cache_bytes, no dtype. Before gpupool
-    chose the CPU KV size each engine reserved 92 % of memory and the second one died. Both
-    start; each refuses a request without its key; the prompt reaches no log."""
-    marker = "zq-e2e-prompt-marker-51c9"
-    config = {
-        "model": {"name": "tiny", "path": str(REPO / ".gpupool/models/tiny")},
-        "engines": {
-            "launcher": "local",
-            "local": {"count": 2, "base_port": 8180, "run_dir": str(tmp_path / "run")},
-        },
-        "pools": {
-            "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
-            "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
-        },
+        "tenants": [{"name": TENANT, "api_key_env": "GPUPOOL_TEST_SECRET_KEY"}],
         "router": {
-            "port": _free_port(),
+            "port": router_port,
+            "log_level": "debug",
             "ledger_path": str(tmp_path / "ledger.sqlite"),
             "state_path": str(tmp_path / "state.json"),
         },
     }
-    path = tmp_path / "two.yaml"
-    path.write_text(yaml.safe_dump(config))
-    seed_vllm_flags(tmp_path / "run")
+
+
+def _send_requests_carrying_the_markers(url: str, key: str, prompt: str) -> None:
+    """Every kind of request whose prompt or key could reach a log: chat (through the OpenAI
+    client, exactly 3 tokens out), chat streaming, a streamed completion, an agent step with
+    tools (run RUN_ID), a prompt over the context length (400), a wrong key that also carries
+    the key's marker (401), a path that does not exist (404)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key)
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=3
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    auth = {"Authorization": f"Bearer {key}"}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        with http.stream(
+            "POST", "/v1/chat/completions", json={**chat, "stream": True}, headers=auth
+        ) as resp:
+            assert resp.status_code == 200
+            assert b"[DONE]" in resp.read()
+        completion = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "stream": True}
+        with http.stream("POST", "/v1/completions", json=completion, headers=auth) as resp:
+            assert resp.status_code == 200
+            resp.read()
+        tool = {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+        }
+        agent = http.post(
+            "/v1/chat/completions",
+            json={**chat, "tools": [tool]},
+            headers={**auth, "x-gpupool-run-id": RUN_ID},
+        )
+        assert agent.status_code == 200, agent.text
+        too_long = {**chat, "messages": [{"role": "user", "content": (prompt + " ") * 200}]}
+        refused = http.post("/v1/chat/completions", json=too_long, headers=auth)
+        assert refused.status_code == 400, refused.text
+        bad_key = http.post(
+            "/v1/chat/completions", json=chat, headers={"Authorization": f"Bearer {key}-wrong"}
+        )
+        assert bad_key.status_code == 401, bad_key.text
+        missing = http.post("/v1/nonexistent", json=chat, headers=auth)
+        assert missing.status_code == 404, missing.text
+
+
+def test_two_cpu_engines_with_a_tenant_serve_log_no_secret_and_die_with_a_killed_parent(
+    tmp_path: Path,
+) -> None:
+    """One stack on a new user's config (see `_new_user_config`), checked in phases:
+
+    1. Both engines start. Before gpupool chose the CPU KV size each engine reserved 92 % of
+       memory and the second one died; the log says which dtype and KV size it chose.
+    2. Requests whose prompt carries a marker, for a tenant whose key carries another, are
+       served (`_send_requests_carrying_the_markers`).
+    3. Around the router, each engine refuses a request without its own key (401, on
+       /invocations too); the tenant's key is in no engine process's environment or command
+       line.
+    4. `kill -9` of `gpupool up`: every engine process (each engine's whole tree) dies within
+       60 s. Survivors are killed, so none outlives the test.
+    5. Neither marker is in anything gpupool or its engines wrote: the router's stdout and
+       stderr (at debug), every file under run_dir (engine logs), the ledger and its WAL, the
+       state files. So that the grep looks where the records are: the router logged at debug,
+       the engine logs are not empty, and the ledger holds the tenant and the run id (a
+       response's record is committed before its final bytes, so the kill loses none).
+    """
+    key_marker = "zqKEYMARK" + secrets.token_hex(4)
+    prompt_marker = "zqPROMPTMARK" + secrets.token_hex(4)
+    key = f"sk-{key_marker}-{secrets.token_hex(8)}"
+    run_dir = tmp_path / "run"
+    config = _new_user_config(tmp_path, _free_port())
+    config_path = tmp_path / "two.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    seed_vllm_flags(run_dir)
     url = f"http://127.0.0.1:{config['router']['port']}"
     log = tmp_path / "up.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [GPUPOOL, "up", "--config", str(path)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+            [GPUPOOL, "up", "--config", str(config_path)],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "GPUPOOL_TEST_SECRET_KEY": key},
         )
     try:
-        wait_ready(url, proc, log, timeout_s=400)
+        # 1. both engines start; the log says what gpupool chose for them
+        wait_ready(url, proc, log, timeout_s=400, interval_s=0.2)
         text = log.read_text()
         assert "engine dtype " in text and "KV cache: " in text and "split across 2" in text
-        assert len(_engines_on(range(8180, 8182))) == 2
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-        reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": marker}], max_tokens=3
-        )
-        assert reply.usage is not None and reply.usage.completion_tokens == 3
-        for port in (8180, 8181):  # around the router: refused without the engine's key
+        assert len(_engines_on(NEW_USER_ENGINE_PORTS)) == 2
+
+        # 2. requests carrying the markers are served
+        _send_requests_carrying_the_markers(url, key, f"please repeat {prompt_marker} back to me")
+
+        # 3. around the router: refused without the engine's key; the tenant's key not handed on
+        for port in NEW_USER_ENGINE_PORTS:
             direct = httpx.post(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
                 json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
@@ -204,12 +259,46 @@ def test_two_cpu_engines_without_a_kv_size_start_closed_and_log_no_prompt(
             )
             assert direct.status_code == 401, direct.text
             assert httpx.post(f"http://127.0.0.1:{port}/invocations", timeout=30).status_code == 401
+        pid_files = sorted(run_dir.glob("engine-*.pid"))
+        assert len(pid_files) == 2, pid_files
+        for pid_file in pid_files:
+            engine = psutil.Process(int(pid_file.read_text().split()[0]))
+            for each in [engine, *engine.children(recursive=True)]:
+                seen = Path(f"/proc/{each.pid}/environ").read_bytes()
+                seen += Path(f"/proc/{each.pid}/cmdline").read_bytes()
+                assert key_marker.encode() not in seen, f"the tenant key reached pid {each.pid}"
     finally:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=90)
-    assert code == 0, log.read_text()
-    for written in [log, *(tmp_path / "run").glob("*.log")]:
-        assert marker not in written.read_text(errors="replace"), written
+        # 4. kill -9 of gpupool (also when a phase above failed: nothing may outlive the test)
+        engines = _engines_on(NEW_USER_ENGINE_PORTS)
+        tree = [p for e in engines for p in _process_tree(e.pid)]
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and _engine_children_alive(tree):
+            time.sleep(0.2)
+        survivors = _engine_children_alive(tree)
+        for pid in survivors:  # do not leave them behind for the rest of the suite
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert len(engines) == 2, "both engines were alive when gpupool was killed"
+    assert survivors == [], "engines outlived a SIGKILLed gpupool"
+
+    # 5. no marker in anything written, and the grep looks where the records are
+    text = log.read_text()
+    assert "DEBUG router.admitter" in text, "the router did not log at debug"
+    engine_logs = [p for p in run_dir.rglob("*") if p.is_file() and p.suffix == ".log"]
+    assert len(engine_logs) >= 2 and all(p.stat().st_size > 0 for p in engine_logs), engine_logs
+    written = [log, *(p for p in tmp_path.rglob("*") if p.is_file() and p != config_path)]
+    assert {"ledger.sqlite", "ledger.sqlite-wal"} <= {p.name for p in written}, written
+    for p in written:  # read before sqlite3 opens the ledger (which may fold the WAL in)
+        data = p.read_bytes()
+        for marker in (key_marker, prompt_marker):
+            assert marker.encode() not in data, f"{marker} found in {p}"
+    with contextlib.closing(sqlite3.connect(tmp_path / "ledger.sqlite")) as db:
+        tenants = {row[0] for row in db.execute("SELECT DISTINCT tenant FROM requests")}
+        runs = {row[0] for row in db.execute("SELECT DISTINCT run_id FROM requests")}
+    assert tenants == {TENANT}
+    assert RUN_ID in runs
 
 
 def test_bad_config_exits_2_with_a_clear_message(tmp_path: Path) -> None:
