@@ -75,6 +75,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Annotated
+
+from pydantic import Field
 
 __all__ = [
     "SIGNALS",
@@ -171,14 +174,18 @@ def bounds_at(default: Bounds, schedule: Sequence[ScheduleWindow], minute_of_day
 
 @dataclass(frozen=True, slots=True)
 class RebalanceSettings:
-    interval_s: float = 30.0
-    hysteresis_frac: float = 0.2  # pressure gap below which nothing moves
-    cooldown_s: float = 60.0  # after a move, no other move for this long
-    smoothing_window_s: float = 90.0
-    max_step_frac: float = 0.1  # largest share moved in one step
+    """The decision's settings, declared here once: the config's `rebalancer` section
+    (`pools.config.RebalancerConfig`) extends this class, so the YAML keys, their bounds
+    (`Field`, checked when the config is loaded) and their defaults are these."""
+
+    interval_s: Annotated[float, Field(gt=0)] = 30.0  # one decision (at most one step) each
+    hysteresis_frac: Annotated[float, Field(ge=0)] = 0.2  # pressure gap below which none moves
+    cooldown_s: Annotated[float, Field(ge=0)] = 60.0  # after a move, no other for this long
+    smoothing_window_s: Annotated[float, Field(gt=0)] = 90.0  # pressure averaged over it
+    max_step_frac: Annotated[float, Field(gt=0, le=1.0)] = 0.1  # largest share moved per step
     # a pool "has traffic" (and keeps one instance's worth) until this long after its last
     # request, so sparse traffic does not flap it between its floor and one instance
-    traffic_memory_s: float = 600.0
+    traffic_memory_s: Annotated[float, Field(ge=0)] = 600.0
 
 
 @dataclass(frozen=True, slots=True)

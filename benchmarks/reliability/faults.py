@@ -54,6 +54,7 @@ import aiohttp
 import psutil
 import yaml
 
+from pools.config import RouterConfig, default_of
 from pools.launchers import InstanceSpec, LocalLauncher
 
 __all__ = [
@@ -516,7 +517,6 @@ def router_config(
             "stale_after_s": 2.0,
             "connect_timeout_s": 1.0,
             "ledger_path": str(folder / "ledger.sqlite"),
-            "ledger_flush_interval_s": 0.5,
             "state_path": str(folder / "state.json"),
             **(router or {}),
         },
@@ -1144,7 +1144,7 @@ async def router_kill(
     max_tokens: int = 24,
     run_max_tokens: int = 8,
     load_s: float = 5.0,
-    flush_interval_s: float = 0.5,
+    flush_interval_s: float = default_of(RouterConfig, "ledger_flush_interval_s"),
     slack_s: float = 0.5,
 ) -> JsonDict:
     """Closed-loop streaming clients on the normal pool and one agent run stepping on the

@@ -32,7 +32,7 @@ from gpu_probe.detect import visible_gpu_count
 from kvcache_model.capacity import NULL_BLOCKS, CapacityPlan, capacity_from_kv_cache_bytes
 from kvcache_model.errors import KVCacheModelError
 from kvcache_model.geometry import ModelGeometry
-from pools.config import Config, LocalEnginesConfig, ModelConfig
+from pools.config import Config, LocalEnginesConfig, ModelConfig, max_num_seqs
 from pools.devmodel import SHAPES, dev_model_hf_config
 
 __all__ = [
@@ -219,7 +219,7 @@ def plan_engines(local: LocalEnginesConfig, model: ModelConfig, host: HostFacts)
         kv_reason = f"{kv_bytes / _MIB:.0f} MiB per engine, as {source} sets"
     elif on_cpu and arg_value(args, "--gpu-memory-utilization") is None:
         is_default = True
-        max_seqs = int(arg_value(args, "--max-num-seqs") or _CPU_MAX_NUM_SEQS)
+        max_seqs = max_num_seqs(args, default=_CPU_MAX_NUM_SEQS)
         useful = None
         weights = 0
         if geometry is not None:

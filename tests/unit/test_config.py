@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from pools.config import (
     contract_problems,
     default_config,
     load_config,
+    max_num_seqs,
     parse_config,
 )
 from router.cli import main
@@ -157,3 +159,48 @@ def test_check_config_names_settings_not_in_effect_yet(capsys: pytest.CaptureFix
     # the built-in default runs without the rebalancer: its bounds bind SRE moves only
     assert "share bounds and schedules bind only SRE moves" in out
     assert "router.state_path" not in out  # SRE settings live there now
+
+
+def test_the_frozen_view_is_the_declaration() -> None:
+    """One declaration per section: `dataclasses.replace` validates as loading does, derived
+    values follow the fields they come from, and a document may not set what the config
+    reads from the environment or derives."""
+    config = default_config()
+    with pytest.raises(ValueError, match="less than or equal to 65535"):
+        dataclasses.replace(config.router, port=70000)
+    static = dataclasses.replace(
+        config.engines,
+        launcher="static",
+        static=dataclasses.replace(config.engines.static, urls=("http://a:1/", "http://b:2")),
+    )
+    assert static.instance_count == 2 and static.static.urls == ("http://a:1", "http://b:2")
+    share = dataclasses.replace(config.pools[0].share, floor_frac=0.1)
+    assert share.bounds.floor_frac == 0.1
+    assert _problems(_cfg(engines__local__api_key="literal")) == [
+        "engines.local.api_key: unknown field (check the spelling)"
+    ]
+    assert _problems(_cfg(pools__agent__name="other")) == [
+        "pools.agent.name: unknown field (check the spelling)"
+    ]
+    assert _problems(_cfg(source="x")) == ["source: unknown field (check the spelling)"]
+    assert _problems(_cfg(pools=[{"classes": ["agent"]}])) == [
+        "pools: Input should be a valid dictionary"
+    ]
+
+
+def test_paths_resolve_against_the_base_whether_given_or_default(tmp_path: Path) -> None:
+    config = parse_config(_cfg(router__state_path="state/s.json"), base_dir=tmp_path)
+    assert config.router.state_path == tmp_path / "state" / "s.json"
+    assert config.router.ledger_path == tmp_path / ".gpupool" / "ledger.sqlite"  # the default
+    assert config.rebalancer.decision_log_path == tmp_path / "state" / "decisions.sqlite"
+    assert config.engines.local.run_dir == tmp_path / ".gpupool" / "run"
+
+
+def test_max_num_seqs_one_reading_for_every_caller() -> None:
+    assert max_num_seqs(["--max-num-seqs", "64"]) == 64
+    assert max_num_seqs(["--max-num-seqs=8", "--max-num-seqs", "16"]) == 16  # last wins
+    assert max_num_seqs([]) == 256 and max_num_seqs([], default=128) == 128
+    assert max_num_seqs(["--max-num-seqs", "many"]) == 256  # vLLM refuses it; not a crash
+    assert default_config().engines.max_num_seqs == 64
+    data = _cfg(engines__launcher="ray", engines__ray={"vllm_args": ["--max-num-seqs=8"]})
+    assert parse_config(data).engines.max_num_seqs == 8  # the launcher's own arguments

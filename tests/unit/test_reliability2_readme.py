@@ -9,7 +9,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from pools.config import DEFAULT_CPU_CONFIG, RebalancerSchema, not_yet_in_effect, parse_config
+from pools.config import DEFAULT_CPU_CONFIG, RebalancerConfig, not_yet_in_effect, parse_config
 from pools.launchers.base import InstanceSpec
 from router.app import create_app
 
@@ -38,7 +38,7 @@ def test_the_readme_no_longer_says_what_is_implemented_is_not() -> None:
 def test_what_the_readme_says_instead_holds(tmp_path: Path) -> None:
     # "The rebalancer is off unless `rebalancer.enabled: true` ... `check-config` prints a note"
     assert "The rebalancer is off unless `rebalancer.enabled: true`" in README
-    assert RebalancerSchema().enabled is False
+    assert RebalancerConfig().enabled is False
     notes = not_yet_in_effect(_config(tmp_path))
     assert any("rebalancer.enabled is false" in n for n in notes), notes
     # "`router.state_path` holds the SRE settings ... with the decision log next to it"
