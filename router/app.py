@@ -128,7 +128,7 @@ class Gateway:
             {p.name: p.placement for p in config.pools},
             placement_patience_s(config),
         )
-        max_num_seqs = _max_num_seqs(config)
+        max_num_seqs = config.engines.max_num_seqs
         for state in self.fleet:
             state.op = OperatingPoint(max_num_seqs=max_num_seqs)
         self.accountant = Accountant()
@@ -806,14 +806,3 @@ def _validation_message(err: RequestValidationError) -> str:
         where = ".".join(str(p) for p in item.get("loc", ())) or "request"
         problems.append(f"{where}: {item.get('msg', 'invalid')}")
     return "; ".join(problems) or "invalid request"
-
-
-def _max_num_seqs(config: Config) -> int:
-    """The engines' `--max-num-seqs` from the configured vLLM arguments (vLLM's default 256)."""
-    args = list(config.engines.vllm_args)
-    for i, arg in enumerate(args):
-        if arg == "--max-num-seqs" and i + 1 < len(args):
-            return int(args[i + 1])
-        if arg.startswith("--max-num-seqs="):
-            return int(arg.split("=", 1)[1])
-    return 256

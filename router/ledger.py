@@ -45,7 +45,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pools.config import RouterConfig
+from pools.config import RouterConfig, default_of
 from pools.periodic import Periodic
 from router.accounting import ConservationReport
 from router.ledger_queries import (
@@ -489,7 +489,7 @@ class Ledger:
         self,
         path: Path,
         *,
-        flush_interval_s: float = 0.5,
+        flush_interval_s: float = default_of(RouterConfig, "ledger_flush_interval_s"),
         retention_days: float = 30.0,
         clock: Callable[[], float] = time.time,
         snapshot_source: Callable[[], ConservationReport] | None = None,

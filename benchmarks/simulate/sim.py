@@ -36,7 +36,6 @@ from pools.operating_point import OperatingPoint
 from pools.telemetry import InstanceReading
 from router.admission import Reject
 from router.admitter import WAITS_FOR_HOME, Admitter
-from router.app import _max_num_seqs
 from router.estimate import Estimate
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity, default_picker, placement_patience_s
@@ -109,7 +108,7 @@ class _Sim:
             clock=clock,
         )
         for state in self.fleet:
-            state.op = OperatingPoint(max_num_seqs=_max_num_seqs(config))
+            state.op = OperatingPoint(max_num_seqs=config.engines.max_num_seqs)
         shares = {p.name: p.share.initial_frac for p in config.pools}
         pinned = {i: p.name for p in config.pools for i in p.pinned_instances}
         self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares, pinned=pinned))
