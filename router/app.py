@@ -29,17 +29,15 @@ from starlette.exceptions import HTTPException
 from gpu_probe.nvml import NvmlApi
 from gpu_probe.sampler import GpuSampler
 from kvcache_model import KVCacheModelError, LatencyPrior, gpu_spec, load_geometry
-from pools.allocation import PoolMap, plan_allocation
 from pools.config import Config, ConfigError, TenantConfig, contract_problems, load_config
 from pools.discovery import DiscoveryLoop, EngineSource
-from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.operating_point import OperatingPoint, TpotLine
 from pools.telemetry import TelemetryScraper
 from router.accounting import Accountant, with_restored
 from router.accounting_metrics import AccountingMetrics
 from router.accounting_observer import AccountingObserver
-from router.admitter import Admitter
+from router.core import build_core
 from router.engine_calls import EngineCalls
 from router.errors import (
     BadRequest,
@@ -57,13 +55,10 @@ from router.history import History, reading_from
 from router.identity import OperatorAccess, Tenants
 from router.ledger import Ledger
 from router.membership import Membership
-from router.metrics import RouterMetrics
 from router.openapi import openapi_document
-from router.picking import RunAffinity, default_picker, placement_patience_s
 from router.protocols import ADAPTERS, MessagesAdapter, ResponsesAdapter
 from router.proxy import CompletionsHandler
 from router.queueing import RunUsage
-from router.rebalancer import Rebalancer
 from router.rebalancer_api import register_pools_admin
 from router.request import Message, Receive, RequestObserver, Scope, Send
 from router.response_placement import ResponsePlacement
@@ -105,47 +100,23 @@ class Gateway:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.metrics = RouterMetrics()
         self.tenants = Tenants.from_config(config.tenants)
         rc = config.router
-        self.fleet = Fleet(
-            instances,
-            stale_after_s=rc.stale_after_s,
-            unhealthy_after=rc.unhealthy_after_failures,
-            clock=clock,
-        )
-        self.fleet.on_health_change(
-            lambda iid, ok: self.metrics.healthy.labels(iid).set(1 if ok else 0)
-        )
-        shares = {p.name: p.share.initial_frac for p in config.pools}
-        pinned = {i: p.name for p in config.pools for i in p.pinned_instances}
-        self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares, pinned=pinned))
-        self.affinity = RunAffinity()
-        self.picker = default_picker(
-            self.fleet,
-            self.affinity,
-            rng or random.Random(),
-            {p.name: p.placement for p in config.pools},
-            placement_patience_s(config),
-        )
-        max_num_seqs = config.engines.max_num_seqs
-        for state in self.fleet:
-            state.op = OperatingPoint(max_num_seqs=max_num_seqs)
-        self.accountant = Accountant()
-        self.admitter = Admitter(
+        # fleet, pool map, affinity, picker, admitter, rebalancer: wired as the simulator
+        # wires them (router/core.py)
+        core = build_core(
             config,
-            self.fleet,
-            self.pool_map,
-            self.picker,
-            self.metrics,
-            self.affinity,
-            clock=clock,
+            instances,
+            clock,
+            rng or random.Random(),
             run_usage=self._run_usage,
         )
-        # the pool ratio follows demand; SRE controls; the decision log (router/rebalancer.py)
-        self.rebalancer = Rebalancer(
-            config, self.fleet, self.pool_map, self.admitter.queues, self.metrics, clock=clock
-        )
+        self.metrics, self.fleet, self.pool_map = core.metrics, core.fleet, core.pool_map
+        self.affinity, self.picker = core.affinity, core.picker
+        self.admitter, self.rebalancer = core.admitter, core.rebalancer
+        max_num_seqs = core.max_num_seqs
+        shares = {p.name: p.share.initial_frac for p in config.pools}
+        self.accountant = Accountant()
         self.estimator = estimator or TokenEstimator.from_config(config)
         self.accounting_metrics = AccountingMetrics(self.metrics.registry)
         self.ledger = Ledger.from_config(

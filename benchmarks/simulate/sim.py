@@ -36,6 +36,7 @@ from pools.operating_point import OperatingPoint
 from pools.telemetry import InstanceReading
 from router.admission import Reject
 from router.admitter import WAITS_FOR_HOME, Admitter
+from router.core import engine_max_num_seqs
 from router.estimate import Estimate
 from router.metrics import RouterMetrics
 from router.picking import RunAffinity, default_picker, placement_patience_s
@@ -108,7 +109,7 @@ class _Sim:
             clock=clock,
         )
         for state in self.fleet:
-            state.op = OperatingPoint(max_num_seqs=config.engines.max_num_seqs)
+            state.op = OperatingPoint(max_num_seqs=engine_max_num_seqs(config))
         shares = {p.name: p.share.initial_frac for p in config.pools}
         pinned = {i: p.name for p in config.pools for i in p.pinned_instances}
         self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares, pinned=pinned))
@@ -339,7 +340,7 @@ class _Sim:
                     queue.remove(entry)
                     self._reject(req, "queue_timeout")
                     continue
-                need = self.admitter._need(req.ctx, req.estimate)
+                need = self.admitter.need(req.ctx, req.estimate)
                 result = self.admitter._try(req.ctx, need, self.now, frozenset())
                 if isinstance(result, Lease):
                     queue.pop(entry, self.now)

@@ -1,0 +1,104 @@
+"""`build_core(config, engines, clock, rng)`: the router's decision components, wired once.
+
+The fleet (leases, telemetry freshness, operating points), the pool map, run affinity, the
+picker, the admitter (the pools' queues and the synchronous dispatch core) and the rebalancer.
+The `Gateway` (router.app) builds them here and adds the I/O around them; the simulator
+(router.simulate) builds them here and drives them in simulated time, so the two cannot wire
+them differently. Nothing here starts a task or touches the network.
+
+Must not import: router.app, the request path (router.proxy), benchmarks.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from pools.allocation import PoolMap, plan_allocation
+from pools.config import Config
+from pools.fleet import Fleet
+from pools.launchers.base import InstanceSpec
+from pools.operating_point import OperatingPoint
+from router.admitter import Admitter
+from router.metrics import RouterMetrics
+from router.picking import Picker, RunAffinity, default_picker, placement_patience_s
+from router.queueing import RunUsage
+from router.rebalancer import Rebalancer
+
+__all__ = ["Core", "build_core", "engine_max_num_seqs"]
+
+
+@dataclass(frozen=True, slots=True)
+class Core:
+    """The decision components, sharing one fleet, pool map, affinity and metrics."""
+
+    metrics: RouterMetrics
+    fleet: Fleet
+    pool_map: PoolMap
+    affinity: RunAffinity
+    picker: Picker
+    admitter: Admitter
+    rebalancer: Rebalancer
+    max_num_seqs: int  # the engines' --max-num-seqs, every operating point's ceiling
+
+
+def build_core(
+    config: Config,
+    engines: list[InstanceSpec],
+    clock: Callable[[], float],
+    rng: random.Random,
+    *,
+    metrics: RouterMetrics | None = None,
+    affinity: RunAffinity | None = None,
+    run_usage: Callable[[Hashable, float], RunUsage | None] | None = None,
+    wall_clock: Callable[[], float] = time.time,
+) -> Core:
+    """The components over `engines`, each pool at its `share.initial_frac` (pinned instances
+    to their pool). `clock`: monotonic seconds for every decision; `wall_clock`: epoch seconds
+    for the rebalancer's decision log; `rng`: the picker's tie-breaks. `run_usage((tenant,
+    run_id), now_s)`: a run's attained service, which `queue.order: run_las` pools order by
+    (none: every run counts as new)."""
+    metrics = metrics or RouterMetrics()
+    rc = config.router
+    fleet = Fleet(
+        engines,
+        stale_after_s=rc.stale_after_s,
+        unhealthy_after=rc.unhealthy_after_failures,
+        clock=clock,
+    )
+    fleet.on_health_change(lambda iid, ok: metrics.healthy.labels(iid).set(1 if ok else 0))
+    shares = {p.name: p.share.initial_frac for p in config.pools}
+    pinned = {i: p.name for p in config.pools for i in p.pinned_instances}
+    pool_map = PoolMap(plan_allocation(fleet.capacity_gpus(), shares, pinned=pinned))
+    affinity = affinity or RunAffinity()
+    picker = default_picker(
+        fleet,
+        affinity,
+        rng,
+        {p.name: p.placement for p in config.pools},
+        placement_patience_s(config),
+    )
+    max_num_seqs = engine_max_num_seqs(config)
+    for state in fleet:
+        state.op = OperatingPoint(max_num_seqs=max_num_seqs)
+    admitter = Admitter(
+        config, fleet, pool_map, picker, metrics, affinity, clock=clock, run_usage=run_usage
+    )
+    # the pool ratio follows demand; SRE controls; the decision log (router/rebalancer.py)
+    rebalancer = Rebalancer(
+        config, fleet, pool_map, admitter.queues, metrics, clock=clock, wall_clock=wall_clock
+    )
+    return Core(metrics, fleet, pool_map, affinity, picker, admitter, rebalancer, max_num_seqs)
+
+
+def engine_max_num_seqs(config: Config) -> int:
+    """The engines' `--max-num-seqs` from the configured vLLM arguments (vLLM's default 256)."""
+    args = list(config.engines.vllm_args)
+    for i, arg in enumerate(args):
+        if arg == "--max-num-seqs" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--max-num-seqs="):
+            return int(arg.split("=", 1)[1])
+    return 256
