@@ -101,6 +101,7 @@ async def _starts(kv_cache_bytes: int, port: int, run_dir: Path, flags: frozense
             {spec.instance_id: spec.url},
             time.monotonic() + 300,
             alive=lambda _: engine.down_reason(),
+            poll_s=0.2,  # (the default 1 s) the refusal and the start are seen sooner
         )
         return not missing
     finally:
