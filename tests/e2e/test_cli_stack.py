@@ -75,7 +75,7 @@ def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Pat
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc, log, timeout_s=400)
+        wait_ready(url, proc, log, timeout_s=400, interval_s=0.2)
         deadline = time.monotonic() + 10
         while "press Ctrl-C" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
