@@ -19,18 +19,20 @@ sequences are charged up to the removal time, the time after it is nobody's capa
 
 Per run (a sequence begun with a `run_key`), the accountant also keeps the run's attained
 service: its ended steps' GPU-seconds plus its in-flight steps' share so far
-(`run_usage`, what `queue.order: run_las` orders by). An LRU of the `max_runs` runs seen last.
+(`run_usage`, what `queue.order: run_las` orders by), in the run's record of the router's one
+`RunTable` (router.runtable: one cap and eviction for everything kept per run; a run with a step
+in flight is never forgotten). Without one it keeps its own, of `max_runs`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.queueing import RunUsage
+from router.runtable import RunRecord, RunTable
 
 __all__ = [
     "UNALLOCATED_POOL",
@@ -68,13 +70,6 @@ class _Instance:
 
 
 @dataclass(slots=True, eq=False)
-class _RunService:
-    ended_gpu_s: float = 0.0
-    last_active_s: float = 0.0
-    in_flight: list[SequenceToken] = field(default_factory=list)
-
-
-@dataclass(slots=True, eq=False)
 class SequenceToken:
     """One sequence in flight, from `Accountant.begin`. Hand it back to `Accountant.end`."""
 
@@ -83,7 +78,7 @@ class SequenceToken:
     _instance: _Instance = field(repr=False)
     _start_counter_gpu_s: float = field(repr=False)
     cost_gpu_seconds: float | None = None  # set by `end`
-    _run: _RunService | None = field(default=None, repr=False)
+    _run: RunRecord | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +135,10 @@ class Accountant:
     clock; a `now_s` earlier than the last one seen for an instance counts as no time passing.
     """
 
-    def __init__(self, *, max_runs: int = 100_000) -> None:
+    def __init__(self, *, max_runs: int = 100_000, runs: RunTable | None = None) -> None:
         if max_runs < 1:
             raise AccountingError(f"max_runs must be >= 1, got {max_runs}")
-        self._runs: OrderedDict[Hashable, _RunService] = OrderedDict()
-        self._max_runs = max_runs
+        self.runs = runs if runs is not None else RunTable(max_runs)
         self._instances: dict[str, _Instance] = {}
         self._draining: set[_Instance] = set()  # removed, sequences still in flight
         self._retired_capacity_gpu_s = 0.0  # capacity of removed instances
@@ -208,13 +202,10 @@ class Accountant:
         inst.start_counter_sum_gpu_s += start
         token = SequenceToken(instance_id, now_s, inst, start)
         if run_key is not None:
-            run = self._runs.get(run_key)
-            if run is None:
-                run = self._runs[run_key] = _RunService()
-                if len(self._runs) > self._max_runs:
-                    self._runs.popitem(last=False)
-            else:
-                self._runs.move_to_end(run_key)
+            run = self.runs.touch(run_key)
+            run.metered = True
+            if run.ended:  # a step of it again: active (governance may end it again)
+                self.runs.set_ended(run_key, False)
             run.in_flight.append(token)
             run.last_active_s = now_s
             token._run = run
@@ -250,8 +241,8 @@ class Accountant:
     def run_usage(self, run_key: Hashable, now_s: float) -> RunUsage | None:
         """A run's attained service up to `now_s` (None: no step of it seen, or forgotten).
         O(steps in flight)."""
-        run = self._runs.get(run_key)
-        if run is None:
+        run = self.runs.get(run_key)
+        if run is None or not run.metered:
             return None
         partial = 0.0
         for token in run.in_flight:

@@ -1,31 +1,33 @@
-"""Connects the request path to GPU-seconds accounting and the ledger.
+"""GPU-seconds metering and the request's ledger record, for `router.settlement.Settlement`.
 
-`AccountingObserver` is a `RequestObserver`: at dispatch it starts the request's processor-
-sharing clock on its instance, as a step of its run (tenant, run id) whose attained service
+`AccountingObserver` meters a request: at dispatch it starts the request's processor-sharing
+clock on its instance, as a step of its run (tenant, run id) whose attained service
 `queue.order: run_las` reads (and numbers the run's step in arrival order); when the last
 usage is known it stops the clock, so the cost can go in the response (`x-gpupool-gpu-seconds`
-header, `usage.gpu_seconds` with `x-gpupool-usage: 1`); it writes one `RequestRecord` per
+header, `usage.gpu_seconds` with `x-gpupool-usage: 1`). It writes one `RequestRecord` per
 request to the ledger and counts the GPU-seconds in Prometheus. O(1) per event.
 
-When the record is written: `settling` runs right before a response's final bytes (the proxy
-awaits it) and commits the record durably (`Ledger.commit`, a group commit), so a router killed
-after the client got its answer still has its record. `finished` runs after the response (and
-for every request, settled or not): a request that never settled (refused, failed, or
-disconnected before its final bytes) gets its record there, queued without waiting
-(`Ledger.submit`); a settled one whose outcome changed since (the client left during the final
-send) has its record replaced; otherwise the settled record stands. A ledger failure never
-fails or holds the response beyond `Ledger.commit`'s bound: it is logged, and retried.
+The settlement calls its parts in its fixed order (meter, governance, ledger, learners):
+`meter` (stop the clock, note the run's span), `commit` (right before a response's final
+bytes: the record committed durably, `Ledger.commit`, a group commit, so a router killed after
+the client got its answer still has its record), `record` (after the response, for every
+request: a request that never settled, refused, failed, or disconnected before its final
+bytes, gets its record queued without waiting, `Ledger.submit`; a settled one whose outcome
+changed since, the client left during the final send, has its record replaced) and `observe`
+(the Prometheus counter). A ledger failure never fails or holds the response beyond
+`Ledger.commit`'s bound: it is logged, and retried. `settling` and `finished` run those parts
+in that order for a caller without a settlement.
 
-It also keeps each run's span (class of its first step, first arrival, last byte out; an LRU
-of `max_runs`), so when governance ends a run, `run_completed` says how long it took.
+Each run's span (class of its first step, first arrival, last byte out) is kept in the run's
+record of the router's `RunTable` (the accountant's), so when governance ends a run,
+`run_completed` says how long it took.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from router.accounting import Accountant, SequenceToken
@@ -34,13 +36,6 @@ from router.ledger import Ledger, RequestRecord
 from router.request import RequestOutcome
 
 __all__ = ["AccountingObserver"]
-
-
-@dataclass(slots=True)
-class _RunSpan:
-    class_name: str  # of the run's first step
-    first_arrival_s: float
-    last_end_s: float
 
 
 class AccountingObserver:
@@ -52,10 +47,8 @@ class AccountingObserver:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        max_runs: int = 100_000,
     ) -> None:
-        self._runs: OrderedDict[tuple[str, str], _RunSpan] = OrderedDict()
-        self._max_runs = max_runs
+        self.runs = accountant.runs  # the spans, in the run table the accountant meters into
         self.accountant = accountant
         self.ledger = ledger
         self.metrics = metrics
@@ -63,6 +56,7 @@ class AccountingObserver:
         self._wall_clock = wall_clock
         # request id -> (outcome, status) of its settled record, until `finished`
         self._settled: dict[str, tuple[str, int]] = {}
+        self._metered: set[str] = set()  # settled through `settling`, until `finished`
 
     def dispatched(self, outcome: RequestOutcome) -> None:
         now = self._clock()
@@ -77,7 +71,8 @@ class AccountingObserver:
             run_key = None if ctx.run_id is None else (ctx.tenant, ctx.run_id)
             outcome.acct_token = self.accountant.begin(outcome.instance_id, now, run_key)
 
-    def _settle(self, outcome: RequestOutcome) -> float:
+    def stop(self, outcome: RequestOutcome) -> float:
+        """Stop the request's clock (once; later calls change nothing); its GPU-seconds."""
         token: SequenceToken | None = outcome.acct_token
         if token is not None:
             outcome.gpu_seconds += self.accountant.end(token, self._clock())
@@ -85,51 +80,75 @@ class AccountingObserver:
         return outcome.gpu_seconds
 
     def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
-        return {"gpu_seconds": round(self._settle(outcome), 6)}
+        return {"gpu_seconds": round(self.stop(outcome), 6)}
 
     def run_completed(self, tenant: str, run_id: str) -> tuple[str, float] | None:
         """A run ended: the class of its first step and its completion time in seconds (first
         step's arrival to the last step's last byte), or None when no step of it finished
         here. Forgets the run (its next step starts a new span)."""
-        span = self._runs.pop((tenant, run_id), None)
-        if span is None:
+        span = self.runs.get((tenant, run_id))
+        if span is None or span.class_name is None:
             return None
-        return span.class_name, max(0.0, span.last_end_s - span.first_arrival_s)
+        completed = span.class_name, max(0.0, span.last_end_s - span.first_arrival_s)
+        span.class_name, span.first_arrival_s, span.last_end_s = None, math.inf, -math.inf
+        return completed
 
-    def _note_step(self, outcome: RequestOutcome) -> None:
+    def note_step(self, outcome: RequestOutcome) -> None:
+        """A step of the request's run finished (its last byte is out at `ended_at_s`)."""
         ctx = outcome.ctx
         if ctx.run_id is None:
             return
-        key = (ctx.tenant, ctx.run_id)
-        span = self._runs.get(key)
-        if span is None:
-            self._runs[key] = _RunSpan(ctx.class_name, ctx.received_at_s, outcome.ended_at_s)
-            if len(self._runs) > self._max_runs:
-                self._runs.popitem(last=False)
-            return
+        span = self.runs.touch((ctx.tenant, ctx.run_id))
+        if span.class_name is None:
+            span.class_name = ctx.class_name
         span.first_arrival_s = min(span.first_arrival_s, ctx.received_at_s)
         span.last_end_s = max(span.last_end_s, outcome.ended_at_s)
-        self._runs.move_to_end(key)
 
-    async def settling(self, outcome: RequestOutcome) -> None:
-        """The response's final bytes are next: stop the clock, set the end time (the last byte
-        out is now) and commit the request's record durably. Never raises for the ledger."""
-        outcome.ended_at_s = self._clock()
+    def meter(self, outcome: RequestOutcome, *, final_bytes_next: bool) -> float:
+        """Stop the request's clock and note its step in its run's span; its GPU-seconds.
+        `final_bytes_next`: the response's final bytes are next, so its end is now."""
+        if final_bytes_next:
+            outcome.ended_at_s = self._clock()
+        gpu_s = self.stop(outcome)
+        self.note_step(outcome)
+        return gpu_s
+
+    async def commit(self, outcome: RequestOutcome) -> None:
+        """Commit the request's record durably (the response's final bytes are next). Never
+        raises for the ledger."""
         record = self._record(outcome)
         self._settled[outcome.ctx.request_id] = (record.outcome, record.status_code)
         await self.ledger.commit(record)
 
-    def finished(self, outcome: RequestOutcome) -> None:
-        gpu_s = self._settle(outcome)
-        ctx = outcome.ctx
-        settled = self._settled.pop(ctx.request_id, None)
-        self._note_step(outcome)
-        self.metrics.observe_request(ctx.pool, ctx.class_name, ctx.tenant, gpu_s)
+    def record(self, outcome: RequestOutcome) -> None:
+        """After the response: queue the record of a request that was not committed, or whose
+        outcome changed since it was."""
+        settled = self._settled.pop(outcome.ctx.request_id, None)
         if settled != (outcome.outcome, outcome.status):
             self.ledger.submit(self._record(outcome))
 
+    def observe(self, outcome: RequestOutcome) -> None:
+        """The request's GPU-seconds in Prometheus."""
+        ctx = outcome.ctx
+        self.metrics.observe_request(ctx.pool, ctx.class_name, ctx.tenant, outcome.gpu_seconds)
+
+    async def settling(self, outcome: RequestOutcome) -> None:
+        """Without a settlement: the response's final bytes are next (meter, commit)."""
+        self.meter(outcome, final_bytes_next=True)
+        self._metered.add(outcome.ctx.request_id)
+        await self.commit(outcome)
+
+    def finished(self, outcome: RequestOutcome) -> None:
+        """Without a settlement: after the response (meter unless settled, record, observe)."""
+        if outcome.ctx.request_id in self._metered:
+            self._metered.discard(outcome.ctx.request_id)
+        else:
+            self.meter(outcome, final_bytes_next=False)
+        self.record(outcome)
+        self.observe(outcome)
+
     def _record(self, outcome: RequestOutcome) -> RequestRecord:
-        gpu_s = self._settle(outcome)
+        gpu_s = self.stop(outcome)
         ctx = outcome.ctx
         offset = self._wall_clock() - self._clock()
         return RequestRecord(

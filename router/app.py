@@ -49,19 +49,22 @@ from router.errors import (
     error_for_status,
 )
 from router.estimate import TokenEstimator
-from router.governance import GovernanceMetrics, Governor, RunEnd
+from router.governance import GovernanceMetrics, Governor
 from router.governance.store import GovernanceStore
 from router.history import History, reading_from
 from router.identity import OperatorAccess, Tenants
 from router.ledger import Ledger
 from router.membership import Membership
 from router.openapi import openapi_document
+from router.picking import RunAffinity
 from router.protocols import ADAPTERS, MessagesAdapter, ResponsesAdapter
 from router.proxy import CompletionsHandler
 from router.queueing import RunUsage
 from router.rebalancer_api import register_pools_admin
 from router.request import Message, Receive, RequestObserver, Scope, Send
 from router.response_placement import ResponsePlacement
+from router.runtable import RunTable
+from router.settlement import Settlement
 from router.ui import register_ui
 
 __all__ = ["Gateway", "create_app"]
@@ -102,6 +105,8 @@ class Gateway:
         self.clock = clock
         self.tenants = Tenants.from_config(config.tenants)
         rc = config.router
+        # everything kept per run (home, attained service, step numbers, span): one bound
+        self.runs = RunTable()
         # fleet, pool map, affinity, picker, admitter, rebalancer: wired as the simulator
         # wires them (router/core.py)
         core = build_core(
@@ -109,6 +114,7 @@ class Gateway:
             instances,
             clock,
             rng or random.Random(),
+            affinity=RunAffinity(runs=self.runs),
             run_usage=self._run_usage,
         )
         self.metrics, self.fleet, self.pool_map = core.metrics, core.fleet, core.pool_map
@@ -116,11 +122,11 @@ class Gateway:
         self.admitter, self.rebalancer = core.admitter, core.rebalancer
         max_num_seqs = core.max_num_seqs
         shares = {p.name: p.share.initial_frac for p in config.pools}
-        self.accountant = Accountant()
+        self.accountant = Accountant(runs=self.runs)
         self.estimator = estimator or TokenEstimator.from_config(config)
         self.accounting_metrics = AccountingMetrics(self.metrics.registry)
         self.ledger = Ledger.from_config(
-            rc, snapshot_source=lambda: self.accountant.conservation(self.clock())
+            rc, snapshot_source=lambda: self.accountant.conservation(self.clock()), runs=self.runs
         )
         self.gpu_sampler = GpuSampler(registry=self.metrics.registry, nvml=nvml)
         # budgets and run states survive a restart: a file next to the ledger
@@ -129,18 +135,25 @@ class Gateway:
             config,
             GovernanceMetrics(self.metrics.registry),
             clock=clock,
-            on_run_end=self._run_ended,
             store=GovernanceStore(ledger_path.with_name(ledger_path.stem + ".governance.sqlite")),
         )
         self.accounting_observer = AccountingObserver(
             self.accountant, self.ledger, self.accounting_metrics, clock=clock
         )
-        self._observers: list[RequestObserver] = [
-            self.accounting_observer,
-            self.governor,  # after accounting: it settles with the request's GPU-seconds
-            self.rebalancer.signals,
-            *(observers or []),
-        ]
+        # a request's end and a run's end, after dispatch: meter, governance, ledger, learners
+        self.settlement = Settlement(
+            accounting=self.accounting_observer,
+            governance=self.governor,
+            ledger=self.ledger,
+            runs=self.runs,
+            estimator=self.estimator,
+            affinity=self.affinity,
+            metrics=self.metrics,
+            signals=self.rebalancer.signals,
+            observers=observers,
+            clock=clock,
+        )
+        self.governor.on_run_end = self.settlement.run_ended
         # engines that come and go (Kubernetes, Ray): the fleet follows `source`
         self.membership = Membership(
             self.fleet,
@@ -231,10 +244,9 @@ class Gateway:
             fleet=self.fleet,
             admitter=self.admitter,
             estimator=self.estimator,
-            affinity=self.affinity,
+            settlement=self.settlement,
             session=self.session,
             metrics=self.metrics,
-            observers=self._observers,
             clock=self.clock,
             governor=self.governor,
             placement=self.placement,
@@ -296,22 +308,6 @@ class Gateway:
             return live
         tenant, run_id = run_key
         return with_restored(live, self.governor.restored_service(tenant, run_id))
-
-    def _run_ended(self, end: RunEnd) -> None:
-        """The ledger records why each run ended (governance: client_end, idle_timeout, or the
-        run guard's code); the metrics its completion time (first arrival to last byte)."""
-        completed = self.accounting_observer.run_completed(end.tenant, end.run_id)
-        if completed is not None:
-            self.metrics.observe_run_completion(*completed)
-        self.ledger.submit_run_end(
-            tenant=end.tenant,
-            run_id=end.run_id,
-            reason=end.reason,
-            ended_at_s=time.time() - (self.clock() - end.ended_at_s),
-            steps=end.steps,
-            tokens=end.tokens,
-            gpu_seconds=end.gpu_seconds,
-        )
 
     def _instance_joined(self, instance_id: str) -> None:
         self.metrics.instance_joined(instance_id)

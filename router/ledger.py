@@ -39,7 +39,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -57,6 +57,7 @@ from router.ledger_queries import (
     top_runs_report,
     totals,
 )
+from router.runtable import RunTable
 
 __all__ = [
     "OUTCOMES",
@@ -499,6 +500,7 @@ class Ledger:
         max_tracked_runs: int = MAX_TRACKED_RUNS,
         durable: bool = True,
         commit_wait_s: float = COMMIT_WAIT_S,
+        runs: RunTable | None = None,
     ) -> None:
         if flush_interval_s <= 0 or retention_days <= 0:
             raise ValueError("flush_interval_s and retention_days must be > 0")
@@ -516,18 +518,19 @@ class Ledger:
         self._commit_wait_s = commit_wait_s
         self._buffer: list[_Row] = []
         self._run_ends: list[_Row] = []  # why runs ended, written with the next batch
-        # Step numbering. `_steps` is an LRU of (tenant, run_id) -> next step index, at most
-        # `max_tracked_runs` long. A run not in it continues after the highest step stored: in
-        # the file, in the buffer (`_unwritten`), in the batch being written (`_writing`) or
-        # queued for a group commit (`_committing`); those hold (tenant, run_id) -> highest
-        # step + 1 and are bounded by the buffer and the queue.
-        self._max_tracked_runs = max_tracked_runs
-        self._steps: OrderedDict[tuple[str, str], int] = OrderedDict()
+        # Step numbering. Each run's next step index is kept in its record of `runs`, the
+        # router's one `RunTable` (router.runtable; without one the ledger keeps its own of
+        # `max_tracked_runs`): bounded, a run with a step in flight never forgotten. A run not
+        # in it continues after the highest step stored: in the file, in the buffer
+        # (`_unwritten`), in the batch being written (`_writing`) or queued for a group commit
+        # (`_committing`); those hold (tenant, run_id) -> highest step + 1 and are bounded by
+        # the buffer and the queue.
+        self._max_tracked_runs = max_tracked_runs if runs is None else runs.max_runs
+        self._runs = runs if runs is not None else RunTable(max_tracked_runs)
         self._unwritten: dict[tuple[str, str], int] = {}
         self._writing: dict[tuple[str, str], int] = {}
         self._committing: dict[tuple[str, str], int] = {}
         self._reader: sqlite3.Connection | None = None
-        self.evicted_runs = 0  # step counters dropped from memory (their runs may come back)
         self._last_idle_gpu_s: dict[str, float] = {}
         self._last_capacity_gpu_s = 0.0
         self._conn: sqlite3.Connection | None = None  # queries (on worker threads, one at a time)
@@ -555,6 +558,7 @@ class Ledger:
         *,
         clock: Callable[[], float] = time.time,
         snapshot_source: Callable[[], ConservationReport] | None = None,
+        runs: RunTable | None = None,
     ) -> Ledger:
         return cls(
             config.ledger_path,
@@ -563,6 +567,7 @@ class Ledger:
             clock=clock,
             snapshot_source=snapshot_source,
             durable=config.ledger_durable,
+            runs=runs,
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -598,7 +603,9 @@ class Ledger:
             raise
         for tenant, run_id, step, _ in recent:  # oldest first: the newest end up most recent
             key = (tenant, run_id)
-            self._remember(key, max(step + 1, self._steps.get(key, 0)))
+            known = self._runs.get(key)
+            next_step = None if known is None else known.next_step
+            self._remember(key, max(step + 1, next_step or 0))
         self._flush_loop.start()
 
     async def aclose(self) -> None:
@@ -637,12 +644,12 @@ class Ledger:
         before a restart) continues after the highest step stored for it, found with one
         indexed read of the file (WAL: no waiting on the writer; ~6-8 us with the page cached)
         and the unwritten buffer.
-        Known gap: a run evicted while a request of it is still in flight, and back before
-        that request ends, may reuse that request's step number; it takes `max_tracked_runs`
-        other runs starting during one request.
+        A run with a step in flight is never forgotten (the run table's rule), so a step
+        number is never reused while its request runs.
         """
         key = (tenant, run_id)
-        step = self._steps.pop(key, None)
+        known = self._runs.get(key)
+        step = None if known is None else known.next_step
         if step is None:
             step = self._stored_next_step(key)
         self._remember(key, step + 1)
@@ -650,15 +657,17 @@ class Ledger:
 
     @property
     def tracked_runs(self) -> int:
-        """Runs whose step counter is in memory (at most `max_tracked_runs`)."""
-        return len(self._steps)
+        """Runs kept in memory (at most `max_tracked_runs`, but for runs with a step in
+        flight; with the router's shared run table, every run it keeps)."""
+        return len(self._runs)
+
+    @property
+    def evicted_runs(self) -> int:
+        """Runs forgotten from memory to keep the bound (they may come back)."""
+        return self._runs.evicted
 
     def _remember(self, key: tuple[str, str], next_step: int) -> None:
-        self._steps[key] = next_step
-        self._steps.move_to_end(key)
-        if len(self._steps) > self._max_tracked_runs:
-            self._steps.popitem(last=False)
-            self.evicted_runs += 1
+        self._runs.touch(key).next_step = next_step
 
     def _stored_next_step(self, key: tuple[str, str]) -> int:
         step = max(

@@ -23,13 +23,13 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pools.allocation import Allocation
 from pools.config import Config
 from pools.fleet import Fleet, InstanceState
+from router.runtable import RunTable
 
 __all__ = [
     "ALWAYS_AFFINITY_PATIENCE_FRAC",
@@ -86,31 +86,30 @@ Scorer = Callable[[PickRequest, Sequence[Candidate]], list[float]]
 
 
 class RunAffinity:
-    """Where each run's last step went and how long its context was then (bounded LRU), so
-    later steps find their prefix cache and admission knows how much of it may be cached.
-    Keyed by the run's key: on the request path (tenant, run id), so two tenants that use the
-    same run id have separate homes."""
+    """Where each run's last step went and how long its context was then, so later steps find
+    their prefix cache and admission knows how much of it may be cached. Kept in the run's
+    record of the router's one `RunTable` (router.runtable: one cap and eviction for everything
+    kept per run), or in its own of `max_runs` without one. Keyed by the run's key: on the
+    request path (tenant, run id), so two tenants that use the same run id have separate
+    homes."""
 
-    def __init__(self, max_runs: int = 100_000) -> None:
-        self._last: OrderedDict[Hashable, tuple[str, int]] = OrderedDict()
-        self._max_runs = max_runs
+    def __init__(self, max_runs: int = 100_000, runs: RunTable | None = None) -> None:
+        self.runs = runs if runs is not None else RunTable(max_runs)
 
     def get(self, run_key: Hashable | None) -> str | None:
-        entry = self._last.get(run_key) if run_key is not None else None
-        return entry[0] if entry else None
+        record = self.runs.get(run_key) if run_key is not None else None
+        return record.home if record is not None else None
 
     def context_tokens(self, run_key: Hashable | None) -> int:
         """Prompt + completion tokens of the run's last finished step (0 when unknown)."""
-        entry = self._last.get(run_key) if run_key is not None else None
-        return entry[1] if entry else 0
+        record = self.runs.get(run_key) if run_key is not None else None
+        return record.context_tokens if record is not None and record.home is not None else 0
 
     def record(self, run_key: Hashable | None, instance_id: str, context_tokens: int = 0) -> None:
         if run_key is None:
             return
-        self._last[run_key] = (instance_id, context_tokens)
-        self._last.move_to_end(run_key)
-        if len(self._last) > self._max_runs:
-            self._last.popitem(last=False)
+        record = self.runs.touch(run_key)
+        record.home, record.context_tokens = instance_id, context_tokens
 
 
 def filter_healthy(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:

@@ -2,12 +2,14 @@
 `/v1/completions`, `/v1/responses` and `/v1/messages`.
 
 authenticate -> read -> parse -> classify -> estimate -> admit (queue or 429) -> pick and lease
--> proxy -> settle -> release (DESIGN.md, "The request path"). Each arrow is one call; a retry
-re-picks within the admission grant. What differs between the protocols (required fields,
-what the estimate counts, the first generated token, the usage, the last event, the error
-shape) is each protocol adapter's (`router.protocols`); the path itself is one. It runs
-outside FastAPI's routing and middleware on purpose: it sits on every token of every request,
-and the ASGI stack is most of what a Python proxy costs (benchmarks/results/router_overhead.md).
+-> proxy -> settle -> release. From dispatch on, the request's end has one owner,
+`router.settlement.Settlement` (meter, governance, ledger, learners, in that order). Each arrow
+is one call; a retry re-picks within the admission grant. What differs between the protocols
+(required fields, what the estimate counts, the first generated token, the usage, the last
+event, the error shape) is each protocol adapter's (`router.protocols`); the path itself is
+one. It runs outside FastAPI's routing and middleware on purpose: it sits on every token of
+every request, and the ASGI stack is most of what a Python proxy costs
+(benchmarks/results/router_overhead.md).
 
 Proxy rules:
 - the API key is checked from the headers before the body is read; the body is read within
@@ -64,18 +66,18 @@ from router.estimate import Estimate, TokenEstimator
 from router.governance import Governor, StepSignals
 from router.identity import Tenants
 from router.metrics import RouterMetrics
-from router.picking import RunAffinity
 from router.protocols import ProtocolAdapter
 from router.request import (
     Message,
     Receive,
     RequestContext,
-    RequestObserver,
     RequestOutcome,
     Scope,
     Send,
 )
 from router.response_placement import ResponsePlacement, StoredResponse
+from router.settlement import Settlement
+from router.settlement import outcome_of as _outcome_of
 from router.wait_comments import HEADER as WAIT_COMMENTS_HEADER
 from router.wait_comments import WaitComments, wait_comments_after_s
 
@@ -102,10 +104,9 @@ class CompletionsHandler:
         fleet: Fleet,
         admitter: Admitter,
         estimator: TokenEstimator,
-        affinity: RunAffinity,
+        settlement: Settlement,
         session: aiohttp.ClientSession,
         metrics: RouterMetrics,
-        observers: list[RequestObserver] | None = None,
         clock: Callable[[], float] = time.monotonic,
         governor: Governor | None = None,
         placement: ResponsePlacement | None = None,
@@ -117,10 +118,9 @@ class CompletionsHandler:
         self.fleet = fleet
         self.admitter = admitter
         self.estimator = estimator
-        self.affinity = affinity
+        self.settlement = settlement
         self.session = session
         self.metrics = metrics
-        self.observers = observers or []
         self.clock = clock
         rc = config.router
         self._connect_timeout_s = rc.connect_timeout_s
@@ -222,7 +222,7 @@ class CompletionsHandler:
         finally:
             watcher.cancel()
             outcome.ended_at_s = self.clock()
-            self._finish(outcome)
+            self.settlement.finish(outcome)
 
     async def _read_body(self, receive: Receive) -> bytes:
         try:
@@ -404,8 +404,7 @@ class CompletionsHandler:
                 )
                 self.metrics.set_inflight(instance_id, instance.inflight)
                 outcome.dispatched_at_s = self.clock()
-                for obs in self.observers:
-                    obs.dispatched(outcome)
+                self.settlement.dispatched(outcome)
                 upstream_headers = {
                     "content-type": "application/json",
                     "x-request-id": ctx.request_id,
@@ -439,7 +438,7 @@ class CompletionsHandler:
                     )
                     continue
                 try:
-                    self.affinity.record(ctx.home_key, instance_id)
+                    self.settlement.answered(outcome)
                     await self._relay(ctx, resp, send, headers, outcome, lease, adapter, stored)
                 except BaseException:
                     resp.close()  # drop the connection: vLLM aborts the sequence
@@ -626,7 +625,7 @@ class CompletionsHandler:
                 if tokens is not None:
                     outcome.prompt_tokens, outcome.completion_tokens = tokens
             outcome.response_id = adapter.body_response_id(data)
-        extra = self._extras(outcome)
+        extra = self.settlement.usage_extra(outcome)
         for key, value in extra.items():
             extra_headers.append(
                 (f"x-gpupool-{key.replace('_', '-')}".encode(), str(value).encode())
@@ -639,7 +638,7 @@ class CompletionsHandler:
         ):
             raw = orjson.dumps(data)
         self._remember_response(outcome, ctx, stored)
-        await self._settle_before_final(outcome)
+        await self.settlement.settle(outcome)
         outcome.response_started = True
         await send(
             {
@@ -681,7 +680,7 @@ class CompletionsHandler:
         first_token_seen = False
         want_id = adapter.stateful
         marker = adapter.usage_marker
-        extras = lambda: self._extras(outcome)  # noqa: E731
+        extras = lambda: self.settlement.usage_extra(outcome)  # noqa: E731
         try:
             async for chunk in resp.content.iter_any():
                 buf += chunk
@@ -727,29 +726,8 @@ class CompletionsHandler:
             return
         outcome.ended_at_s = self.clock()
         self._remember_response(outcome, ctx, stored)
-        await self._settle_before_final(outcome)
+        await self.settlement.settle(outcome)
         await send({"type": "http.response.body", "body": tail + buf, "more_body": False})
-
-    async def _settle_before_final(self, outcome: RequestOutcome) -> None:
-        """Awaited right before a response's final bytes (the non-streaming body, the
-        stream's `[DONE]`): the observers' `settling` hooks, e.g. the ledger's durable commit
-        (router/accounting_observer.py). A failing hook is logged; the response still ends."""
-        for obs in self.observers:
-            settling = getattr(obs, "settling", None)  # optional: RequestObserver's docstring
-            if settling is None:
-                continue
-            try:
-                await settling(outcome)
-            except Exception:
-                log.exception("request observer failed to settle %s", outcome.ctx.request_id)
-
-    def _extras(self, outcome: RequestOutcome) -> dict[str, Any]:
-        """What the observers add to a response's usage (GPU-seconds, ...), once its tokens
-        are known."""
-        extra: dict[str, Any] = {}
-        for obs in self.observers:
-            extra.update(obs.usage_extra(outcome))
-        return extra
 
     def _remember_response(
         self, outcome: RequestOutcome, ctx: RequestContext, previous: StoredResponse | None
@@ -768,45 +746,6 @@ class CompletionsHandler:
                 context_tokens=outcome.prompt_tokens + outcome.completion_tokens,
             ),
         )
-
-    def _finish(self, outcome: RequestOutcome) -> None:
-        ctx = outcome.ctx
-        if outcome.outcome == "ok" and outcome.status != 200:
-            outcome.outcome = _outcome_of(outcome.status)
-            outcome.reason = str(outcome.status)
-        self.metrics.request_done(
-            ctx.pool,
-            ctx.class_name,
-            outcome.outcome,
-            outcome.reason,
-            outcome.ended_at_s - ctx.received_at_s,
-            outcome.endpoint,
-        )
-        if outcome.outcome == "ok":
-            if (ttft := outcome.ttft_s) is not None:
-                self.metrics.observe_ttft(ctx.class_name, ttft)
-            if (tpot := outcome.tpot_s) is not None:
-                self.metrics.observe_tpot(ctx.class_name, tpot)
-            if ctx.home_key is not None and outcome.instance_id is not None:
-                self.affinity.record(
-                    ctx.home_key,
-                    outcome.instance_id,
-                    outcome.prompt_tokens + outcome.completion_tokens,
-                )
-            if outcome.estimate is not None and outcome.prompt_tokens > 0:
-                error = self.estimator.observe(
-                    outcome.estimate,
-                    class_name=ctx.class_name,
-                    prompt_tokens=outcome.prompt_tokens,
-                    completion_tokens=outcome.completion_tokens,
-                )
-                if error is not None:
-                    self.metrics.observe_estimate_error(outcome.estimate.source, error)
-        for obs in self.observers:
-            try:
-                obs.finished(outcome)
-            except Exception:
-                log.exception("request observer failed for %s", ctx.request_id)
 
 
 def parse_request_body(
@@ -846,20 +785,6 @@ def _add_usage(raw: bytes, extra: dict[str, Any]) -> bytes:
         data["usage"].update(extra)
         return orjson.dumps(data)
     return raw
-
-
-def _outcome_of(status: int) -> str:
-    if status == 429:
-        return "rejected"
-    if status == 504:
-        return "timeout"
-    if status == 499:
-        return "aborted"
-    if 400 <= status < 500:
-        return "client_error"
-    if status >= 500:
-        return "engine_error"
-    return "ok"
 
 
 async def read_request_body(receive: Receive, max_bytes: int) -> bytes:

@@ -7,7 +7,7 @@ One typed object per request travels the path (DESIGN.md, "The request path"):
 
 and the seams between stages:
 
-    RequestObserver hooks around the upstream call (accounting and the ledger implement it)
+    RequestObserver hooks around the upstream call, called by router.settlement.Settlement
 
 plus the ASGI aliases the raw handlers use. Nothing here does I/O.
 """
@@ -136,16 +136,12 @@ class RequestOutcome:
 
 
 class RequestObserver(Protocol):
-    """Hooks around the upstream call: accounting and the ledger implement these.
+    """Hooks around the upstream call (the rebalancer's signals, a gateway's extra observers),
+    called by `router.settlement.Settlement` among its learners.
 
     `dispatched` runs once per upstream attempt (a retry after a refused connection calls it
     again), `usage_extra` when the final usage is known (its items go into the response),
-    `finished` exactly once per request that was classified.
-
-    Optional: `async def settling(self, outcome) -> None`, awaited right before a response's
-    final bytes (the body, the stream's `[DONE]`), at most once per request; accounting commits
-    the ledger record there (router/accounting_observer.py). Not every request settles
-    (refusals, failures, disconnects), so `finished` must not depend on it.
+    `finished` exactly once per request that was classified, after the response.
     """
 
     def dispatched(self, outcome: RequestOutcome) -> None: ...

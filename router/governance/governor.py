@@ -10,8 +10,10 @@
                                          stops counting)
     rate_headers(tenant)                 OpenAI's x-ratelimit-* headers for a response
 
-It is a `RequestObserver` (its `finished` runs after accounting's, so the request's
-GPU-seconds are known). State lives in memory per tenant and per run; a background task
+`dispatched` and `finished` are called by `router.settlement.Settlement`, whose fixed order
+puts governance after the meter (so the request's GPU-seconds are known) and before the ledger
+and the learners; a run's end goes to `on_run_end` (the settlement's `run_ended`). State lives
+in memory per tenant and per run; a background task
 (`start()`/`aclose()`) ends runs that stay idle past `governance.run_idle_timeout_s`. Every
 decision is made by the pure cores (`bucket`, `guards`, `loops`); this module only holds state
 and answers in errors from `router.errors`.
@@ -627,9 +629,6 @@ class Governor:
         ticket.counted = True
         ticket.run.steps += 1
         self._dirty[(ticket.tenant, ticket.run.run_id)] = ticket.run
-
-    def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
-        return {}
 
     def finished(self, outcome: RequestOutcome) -> None:
         """Settle the request's reservation to its real usage; add its tokens and

@@ -1,0 +1,263 @@
+"""The one owner of a request's settlement once it is dispatched, and of a run's end.
+
+The request path (router.proxy) calls only this after dispatch:
+
+    dispatched(outcome)        each upstream attempt: the meter starts (the run's step is
+                               numbered), governance counts the step, the rebalancer its wait
+    answered(outcome)          the engine answered: the run's home is where it went
+    usage_extra(outcome)       the usage is known: the meter stops; what goes in the usage
+    await settle(outcome)      right before the response's final bytes, at most once
+    finish(outcome)            after the response, exactly once per classified request
+
+Settling runs in one fixed order, `ORDER`, in both `settle` and `finish` (each part runs once
+per request, in the first of the two that reaches it):
+
+    1. meter       stop the request's GPU-seconds clock; note the step in its run's span
+    2. governance  settle the tenant's reservation and the run's counters; may end the run
+    3. ledger      the request's record: committed durably before the final bytes, or queued
+    4. learners    estimator, affinity, router metrics, GPU-seconds counter, rebalancer
+                   signals, then any extra observers (after the response: its outcome is final)
+
+GPU-seconds come first because governance charges them to the tenant and the run; governance
+before the ledger and the learners because it may end the run, and a run's end (`run_ended`,
+also what governance's idle sweep calls) is handled here: its completion time from its span,
+its end in the ledger, its record marked ended in the run table (forgotten first).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from router.estimate import TokenEstimator
+from router.governance import RunEnd
+from router.metrics import RouterMetrics
+from router.picking import RunAffinity
+from router.request import RequestObserver, RequestOutcome
+from router.runtable import RunTable
+
+__all__ = ["ORDER", "Governance", "Meter", "RunEndLog", "Settlement", "outcome_of"]
+
+log = logging.getLogger(__name__)
+
+ORDER = ("meter", "governance", "ledger", "learners")
+
+
+class Meter(Protocol):
+    """GPU-seconds and the request's record (router.accounting_observer.AccountingObserver)."""
+
+    def dispatched(self, outcome: RequestOutcome) -> None: ...
+
+    def stop(self, outcome: RequestOutcome) -> float: ...
+
+    def meter(self, outcome: RequestOutcome, *, final_bytes_next: bool) -> float: ...
+
+    async def commit(self, outcome: RequestOutcome) -> None: ...
+
+    def record(self, outcome: RequestOutcome) -> None: ...
+
+    def observe(self, outcome: RequestOutcome) -> None: ...
+
+    def run_completed(self, tenant: str, run_id: str) -> tuple[str, float] | None: ...
+
+
+class RunEndLog(Protocol):
+    """Where a run's end is recorded (router.ledger.Ledger)."""
+
+    def submit_run_end(
+        self,
+        *,
+        tenant: str,
+        run_id: str,
+        reason: str,
+        ended_at_s: float,
+        steps: int,
+        tokens: int,
+        gpu_seconds: float,
+    ) -> None: ...
+
+
+class Governance(Protocol):
+    """What settlement needs of the governor (router.governance.Governor)."""
+
+    def dispatched(self, outcome: RequestOutcome) -> None: ...
+
+    def finished(self, outcome: RequestOutcome) -> None: ...
+
+
+class Settlement:
+    """Settles each request in `ORDER` (see the module's docstring); handles runs' ends."""
+
+    def __init__(
+        self,
+        *,
+        accounting: Meter,
+        governance: Governance | None,
+        ledger: RunEndLog,
+        runs: RunTable,
+        estimator: TokenEstimator,
+        affinity: RunAffinity,
+        metrics: RouterMetrics,
+        signals: RequestObserver,
+        observers: list[RequestObserver] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.accounting = accounting
+        self.ledger = ledger
+        self.governance = governance
+        self.runs = runs
+        self.estimator = estimator
+        self.affinity = affinity
+        self.metrics = metrics
+        self.signals = signals
+        self.observers = observers or []
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._settled: set[str] = set()  # request ids settled before their final bytes
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatched(self, outcome: RequestOutcome) -> None:
+        """An upstream attempt starts (a retry after a refused connection calls it again)."""
+        self.accounting.dispatched(outcome)
+        if self.governance is not None:
+            self.governance.dispatched(outcome)
+        self.signals.dispatched(outcome)
+        for obs in self.observers:
+            obs.dispatched(outcome)
+
+    def answered(self, outcome: RequestOutcome) -> None:
+        """The engine answered the attempt: the run's (or session's) home is that instance."""
+        if outcome.instance_id is not None:
+            self.affinity.record(outcome.ctx.home_key, outcome.instance_id)
+
+    def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
+        """What goes in the response's usage (GPU-seconds, ...), once its tokens are known."""
+        extra: dict[str, Any] = {"gpu_seconds": round(self.accounting.stop(outcome), 6)}
+        for obs in self.observers:
+            extra.update(obs.usage_extra(outcome))
+        return extra
+
+    # ------------------------------------------------------------------ settling
+
+    async def settle(self, outcome: RequestOutcome) -> None:
+        """The response's final bytes are next: meter, governance, ledger (a durable commit).
+        The learners wait for `finish` (the client may still leave during the final send).
+        Never raises: a failing part is logged and the response still ends."""
+        request_id = outcome.ctx.request_id
+        if request_id in self._settled:
+            return
+        self._settled.add(request_id)
+        try:
+            self._meter(outcome, final_bytes_next=True)
+            self._govern(outcome)
+            await self.accounting.commit(outcome)
+        except Exception:
+            log.exception("settling %s failed", request_id)
+
+    def finish(self, outcome: RequestOutcome) -> None:
+        """After the response, exactly once: what `settle` did not do, then the learners."""
+        ctx = outcome.ctx
+        if outcome.outcome == "ok" and outcome.status != 200:
+            outcome.outcome = outcome_of(outcome.status)
+            outcome.reason = str(outcome.status)
+        settled = ctx.request_id in self._settled
+        self._settled.discard(ctx.request_id)
+        for part in ORDER:
+            if settled and part in ("meter", "governance"):
+                continue
+            try:
+                if part == "meter":
+                    self._meter(outcome, final_bytes_next=False)
+                elif part == "governance":
+                    self._govern(outcome)
+                elif part == "ledger":
+                    self.accounting.record(outcome)
+                else:
+                    self._learn(outcome)
+            except Exception:
+                log.exception("settling %s (%s) failed", ctx.request_id, part)
+
+    def _meter(self, outcome: RequestOutcome, *, final_bytes_next: bool) -> None:
+        self.accounting.meter(outcome, final_bytes_next=final_bytes_next)
+
+    def _govern(self, outcome: RequestOutcome) -> None:
+        if self.governance is not None:
+            self.governance.finished(outcome)
+
+    def _learn(self, outcome: RequestOutcome) -> None:
+        ctx = outcome.ctx
+        self.metrics.request_done(
+            ctx.pool,
+            ctx.class_name,
+            outcome.outcome,
+            outcome.reason,
+            outcome.ended_at_s - ctx.received_at_s,
+            outcome.endpoint,
+        )
+        if outcome.outcome == "ok":
+            if (ttft := outcome.ttft_s) is not None:
+                self.metrics.observe_ttft(ctx.class_name, ttft)
+            if (tpot := outcome.tpot_s) is not None:
+                self.metrics.observe_tpot(ctx.class_name, tpot)
+            if ctx.home_key is not None and outcome.instance_id is not None:
+                self.affinity.record(
+                    ctx.home_key,
+                    outcome.instance_id,
+                    outcome.prompt_tokens + outcome.completion_tokens,
+                )
+            if outcome.estimate is not None and outcome.prompt_tokens > 0:
+                error = self.estimator.observe(
+                    outcome.estimate,
+                    class_name=ctx.class_name,
+                    prompt_tokens=outcome.prompt_tokens,
+                    completion_tokens=outcome.completion_tokens,
+                )
+                if error is not None:
+                    self.metrics.observe_estimate_error(outcome.estimate.source, error)
+        self.accounting.observe(outcome)
+        self.signals.finished(outcome)
+        for obs in self.observers:
+            try:
+                obs.finished(outcome)
+            except Exception:
+                log.exception("request observer failed for %s", ctx.request_id)
+
+    # ------------------------------------------------------------------ a run's end
+
+    def run_ended(self, end: RunEnd) -> None:
+        """Governance ended a run (client_end, idle_timeout, or a guard's code): its completion
+        time (first arrival to last byte) in the metrics, why it ended in the ledger, its
+        record marked ended in the run table (forgotten first)."""
+        completed = self.accounting.run_completed(end.tenant, end.run_id)
+        if completed is not None:
+            self.metrics.observe_run_completion(*completed)
+        self.ledger.submit_run_end(
+            tenant=end.tenant,
+            run_id=end.run_id,
+            reason=end.reason,
+            ended_at_s=self._wall_clock() - (self._clock() - end.ended_at_s),
+            steps=end.steps,
+            tokens=end.tokens,
+            gpu_seconds=end.gpu_seconds,
+        )
+        self.runs.set_ended((end.tenant, end.run_id))
+
+
+def outcome_of(status: int) -> str:
+    """A response status's outcome label (ok, rejected, timeout, aborted, client_error,
+    engine_error)."""
+    if status == 429:
+        return "rejected"
+    if status == 504:
+        return "timeout"
+    if status == 499:
+        return "aborted"
+    if 400 <= status < 500:
+        return "client_error"
+    if status >= 500:
+        return "engine_error"
+    return "ok"

@@ -1,0 +1,193 @@
+"""Settlement's fixed order (router/settlement.py): meter -> governance -> ledger -> learners,
+before the final bytes and after the response, with fakes that record each call; and a run's
+end handled inside it (span, ledger, run table)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from router.estimate import Estimate
+from router.governance import RunEnd
+from router.metrics import RouterMetrics
+from router.picking import RunAffinity
+from router.request import RequestContext, RequestOutcome
+from router.runtable import RunTable
+from router.settlement import ORDER, Settlement
+
+
+class Calls(list[str]):
+    pass
+
+
+class FakeMeter:
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+
+    def dispatched(self, outcome: RequestOutcome) -> None:
+        self.calls.append("meter.dispatched")
+
+    def stop(self, outcome: RequestOutcome) -> float:
+        return 0.5
+
+    def meter(self, outcome: RequestOutcome, *, final_bytes_next: bool) -> float:
+        self.calls.append("meter")
+        outcome.gpu_seconds = 0.5
+        return 0.5
+
+    async def commit(self, outcome: RequestOutcome) -> None:
+        self.calls.append("ledger")
+
+    def record(self, outcome: RequestOutcome) -> None:
+        self.calls.append("ledger")
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        self.calls.append("learners.gpu_seconds")
+
+    def run_completed(self, tenant: str, run_id: str) -> tuple[str, float] | None:
+        self.calls.append("span")
+        return ("agent", 3.0)
+
+
+class FakeGovernance:
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+
+    def dispatched(self, outcome: RequestOutcome) -> None:
+        self.calls.append("governance.dispatched")
+
+    def finished(self, outcome: RequestOutcome) -> None:
+        assert outcome.gpu_seconds == 0.5  # metered first: governance charges it
+        self.calls.append("governance")
+
+
+class FakeLedger:
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+        self.ends: list[dict[str, Any]] = []
+
+    def submit_run_end(self, **end: Any) -> None:
+        self.calls.append("ledger.run_end")
+        self.ends.append(end)
+
+
+class FakeLearner:
+    def __init__(self, calls: Calls, name: str) -> None:
+        self.calls, self.name = calls, name
+
+    def dispatched(self, outcome: RequestOutcome) -> None:
+        self.calls.append(f"{self.name}.dispatched")
+
+    def finished(self, outcome: RequestOutcome) -> None:
+        self.calls.append(f"learners.{self.name}")
+
+    def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
+        return {}
+
+
+class FakeEstimator:
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+
+    def observe(self, estimate: Estimate, **kw: Any) -> float | None:
+        self.calls.append("learners.estimator")
+        return None
+
+
+def rig(calls: Calls) -> tuple[Settlement, RunAffinity, FakeLedger, RunTable]:
+    runs = RunTable()
+    affinity = RunAffinity(runs=runs)
+    ledger = FakeLedger(calls)
+    settlement = Settlement(
+        accounting=FakeMeter(calls),
+        governance=FakeGovernance(calls),
+        ledger=ledger,
+        runs=runs,
+        estimator=FakeEstimator(calls),  # type: ignore[arg-type]
+        affinity=affinity,
+        metrics=RouterMetrics(),
+        signals=FakeLearner(calls, "signals"),
+        observers=[FakeLearner(calls, "extra")],
+        clock=lambda: 10.0,
+        wall_clock=lambda: 1000.0,
+    )
+    return settlement, affinity, ledger, runs
+
+
+def outcome() -> RequestOutcome:
+    ctx = RequestContext(
+        request_id="gp-1",
+        tenant="t",
+        class_name="agent",
+        pool="agent",
+        priority=0,
+        deadline_s=100.0,
+        run_id="run-1",
+        model="tiny",
+        stream=False,
+        client_wants_usage=False,
+        received_at_s=1.0,
+    )
+    estimate = Estimate(prompt_tokens=10, output_tokens=20, source="heuristic")
+    return RequestOutcome(
+        ctx=ctx,
+        estimate=estimate,
+        instance_id="i0",
+        status=200,
+        prompt_tokens=10,
+        completion_tokens=4,
+    )
+
+
+def parts(calls: Calls) -> list[str]:
+    """The calls by settlement part, in order, each part once per run of consecutive calls."""
+    out: list[str] = []
+    for call in calls:
+        part = call.split(".")[0]
+        if not out or out[-1] != part:
+            out.append(part)
+    return out
+
+
+def test_the_order_is_written_down() -> None:
+    assert ORDER == ("meter", "governance", "ledger", "learners")
+
+
+def test_a_request_settled_before_its_final_bytes_keeps_the_order() -> None:
+    calls = Calls()
+    settlement, affinity, _, _ = rig(calls)
+    out = outcome()
+    settlement.dispatched(out)
+    assert calls == ["meter.dispatched", "governance.dispatched", "signals.dispatched",
+                     "extra.dispatched"]  # fmt: skip
+    calls.clear()
+    asyncio.run(settlement.settle(out))
+    assert calls == ["meter", "governance", "ledger"]  # the learners wait for the response
+    settlement.finish(out)
+    assert parts(calls) == list(ORDER)
+    assert calls[3:] == ["ledger", "learners.estimator", "learners.gpu_seconds",
+                         "learners.signals", "learners.extra"]  # fmt: skip
+    assert affinity.get(("t", "run-1")) == "i0"
+    assert affinity.context_tokens(("t", "run-1")) == 14
+
+
+def test_a_request_that_never_settled_keeps_the_order_after_the_response() -> None:
+    calls = Calls()
+    settlement, _, _, _ = rig(calls)
+    out = outcome()
+    out.outcome, out.status = "aborted", 499
+    settlement.finish(out)
+    assert parts(calls) == list(ORDER)
+    assert "learners.estimator" not in calls  # learned only from a request that ended ok
+
+
+def test_a_run_end_is_handled_inside_settlement() -> None:
+    calls = Calls()
+    settlement, affinity, ledger, runs = rig(calls)
+    affinity.record(("t", "run-1"), "i0")
+    settlement.run_ended(RunEnd("t", "run-1", "client_end", 9.0, 1.0, 3, 42, 1.5))
+    assert calls == ["span", "ledger.run_end"]
+    (end,) = ledger.ends
+    assert end["reason"] == "client_end" and end["ended_at_s"] == 999.0
+    record = runs.get(("t", "run-1"))
+    assert record is not None and record.ended
