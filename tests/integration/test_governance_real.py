@@ -128,7 +128,9 @@ def test_over_budget_tenant_gets_429_token_rate_with_rate_limit_headers(
 
 
 def test_the_openai_client_retries_after_retry_after_and_succeeds(router: RouterProcess) -> None:
-    prompt = " ".join(f"v{i % 83}" for i in range(500))  # ~1,000 tokens
+    # ~1,090 tokens (the dev tokenizer: ~3 a word), inside the 1,200-token bucket: 500 words
+    # (~1,510 tokens) left it ~330 in debt, and the refusal below said Retry-After ~18 s
+    prompt = " ".join(f"v{i % 83}" for i in range(360))
     assert _post(router, "retry", _chat(prompt, 16)).status_code == 200
     budget = httpx.get(
         f"{router.url}/v1/budget", headers={"authorization": f"Bearer {KEYS['retry']}"}
