@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 from benchmarks.compare import BenchError, run_compare
-from benchmarks.prompts import find_tokenizer
 from benchmarks.runner import Target
-from benchmarks.scenario import ScenarioError, load_scenario, scale_rates
+from router.simulate.prompts import find_tokenizer
+from router.simulate.scenario import ScenarioError, load_scenario, scale_rates
 
 __all__ = ["add_arguments", "main", "run"]
 

@@ -26,7 +26,6 @@ import orjson
 from benchmarks.metrics import summarize_target
 from benchmarks.outputs import bulk_dir, display_path
 from benchmarks.plots import write_plots
-from benchmarks.prompts import VOCABULARY, PromptMaker
 from benchmarks.records import TargetResult
 from benchmarks.report import (
     build_report,
@@ -36,8 +35,9 @@ from benchmarks.report import (
     write_report,
 )
 from benchmarks.runner import Runner, Target
-from benchmarks.scenario import Scenario
-from benchmarks.workload import build_plan
+from router.simulate.prompts import VOCABULARY, PromptMaker
+from router.simulate.scenario import Scenario
+from router.simulate.workload import build_plan
 
 __all__ = ["BenchError", "calibrate_prompts", "check_target", "run_compare"]
 

@@ -43,12 +43,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.prompts import PromptMaker
-from benchmarks.workload import make_tools
 from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec, LocalLauncher
 from router.estimate import FEATURES, Estimate, TokenEstimator
+from router.simulate.prompts import PromptMaker
+from router.simulate.workload import make_tools
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / ".gpupool" / "models" / "tiny"
@@ -452,7 +452,7 @@ def summarize(bench: Bench, replay: dict[str, list[float]], exact: list[float]) 
 
 
 WORKLOAD_TEXT = {
-    "words": "random words from the benchmark vocabulary (`benchmarks.prompts.PromptMaker`), "
+    "words": "random words from the benchmark vocabulary (`router.simulate.prompts.PromptMaker`), "
     "system prompts included: the text the dev tokenizer was trained on (~3.6 bytes a token)",
     "mixed": "half random words, half windows of the repository's own code and docs, which the "
     "dev tokenizer (a 4k vocabulary trained on ~180 words) splits almost byte by byte (~1.5 "

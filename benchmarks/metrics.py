@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.records import RequestRecord, RunRecord, TargetResult
-from benchmarks.scenario import Scenario, Slo
+from router.simulate.scenario import Scenario, Slo
 
 __all__ = [
     "PERCENTILES",

@@ -40,9 +40,7 @@ import yaml
 from benchmarks.admission.kv_pressure import reset_prefix_cache
 from benchmarks.compare import run_compare
 from benchmarks.engines import agent_pool_router, cpu_engines
-from benchmarks.prompts import find_tokenizer
 from benchmarks.runner import Target
-from benchmarks.scenario import Scenario, parse_scenario
 from pools.config import Config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec
@@ -50,6 +48,8 @@ from pools.telemetry import parse_vllm_metrics
 from pools.testing.serve import serve_asgi
 from router.app import create_app
 from router.picking import PLACEMENTS
+from router.simulate.prompts import find_tokenizer
+from router.simulate.scenario import Scenario, parse_scenario
 
 MODEL_DIR = Path(".gpupool/models/tiny")
 SCENARIO = Path("benchmarks/scenarios/agent-flood.yaml")

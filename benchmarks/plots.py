@@ -18,7 +18,7 @@ from benchmarks.metrics import tpot_ms
 from benchmarks.outputs import bulk_dir
 from benchmarks.records import TargetResult
 from benchmarks.report import safe_name
-from benchmarks.scenario import Scenario
+from router.simulate.scenario import Scenario
 
 __all__ = ["write_plots"]
 

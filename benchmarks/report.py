@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks.outputs import bulk_path
 from benchmarks.records import TargetResult
-from benchmarks.scenario import Scenario
+from router.simulate.scenario import Scenario
 
 __all__ = [
     "build_report",

@@ -28,7 +28,7 @@ import orjson
 
 from benchmarks.client import stream_chat
 from benchmarks.records import RequestRecord, RunRecord, TargetResult
-from benchmarks.workload import AgentRunPlan, ChatRequestPlan, Plan
+from router.simulate.workload import AgentRunPlan, ChatRequestPlan, Plan
 
 __all__ = ["Runner", "Target", "gpu_seconds_of"]
 

@@ -63,14 +63,14 @@ from benchmarks.compare import calibrate_prompts, check_target
 from benchmarks.metrics import summarize_target
 from benchmarks.outputs import bulk_dir, display_path
 from benchmarks.plots import write_plots
-from benchmarks.prompts import PromptMaker, find_tokenizer
 from benchmarks.records import TargetResult
 from benchmarks.report import build_report, describe_machine, write_records, write_report
 from benchmarks.runner import Runner, Target
-from benchmarks.scenario import Scenario, load_scenario
-from benchmarks.workload import Plan, build_plan
 from pools.config import Config, load_config
 from pools.launchers.local import LocalLauncher
+from router.simulate.prompts import PromptMaker, find_tokenizer
+from router.simulate.scenario import Scenario, load_scenario
+from router.simulate.workload import Plan, build_plan
 
 __all__ = ["CONFIGS", "RunSpec", "main"]
 

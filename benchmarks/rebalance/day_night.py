@@ -37,9 +37,9 @@ from benchmarks.agent_flood_admission import Loop, _wait_ready
 from benchmarks.metrics import meets_slo, tpot_ms
 from benchmarks.outputs import bulk_dir, bulk_path
 from benchmarks.records import RequestRecord
-from benchmarks.scenario import load_scenario
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.launchers import InstanceSpec, LocalLauncher
+from router.simulate.scenario import load_scenario
 
 SCENARIO = "benchmarks/scenarios/day-night.yaml"
 KEY_ENV = "GPUPOOL_BENCH_ENGINE_KEY"

@@ -59,9 +59,9 @@ def engine_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[s
 
 def request_count(duration_s: float) -> int:
     sys.path.insert(0, str(REPO))
-    from benchmarks.prompts import PromptMaker
-    from benchmarks.scenario import load_scenario
-    from benchmarks.workload import build_plan
+    from router.simulate.prompts import PromptMaker
+    from router.simulate.scenario import load_scenario
+    from router.simulate.workload import build_plan
 
     scenario = dataclasses.replace(load_scenario(SCENARIO), duration_s=duration_s)
     return len(build_plan(scenario, PromptMaker(None)).chat)

@@ -48,7 +48,6 @@ from benchmarks.compare import run_compare
 from benchmarks.engines import agent_pool_router, cpu_engines
 from benchmarks.outputs import bulk_dir
 from benchmarks.placement import hit_rate, prefix_counters
-from benchmarks.prompts import find_tokenizer
 from benchmarks.report import safe_name
 from benchmarks.run_las.analysis import (
     DONE,
@@ -60,12 +59,13 @@ from benchmarks.run_las.analysis import (
     window_tokens_per_s,
 )
 from benchmarks.runner import Target
-from benchmarks.scenario import Scenario, parse_scenario, scale_rates
 from pools.config import Config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec
 from pools.testing.serve import serve_asgi
 from router.app import Gateway, create_app
+from router.simulate.prompts import find_tokenizer
+from router.simulate.scenario import Scenario, parse_scenario, scale_rates
 
 MODEL_DIR = Path(".gpupool/models/tiny")
 SCENARIO = Path(__file__).with_name("scenario.yaml")

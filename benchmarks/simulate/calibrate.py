@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.prompts import PromptMaker
 from benchmarks.rebalance.day_night import KEY_ENV, PHASES, scenario_path
-from benchmarks.scenario import load_scenario
-from benchmarks.simulate.fit import fit_latency
-from benchmarks.simulate.model import LatencyModel
-from benchmarks.simulate.sim import SimResult, simulate
-from benchmarks.workload import build_plan
 from pools.config import load_config
+from router.simulate.fit import fit_latency
+from router.simulate.model import LatencyModel
+from router.simulate.prompts import PromptMaker
+from router.simulate.scenario import load_scenario
+from router.simulate.sim import SimResult, simulate
+from router.simulate.workload import build_plan
 
 __all__ = ["calibrate"]
 

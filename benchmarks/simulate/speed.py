@@ -21,14 +21,14 @@ from typing import Any
 
 import yaml
 
-from benchmarks.prompts import PromptMaker
 from benchmarks.rebalance.day_night import KEY_ENV, SCENARIO
-from benchmarks.scenario import parse_scenario
 from benchmarks.simulate.calibrate import KV_BLOCK_SIZE, KV_BLOCKS
-from benchmarks.simulate.fit import fit_latency
-from benchmarks.simulate.sim import simulate
-from benchmarks.workload import build_plan
 from pools.config import load_config
+from router.simulate.fit import fit_latency
+from router.simulate.prompts import PromptMaker
+from router.simulate.scenario import parse_scenario
+from router.simulate.sim import simulate
+from router.simulate.workload import build_plan
 
 __all__ = ["stretched_scenario"]
 

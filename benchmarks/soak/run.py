@@ -56,8 +56,8 @@ from benchmarks.soak.common import (
     sample_process,
     stop_gracefully,
 )
-from benchmarks.workload import make_tools
 from pools.config import DEFAULT_CPU_CONFIG
+from router.simulate.workload import make_tools
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE_EVERY_S = 10.0

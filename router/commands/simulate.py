@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.prompts import PromptMaker
-from benchmarks.scenario import ScenarioError, load_scenario
-from benchmarks.simulate.fit import fit_latency
-from benchmarks.simulate.model import LatencyModel
-from benchmarks.simulate.sim import simulate, summarize
-from benchmarks.workload import build_plan
 from pools.config import ConfigError, load_config
+from router.simulate.fit import fit_latency
+from router.simulate.model import LatencyModel
+from router.simulate.prompts import PromptMaker
+from router.simulate.scenario import ScenarioError, load_scenario
+from router.simulate.sim import simulate, summarize
+from router.simulate.workload import build_plan
 
 __all__ = ["register", "simulate_command"]
 

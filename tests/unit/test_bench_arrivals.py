@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.arrivals import RateSegment, RenewalArrivals, TraceArrivals
-from benchmarks.traces import (
+from router.simulate.arrivals import RateSegment, RenewalArrivals, TraceArrivals
+from router.simulate.traces import (
     TraceError,
     TraceRow,
     load_azure_csv,

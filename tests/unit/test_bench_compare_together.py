@@ -9,9 +9,9 @@ import pytest
 
 from benchmarks.compare import run_compare
 from benchmarks.runner import Target
-from benchmarks.scenario import Scenario, parse_scenario
 from benchmarks.testing import serve_asgi
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from router.simulate.scenario import Scenario, parse_scenario
 
 
 def _one_request_scenario() -> Scenario:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.distributions import (
+from router.simulate.distributions import (
     Empirical,
     Exponential,
     Fixed,

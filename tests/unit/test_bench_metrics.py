@@ -14,7 +14,7 @@ from benchmarks.metrics import (
     tpot_ms,
 )
 from benchmarks.records import RequestRecord, RunRecord, TargetResult
-from benchmarks.scenario import Slo, parse_scenario
+from router.simulate.scenario import Slo, parse_scenario
 
 
 def ok(

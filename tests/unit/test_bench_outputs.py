@@ -8,7 +8,7 @@ from pathlib import Path
 
 from benchmarks.outputs import BULK, REPO, RESULTS, bulk_dir, bulk_path, display_path
 from benchmarks.report import build_report, render_markdown
-from benchmarks.scenario import parse_scenario
+from router.simulate.scenario import parse_scenario
 
 
 def test_a_results_folder_maps_to_the_same_path_under_out() -> None:

@@ -19,7 +19,7 @@ from benchmarks.metrics import summarize_target
 from benchmarks.plots import write_plots
 from benchmarks.records import RequestRecord, RunRecord, TargetResult
 from benchmarks.report import build_report, render_markdown, write_records, write_report
-from benchmarks.scenario import parse_scenario
+from router.simulate.scenario import parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from benchmarks.metrics import summarize_target
-from benchmarks.prompts import PromptMaker
 from benchmarks.runner import Runner, Target, gpu_seconds_of
-from benchmarks.scenario import parse_scenario
 from benchmarks.testing import GpupoolLike, serve_asgi
-from benchmarks.workload import Plan, build_plan
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from router.simulate.prompts import PromptMaker
+from router.simulate.scenario import parse_scenario
+from router.simulate.workload import Plan, build_plan
 
 
 def plan_for(

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 
-from benchmarks.arrivals import RenewalArrivals, TraceArrivals
-from benchmarks.distributions import Fixed, LogNormal
-from benchmarks.scenario import ScenarioError, load_scenario, parse_scenario
+from router.simulate.arrivals import RenewalArrivals, TraceArrivals
+from router.simulate.distributions import Fixed, LogNormal
+from router.simulate.scenario import ScenarioError, load_scenario, parse_scenario
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "benchmarks" / "scenarios"
 
@@ -175,7 +175,7 @@ def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
 
 
 def test_scale_rates_multiplies_every_arrival_rate(tmp_path: Path) -> None:
-    from benchmarks.scenario import scale_rates
+    from router.simulate.scenario import scale_rates
 
     scenario = load_scenario(SCENARIOS / "agent-flood.yaml")
     scaled = scale_rates(scenario, 10.0)

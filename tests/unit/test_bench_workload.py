@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.prompts import PromptMaker
-from benchmarks.scenario import parse_scenario
-from benchmarks.workload import build_plan, make_tools
+from router.simulate.prompts import PromptMaker
+from router.simulate.scenario import parse_scenario
+from router.simulate.workload import build_plan, make_tools
 
 TOKENIZER = Path(__file__).resolve().parents[2] / ".gpupool" / "models" / "tiny" / "tokenizer.json"
 

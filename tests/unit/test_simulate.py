@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks.prompts import PromptMaker
-from benchmarks.scenario import parse_scenario
-from benchmarks.simulate.fit import fit_latency
 from benchmarks.simulate.matrix import summary_markdown
-from benchmarks.simulate.model import EngineModel, LatencyModel, SimSequence
-from benchmarks.simulate.sim import SimResult, simulate, summarize
-from benchmarks.workload import build_plan
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from router.cli import main as cli_main
+from router.simulate.fit import fit_latency
+from router.simulate.model import EngineModel, LatencyModel, SimSequence
+from router.simulate.prompts import PromptMaker
+from router.simulate.scenario import parse_scenario
+from router.simulate.sim import SimResult, simulate, summarize
+from router.simulate.workload import build_plan
 
 SCENARIO: dict[str, Any] = {
     "name": "shift",

@@ -7,7 +7,7 @@ of a benchmark. All are open-loop: arrivals never wait for completions.
   step (an agent surge at minute 2) changes the rate without resetting the process. The
   burstiness knob of `vllm bench serve` is 1/cv².
 - `TraceArrivals`: replay of a recorded trace (Azure LLM inference CSV or Mooncake JSONL, see
-  `benchmarks.traces`), sped up by `speedup`, starting `offset_s` into the trace; each arrival
+  `router.simulate.traces`), sped up by `speedup`, starting `offset_s` into the trace; each arrival
   carries the trace's prompt and output token counts.
 """
 
@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from benchmarks.traces import TraceRow
+from router.simulate.traces import TraceRow
 
 __all__ = ["Arrival", "ArrivalProcess", "RateSegment", "RenewalArrivals", "TraceArrivals"]
 

@@ -1,11 +1,14 @@
 """The what-if simulator: a scenario replayed in simulated time through gpupool's own fleet,
-admission, picking and rebalancer code, with engines modelled (`benchmarks.simulate.model`).
+admission, picking and rebalancer code, with engines modelled (`router.simulate.model`).
 
-What is real: `pools.fleet.Fleet` (leases, telemetry freshness, the operating point learned
-from the modelled engines' counters), `router.admitter.Admitter._try` (the admission decision,
-the picker and the lease, in one synchronous step), the per-pool `PoolQueue`s,
-`router.rebalancer.Rebalancer.tick` and `check_recall` (signals, `pools.rebalance.decide`,
-`plan_moves`, drains).
+What is real, built by the router's own `router.core.build_core`: `pools.fleet.Fleet` (leases,
+telemetry freshness, the operating point learned from the modelled engines' counters), the
+admitter's synchronous core (`admit_now` on arrival, `enqueue`, `dispatch_once`: the admission
+decision, the picker and the lease in one step, with the waiting bookkeeping, so placement
+patience, the wait for a run's home and affinity-or-move act as in the router), the per-pool
+`PoolQueue`s, `router.rebalancer.Rebalancer.tick` and `check_recall` (signals,
+`pools.rebalance.decide`, `plan_moves`, drains). A request leaves its queue unserved after
+`Admitter.max_wait_s`, checked at each dispatch pass (the router's timers).
 What is modelled: the engines (processor-sharing batches, a linear TPOT in the batch size, a
 prefill rate), the clients (the harness's workload plan, drawn from the scenario's seed, with
 agent steps following each other after their tool waits), scrapes every
@@ -26,23 +29,20 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.simulate.model import EngineModel, LatencyModel, SimSequence
-from benchmarks.workload import AgentRunPlan, ChatRequestPlan, Plan
-from pools.allocation import Allocation, PoolMap, plan_allocation
+from pools.allocation import Allocation
 from pools.config import Config
-from pools.fleet import Fleet, Lease
+from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
-from pools.operating_point import OperatingPoint
 from pools.telemetry import InstanceReading
-from router.admission import Reject
-from router.admitter import WAITS_FOR_HOME, Admitter
-from router.core import engine_max_num_seqs
+from router.admission import Need
+from router.core import build_core
+from router.errors import CapacityExceeded, NoHealthyInstance
 from router.estimate import Estimate
-from router.metrics import RouterMetrics
-from router.picking import RunAffinity, default_picker, placement_patience_s
-from router.queueing import PoolQueue, QueueEntry
-from router.rebalancer import Rebalancer, recall_check_offsets_s
+from router.queueing import QueueEntry
+from router.rebalancer import recall_check_offsets_s
 from router.request import RequestContext, RequestOutcome
+from router.simulate.model import EngineModel, LatencyModel, SimSequence
+from router.simulate.workload import AgentRunPlan, ChatRequestPlan, Plan
 
 __all__ = ["SimResult", "simulate"]
 
@@ -51,8 +51,12 @@ _ARRIVALS = frozenset({"chat", "run", "step"})  # events that bring work
 
 @dataclass(eq=False, slots=True)
 class _Request:
+    """A simulated request; while it waits in its pool's queue, the admitter's `Waiter`."""
+
+    sim: _Sim
     ctx: RequestContext
     estimate: Estimate
+    need: Need
     class_name: str
     run: _Run | None = None
     admitted_s: float | None = None
@@ -60,6 +64,16 @@ class _Request:
     ended_s: float | None = None
     rejected: str | None = None
     lease: Lease | None = None
+    exclude: frozenset[str] = frozenset()
+
+    def gone(self) -> bool:
+        return self.ended_s is not None
+
+    def admitted(self, lease: Lease) -> None:
+        self.sim._start(self, lease)
+
+    def refused(self, err: CapacityExceeded) -> None:
+        self.sim._reject(self, err.code)
 
 
 @dataclass(eq=False, slots=True)
@@ -101,37 +115,9 @@ class _Sim:
         n = config.engines.instance_count
         gpus = config.engines.gpus_per_instance
         specs = [InstanceSpec(f"engine-{i}", f"sim://engine-{i}", gpus) for i in range(n)]
-        rc = config.router
-        self.fleet = Fleet(
-            specs,
-            stale_after_s=rc.stale_after_s,
-            unhealthy_after=rc.unhealthy_after_failures,
-            clock=clock,
-        )
-        for state in self.fleet:
-            state.op = OperatingPoint(max_num_seqs=engine_max_num_seqs(config))
-        shares = {p.name: p.share.initial_frac for p in config.pools}
-        pinned = {i: p.name for p in config.pools for i in p.pinned_instances}
-        self.pool_map = PoolMap(plan_allocation(self.fleet.capacity_gpus(), shares, pinned=pinned))
-        affinity = RunAffinity()
-        placements = {p.name: p.placement for p in config.pools}
-        picker = default_picker(
-            self.fleet, affinity, random.Random(seed), placements, placement_patience_s(config)
-        )
-        self.affinity = affinity
-        metrics = RouterMetrics()
-        self.admitter = Admitter(
-            config, self.fleet, self.pool_map, picker, metrics, affinity, clock=clock
-        )
-        self.rebalancer = Rebalancer(
-            config,
-            self.fleet,
-            self.pool_map,
-            self.admitter.queues,
-            metrics,
-            clock=clock,
-            wall_clock=clock,
-        )
+        core = build_core(config, specs, clock, random.Random(seed), wall_clock=clock)
+        self.fleet, self.pool_map, self.affinity = core.fleet, core.pool_map, core.affinity
+        self.admitter, self.rebalancer = core.admitter, core.rebalancer
         self.engines = {s.instance_id: EngineModel(latency, capacity_blocks) for s in specs}
         self.latency = latency
         self._rng = random.Random(seed)
@@ -148,7 +134,8 @@ class _Sim:
         self._shares_for: Allocation | None = None
         self._held_since_s = 0.0
         self._running = 0  # sequences on the engines
-        self._max_wait_s = {p.name: p.queue.max_wait_s for p in config.pools}
+        # queued entries by when they time out: (at_s, sequence number, entry)
+        self._timeouts: list[tuple[float, int, QueueEntry]] = []
         self._gpus_by_pool: dict[str, float] = {}
 
     # ------------------------------------------------------------------ events
@@ -307,64 +294,39 @@ class _Sim:
             client_wants_usage=False,
             received_at_s=self.now,
         )
-        req = _Request(ctx, Estimate(prompt, output, "heuristic"), class_name, run)
+        estimate = Estimate(prompt, output, "heuristic")
+        req = _Request(self, ctx, estimate, self.admitter.need(ctx, estimate), class_name, run)
         self.requests.append(req)
-        queue = self.admitter.queues[pool.name]
-        entry = QueueEntry(
-            tenant="sim",
-            priority=ctx.priority,
-            cost_tokens=float(prompt + output),
-            weight=1.0,
-            enqueued_at_s=self.now,
-            payload=req,
-        )
-        if len(queue) >= queue.max_depth:
-            self._reject(req, "queue_full")
+        # as `Admitter.admit`: a lease at once, a refusal, or a place in the pool's queue
+        try:
+            lease = self.admitter.admit_now(ctx, req.need, self.now)
+            if lease is None:
+                entry = self.admitter.enqueue(req, self.now)
+                timeout_s = self.admitter.max_wait_s(ctx, self.now)
+                heapq.heappush(self._timeouts, (self.now + timeout_s, next(self._seq), entry))
+        except (CapacityExceeded, NoHealthyInstance) as err:
+            self._reject(req, err.code)
             return
-        queue.push(entry)
+        if lease is not None:
+            self._start(req, lease)
 
     # ------------------------------------------------------------------ admission
 
     def _pump(self) -> None:
-        """`Admitter.pump`'s loop over the sim's queue entries: each queue's head gets a lease
-        while it fits; a head that fits but waits for its run's home instance is passed over
-        (it keeps its place) and the entries behind it may go."""
-        for pool, queue in self.admitter.queues.items():
-            if not len(queue):
-                continue
-            max_wait_s = self._max_wait_s[pool]
-            homebound: set[QueueEntry] = set()
-            while (entry := queue.peek(self.now, homebound)) is not None:
-                req: _Request = entry.payload
-                if self.now - entry.enqueued_at_s > max_wait_s:
-                    queue.remove(entry)
-                    self._reject(req, "queue_timeout")
-                    continue
-                need = self.admitter.need(req.ctx, req.estimate)
-                result = self.admitter._try(req.ctx, need, self.now, frozenset())
-                if isinstance(result, Lease):
-                    queue.pop(entry, self.now)
-                    self._start(req, result, need.prefill_tokens(result.instance_id))
-                    continue
-                if isinstance(result, Reject):
-                    queue.remove(entry)
-                    self._reject(req, result.code)
-                    continue
-                if result is WAITS_FOR_HOME:
-                    homebound.add(entry)
-                    continue
-                break
-            self._expire(queue, max_wait_s)
+        """The router's dispatch: its queue timeouts (the waiters' timers), then
+        `dispatch_once` until a pass leaves nothing more to lend (its `schedule_pump`)."""
+        timeouts = self._timeouts
+        while timeouts and timeouts[0][0] < self.now:
+            entry = heapq.heappop(timeouts)[2]
+            req: _Request = entry.payload
+            if not entry.removed and not req.gone():
+                self.admitter.withdraw(entry)
+                self._reject(req, "queue_timeout")
+        while self.admitter.dispatch_once(self.now):
+            pass
 
-    def _expire(self, queue: PoolQueue, max_wait_s: float) -> None:
-        """Queue timeouts behind the head (checked at every pump, as the router's timers)."""
-        while (entry := queue.peek(self.now)) is not None:
-            if self.now - entry.enqueued_at_s <= max_wait_s:
-                return
-            queue.remove(entry)
-            self._reject(entry.payload, "queue_timeout")
-
-    def _start(self, req: _Request, lease: Lease, prefill_tokens: int) -> None:
+    def _start(self, req: _Request, lease: Lease) -> None:
+        prefill_tokens = req.need.prefill_tokens(lease.instance_id)
         self._running += 1
         req.admitted_s = self.now
         req.lease = lease

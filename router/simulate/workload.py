@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from benchmarks.distributions import sample_ints
-from benchmarks.prompts import PromptMaker
-from benchmarks.scenario import ClassSpec, Scenario
+from router.simulate.distributions import sample_ints
+from router.simulate.prompts import PromptMaker
+from router.simulate.scenario import ClassSpec, Scenario
 
 __all__ = ["AgentRunPlan", "ChatRequestPlan", "Plan", "StepPlan", "build_plan", "make_tools"]
 

@@ -43,8 +43,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from benchmarks.arrivals import ArrivalProcess, RateSegment, RenewalArrivals, TraceArrivals
-from benchmarks.distributions import (
+from router.simulate.arrivals import ArrivalProcess, RateSegment, RenewalArrivals, TraceArrivals
+from router.simulate.distributions import (
     Distribution,
     Empirical,
     Exponential,
@@ -52,7 +52,7 @@ from benchmarks.distributions import (
     LogNormal,
     Uniform,
 )
-from benchmarks.traces import TraceError, load_trace
+from router.simulate.traces import TraceError, load_trace
 
 __all__ = [
     "ClassSpec",

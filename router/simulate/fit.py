@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.simulate.model import LatencyModel
+from router.simulate.model import LatencyModel
 
 __all__ = ["TTFT_QUANTILE", "fit_latency", "quantile_fit"]
 

@@ -1,0 +1,13 @@
+"""The what-if simulator and the workload model it replays.
+
+`sim.simulate(config, plan, latency, ...)` runs a scenario in simulated time through the
+router's own decision components (`router.core.build_core`: fleet, admission with its dispatch
+core, picking, rebalancer) over modelled engines (`model`, latencies fitted from a real run's
+records by `fit`). The workload: a scenario (`scenario`: classes with arrival processes from
+`arrivals`, size distributions from `distributions`, recorded traces from `traces`) drawn into
+a time-ordered plan (`workload.build_plan`, prompts from `prompts`). The benchmark harness
+(`benchmarks/`) sends the same plans to real endpoints.
+
+Lives in the product because `gpupool simulate` runs it. Must not import: `benchmarks`,
+`router.app` or the request path (router.proxy).
+"""
