@@ -1,4 +1,4 @@
-"""`python -m benchmarks ...`: the same command as `gpupool bench` (see benchmarks/cli.py)."""
+"""`python -m benchmarks ...`: the same command as `gpupool-bench` (see benchmarks/cli.py)."""
 
 import sys
 

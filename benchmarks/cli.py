@@ -1,7 +1,7 @@
-"""The benchmark command line, shared by `gpupool bench` (router/commands/bench.py) and
+"""The benchmark command line, `gpupool-bench` (pyproject.toml's scripts) or
 `python -m benchmarks`:
 
-    gpupool bench --scenario FILE --target URL [--target URL ...] [--target-name NAME ...]
+    gpupool-bench --scenario FILE --target URL [--target URL ...] [--target-name NAME ...]
                   [--model tiny] [--api-key K] [--tokenizer tokenizer.json] [--seed N]
                   [--duration-s S] [--rate-scale X] [--pause-s S] [--header K=V ...]
                   [--no-progress] --out DIR
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         scenario = load_scenario(args.scenario)
     except ScenarioError as err:
-        print(f"gpupool bench: invalid scenario {err.source}:", file=sys.stderr)
+        print(f"gpupool-bench: invalid scenario {err.source}:", file=sys.stderr)
         for problem in err.problems:
             print(f"  - {problem}", file=sys.stderr)
         return 2
@@ -86,20 +86,20 @@ def run(args: argparse.Namespace) -> int:
         try:
             scenario = scale_rates(scenario, args.rate_scale)
         except ScenarioError as err:
-            print(f"gpupool bench: {err}", file=sys.stderr)
+            print(f"gpupool-bench: {err}", file=sys.stderr)
             return 2
     if args.duration_s is not None:
         scenario = dataclasses.replace(scenario, duration_s=args.duration_s)
     names = list(args.target_name)
     if names and len(names) != len(args.target):
-        print("gpupool bench: give one --target-name per --target", file=sys.stderr)
+        print("gpupool-bench: give one --target-name per --target", file=sys.stderr)
         return 2
     names = names or [f"target{i + 1}" for i in range(len(args.target))]
     headers = []
     for item in args.header:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            print(f"gpupool bench: --header wants K=V, got {item!r}", file=sys.stderr)
+            print(f"gpupool-bench: --header wants K=V, got {item!r}", file=sys.stderr)
             return 2
         headers.append((key.strip(), value.strip()))
     model = args.model or scenario.model
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     except BenchError as err:
-        print(f"gpupool bench: {err}", file=sys.stderr)
+        print(f"gpupool-bench: {err}", file=sys.stderr)
         return 1
     for t in report["targets"]:
         att = t["slo_attainment_frac"]
@@ -139,9 +139,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks", description="gpupool benchmark harness"
-    )
+    parser = argparse.ArgumentParser(prog="gpupool-bench", description="gpupool benchmark harness")
     parser.add_argument("-v", "--verbose", action="store_true")
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -25,7 +25,6 @@ COMMAND_MODULES = (
     "router.commands.top",
     "router.commands.pools",
     "router.commands.simulate",
-    "router.commands.bench",
 )
 
 

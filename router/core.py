@@ -6,7 +6,7 @@ The `Gateway` (router.app) builds them here and adds the I/O around them; the si
 (router.simulate) builds them here and drives them in simulated time, so the two cannot wire
 them differently. Nothing here starts a task or touches the network.
 
-Must not import: router.app, the request path (router.proxy), benchmarks.
+Must not import router.app or the request path (router.proxy); nor the benchmark harness.
 """
 
 from __future__ import annotations
