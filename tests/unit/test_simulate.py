@@ -4,9 +4,11 @@ engines, in simulated time."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +18,22 @@ import yaml
 
 from benchmarks.simulate.matrix import summary_markdown
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
+from pools.fleet import Lease
+from pools.launchers.base import InstanceSpec
+from router.admission import Need
 from router.cli import main as cli_main
+from router.core import build_core
+from router.errors import CapacityExceeded
+from router.estimate import Estimate
+from router.request import RequestContext
 from router.simulate.fit import fit_latency
 from router.simulate.model import EngineModel, LatencyModel, SimSequence
 from router.simulate.prompts import PromptMaker
 from router.simulate.scenario import parse_scenario
 from router.simulate.sim import SimResult, simulate, summarize
 from router.simulate.workload import build_plan
+from tests.unit.test_rebalance_borrow import ctx as borrow_ctx
+from tests.unit.test_rebalance_shell import reading
 
 SCENARIO: dict[str, Any] = {
     "name": "shift",
@@ -404,3 +415,70 @@ def test_calibration_matrix_summary_names_the_replicate_gap() -> None:
     assert "- moved" not in text
     assert text.count("| quiet | quiet | ") == 2 and text.count("| moved | quiet | ") == 2
     assert "quiet: normal 40 ms" in text
+
+
+@dataclasses.dataclass(eq=False)
+class _SyncWaiter:
+    """A queued request with no future and no event loop: `Admitter.dispatch_once` answers it
+    directly, as it answers the simulator's requests."""
+
+    ctx: RequestContext
+    need: Need
+    exclude: frozenset[str] = frozenset()
+    lease: Lease | None = None
+    error: CapacityExceeded | None = None
+
+    def gone(self) -> bool:
+        return self.lease is not None or self.error is not None
+
+    def admitted(self, lease: Lease) -> None:
+        self.lease = lease
+
+    def refused(self, err: CapacityExceeded) -> None:
+        self.error = err
+
+
+def test_the_dispatch_core_waits_for_home_then_moves_after_patience(tmp_path: Path) -> None:
+    """The simulator's admission is the router's synchronous core (build_core, admit_now,
+    enqueue, dispatch_once), no event loop: a run's step waits for its full home while another
+    instance has room, and moves once it has waited `always_affinity`'s patience (half the
+    queue's `max_wait_s`). Before the simulator ran this core, it called the decision without
+    the time waited, so the patience never ran out there."""
+    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
+    data["router"] = {
+        "ledger_path": str(tmp_path / "l"),
+        "state_path": str(tmp_path / "s.json"),
+        "kv_margin_frac": 0.05,
+    }
+    data["pools"] = {"agent": {"classes": ["agent", "normal"], "share": {"initial_frac": 1.0}}}
+    cfg = parse_config(data)
+    now = [1000.0]
+    specs = [InstanceSpec(f"engine-{i}", f"sim://engine-{i}", 1) for i in range(2)]
+    core = build_core(cfg, specs, lambda: now[0], random.Random(0))
+    for spec in specs:
+        core.fleet.record_reading(spec.instance_id, reading(now[0]))
+    admitter = core.admitter
+    big = Estimate(prompt_tokens=6000, output_tokens=400, source="heuristic")  # 2 per engine
+    held: dict[str, list[Lease]] = {"engine-0": [], "engine-1": []}
+    for i in range(4):
+        lease = admitter.admit_now(
+            borrow_ctx("agent", i), admitter.need(borrow_ctx("agent", i), big), now[0]
+        )
+        assert lease is not None
+        held[lease.instance_id].append(lease)
+    assert [len(v) for v in held.values()] == [2, 2]
+    core.affinity.record(("t", "A"), "engine-0", context_tokens=6000)
+    ctx = dataclasses.replace(borrow_ctx("agent", 9), run_id="A")
+    waiter = _SyncWaiter(ctx, admitter.need(ctx, big))
+    assert admitter.admit_now(ctx, waiter.need, now[0]) is None
+    admitter.enqueue(waiter, now[0])
+    assert admitter.homebound("agent") == {"engine-0": 1}
+    held["engine-1"].pop().release()  # room elsewhere, not at home
+    patience_s = 0.5 * cfg.pools[0].queue.max_wait_s
+    now[0] += patience_s - 0.1
+    admitter.dispatch_once(now[0])
+    assert waiter.lease is None and len(admitter.queues["agent"]) == 1
+    now[0] += 0.1
+    admitter.dispatch_once(now[0])
+    assert waiter.lease is not None and waiter.lease.instance_id == "engine-1"
+    assert admitter.homebound("agent") == {} and len(admitter.queues["agent"]) == 0
