@@ -27,7 +27,7 @@ from router.picking import Picker, RunAffinity, default_picker, placement_patien
 from router.queueing import RunUsage
 from router.rebalancer import Rebalancer
 
-__all__ = ["Core", "build_core", "engine_max_num_seqs"]
+__all__ = ["Core", "build_core"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ def build_core(
         {p.name: p.placement for p in config.pools},
         placement_patience_s(config),
     )
-    max_num_seqs = engine_max_num_seqs(config)
+    max_num_seqs = config.engines.max_num_seqs
     for state in fleet:
         state.op = OperatingPoint(max_num_seqs=max_num_seqs)
     admitter = Admitter(
@@ -91,14 +91,3 @@ def build_core(
         config, fleet, pool_map, admitter.queues, metrics, clock=clock, wall_clock=wall_clock
     )
     return Core(metrics, fleet, pool_map, affinity, picker, admitter, rebalancer, max_num_seqs)
-
-
-def engine_max_num_seqs(config: Config) -> int:
-    """The engines' `--max-num-seqs` from the configured vLLM arguments (vLLM's default 256)."""
-    args = list(config.engines.vllm_args)
-    for i, arg in enumerate(args):
-        if arg == "--max-num-seqs" and i + 1 < len(args):
-            return int(args[i + 1])
-        if arg.startswith("--max-num-seqs="):
-            return int(arg.split("=", 1)[1])
-    return 256
