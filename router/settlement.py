@@ -151,12 +151,16 @@ class Settlement:
         if request_id in self._settled:
             return
         self._settled.add(request_id)
-        try:
-            self._meter(outcome, final_bytes_next=True)
-            self._govern(outcome)
-            await self.accounting.commit(outcome)
-        except Exception:
-            log.exception("settling %s failed", request_id)
+        for part in ORDER[:3]:
+            try:
+                if part == "meter":
+                    self._meter(outcome, final_bytes_next=True)
+                elif part == "governance":
+                    self._govern(outcome)
+                else:
+                    await self.accounting.commit(outcome)
+            except Exception:
+                log.exception("settling %s (%s) failed", request_id, part)
 
     def finish(self, outcome: RequestOutcome) -> None:
         """After the response, exactly once: what `settle` did not do, then the learners."""
