@@ -4,9 +4,11 @@
                      [--fit RECORDS.jsonl | --tpot-intercept-ms A --tpot-slope-ms B
                       --prefill-tokens-per-s R] [--kv-blocks N] [--kv-block-size T] [--seed S]
 
-`--trace` is a harness scenario (benchmarks/scenarios/, which may itself replay a trace file).
-Each config runs the same workload through gpupool's own fleet, admission, picking and
-rebalancer code over modelled engines (benchmarks/simulate/). Prints per pool SLO attainment,
+`--trace` is a scenario YAML (router.simulate.scenario; the harness's are in
+benchmarks/scenarios/, and one may itself replay a trace file). Each config runs the same
+workload through gpupool's own fleet, admission, picking and rebalancer code, built by
+router.core.build_core as the router builds them, over modelled engines (router/simulate/).
+Prints per pool SLO attainment,
 TTFT and queue-wait p95, rejections and GPU-seconds, agent run completion, and the moves, for
 the configs side by side; writes `DIR/simulation.json`.
 
