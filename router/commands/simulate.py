@@ -8,9 +8,8 @@
 benchmarks/scenarios/, and one may itself replay a trace file). Each config runs the same
 workload through gpupool's own fleet, admission, picking and rebalancer code, built by
 router.core.build_core as the router builds them, over modelled engines (router/simulate/).
-Prints per pool SLO attainment,
-TTFT and queue-wait p95, rejections and GPU-seconds, agent run completion, and the moves, for
-the configs side by side; writes `DIR/simulation.json`.
+Prints per pool SLO attainment, TTFT and queue-wait p95, rejections and GPU-seconds, agent run
+completion, and the moves, for the configs side by side; writes `DIR/simulation.json`.
 
 Exit codes: 0; 2 bad input (a config or scenario that does not load).
 """
