@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.outputs import bulk_dir
 from benchmarks.rebalance.day_night import KEY_ENV, PHASES, scenario_path
 from pools.config import load_config
 from router.simulate.fit import fit_latency
@@ -28,7 +29,7 @@ from router.simulate.scenario import load_scenario
 from router.simulate.sim import SimResult, simulate
 from router.simulate.workload import build_plan
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "records_file"]
 
 KV_BLOCKS = 511  # the dev model's engines at 64 MiB of KV report 512 (one is vLLM's null block)
 KV_BLOCK_SIZE = 128  # tokens per block: vLLM's default on CPUs (16 on GPUs)
@@ -38,11 +39,23 @@ def _p(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def records_file(folder: Path) -> Path | None:
+    """A run mode's harness records: under `benchmarks/out/` for a folder of
+    `benchmarks/results/` (`benchmarks.outputs.bulk_dir`), else in the folder itself; None
+    when there are none."""
+    for where in (bulk_dir(folder), folder):
+        found = next(where.glob("records-*.jsonl"), None)
+        if found is not None:
+            return found
+    return None
+
+
 def _measured(folder: Path) -> dict[str, Any]:
-    records = folder.glob("records-*.jsonl")
+    records = records_file(folder)
+    assert records is not None, f"no records-*.jsonl for {folder}"
     reqs: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
-    for line in next(records).read_text().splitlines():
+    for line in records.read_text().splitlines():
         data = json.loads(line)
         (runs if data.get("type") == "run" else reqs).append(data)
     out: dict[str, Any] = {}
@@ -102,7 +115,10 @@ def calibrate(run: Path, fit_from: Path | None = None, seeds: int = 5) -> dict[s
     median, with their range beside it, since one seed's p95 of 30 requests is itself noisy."""
     os.environ.setdefault(KEY_ENV, "calibration")
     fit_run = fit_from or run
-    latency: LatencyModel = fit_latency(next((fit_run / "static").glob("records-*.jsonl")))
+    fit_records = records_file(fit_run / "static")
+    if fit_records is None:
+        raise FileNotFoundError(f"no records-*.jsonl for {fit_run / 'static'}")
+    latency: LatencyModel = fit_latency(fit_records)
     scenario = load_scenario(scenario_path(run))
     plan = build_plan(scenario, PromptMaker(write_text=False))
     report: dict[str, Any] = {
@@ -121,7 +137,7 @@ def calibrate(run: Path, fit_from: Path | None = None, seeds: int = 5) -> dict[s
         "modes": {},
     }
     for mode in ("static", "rebalanced"):
-        if not any((run / mode).glob("records-*.jsonl")):
+        if records_file(run / mode) is None:
             continue
         config = load_config(run / f"router-{mode}.yaml")
         results, wall_s = [], 0.0

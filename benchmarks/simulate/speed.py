@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from benchmarks.rebalance.day_night import KEY_ENV, SCENARIO
-from benchmarks.simulate.calibrate import KV_BLOCK_SIZE, KV_BLOCKS
+from benchmarks.simulate.calibrate import KV_BLOCK_SIZE, KV_BLOCKS, records_file
 from pools.config import load_config
 from router.simulate.fit import fit_latency
 from router.simulate.prompts import PromptMaker
@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["static", "rebalanced"])
     args = parser.parse_args(argv)
     os.environ.setdefault(KEY_ENV, "speed")
-    latency = fit_latency(next((RUN / "static").glob("records-*.jsonl")))
+    records = records_file(RUN / "static")
+    if records is None:
+        raise SystemExit(f"no records-*.jsonl for {RUN / 'static'}: run the day-night benchmark")
+    latency = fit_latency(records)
     rows = []
     for length in args.lengths:
         wall0, cpu0 = time.perf_counter(), time.process_time()
