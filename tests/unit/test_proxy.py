@@ -13,30 +13,20 @@ import httpx
 import orjson
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
+from pools.config import Config
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import parse_vllm_metrics
+from pools.testing.config import config_for_test, even_pools, one_pool
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from pools.testing.gateway import gateway_over_fakes
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
 
 
 def _config(tmp_path: Path, **router: Any) -> Config:
-    data = {
-        **DEFAULT_CPU_CONFIG,
-        "router": {
-            "ledger_path": str(tmp_path / "l.sqlite"),
-            "state_path": str(tmp_path / "s.json"),
-            **router,
-        },
-    }
-    data["pools"] = {
-        "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
-        "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
-    }
-    return parse_config(data)
+    return config_for_test(tmp_path, pools=even_pools(), router=router)
 
 
 def _look_fresh(gateway: Gateway) -> None:
@@ -72,18 +62,8 @@ class Rig:
 @pytest.fixture
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     """Two fake engines, one per pool."""
-    states = [FakeEngineState(), FakeEngineState()]
-    async with (
-        serve_asgi(make_fake_engine(states[0])) as u0,
-        serve_asgi(make_fake_engine(states[1])) as u1,
-    ):
-        specs = [InstanceSpec("engine-0", u0, 1), InstanceSpec("engine-1", u1, 1)]
-        gateway = create_app(_config(tmp_path), specs)
-        await gateway.start()
-        transport = httpx.ASGITransport(app=gateway)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            yield Rig(gateway, client, states)
-        await gateway.aclose()
+    async with gateway_over_fakes(_config(tmp_path), 2) as r:
+        yield Rig(r.gateway, r.client, r.states)
 
 
 async def test_non_streaming_pass_through(rig: Rig) -> None:
@@ -175,12 +155,8 @@ async def test_refused_connection_retries_another_instance(tmp_path: Path) -> No
     state = FakeEngineState()
     async with serve_asgi(make_fake_engine(state)) as live:
         specs = [InstanceSpec("dead", _dead_url(), 1), InstanceSpec("live", live, 1)]
-        data = {
-            **DEFAULT_CPU_CONFIG,
-            "router": {"ledger_path": str(tmp_path / "l.sqlite"), "scrape_interval_s": 60},
-            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
-        }
-        gateway = create_app(parse_config(data), specs, scrape=False)
+        config = config_for_test(tmp_path, pools=one_pool(), router={"scrape_interval_s": 60})
+        gateway = create_app(config, specs, scrape=False)
         _look_fresh(gateway)  # both look healthy and empty until the proxy learns otherwise
         await gateway.start()
         async with httpx.AsyncClient(
@@ -197,11 +173,7 @@ async def test_refused_connection_retries_another_instance(tmp_path: Path) -> No
 
 async def test_no_healthy_instance_is_503_and_ready_says_so(tmp_path: Path) -> None:
     specs = [InstanceSpec("dead", _dead_url(), 1)]
-    data = {
-        **DEFAULT_CPU_CONFIG,
-        "router": {"ledger_path": str(tmp_path / "l.sqlite"), "scrape_timeout_s": 0.5},
-    }
-    gateway = create_app(parse_config(data), specs)
+    gateway = create_app(config_for_test(tmp_path, router={"scrape_timeout_s": 0.5}), specs)
     await gateway.start()
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
@@ -260,12 +232,7 @@ async def test_connection_reset_before_the_answer_is_retried(tmp_path: Path) -> 
     state = FakeEngineState()
     async with serve_asgi(make_fake_engine(state)) as live:
         specs = [InstanceSpec("drops", drop_url, 1), InstanceSpec("live", live, 1)]
-        data = {
-            **DEFAULT_CPU_CONFIG,
-            "router": {"ledger_path": str(tmp_path / "l.sqlite")},
-            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
-        }
-        gateway = create_app(parse_config(data), specs, scrape=False)
+        gateway = create_app(config_for_test(tmp_path, pools=one_pool()), specs, scrape=False)
         _look_fresh(gateway)
         await gateway.start()
         async with httpx.AsyncClient(
