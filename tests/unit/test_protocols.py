@@ -17,15 +17,17 @@ import httpx
 import orjson
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
+from pools.config import Config
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import parse_vllm_metrics
 from pools.testing import fake_protocols as fp
+from pools.testing.config import config_for_test, even_pools
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from pools.testing.gateway import gateway_over_fakes
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
 from router.errors import CapacityExceeded, RateLimited, anthropic_payload, anthropic_status
-from router.protocols import ChatAdapter, MessagesAdapter, ResponsesAdapter
+from router.gateway.app import Gateway, create_app
+from router.gateway.protocols import ChatAdapter, MessagesAdapter, ResponsesAdapter
 
 RESPONSES = {"model": "tiny", "input": "hello there", "max_output_tokens": 4}
 MESSAGES = {
@@ -36,16 +38,11 @@ MESSAGES = {
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
-def _config(tmp_path: Path, pools: dict[str, Any] | None = None, **router: Any) -> Config:
-    data = {
-        **DEFAULT_CPU_CONFIG,
-        "router": {**_router(tmp_path), **router},
-    }
-    data["pools"] = pools or {
-        "agent": {"classes": ["agent"], "share": {"initial_frac": 0.25}},
-        "normal": {"classes": ["normal"], "share": {"initial_frac": 0.75}},
-    }
-    return parse_config(data)
+def _config(tmp_path: Path) -> Config:
+    pools = even_pools(
+        agent={"share": {"initial_frac": 0.25}}, normal={"share": {"initial_frac": 0.75}}
+    )
+    return config_for_test(tmp_path, pools=pools)
 
 
 @dataclass
@@ -77,16 +74,8 @@ async def make_rig(
 ) -> AsyncIterator[Rig]:
     """`engines` fake engines (one agent, the rest normal with the default shares)."""
     states = [FakeEngineState(**state) for _ in range(engines)]
-    async with contextlib_nested([serve_asgi(make_fake_engine(s)) for s in states]) as urls:
-        specs = [InstanceSpec(f"engine-{i}", u, 1) for i, u in enumerate(urls)]
-        gateway = create_app(config or _config(tmp_path), specs)
-        await gateway.start()
-        transport = httpx.ASGITransport(app=gateway)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://gw", timeout=30
-        ) as client:
-            yield Rig(gateway, client, {f"engine-{i}": s for i, s in enumerate(states)})
-        await gateway.aclose()
+    async with gateway_over_fakes(config or _config(tmp_path), states, client_timeout_s=30) as r:
+        yield Rig(r.gateway, r.client, {s.instance_id: r.state_of(s.instance_id) for s in r.specs})
 
 
 @asynccontextmanager
@@ -172,10 +161,10 @@ async def test_messages_errors_use_anthropics_shape(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("H1_TEST_KEY", "sk-h1-test")
-    data = {**DEFAULT_CPU_CONFIG, "router": {**_router(tmp_path), "max_body_bytes": 4096}}
-    data["tenants"] = [{"name": "team-a", "api_key_env": "H1_TEST_KEY"}]
+    tenants = [{"name": "team-a", "api_key_env": "H1_TEST_KEY"}]
+    config = config_for_test(tmp_path, router={"max_body_bytes": 4096}, tenants=tenants)
     auth = {"authorization": "Bearer sk-h1-test"}
-    async with make_rig(tmp_path, config=parse_config(data)) as rig:
+    async with make_rig(tmp_path, config=config) as rig:
         cases: list[tuple[dict[str, Any], dict[str, str], int, str]] = [
             ({**MESSAGES, "max_tokens": None}, auth, 400, "invalid_request_error"),
             ({"model": "tiny", "messages": []}, auth, 400, "invalid_request_error"),
@@ -192,10 +181,6 @@ async def test_messages_errors_use_anthropics_shape(
         counted = await rig.client.post("/v1/messages/count_tokens", json=MESSAGES)
         assert counted.status_code == 401 and counted.json()["type"] == "error"
         assert rig.seen() == 0
-
-
-def _router(tmp_path: Path) -> dict[str, Any]:
-    return {"ledger_path": str(tmp_path / "l.sqlite"), "state_path": str(tmp_path / "s.json")}
 
 
 def test_anthropic_statuses_for_capacity_errors() -> None:
@@ -535,9 +520,8 @@ async def test_anthropic_clients_authenticate_with_x_api_key(
     """The Anthropic SDK and Claude Code send `ANTHROPIC_API_KEY` as `x-api-key`, not as
     `Authorization`: a tenant's key there is that tenant; a wrong one is a 401."""
     monkeypatch.setenv("XKEY_TEST_KEY", "sk-x-test")
-    data = {**DEFAULT_CPU_CONFIG, "router": _router(tmp_path)}
-    data["tenants"] = [{"name": "team-x", "api_key_env": "XKEY_TEST_KEY"}]
-    async with make_rig(tmp_path, config=parse_config(data)) as rig:
+    tenants = [{"name": "team-x", "api_key_env": "XKEY_TEST_KEY"}]
+    async with make_rig(tmp_path, config=config_for_test(tmp_path, tenants=tenants)) as rig:
         ok = await rig.client.post(
             "/v1/messages", json=MESSAGES, headers={"x-api-key": "sk-x-test"}
         )
