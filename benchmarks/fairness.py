@@ -34,7 +34,7 @@ from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec
 from pools.testing.serve import serve_asgi
-from router.app import create_app
+from router.gateway.app import create_app
 
 MODEL_DIR = Path(".gpupool/models/tiny")
 TENANTS = {"paid": 5.0, "free": 1.0}

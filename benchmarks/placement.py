@@ -46,7 +46,7 @@ from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec
 from pools.telemetry import parse_vllm_metrics
 from pools.testing.serve import serve_asgi
-from router.app import create_app
+from router.gateway.app import create_app
 from router.picking import PLACEMENTS
 from router.simulate.prompts import find_tokenizer
 from router.simulate.scenario import Scenario, parse_scenario

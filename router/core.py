@@ -2,11 +2,11 @@
 
 The fleet (leases, telemetry freshness, operating points), the pool map, run affinity, the
 picker, the admitter (the pools' queues and the synchronous dispatch core) and the rebalancer.
-The `Gateway` (router.app) builds them here and adds the I/O around them; the simulator
+The `Gateway` (router.gateway.app) builds them here and adds the I/O around them; the simulator
 (router.simulate) builds them here and drives them in simulated time, so the two cannot wire
 them differently. Nothing here starts a task or touches the network.
 
-Must not import router.app or the request path (router.proxy); nor the benchmark harness.
+Must not import the request path (router.gateway); nor the benchmark harness.
 """
 
 from __future__ import annotations

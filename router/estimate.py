@@ -345,7 +345,7 @@ class _TokenCounter:
 @dataclass(slots=True)
 class EstimateInput:
     """What an estimate needs from a body, read once: each protocol's adapter reads its own
-    body shape into this (`read_openai` for chat and completions; `router.protocols`)."""
+    body shape into this (`read_openai` for chat and completions; `router.gateway.protocols`)."""
 
     pieces: list[str]  # message text and prompts
     json_pieces: list[str]  # tool-call names and arguments, the tools list as JSON

@@ -457,7 +457,7 @@ def _header_parameters(config: Config) -> list[Schema]:
             {"type": "number", "minimum": 0, "maximum": 3600},
             "Streaming only: after this many seconds of waiting (tenant budget or queue) start "
             "the stream and send an SSE comment line each second until tokens come; a refusal "
-            "after that is an error event, not a 429 (router/wait_comments.py)",
+            "after that is an error event, not a 429 (router/gateway/wait_comments.py)",
         ),
         header(
             "x-gpupool-usage",

@@ -87,7 +87,7 @@ class RequestOutcome:
 
     ctx: RequestContext
     estimate: Estimate | None = None
-    endpoint: str = "chat"  # chat | completions | responses | messages (router.protocols)
+    endpoint: str = "chat"  # chat | completions | responses | messages (router.gateway.protocols)
     instance_id: str | None = None
     status: int = 0
     outcome: str = "ok"  # ok | client_error | engine_error | rejected | aborted | timeout
@@ -104,7 +104,7 @@ class RequestOutcome:
     completion_tokens: int = 0
     response_started: bool = False  # the status line went to the client
     response_id: str | None = None  # a stored response's id (the Responses API)
-    # started by SSE wait comments (router/wait_comments.py); no relay has written since
+    # started by SSE wait comments (router/gateway/wait_comments.py); no relay has written since
     wait_stream_open: bool = False
     # accounting (router.accounting_observer)
     acct_token: SequenceToken | None = None

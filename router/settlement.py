@@ -1,6 +1,6 @@
 """The one owner of a request's settlement once it is dispatched, and of a run's end.
 
-The request path (router.proxy) calls only this after dispatch:
+The request path (router.gateway.proxy) calls only this after dispatch:
 
     dispatched(outcome)        each upstream attempt: the meter starts (the run's step is
                                numbered), governance counts the step, the rebalancer its wait

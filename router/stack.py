@@ -21,8 +21,8 @@ import uvicorn
 
 from pools.config import Config
 from pools.launchers import DiscoveringLauncher, InstanceSpec, LauncherError, make_launcher
-from router.app import create_app
-from router.http_protocol import guarded_protocol
+from router.gateway.app import create_app
+from router.gateway.http_protocol import guarded_protocol
 
 __all__ = ["instances_without_launching", "run_blocking", "run_stack"]
 

@@ -48,7 +48,7 @@ from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 
 MODEL_DIR = Path(".gpupool/models/tiny")
 KEY_ENV = "GPUPOOL_GOVERNANCE_BENCH_ENGINE_KEY"

@@ -148,7 +148,9 @@ def fold(samples: Iterable[tuple[list[str], int]], top_n: int = 15) -> dict[str,
     incl: Counter[str] = Counter()
     layers = {
         "uvicorn/": "ASGI server (uvicorn) incl. the app it calls",
-        "router/proxy.py": "gpupool's request path (router/proxy.py) incl. what it calls",
+        "router/gateway/proxy.py": (
+            "gpupool's request path (router/gateway/proxy.py) incl. what it calls"
+        ),
         "aiohttp/": "aiohttp client incl. what it calls",
     }
     for frames, n in samples:

@@ -63,7 +63,7 @@ from pools.config import Config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 from router.simulate.prompts import find_tokenizer
 from router.simulate.scenario import Scenario, parse_scenario, scale_rates
 

@@ -26,7 +26,7 @@ import httpx
 from benchmarks.soak.run import AGENT_STEPS, _words
 from pools.config import parse_config
 from pools.launchers.base import InstanceSpec
-from router.app import create_app
+from router.gateway.app import create_app
 
 REPO = Path(__file__).resolve().parents[2]
 _TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -25,7 +25,7 @@ from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 
 if TYPE_CHECKING:
-    from router.app import Gateway
+    from router.gateway.app import Gateway
 
 __all__ = ["GatewayOverFakes", "gateway_over_fakes"]
 
@@ -53,7 +53,7 @@ async def gateway_over_fakes(
     """`engines` fake engines (a count of default ones, or their states) behind
     `create_app(config, specs, **create)`, started unless `start` is false (then the test
     starts it); everything is closed on exit, the router before its engines."""
-    from router.app import create_app
+    from router.gateway.app import create_app
 
     states = [FakeEngineState() for _ in range(engines)] if isinstance(engines, int) else engines
     async with contextlib.AsyncExitStack() as stack:

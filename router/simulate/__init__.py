@@ -8,6 +8,6 @@ records by `fit`). The workload: a scenario (`scenario`: classes with arrival pr
 a time-ordered plan (`workload.build_plan`, prompts from `prompts`). The benchmark harness
 (`benchmarks/`) sends the same plans to real endpoints.
 
-Lives in the product because `gpupool simulate` runs it. Must not import `router.app` or the
-request path (router.proxy); the benchmark harness uses this package, never the reverse.
+Lives in the product because `gpupool simulate` runs it. Must not import the request path
+(`router.gateway`); the benchmark harness uses this package, never the reverse.
 """

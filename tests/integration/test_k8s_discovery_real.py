@@ -18,7 +18,7 @@ from pools.config import KubernetesEnginesConfig, KubernetesServiceConfig, parse
 from pools.discovery.kubernetes import EndpointSliceSource
 from pools.launchers import InstanceSpec
 from pools.launchers.kubernetes import KubernetesLauncher
-from router.app import create_app
+from router.gateway.app import create_app
 from tests.integration.conftest import ENGINE_KEY_ENV, MAX_MODEL_LEN, MODEL_DIR
 
 pytestmark = pytest.mark.integration

@@ -30,7 +30,7 @@ from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import make_launcher
 from pools.launchers.ray import RayLauncher, engine_settings
 from pools.launchers.reaper import OWNER_POLL_S
-from router.app import create_app
+from router.gateway.app import create_app
 from tests.e2e.stack import seed_vllm_flags
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,7 @@ from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.admission import Need, predicted_ttft_s
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
-from router.app import create_app
+from router.gateway.app import create_app
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from pools.config import DEFAULT_CPU_CONFIG, ConfigError, parse_config
-from router.classify import classify
 from router.errors import BadRequest
+from router.gateway.classify import classify
 
 BODY: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -28,7 +28,7 @@ from pools.launchers.base import InstanceSpec
 from pools.telemetry import TelemetryScraper, parse_vllm_metrics
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.app import create_app
+from router.gateway.app import create_app
 
 
 async def test_a_dropped_request_waits_for_a_busy_healthy_engine_rather_than_failing(

@@ -14,7 +14,7 @@ import pytest
 from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
 from pools.discovery import DiscoveryLoop
 from pools.launchers.base import InstanceSpec
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 
 # the components Gateway.start starts, in its order (the session comes after "placement")
 ORDER = ["rebalancer", "ledger", "gpu_sampler", "governor", "placement", "discovery", "history"]

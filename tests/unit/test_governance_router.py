@@ -19,7 +19,7 @@ from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 
 TENANTS: list[dict[str, Any]] = [
     {"name": "slow", "api_key": "k-slow", "tokens_per_minute": 120},  # 2 tokens a second

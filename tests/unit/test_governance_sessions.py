@@ -19,7 +19,7 @@ from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.app import create_app
+from router.gateway.app import create_app
 
 SESSION = "5b0c6a43-7d1e-4d2b-9a57-2f0e8c1d9e11"
 KEY = {"authorization": "Bearer k-dev"}

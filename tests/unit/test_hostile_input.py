@@ -31,8 +31,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
-from router.classify import RUN_ID_HEADERS, classify
 from router.errors import BadRequest, ClassNotAllowed, Forbidden, Unauthorized
+from router.gateway.classify import RUN_ID_HEADERS, classify
 from router.identity import OperatorAccess, Tenants
 from tests.unit.test_hostile_rig import (
     ADMIN_KEY,

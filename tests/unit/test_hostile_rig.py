@@ -31,8 +31,8 @@ from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
-from router.http_protocol import guarded_protocol
+from router.gateway.app import Gateway, create_app
+from router.gateway.http_protocol import guarded_protocol
 
 T = TypeVar("T")
 ASGIApp = Callable[..., Awaitable[None]]

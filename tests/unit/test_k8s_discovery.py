@@ -33,7 +33,7 @@ from pools.launchers.base import InstanceSpec
 from pools.launchers.kubernetes import KubernetesLauncher
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 
 SERVICE = KubernetesServiceConfig(name="gp-gpupool-engine-main", port=8000, gpus_per_instance=2)
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}

@@ -18,7 +18,7 @@ from pools.config import DEFAULT_CPU_CONFIG, Config, ConfigError, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 from router.ledger import Ledger, connect
 from router.request import Message, Receive, Scope, Send
 from tests.unit.ledger_records import T0, record

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from pools.testing.serve import serve_asgi
-from router.app import Gateway
 from router.cli import main
+from router.gateway.app import Gateway
 from tests.unit import test_rebalance_shell as shell
 from tests.unit.test_rebalance_shell import Clock, config
 

@@ -16,7 +16,7 @@ import pytest
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 from router.request import RequestContext, RequestOutcome
 
 

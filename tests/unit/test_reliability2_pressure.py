@@ -20,7 +20,7 @@ from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 
 TENANTS: list[dict[str, Any]] = [
     # a request over the whole bucket spends it (it goes through once the bucket is full);

@@ -11,7 +11,7 @@ from typing import Any
 
 from pools.config import DEFAULT_CPU_CONFIG, RebalancerConfig, not_yet_in_effect, parse_config
 from pools.launchers.base import InstanceSpec
-from router.app import create_app
+from router.gateway.app import create_app
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 

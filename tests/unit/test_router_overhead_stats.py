@@ -112,7 +112,7 @@ def test_profile_fold_drops_idle_and_groups_components() -> None:
     raw = "\n".join(
         [
             "main (router/cli.py:1);_run_once (asyncio/base_events.py:1);epoll_wait (libc.so.6) 50",
-            "main (router/cli.py:1);handle (router/proxy.py:10);0x1 (orjson/orjson.so) 3",
+            "main (router/cli.py:1);handle (router/gateway/proxy.py:10);0x1 (orjson/orjson.so) 3",
             "main (router/cli.py:1);data_received (uvicorn/protocols/http/httptools_impl.py:5);"
             "0x2 (httptools/parser/parser.so) 2",
             "main (router/cli.py:1);post (aiohttp/client.py:9) 4",

@@ -15,7 +15,7 @@ from pools.config import DEFAULT_CPU_CONFIG, ConfigError, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 from tests.unit.test_admitter import asgi_post
 
 # ~0.4 s on the fake engine; the agent engine's 12 KV blocks hold one such step at a time

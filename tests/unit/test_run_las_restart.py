@@ -16,7 +16,7 @@ from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.accounting import with_restored
-from router.app import create_app
+from router.gateway.app import create_app
 from router.queueing import RunUsage
 
 

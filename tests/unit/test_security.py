@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from pools.config import DEFAULT_CPU_CONFIG, Config, ConfigError, parse_config
-from router.app import create_app
 from router.errors import Forbidden, Unauthorized
+from router.gateway.app import create_app
 from router.identity import OperatorAccess, Tenants
 
 MARKER = "sk-MARKER-7f3a9c"  # a key that must never show up in a log line or a repr

@@ -20,7 +20,7 @@ from pools.launchers.base import InstanceSpec
 from pools.telemetry import parse_vllm_metrics
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.app import Gateway, create_app
+from router.gateway.app import Gateway, create_app
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 HOLD = {**CHAT, "max_tokens": 30}  # 30 tokens at 0.05 s: the engine's one slot for ~1.5 s

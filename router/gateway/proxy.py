@@ -6,7 +6,7 @@ authenticate -> read -> parse -> classify -> estimate -> admit (queue or 429) ->
 `router.settlement.Settlement` (meter, governance, ledger, learners, in that order). Each arrow
 is one call; a retry re-picks within the admission grant. What differs between the protocols
 (required fields, what the estimate counts, the first generated token, the usage, the last
-event, the error shape) is each protocol adapter's (`router.protocols`); the path itself is
+event, the error shape) is each protocol adapter's (`router.gateway.protocols`); the path itself is
 one. It runs outside FastAPI's routing and middleware on purpose: it sits on every token of
 every request, and the ASGI stack is most of what a Python proxy costs
 (benchmarks/results/router_overhead.md).
@@ -25,7 +25,7 @@ Proxy rules:
   instance's whole KV cache (`kv_capacity_exceeded`), a `previous_response_id` the router
   does not know or whose engine is gone (`previous_response_not_found`);
 - a follow-up response (`previous_response_id`) goes only to the instance that stored the
-  response it continues (`router.response_placement`), waiting for it when it is busy;
+  response it continues (`router.gateway.response_placement`), waiting for it when it is busy;
 - a client that disconnects aborts the upstream request (the connection to the engine is
   closed, and vLLM aborts the sequence), or leaves the admission queue if it was waiting;
 - a connect failure before any byte was sent marks the instance unhealthy and re-picks another
@@ -52,7 +52,6 @@ import orjson
 from pools.config import Config
 from pools.fleet import Fleet, Lease
 from router.admitter import Admitter
-from router.classify import classify
 from router.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -63,10 +62,14 @@ from router.errors import (
     RequestTimeout,
 )
 from router.estimate import Estimate, TokenEstimator
+from router.gateway.classify import classify
+from router.gateway.protocols import ProtocolAdapter
+from router.gateway.response_placement import ResponsePlacement, StoredResponse
+from router.gateway.wait_comments import HEADER as WAIT_COMMENTS_HEADER
+from router.gateway.wait_comments import WaitComments, wait_comments_after_s
 from router.governance import Governor, StepSignals
 from router.identity import Tenants
 from router.metrics import RouterMetrics
-from router.protocols import ProtocolAdapter
 from router.request import (
     Message,
     Receive,
@@ -75,11 +78,8 @@ from router.request import (
     Scope,
     Send,
 )
-from router.response_placement import ResponsePlacement, StoredResponse
 from router.settlement import Settlement
 from router.settlement import outcome_of as _outcome_of
-from router.wait_comments import HEADER as WAIT_COMMENTS_HEADER
-from router.wait_comments import WaitComments, wait_comments_after_s
 
 __all__ = ["CompletionsHandler", "parse_request_body", "read_request_body", "request_headers"]
 

@@ -3,7 +3,7 @@
 - `POST /v1/messages/count_tokens`: forwarded to the least busy healthy instance of the pool
   the request classifies to (any healthy instance when that pool has none);
 - `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: forwarded to the instance that
-  stored the response (`router.response_placement`); an id the router does not know, another
+  stored the response (`router.gateway.response_placement`); an id the router does not know, another
   tenant's, or one whose engine is gone answers 404 `response_not_found`.
 
 Each is authenticated like a generation request, answers errors in its protocol's shape
@@ -24,14 +24,14 @@ import aiohttp
 from pools.config import Config
 from pools.fleet import Fleet, InstanceState
 from router.admitter import Admitter
-from router.classify import classify
 from router.errors import EngineFailure, GpupoolError, NoHealthyInstance, NotFound
+from router.gateway.classify import classify
+from router.gateway.protocols import ChatAdapter, ProtocolAdapter
+from router.gateway.proxy import parse_request_body, read_request_body, request_headers
+from router.gateway.response_placement import ResponsePlacement
 from router.identity import Tenants
 from router.metrics import RouterMetrics
-from router.protocols import ChatAdapter, ProtocolAdapter
-from router.proxy import parse_request_body, read_request_body, request_headers
 from router.request import Receive, Scope, Send
-from router.response_placement import ResponsePlacement
 
 __all__ = ["EngineCalls"]
 

@@ -26,7 +26,7 @@ from router.estimate import (
     positive_int,
     template_json,
 )
-from router.protocols.base import Extras, ProtocolAdapter, sse_data, sse_event_name
+from router.gateway.protocols.base import Extras, ProtocolAdapter, sse_data, sse_event_name
 from router.request import RequestContext, RequestOutcome
 
 __all__ = ["ResponsesAdapter", "json_text", "tools_json"]

@@ -38,7 +38,6 @@ from router.accounting import Accountant, with_restored
 from router.accounting_metrics import AccountingMetrics
 from router.accounting_observer import AccountingObserver
 from router.core import build_core
-from router.engine_calls import EngineCalls
 from router.errors import (
     BadRequest,
     GpupoolError,
@@ -49,6 +48,10 @@ from router.errors import (
     error_for_status,
 )
 from router.estimate import TokenEstimator
+from router.gateway.engine_calls import EngineCalls
+from router.gateway.protocols import ADAPTERS, MessagesAdapter, ResponsesAdapter
+from router.gateway.proxy import CompletionsHandler
+from router.gateway.response_placement import ResponsePlacement
 from router.governance import GovernanceMetrics, Governor
 from router.governance.store import GovernanceStore
 from router.history import History, reading_from
@@ -57,12 +60,9 @@ from router.ledger import Ledger
 from router.membership import Membership
 from router.openapi import openapi_document
 from router.picking import RunAffinity
-from router.protocols import ADAPTERS, MessagesAdapter, ResponsesAdapter
-from router.proxy import CompletionsHandler
 from router.queueing import RunUsage
 from router.rebalancer_api import register_pools_admin
 from router.request import Message, Receive, RequestObserver, Scope, Send
-from router.response_placement import ResponsePlacement
 from router.runtable import RunTable
 from router.settlement import Settlement
 from router.ui import register_ui

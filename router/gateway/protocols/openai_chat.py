@@ -15,7 +15,7 @@ import orjson
 
 from router.errors import BadRequest
 from router.estimate import EstimateInput, read_openai
-from router.protocols.base import Extras, ProtocolAdapter, sse_data
+from router.gateway.protocols.base import Extras, ProtocolAdapter, sse_data
 from router.request import RequestContext, RequestOutcome
 
 __all__ = ["ChatAdapter", "CompletionsAdapter"]

@@ -21,8 +21,8 @@ import orjson
 
 from router.errors import BadRequest, GpupoolError, anthropic_body, anthropic_status
 from router.estimate import EstimateInput, estimate_input, positive_int
-from router.protocols.base import Extras, ProtocolAdapter, sse_data, sse_event_name
-from router.protocols.responses import json_text, tools_json
+from router.gateway.protocols.base import Extras, ProtocolAdapter, sse_data, sse_event_name
+from router.gateway.protocols.responses import json_text, tools_json
 from router.request import RequestContext, RequestOutcome
 
 __all__ = ["MessagesAdapter", "prompt_tokens_of"]

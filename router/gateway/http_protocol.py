@@ -15,7 +15,7 @@ trickles its headers therefore holds a connection for as long as it likes, and
   plain text.
 
 Every answer here is OpenAI-shaped JSON, like every other gpupool error. The body has its own
-deadline on the request path (`router.body_read_timeout_s`, router/proxy.py).
+deadline on the request path (`router.body_read_timeout_s`, router/gateway/proxy.py).
 """
 
 from __future__ import annotations

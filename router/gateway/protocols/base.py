@@ -1,6 +1,6 @@
 """The one contract every protocol adapter implements (chat, completions, responses, messages).
 
-The request path (`router.proxy`) is the same for every endpoint; what differs between the
+The request path (`router.gateway.proxy`) is the same for every endpoint; what differs between the
 OpenAI Chat Completions, Completions and Responses APIs and the Anthropic Messages API is
 only what an adapter knows:
 

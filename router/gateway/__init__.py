@@ -1,0 +1,1 @@
+"""The gateway feature (docstring written with the layering rules)."""
