@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,13 @@ import openai
 import orjson
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
+from pools.config import parse_config
 from pools.launchers.base import InstanceSpec
+from pools.testing.config import config_data, config_for_test, even_pools
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from pools.testing.gateway import gateway_over_fakes
 from pools.testing.serve import serve_asgi
-from router.admission import Need, predicted_ttft_s
+from router.admission.decision import Need, predicted_ttft_s
 from router.gateway.app import Gateway, create_app
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
@@ -77,24 +80,12 @@ async def asgi_post(
 
 
 def _config(tmp_path: Path, *, max_depth: int = 4, max_wait_s: float = 5.0, **router: Any) -> Any:
-    data: dict[str, Any] = {
-        **DEFAULT_CPU_CONFIG,
-        "router": {
-            "ledger_path": str(tmp_path / "l.sqlite"),
-            "state_path": str(tmp_path / "s.json"),
-            "scrape_interval_s": 0.05,
-            **router,
-        },
-    }
-    data["pools"] = {
-        "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
-        "normal": {
-            "classes": ["normal"],
-            "share": {"initial_frac": 0.5},
-            "queue": {"max_depth": max_depth, "max_wait_s": max_wait_s},
-        },
-    }
-    return parse_config(data)
+    queue = {"max_depth": max_depth, "max_wait_s": max_wait_s}
+    return config_for_test(
+        tmp_path,
+        pools=even_pools(normal={"queue": queue}),
+        router={"scrape_interval_s": 0.05, **router},
+    )
 
 
 @dataclass
@@ -109,28 +100,17 @@ async def make_rig(tmp_path: Path) -> AsyncIterator[Any]:
     """A gateway over two fake engines; the normal pool's engine has 12 KV blocks (192
     tokens), so one chat request of the normal class (~140 tokens estimated) fits, two do not.
     """
-    stack: list[Any] = []
+    async with AsyncExitStack() as stack:
 
-    async def make(**kwargs: Any) -> Rig:
-        states = [FakeEngineState(num_gpu_blocks=12, itl_s=0.004) for _ in range(2)]
-        cms = [serve_asgi(make_fake_engine(s)) for s in states]
-        urls = [await cm.__aenter__() for cm in cms]
-        stack.extend(cms)
-        gateway = create_app(
-            _config(tmp_path, **kwargs),
-            [InstanceSpec(f"engine-{i}", u, 1) for i, u in enumerate(urls)],
-        )
-        await gateway.start()
-        stack.append(gateway)
-        (normal_id,) = gateway.pool_map.current.instances_for("normal")
-        return Rig(gateway, states[int(normal_id.split("-")[1])], normal_id)
+        async def make(**kwargs: Any) -> Rig:
+            states = [FakeEngineState(num_gpu_blocks=12, itl_s=0.004) for _ in range(2)]
+            rig = await stack.enter_async_context(
+                gateway_over_fakes(_config(tmp_path, **kwargs), states)
+            )
+            (normal_id,) = rig.gateway.pool_map.current.instances_for("normal")
+            return Rig(rig.gateway, rig.state_of(normal_id), normal_id)
 
-    yield make
-    for item in reversed(stack):
-        if isinstance(item, Gateway):
-            await item.aclose()
-        else:
-            await item.__aexit__(None, None, None)
+        yield make
 
 
 def _leases(rig: Rig) -> tuple[int, int]:
@@ -285,20 +265,13 @@ async def test_openai_client_retries_a_429_and_succeeds(make_rig: Any) -> None:
 async def test_engine_priority_is_sent_for_its_pool_only(tmp_path: Path) -> None:
     state = FakeEngineState()
     async with serve_asgi(make_fake_engine(state)) as url:
-        data: dict[str, Any] = {
-            **DEFAULT_CPU_CONFIG,
-            "engines": {"launcher": "static", "static": {"urls": [url]}},
-            "router": {"ledger_path": str(tmp_path / "l.sqlite"), "scrape_interval_s": 0.05},
-            "pools": {  # one instance split between the pools
-                "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
-                "normal": {
-                    "classes": ["normal"],
-                    "share": {"initial_frac": 0.5},
-                    "engine_priority": -10,
-                },
-            },
-        }
-        gateway = create_app(parse_config(data), [InstanceSpec("engine-0", url, 1)])
+        config = config_for_test(
+            tmp_path,
+            urls=[url],
+            pools=even_pools(normal={"engine_priority": -10}),  # one instance split between them
+            router={"scrape_interval_s": 0.05},
+        )
+        gateway = create_app(config, [InstanceSpec("engine-0", url, 1)])
         await gateway.start()
         assert (await asgi_post(gateway, {**CHAT, "max_tokens": 2})).status == 200
         agent = {
@@ -316,17 +289,7 @@ async def test_engine_priority_is_sent_for_its_pool_only(tmp_path: Path) -> None
 def test_engine_priority_needs_the_priority_policy() -> None:
     from pools.config import ConfigError
 
-    data: dict[str, Any] = {
-        **DEFAULT_CPU_CONFIG,
-        "pools": {
-            "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
-            "normal": {
-                "classes": ["normal"],
-                "share": {"initial_frac": 0.5},
-                "engine_priority": -1,
-            },
-        },
-    }
+    data = config_data(pools=even_pools(normal={"engine_priority": -1}))
     with pytest.raises(ConfigError, match="--scheduling-policy priority"):
         parse_config(data)
     data["engines"] = {"local": {"vllm_args": ["--scheduling-policy", "priority"]}}
@@ -344,14 +307,10 @@ async def test_on_a_known_gpu_the_operating_point_starts_from_the_roofline_prior
     model_dir.mkdir()
     known = Path(kvcache_model.__file__).parent / "known_models" / "llama-3.1-8b.json"
     (model_dir / "config.json").write_text(known.read_text())
-    data: dict[str, Any] = {
-        **DEFAULT_CPU_CONFIG,
-        "model": {"name": "tiny", "path": str(model_dir)},
-        "router": {"ledger_path": str(tmp_path / "l.sqlite")},
-    }
+    model = {"path": str(model_dir), "max_model_len_tokens": None}  # the model's own length
     nvml = FakeNvml([FakeGpu(name="NVIDIA H100 80GB HBM3")])
     gateway = create_app(
-        parse_config(data),
+        config_for_test(tmp_path, model=model),
         [InstanceSpec("engine-0", "http://127.0.0.1:9", 1)],
         scrape=False,
         nvml=nvml,
