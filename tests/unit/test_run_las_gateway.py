@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, ConfigError, parse_config
+from pools.config import ConfigError
 from pools.launchers.base import InstanceSpec
-from pools.testing.fake_engine import FakeEngineState, make_fake_engine
-from pools.testing.serve import serve_asgi
+from pools.testing.config import config_for_test, even_pools
+from pools.testing.fake_engine import FakeEngineState
+from pools.testing.gateway import gateway_over_fakes
 from router.gateway.app import Gateway, create_app
 from tests.unit.test_admitter import asgi_post
 
@@ -23,41 +24,22 @@ STEP = {"model": "tiny", "messages": [{"role": "user", "content": "next step"}],
 
 
 def _config(tmp_path: Path, queue: dict[str, Any], **extra: Any) -> Any:
-    data: dict[str, Any] = {
-        **DEFAULT_CPU_CONFIG,
+    return config_for_test(
+        tmp_path,
+        pools=even_pools(agent={"queue": queue}),
+        router={"scrape_interval_s": 0.05},
         **extra,
-        "router": {
-            "ledger_path": str(tmp_path / "l.sqlite"),
-            "state_path": str(tmp_path / "s.json"),
-            "scrape_interval_s": 0.05,
-        },
-    }
-    data["pools"] = {
-        "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}, "queue": queue},
-        "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
-    }
-    return parse_config(data)
+    )
 
 
 @pytest.fixture
 async def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Gateway]:
     states = [FakeEngineState(num_gpu_blocks=12, itl_s=0.004) for _ in range(2)]
-    cms = [serve_asgi(make_fake_engine(s)) for s in states]
-    urls = [await cm.__aenter__() for cm in cms]
     queue = dict(request.param)
     governance = queue.pop("governance", None)
     extra = {} if governance is None else {"governance": governance}
-    gw = create_app(
-        _config(tmp_path, queue, **extra),
-        [InstanceSpec(f"engine-{i}", u, 1) for i, u in enumerate(urls)],
-    )
-    await gw.start()
-    try:
-        yield gw
-    finally:
-        await gw.aclose()
-        for cm in reversed(cms):
-            await cm.__aexit__(None, None, None)
+    async with gateway_over_fakes(_config(tmp_path, queue, **extra), states) as rig:
+        yield rig.gateway
 
 
 async def _step(gw: Gateway, run: str, done: list[str]) -> None:
