@@ -1,5 +1,5 @@
-"""Benchmark: how close the router's request estimate (`router.estimate`) comes to the prompt
-tokens a real vLLM engine counts, and what it costs per request.
+"""Benchmark: how close the router's request estimate (`router.admission.estimate`) comes to
+the prompt tokens a real vLLM engine counts, and what it costs per request.
 
 One CPU vLLM engine serves the tiny dev model (started by `pools.launchers.LocalLauncher`, 64 MiB
 of KV cache, max_model_len 4096). A seeded mix of requests goes to it, a few in flight at once:
@@ -46,7 +46,7 @@ import numpy as np
 from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec, LocalLauncher
-from router.estimate import FEATURES, Estimate, TokenEstimator
+from router.admission.estimate import FEATURES, Estimate, TokenEstimator
 from router.simulate.prompts import PromptMaker
 from router.simulate.workload import make_tools
 

@@ -46,8 +46,8 @@ from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec
 from pools.telemetry import parse_vllm_metrics
 from pools.testing.serve import serve_asgi
+from router.admission.picking import PLACEMENTS
 from router.gateway.app import create_app
-from router.picking import PLACEMENTS
 from router.simulate.prompts import find_tokenizer
 from router.simulate.scenario import Scenario, parse_scenario
 
@@ -142,8 +142,8 @@ def _steps(ledger_path: Path) -> list[tuple[str, str]]:
 
 
 class DecisionLog(logging.Handler):
-    """Collects `router.picking`'s structured debug records of `affinity_or_move`'s choices
-    (one each time a step whose home is full is weighed; a step that waits is weighed again
+    """Collects `router.admission.picking`'s structured debug records of `affinity_or_move`'s
+    choices (one each time a step whose home is full is weighed; a step that waits is weighed again
     on every dispatch pass)."""
 
     def __init__(self) -> None:
@@ -236,7 +236,7 @@ async def _one(
     gw = create_app(config, specs)  # the launcher's specs carry the engines' key
     await gw.start()
     server = serve_asgi(gw)
-    picking_log = logging.getLogger("router.picking")
+    picking_log = logging.getLogger("router.admission.picking")
     decisions = DecisionLog()
     picking_log.addHandler(decisions)
     picking_log.setLevel(logging.DEBUG)

@@ -31,7 +31,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.queueing import RunUsage
+from router.admission.queueing import RunUsage
 from router.runtable import RunRecord, RunTable
 
 __all__ = [

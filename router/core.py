@@ -21,10 +21,10 @@ from pools.config import Config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.operating_point import OperatingPoint
-from router.admitter import Admitter
+from router.admission.admitter import Admitter
+from router.admission.picking import Picker, RunAffinity, default_picker, placement_patience_s
+from router.admission.queueing import RunUsage
 from router.metrics import RouterMetrics
-from router.picking import Picker, RunAffinity, default_picker, placement_patience_s
-from router.queueing import RunUsage
 from router.rebalancer import Rebalancer
 
 __all__ = ["Core", "build_core"]

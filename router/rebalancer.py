@@ -59,9 +59,9 @@ from pools.rebalance import (
     effective_bounds,
 )
 from pools.tasks import cancel_and_wait
+from router.admission.queueing import PoolQueue
 from router.errors import BadRequest, CapacityExceeded, NotFound
 from router.metrics import RouterMetrics
-from router.queueing import PoolQueue
 from router.rebalance_store import DecisionLog, SreSettings, load_settings, save_settings
 from router.request import RequestOutcome
 

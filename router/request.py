@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from router.accounting import SequenceToken
-    from router.estimate import Estimate
+    from router.admission.estimate import Estimate
 
 __all__ = [
     "Message",

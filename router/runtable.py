@@ -7,7 +7,7 @@ One `RunRecord` per run holds what used to live in separate LRUs, each with its 
   last active, and its steps in flight (their sequence tokens: the one count of them);
 - its span (the class of its first step, first arrival, last byte out: run completion time);
 - its next step number (router.ledger: the ledger numbers a run's steps 0, 1, 2, ...);
-- its home (router.picking.RunAffinity: where its last step went, and its context then);
+- its home (router.admission.picking.RunAffinity: where its last step went, and its context then);
 - whether governance ended it.
 
 One cap, one eviction rule (governance's, issue 23; `router.governance.runtable.runs_to_forget`
@@ -47,7 +47,7 @@ class RunRecord:
     last_end_s: float = -math.inf
     # step numbering (router.ledger): the next step's index, None until known
     next_step: int | None = None
-    # home (router.picking.RunAffinity): None until a step of it went somewhere
+    # home (router.admission.picking.RunAffinity): None until a step of it went somewhere
     home: str | None = None
     context_tokens: int = 0
     # governance ended it (cleared when a step of it starts again): forgotten first

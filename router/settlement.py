@@ -31,10 +31,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from router.estimate import TokenEstimator
+from router.admission.estimate import TokenEstimator
+from router.admission.picking import RunAffinity
 from router.governance import RunEnd
 from router.metrics import RouterMetrics
-from router.picking import RunAffinity
 from router.request import RequestObserver, RequestOutcome
 from router.runtable import RunTable
 

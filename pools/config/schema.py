@@ -570,7 +570,7 @@ class PoolConfig:
     # where a run's next step goes: always_affinity (the default: wait for the instance
     # holding its prefix while it is healthy), affinity_or_move (stay there unless another
     # instance has spare room and waiting costs more than the whole move there), least_loaded
-    # (ignore affinity); router/picking.py, docs/run_scheduling.md
+    # (ignore affinity); router/admission/picking.py, docs/run_scheduling.md
     placement: Literal["affinity_or_move", "always_affinity", "least_loaded"] = "always_affinity"
 
 

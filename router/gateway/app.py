@@ -37,6 +37,10 @@ from pools.telemetry import TelemetryScraper
 from router.accounting import Accountant, with_restored
 from router.accounting_metrics import AccountingMetrics
 from router.accounting_observer import AccountingObserver
+from router.admission.estimate import TokenEstimator
+from router.admission.membership import Membership
+from router.admission.picking import RunAffinity
+from router.admission.queueing import RunUsage
 from router.core import build_core
 from router.errors import (
     BadRequest,
@@ -47,7 +51,6 @@ from router.errors import (
     Unauthorized,
     error_for_status,
 )
-from router.estimate import TokenEstimator
 from router.gateway.engine_calls import EngineCalls
 from router.gateway.protocols import ADAPTERS, MessagesAdapter, ResponsesAdapter
 from router.gateway.proxy import CompletionsHandler
@@ -57,10 +60,7 @@ from router.governance.store import GovernanceStore
 from router.history import History, reading_from
 from router.identity import OperatorAccess, Tenants
 from router.ledger import Ledger
-from router.membership import Membership
 from router.openapi import openapi_document
-from router.picking import RunAffinity
-from router.queueing import RunUsage
 from router.rebalancer_api import register_pools_admin
 from router.request import Message, Receive, RequestObserver, Scope, Send
 from router.runtable import RunTable

@@ -23,7 +23,7 @@ import aiohttp
 
 from pools.config import Config
 from pools.fleet import Fleet, InstanceState
-from router.admitter import Admitter
+from router.admission.admitter import Admitter
 from router.errors import EngineFailure, GpupoolError, NoHealthyInstance, NotFound
 from router.gateway.classify import classify
 from router.gateway.protocols import ChatAdapter, ProtocolAdapter

@@ -51,7 +51,8 @@ import orjson
 
 from pools.config import Config
 from pools.fleet import Fleet, Lease
-from router.admitter import Admitter
+from router.admission.admitter import Admitter
+from router.admission.estimate import Estimate, TokenEstimator
 from router.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -61,7 +62,6 @@ from router.errors import (
     PayloadTooLarge,
     RequestTimeout,
 )
-from router.estimate import Estimate, TokenEstimator
 from router.gateway.classify import classify
 from router.gateway.protocols import ProtocolAdapter
 from router.gateway.response_placement import ResponsePlacement, StoredResponse

@@ -40,8 +40,8 @@ from typing import Any
 
 from pools.config import Config, TenantConfig
 from pools.periodic import Periodic
+from router.admission.estimate import Estimate
 from router.errors import BadRequest, RateLimited, RunStopped
-from router.estimate import Estimate
 from router.governance.borrowing import LenderView, pick_lender
 from router.governance.bucket import TokenBucket, WindowSum
 from router.governance.guards import (

@@ -34,11 +34,11 @@ from pools.config import Config
 from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
-from router.admission import Need
+from router.admission.decision import Need
+from router.admission.estimate import Estimate
+from router.admission.queueing import QueueEntry
 from router.core import build_core
 from router.errors import CapacityExceeded, NoHealthyInstance
-from router.estimate import Estimate
-from router.queueing import QueueEntry
 from router.rebalancer import recall_check_offsets_s
 from router.request import RequestContext, RequestOutcome
 from router.simulate.model import EngineModel, LatencyModel, SimSequence

@@ -285,7 +285,7 @@ def test_two_cpu_engines_with_a_tenant_serve_log_no_secret_and_die_with_a_killed
 
     # 5. no marker in anything written, and the grep looks where the records are
     text = log.read_text()
-    assert "DEBUG router.admitter" in text, "the router did not log at debug"
+    assert "DEBUG router.admission.admitter" in text, "the router did not log at debug"
     engine_logs = [p for p in run_dir.rglob("*") if p.is_file() and p.suffix == ".log"]
     assert len(engine_logs) >= 2 and all(p.stat().st_size > 0 for p in engine_logs), engine_logs
     written = [log, *(p for p in tmp_path.rglob("*") if p.is_file() and p != config_path)]

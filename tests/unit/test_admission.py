@@ -8,7 +8,7 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.admission import Grant, InstanceView, Need, Reject, Wait, decide, fit_reason
+from router.admission.decision import Grant, InstanceView, Need, Reject, Wait, decide, fit_reason
 
 BASE = InstanceView(
     instance_id="engine-0",

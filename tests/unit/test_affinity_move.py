@@ -14,7 +14,7 @@ from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
-from router.picking import (
+from router.admission.picking import (
     Candidate,
     Picker,
     PickRequest,

@@ -11,10 +11,10 @@ from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
+from router.admission.picking import PickRequest, RunAffinity, default_picker
 from router.errors import BadRequest, ClassNotAllowed, Unauthorized
 from router.gateway.classify import classify, run_identity
 from router.identity import Tenants
-from router.picking import PickRequest, RunAffinity, default_picker
 
 CONFIG = parse_config(
     {

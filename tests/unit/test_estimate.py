@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from pools.config import parse_config
 from pools.devmodel import make_dev_model
-from router.estimate import Estimate, TokenEstimator
+from router.admission.estimate import Estimate, TokenEstimator
 
 _WORD_TEXT = (
     "the model reads a file and calls a tool to search the cache for the block it needs "

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
+from router.admission.estimate import Estimate
 from router.errors import RunStopped
-from router.estimate import Estimate
 from router.governance import GovernanceMetrics, Governor, StepSignals
 from router.governance.runtable import runs_to_forget
 from router.governance.store import GovernanceStore

@@ -13,7 +13,7 @@ from pools.allocation import Allocation, Drain, PoolMap, plan_allocation
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from router.accounting import Accountant
-from router.membership import Membership
+from router.admission.membership import Membership
 
 
 class Clock:

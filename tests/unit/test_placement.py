@@ -18,7 +18,7 @@ import pytest
 from pools.config import DEFAULT_CPU_CONFIG, ConfigError, parse_config
 from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
-from router.estimate import Estimate
+from router.admission.estimate import Estimate
 from router.gateway.app import Gateway, create_app
 from router.request import RequestContext
 from tests.unit.test_rebalance_borrow import ctx as borrow_ctx

@@ -21,7 +21,7 @@ from pools.allocation import plan_allocation
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
-from router.picking import PickRequest, RunAffinity, default_picker
+from router.admission.picking import PickRequest, RunAffinity, default_picker
 
 
 def test_hit_rate_is_hit_tokens_over_queried_tokens_summed_over_engines() -> None:
@@ -58,7 +58,7 @@ def test_the_decisions_of_a_full_home_are_collected_from_the_pickers_debug_recor
     affinity.record("run", "e0", context_tokens=2000)
     picker = default_picker(fleet, affinity, random.Random(0), placement="affinity_or_move")
     cands = picker.candidates(plan_allocation(fleet.capacity_gpus(), {"agent": 1.0}), "agent")
-    log = logging.getLogger("router.picking")
+    log = logging.getLogger("router.admission.picking")
     collected = DecisionLog()
     log.addHandler(collected)
     log.setLevel(logging.DEBUG)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.queueing import PoolQueue, QueueEntry, QueueFull
+from router.admission.queueing import PoolQueue, QueueEntry, QueueFull
 
 
 def _entry(

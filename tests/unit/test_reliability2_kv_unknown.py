@@ -24,7 +24,7 @@ from pools.launchers.base import InstanceSpec
 from pools.telemetry import parse_vllm_metrics
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.admission import InstanceView, Need, fit_reason
+from router.admission.decision import InstanceView, Need, fit_reason
 from router.cli import main
 from router.commands.top import Snapshot, render
 from router.gateway.app import create_app

@@ -100,7 +100,7 @@ def outputs(tmp_path_factory: pytest.TempPathFactory, engine_url: str) -> dict[s
 
 
 def test_debug_reaches_the_routers_loggers_and_uvicorns(outputs: dict[str, str]) -> None:
-    assert "DEBUG router.admitter" in outputs["debug"]  # one line per admitted request
+    assert "DEBUG router.admission.admitter" in outputs["debug"]  # one line per admitted request
     assert "Application startup complete" in outputs["debug"]  # uvicorn's, at info
 
 
@@ -113,4 +113,4 @@ def test_warning_silences_info(outputs: dict[str, str]) -> None:
 
 def test_verbose_wins_over_the_config(outputs: dict[str, str]) -> None:
     out = outputs["verbose"]  # router.log_level: error, gpupool -v
-    assert "DEBUG router.admitter" in out and "is healthy" in out
+    assert "DEBUG router.admission.admitter" in out and "is healthy" in out

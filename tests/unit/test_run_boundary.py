@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
+from router.admission.estimate import Estimate
 from router.errors import RateLimited, RunStopped
-from router.estimate import Estimate
 from router.gateway.classify import classify
 from router.governance import GovernanceMetrics, Governor, StepSignals
 from router.governance.boundary import anchor, starts_new_run

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from router.accounting import Accountant
-from router.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
+from router.admission.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
 
 
 def _entry(

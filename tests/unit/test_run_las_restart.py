@@ -16,8 +16,8 @@ from pools.launchers.base import InstanceSpec
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.accounting import with_restored
+from router.admission.queueing import RunUsage
 from router.gateway.app import create_app
-from router.queueing import RunUsage
 
 
 def test_restored_service_adds_to_what_the_accountant_saw_since() -> None:

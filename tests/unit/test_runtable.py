@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.accounting import Accountant
-from router.picking import RunAffinity
+from router.admission.picking import RunAffinity
 from router.runtable import RunTable
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.estimate import Estimate
+from router.admission.estimate import Estimate
+from router.admission.picking import RunAffinity
 from router.governance import RunEnd
 from router.metrics import RouterMetrics
-from router.picking import RunAffinity
 from router.request import RequestContext, RequestOutcome
 from router.runtable import RunTable
 from router.settlement import ORDER, Settlement

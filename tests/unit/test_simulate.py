@@ -20,11 +20,11 @@ from benchmarks.simulate.matrix import summary_markdown
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
-from router.admission import Need
+from router.admission.decision import Need
+from router.admission.estimate import Estimate
 from router.cli import main as cli_main
 from router.core import build_core
 from router.errors import CapacityExceeded
-from router.estimate import Estimate
 from router.request import RequestContext
 from router.simulate.fit import fit_latency
 from router.simulate.model import EngineModel, LatencyModel, SimSequence

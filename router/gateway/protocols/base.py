@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 
 import orjson
 
+from router.admission.estimate import EstimateInput
 from router.errors import GpupoolError
-from router.estimate import EstimateInput
 from router.request import RequestContext, RequestOutcome
 
 __all__ = ["Extras", "ProtocolAdapter", "sse_data", "sse_event_name"]

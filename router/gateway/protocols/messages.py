@@ -19,8 +19,8 @@ from typing import Any
 
 import orjson
 
+from router.admission.estimate import EstimateInput, estimate_input, positive_int
 from router.errors import BadRequest, GpupoolError, anthropic_body, anthropic_status
-from router.estimate import EstimateInput, estimate_input, positive_int
 from router.gateway.protocols.base import Extras, ProtocolAdapter, sse_data, sse_event_name
 from router.gateway.protocols.responses import json_text, tools_json
 from router.request import RequestContext, RequestOutcome

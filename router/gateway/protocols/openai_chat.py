@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 
 import orjson
 
+from router.admission.estimate import EstimateInput, read_openai
 from router.errors import BadRequest
-from router.estimate import EstimateInput, read_openai
 from router.gateway.protocols.base import Extras, ProtocolAdapter, sse_data
 from router.request import RequestContext, RequestOutcome
 

@@ -18,14 +18,14 @@ from typing import Any
 
 import orjson
 
-from router.errors import BadRequest, GpupoolError
-from router.estimate import (
+from router.admission.estimate import (
     EstimateInput,
     content_texts,
     estimate_input,
     positive_int,
     template_json,
 )
+from router.errors import BadRequest, GpupoolError
 from router.gateway.protocols.base import Extras, ProtocolAdapter, sse_data, sse_event_name
 from router.request import RequestContext, RequestOutcome
 

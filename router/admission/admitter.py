@@ -1,5 +1,5 @@
 """Admission's shell: the queues, the leases, and the event-driven dispatch around the pure
-decision in `router.admission`.
+decision in `router.admission.decision`.
 
 `await admitter.admit(ctx, estimate)` returns a `Lease` on the instance the request goes to:
 at once when the pool's queue is empty and the sequence fits somewhere (the common case, no
@@ -40,11 +40,9 @@ from typing import Protocol
 from pools.allocation import PoolMap
 from pools.config import Config, PoolConfig
 from pools.fleet import Fleet, InstanceState, Lease
-from router.admission import Grant, InstanceView, Need, Reject, Wait, decide
-from router.errors import CapacityExceeded, NoHealthyInstance
-from router.estimate import Estimate
-from router.metrics import RouterMetrics
-from router.picking import (
+from router.admission.decision import Grant, InstanceView, Need, Reject, Wait, decide
+from router.admission.estimate import Estimate
+from router.admission.picking import (
     Candidate,
     Picker,
     PickRequest,
@@ -52,7 +50,9 @@ from router.picking import (
     expected_home_wait_s,
     uncached_prefill_tokens_per_s,
 )
-from router.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
+from router.admission.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
+from router.errors import CapacityExceeded, NoHealthyInstance
+from router.metrics import RouterMetrics
 from router.request import RequestContext
 
 __all__ = ["Admitter", "Waiter"]
@@ -649,7 +649,7 @@ class Admitter:
 
 def _free_slots(view: InstanceView) -> int:
     """Sequences the pool may still start on the instance now by its operating points (the
-    same counts `router.admission.fit_reason` checks; KV may refuse sooner)."""
+    same counts `router.admission.decision.fit_reason` checks; KV may refuse sooner)."""
     limit = min(view.pool_limit, view.instance_limit)
     pool_free = max(1, int(view.frac * limit)) - view.pool_running
     return max(0, min(pool_free, view.instance_limit - view.running))

@@ -2,7 +2,7 @@
 
 `decide(views, need, now_s)` returns a `Grant` (the instances it fits on, for the picker to
 choose among), a `Wait` (nothing fits now but something can free up) or a `Reject` (it cannot
-be served in time). No clock, no I/O, no state: the shell (`router.admitter`) builds the
+be served in time). No clock, no I/O, no state: the shell (`router.admission.admitter`) builds the
 views from the fleet and holds the queue and the leases.
 
 On instance `i`, a sequence of pool `p` fits when all of these hold (DESIGN.md, step 3):

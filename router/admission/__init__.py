@@ -1,0 +1,1 @@
+"""The admission feature (docstring written with the layering rules)."""
