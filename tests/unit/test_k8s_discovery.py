@@ -16,12 +16,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from pools.config import (
-    DEFAULT_CPU_CONFIG,
-    KubernetesEnginesConfig,
-    KubernetesServiceConfig,
-    parse_config,
-)
+from pools.config import KubernetesEnginesConfig, KubernetesServiceConfig
 from pools.discovery import DiscoveryError, DiscoveryLoop
 from pools.discovery.kubernetes import (
     DnsSource,
@@ -31,6 +26,7 @@ from pools.discovery.kubernetes import (
 )
 from pools.launchers.base import InstanceSpec
 from pools.launchers.kubernetes import KubernetesLauncher
+from pools.testing.config import config_for_test, even_pools
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.gateway.app import Gateway, create_app
@@ -274,19 +270,7 @@ class ScriptedSource:
 
 
 def _config(tmp_path: Path) -> Any:
-    data = {
-        **DEFAULT_CPU_CONFIG,
-        "router": {
-            "ledger_path": str(tmp_path / "l.sqlite"),
-            "state_path": str(tmp_path / "s.json"),
-            "scrape_interval_s": 0.05,
-        },
-        "pools": {
-            "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
-            "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
-        },
-    }
-    return parse_config(data)
+    return config_for_test(tmp_path, pools=even_pools(), router={"scrape_interval_s": 0.05})
 
 
 @dataclass
