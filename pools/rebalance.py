@@ -2,8 +2,8 @@
 
 No clock, no I/O, no randomness: `decide(state, signals, bounds, settings, now_s)` returns a
 `Decision` (the new target shares, the move if any, the reason, and the pressures behind it)
-and the next `LoopState`. The shell (`router.rebalancer`) gathers the signals, calls it once
-per `interval_s`, places the result (`pools.allocation.plan_moves`) and logs the decision.
+and the next `LoopState`. The shell (`router.rebalancer.rebalancer`) gathers the signals, calls
+it once per `interval_s`, places the result (`pools.allocation.plan_moves`) and logs the decision.
 
 Pressure (>= 1 means the pool misses a target) is the max of normalised signals:
 

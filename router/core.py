@@ -25,7 +25,7 @@ from router.admission.admitter import Admitter
 from router.admission.picking import Picker, RunAffinity, default_picker, placement_patience_s
 from router.admission.queueing import RunUsage
 from router.metrics import RouterMetrics
-from router.rebalancer import Rebalancer
+from router.rebalancer.rebalancer import Rebalancer
 
 __all__ = ["Core", "build_core"]
 
@@ -86,7 +86,7 @@ def build_core(
     admitter = Admitter(
         config, fleet, pool_map, picker, metrics, affinity, clock=clock, run_usage=run_usage
     )
-    # the pool ratio follows demand; SRE controls; the decision log (router/rebalancer.py)
+    # the pool ratio follows demand; SRE controls; the decision log (router/rebalancer/)
     rebalancer = Rebalancer(
         config, fleet, pool_map, admitter.queues, metrics, clock=clock, wall_clock=wall_clock
     )

@@ -100,7 +100,7 @@ class RouterMetrics:
             ["pool"],
             registry=r,
         )
-        # the rebalancer (router/rebalancer.py)
+        # the rebalancer (router/rebalancer/rebalancer.py)
         self.pool_target_share = Gauge(
             "gpupool_pool_target_share_frac",
             "The rebalancer's target share per pool (the placed share follows it, one whole"

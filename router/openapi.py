@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from pools.config import Config
 from router.identity import OperatorAccess
-from router.rebalancer_api import BoundsBody, EmptyBody, MoveBody, PinBody, UnpinBody
+from router.rebalancer.routes import BoundsBody, EmptyBody, MoveBody, PinBody, UnpinBody
 
 __all__ = ["INT64_MAX", "INT64_MIN", "openapi_document"]
 
@@ -651,7 +651,7 @@ def _post(
 
 
 def _pools_admin(admin: list[Schema]) -> dict[str, Schema]:
-    """The SREs' controls over the ratio (router/rebalancer_api.py): bodies from its models."""
+    """The SREs' controls over the ratio (router/rebalancer/routes.py): bodies from its models."""
     view = _json({"type": "object"}, "The rebalancer's view after the change")
     controls: list[tuple[str, str, str, type[BaseModel]]] = [
         ("bounds", "setPoolBounds", "Set (or reset) a pool's floor and ceiling", BoundsBody),

@@ -61,7 +61,7 @@ from router.history import History, reading_from
 from router.identity import OperatorAccess, Tenants
 from router.ledger import Ledger
 from router.openapi import openapi_document
-from router.rebalancer_api import register_pools_admin
+from router.rebalancer.routes import register_pools_admin
 from router.request import Message, Receive, RequestObserver, Scope, Send
 from router.runtable import RunTable
 from router.settlement import Settlement

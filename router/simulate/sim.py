@@ -6,7 +6,7 @@ telemetry freshness, the operating point learned from the modelled engines' coun
 admitter's synchronous core (`admit_now` on arrival, `enqueue`, `dispatch_once`: the admission
 decision, the picker and the lease in one step, with the waiting bookkeeping, so placement
 patience, the wait for a run's home and affinity-or-move act as in the router), the per-pool
-`PoolQueue`s, `router.rebalancer.Rebalancer.tick` and `check_recall` (signals,
+`PoolQueue`s, `router.rebalancer.rebalancer.Rebalancer.tick` and `check_recall` (signals,
 `pools.rebalance.decide`, `plan_moves`, drains). A request leaves its queue unserved after
 `Admitter.max_wait_s`, checked at each dispatch pass (the router's timers).
 What is modelled: the engines (processor-sharing batches, a linear TPOT in the batch size, a
@@ -39,7 +39,7 @@ from router.admission.estimate import Estimate
 from router.admission.queueing import QueueEntry
 from router.core import build_core
 from router.errors import CapacityExceeded, NoHealthyInstance
-from router.rebalancer import recall_check_offsets_s
+from router.rebalancer.rebalancer import recall_check_offsets_s
 from router.request import RequestContext, RequestOutcome
 from router.simulate.model import EngineModel, LatencyModel, SimSequence
 from router.simulate.workload import AgentRunPlan, ChatRequestPlan, Plan

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.errors import BadRequest
 from router.identity import OperatorAccess
-from router.rebalancer import Rebalancer
+from router.rebalancer.rebalancer import Rebalancer
 
 __all__ = ["register_pools_admin"]
 

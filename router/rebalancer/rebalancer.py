@@ -62,7 +62,7 @@ from pools.tasks import cancel_and_wait
 from router.admission.queueing import PoolQueue
 from router.errors import BadRequest, CapacityExceeded, NotFound
 from router.metrics import RouterMetrics
-from router.rebalance_store import DecisionLog, SreSettings, load_settings, save_settings
+from router.rebalancer.store import DecisionLog, SreSettings, load_settings, save_settings
 from router.request import RequestOutcome
 
 __all__ = ["RECALL_CHECK_S", "Rebalancer", "SignalWindow", "recall_check_offsets_s"]

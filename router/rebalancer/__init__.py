@@ -1,0 +1,1 @@
+"""The rebalancer feature (docstring written with the layering rules)."""
