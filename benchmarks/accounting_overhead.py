@@ -22,8 +22,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from router.accounting import Accountant, SequenceToken
-from router.ledger import Ledger, RequestRecord
+from router.accounting.accountant import Accountant, SequenceToken
+from router.accounting.ledger import Ledger, RequestRecord
 
 
 def _record(k: int, gpu_seconds: float, now_s: float) -> RequestRecord:

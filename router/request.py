@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from router.accounting import SequenceToken
+    from router.accounting.accountant import SequenceToken
     from router.admission.estimate import Estimate
 
 __all__ = [
@@ -106,7 +106,7 @@ class RequestOutcome:
     response_id: str | None = None  # a stored response's id (the Responses API)
     # started by SSE wait comments (router/gateway/wait_comments.py); no relay has written since
     wait_stream_open: bool = False
-    # accounting (router.accounting_observer)
+    # accounting (router.accounting.observer)
     acct_token: SequenceToken | None = None
     gpu_seconds: float = 0.0
     step_index: int | None = None

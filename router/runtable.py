@@ -3,10 +3,10 @@ run's key ((tenant, run id) on the request path; a session's home is keyed (tena
 
 One `RunRecord` per run holds what used to live in separate LRUs, each with its own cap:
 
-- its attained service (router.accounting): the GPU-seconds of its ended steps, when it was
-  last active, and its steps in flight (their sequence tokens: the one count of them);
+- its attained service (router.accounting.accountant): the GPU-seconds of its ended steps, when
+  it was last active, and its steps in flight (their sequence tokens: the one count of them);
 - its span (the class of its first step, first arrival, last byte out: run completion time);
-- its next step number (router.ledger: the ledger numbers a run's steps 0, 1, 2, ...);
+- its next step number (router.accounting.ledger: the ledger numbers a run's steps 0, 1, 2, ...);
 - its home (router.admission.picking.RunAffinity: where its last step went, and its context then);
 - whether governance ended it.
 
@@ -36,16 +36,16 @@ __all__ = ["RunRecord", "RunTable"]
 class RunRecord:
     """What the router keeps about one run. Each part is unset until its owner first writes it."""
 
-    # attained service (router.accounting): set once a step of it was metered
+    # attained service (router.accounting.accountant): set once a step of it was metered
     metered: bool = False
     ended_gpu_s: float = 0.0
     last_active_s: float = 0.0
     in_flight: list[Any] = field(default_factory=list)  # its steps' SequenceTokens
-    # span (router.accounting_observer): class_name None until a step of it finished
+    # span (router.accounting.observer): class_name None until a step of it finished
     class_name: str | None = None
     first_arrival_s: float = math.inf
     last_end_s: float = -math.inf
-    # step numbering (router.ledger): the next step's index, None until known
+    # step numbering (router.accounting.ledger): the next step's index, None until known
     next_step: int | None = None
     # home (router.admission.picking.RunAffinity): None until a step of it went somewhere
     home: str | None = None

@@ -46,7 +46,7 @@ ORDER = ("meter", "governance", "ledger", "learners")
 
 
 class Meter(Protocol):
-    """GPU-seconds and the request's record (router.accounting_observer.AccountingObserver)."""
+    """GPU-seconds and the request's record (router.accounting.observer.AccountingObserver)."""
 
     def dispatched(self, outcome: RequestOutcome) -> None: ...
 
@@ -64,7 +64,7 @@ class Meter(Protocol):
 
 
 class RunEndLog(Protocol):
-    """Where a run's end is recorded (router.ledger.Ledger)."""
+    """Where a run's end is recorded (router.accounting.ledger.Ledger)."""
 
     def submit_run_end(
         self,

@@ -31,7 +31,10 @@ _SYSCALL = "socket syscalls (read/write/send/recv, in the kernel)"
 # and within one frame the first match in this order. Native frames are named by their C file.
 _COMPONENTS: tuple[tuple[str, str], ...] = (
     ("asyncio/runners.py", "event loop internals (uvloop's C loop: polling, dispatch, socket I/O)"),
-    ("router/ledger.py", "ledger (router/ledger.py + sqlite3, its worker thread)"),
+    (
+        "router/accounting/ledger.py",
+        "ledger (router/accounting/ledger.py + sqlite3, its worker thread)",
+    ),
     ("orjson", "JSON (orjson)"),
     ("(parser.c", "HTTP parsing, server side (httptools)"),
     ("(llhttp.c", "HTTP parsing, server side (httptools)"),

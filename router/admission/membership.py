@@ -34,7 +34,7 @@ from pools.allocation import Allocation, PoolMap, plan_moves
 from pools.fleet import Fleet, InstanceState
 from pools.launchers.base import InstanceSpec
 from pools.operating_point import OperatingPoint
-from router.accounting import Accountant
+from router.accounting.accountant import Accountant
 
 __all__ = ["Membership"]
 

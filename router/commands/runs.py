@@ -10,7 +10,7 @@ built-in `./.gpupool/ledger.sqlite`), or with `--url` a running router's API:
 from `--api-key` or `$GPUPOOL_API_KEY` as a bearer token. A session id (Claude Code's, Codex's)
 names many runs, `<session>:1`, `<session>:2`, ... (one per task); with `--url`, `show SESSION`
 lists them and shows the current one. Both paths print the same JSON shapes
-(router/ledger.py: `top_runs_report`, `run_summary`).
+(router/accounting/ledger.py: `top_runs_report`, `run_summary`).
 
 Exit codes: 0 success; 1 the run is unknown, or the router is unreachable or failed;
 2 bad input (options, config, a missing or foreign ledger file, a refused API key).
@@ -31,7 +31,7 @@ from urllib.parse import quote
 import httpx
 
 from pools.config import ConfigError, load_config
-from router.ledger import LedgerError, open_readonly, run_summary, top_runs_report
+from router.accounting.ledger import LedgerError, open_readonly, run_summary, top_runs_report
 
 __all__ = ["register", "run_command"]
 

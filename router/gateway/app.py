@@ -34,9 +34,10 @@ from pools.discovery import DiscoveryLoop, EngineSource
 from pools.launchers.base import InstanceSpec
 from pools.operating_point import OperatingPoint, TpotLine
 from pools.telemetry import TelemetryScraper
-from router.accounting import Accountant, with_restored
-from router.accounting_metrics import AccountingMetrics
-from router.accounting_observer import AccountingObserver
+from router.accounting.accountant import Accountant, with_restored
+from router.accounting.ledger import Ledger
+from router.accounting.metrics import AccountingMetrics
+from router.accounting.observer import AccountingObserver
 from router.admission.estimate import TokenEstimator
 from router.admission.membership import Membership
 from router.admission.picking import RunAffinity
@@ -59,7 +60,6 @@ from router.governance import GovernanceMetrics, Governor
 from router.governance.store import GovernanceStore
 from router.history import History, reading_from
 from router.identity import OperatorAccess, Tenants
-from router.ledger import Ledger
 from router.openapi import openapi_document
 from router.rebalancer.routes import register_pools_admin
 from router.request import Message, Receive, RequestObserver, Scope, Send

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 from typing import Any
 
-from router.ledger import RequestRecord
+from router.accounting.ledger import RequestRecord
 
 T0 = 1_750_000_000.0  # a fixed unix time
 _ids = itertools.count()

@@ -1,6 +1,6 @@
-"""GPU-seconds by processor sharing (router/accounting.py): worked examples with every number
-worked out by hand, then properties checked by hypothesis against a brute-force reference that
-splits every interval between events explicitly.
+"""GPU-seconds by processor sharing (router/accounting/accountant.py): worked examples with every
+number worked out by hand, then properties checked by hypothesis against a brute-force reference
+that splits every interval between events explicitly.
 
 The accountant's own `conservation().rel_error` compares its counters with each other, so it
 holds for many wrong answers (a cost given to the wrong sequence, time charged to the wrong
@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from router.accounting import (
+from router.accounting.accountant import (
     UNALLOCATED_POOL,
     Accountant,
     AccountingError,

@@ -1,12 +1,12 @@
-"""Prometheus counters for accounting (router/accounting_metrics.py), on a private registry."""
+"""Prometheus counters for accounting (router/accounting/metrics.py), on a private registry."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.accounting import Accountant
-from router.accounting_metrics import AccountingMetrics
+from router.accounting.accountant import Accountant
+from router.accounting.metrics import AccountingMetrics
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:

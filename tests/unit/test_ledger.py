@@ -1,5 +1,5 @@
-"""The durable ledger (router/ledger.py): batching, durability across close, restart and a hard
-kill, retention in simulated time, tenant scoping and the run queries."""
+"""The durable ledger (router/accounting/ledger.py): batching, durability across close, restart
+and a hard kill, retention in simulated time, tenant scoping and the run queries."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from router.accounting import Accountant, ConservationReport
-from router.ledger import (
+from router.accounting.accountant import Accountant, ConservationReport
+from router.accounting.ledger import (
     SCHEMA_VERSION,
     Ledger,
     LedgerError,
@@ -139,7 +139,7 @@ import asyncio, os, signal, sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
 from tests.unit.test_ledger import rec
-from router.ledger import Ledger
+from router.accounting.ledger import Ledger
 
 async def main() -> None:
     ledger = Ledger(Path({db!r}), flush_interval_s=1000.0, durable={durable})

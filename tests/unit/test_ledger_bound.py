@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from router.ledger import Ledger, RequestRecord
+from router.accounting.ledger import Ledger, RequestRecord
 from tests.unit.ledger_records import T0, record
 
 

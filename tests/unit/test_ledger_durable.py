@@ -1,6 +1,6 @@
-"""The durable ledger (router/ledger.py `commit`, router.ledger_durable): a record is on disk
-before its response's final bytes leave the router; concurrent requests share one commit; a
-failed or slow commit is logged and retried and never fails or holds the response."""
+"""The durable ledger (router/accounting/ledger.py `commit`, router.ledger_durable): a record is
+on disk before its response's final bytes leave the router; concurrent requests share one
+commit; a failed or slow commit is logged and retried and never fails or holds the response."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, Config, ConfigError, parse_config
-from pools.launchers.base import InstanceSpec
-from pools.testing.fake_engine import FakeEngineState, make_fake_engine
-from pools.testing.serve import serve_asgi
-from router.gateway.app import Gateway, create_app
-from router.ledger import Ledger, connect
+from pools.config import Config, ConfigError
+from pools.testing.config import config_for_test, one_pool
+from pools.testing.fake_engine import FakeEngineState
+from pools.testing.gateway import gateway_over_fakes
+from router.accounting.ledger import Ledger, connect
+from router.gateway.app import Gateway
 from router.request import Message, Receive, Scope, Send
 from tests.unit.ledger_records import T0, record
 from tests.unit.test_ledger import run_then_kill
@@ -141,7 +141,7 @@ async def test_a_failed_commit_is_logged_and_retried_never_raised(
 ) -> None:
     ledger: Ledger = await make_ledger()
     drop_requests_table(db)
-    with caplog.at_level(logging.ERROR, logger="router.ledger"):
+    with caplog.at_level(logging.ERROR, logger="router.accounting.ledger"):
         assert await ledger.commit(record(request_id="kept")) is False
     assert any("group commit of 1 records failed" in r.getMessage() for r in caplog.records)
     assert (ledger.failed_commits, ledger.buffered) == (1, 1)  # back in the buffer
@@ -191,17 +191,8 @@ def test_the_setting_takes_only_a_boolean(tmp_path: Path) -> None:
 
 
 def _config(tmp_path: Path, **router: Any) -> Config:
-    data = {
-        **DEFAULT_CPU_CONFIG,
-        "router": {
-            "ledger_path": str(tmp_path / "l.sqlite"),
-            "state_path": str(tmp_path / "s.json"),
-            "ledger_flush_interval_s": 600.0,  # no periodic flush within a test
-            **router,
-        },
-    }
-    data["pools"] = {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}}
-    return parse_config(data)
+    router = {"ledger_flush_interval_s": 600.0, **router}  # no periodic flush within a test
+    return config_for_test(tmp_path, pools=one_pool(), router=router)
 
 
 # a stream's last event, per protocol: chat and completions, the Responses API, Anthropic Messages
@@ -251,15 +242,12 @@ async def router(
     tmp_path: Path,
 ) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient, FakeEngineState]]:
     state = FakeEngineState()
-    async with serve_asgi(make_fake_engine(state)) as url:
-        gateway = create_app(_config(tmp_path), [InstanceSpec("engine-0", url, 1)])
-        await gateway.start()
-        probe = FinalBytesProbe(gateway, tmp_path / "l.sqlite")
+    async with gateway_over_fakes(_config(tmp_path), [state]) as rig:
+        probe = FinalBytesProbe(rig.gateway, tmp_path / "l.sqlite")
         transport = httpx.ASGITransport(app=probe)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
             client.probe = probe  # type: ignore[attr-defined]
-            yield gateway, client, state
-        await gateway.aclose()
+            yield rig.gateway, client, state
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
@@ -329,7 +317,7 @@ async def test_a_ledger_failure_does_not_fail_the_request(
     gateway, client, _ = router
     path = tmp_path / "l.sqlite"
     drop_requests_table(path)
-    with caplog.at_level(logging.ERROR, logger="router.ledger"):
+    with caplog.at_level(logging.ERROR, logger="router.accounting.ledger"):
         resp = await client.post("/v1/chat/completions", json={**BODY, "stream": True})
     assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
     assert any("group commit" in r.getMessage() for r in caplog.records)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from pools.allocation import Allocation, Drain, PoolMap, plan_allocation
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
-from router.accounting import Accountant
+from router.accounting.accountant import Accountant
 from router.admission.membership import Membership
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router.accounting import Accountant
+from router.accounting.accountant import Accountant
 from router.admission.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.accounting import Accountant
-from router.accounting_metrics import AccountingMetrics
-from router.accounting_observer import AccountingObserver
-from router.ledger import Ledger, RequestRecord
+from router.accounting.accountant import Accountant
+from router.accounting.ledger import Ledger, RequestRecord
+from router.accounting.metrics import AccountingMetrics
+from router.accounting.observer import AccountingObserver
 from router.metrics import RouterMetrics
 from router.request import RequestContext, RequestOutcome
 from tests.unit.ledger_records import T0, record

@@ -11,11 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
+from pools.config import parse_config
 from pools.launchers.base import InstanceSpec
+from pools.testing.config import config_data, one_pool
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.accounting import with_restored
+from router.accounting.accountant import with_restored
 from router.admission.queueing import RunUsage
 from router.gateway.app import create_app
 
@@ -31,18 +32,11 @@ def test_restored_service_adds_to_what_the_accountant_saw_since() -> None:
 
 
 def _config(tmp_path: Path) -> dict[str, Any]:
-    return {
-        **DEFAULT_CPU_CONFIG,
-        "pools": {
-            "normal": {
-                "classes": ["normal", "agent"],
-                "share": {"initial_frac": 1},
-                "queue": {"order": "run_las"},
-            }
-        },
-        "tenants": [{"name": "t", "api_key": "k-t"}],
-        "router": {"ledger_path": str(tmp_path / "l.sqlite"), "state_path": str(tmp_path / "s")},
-    }
+    return config_data(
+        tmp_path,
+        pools=one_pool(queue={"order": "run_las"}),
+        tenants=[{"name": "t", "api_key": "k-t"}],
+    )
 
 
 async def test_a_runs_attained_service_survives_a_router_restart(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+from router.accounting.ledger import Ledger, RequestRecord
 from router.commands import runs
-from router.ledger import Ledger, RequestRecord
 
 T0 = 1_750_000_000.0
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.accounting import Accountant
+from router.accounting.accountant import Accountant
 from router.admission.picking import RunAffinity
 from router.runtable import RunTable
 

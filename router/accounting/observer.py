@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from router.accounting import Accountant, SequenceToken
-from router.accounting_metrics import AccountingMetrics
-from router.ledger import Ledger, RequestRecord
+from router.accounting.accountant import Accountant, SequenceToken
+from router.accounting.ledger import Ledger, RequestRecord
+from router.accounting.metrics import AccountingMetrics
 from router.request import RequestOutcome
 
 __all__ = ["AccountingObserver"]

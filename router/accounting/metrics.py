@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from router.accounting import ConservationReport
+from router.accounting.accountant import ConservationReport
 
 __all__ = ["AccountingMetrics"]
 

@@ -12,7 +12,7 @@ import sqlite3
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from router.accounting import ConservationReport
+from router.accounting.accountant import ConservationReport
 
 __all__ = [
     "HOUR_S",

@@ -47,8 +47,8 @@ from typing import Any, TypeVar
 
 from pools.config import RouterConfig, default_of
 from pools.periodic import Periodic
-from router.accounting import ConservationReport
-from router.ledger_queries import (
+from router.accounting.accountant import ConservationReport
+from router.accounting.ledger_queries import (
     HOUR_S,
     JsonDict,
     RunOrder,

@@ -1,0 +1,1 @@
+"""The accounting feature (docstring written with the layering rules)."""
