@@ -58,14 +58,14 @@ from router.gateway.proxy import CompletionsHandler
 from router.gateway.response_placement import ResponsePlacement
 from router.governance import GovernanceMetrics, Governor
 from router.governance.store import GovernanceStore
-from router.history import History, reading_from
 from router.identity import OperatorAccess, Tenants
-from router.openapi import openapi_document
+from router.ops.history import History, reading_from
+from router.ops.openapi import openapi_document
+from router.ops.ui import register_ui
 from router.rebalancer.routes import register_pools_admin
 from router.request import Message, Receive, RequestObserver, Scope, Send
 from router.runtable import RunTable
 from router.settlement import Settlement
-from router.ui import register_ui
 
 __all__ = ["Gateway", "create_app"]
 

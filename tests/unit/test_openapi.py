@@ -34,7 +34,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from router.identity import OperatorAccess, Tenants
-from router.openapi import openapi_document
+from router.ops.openapi import openapi_document
 from tests.unit.test_hostile_rig import ADMIN_KEY, LiveRouter, hostile_config, live_router
 
 MIN_CASES = 1000

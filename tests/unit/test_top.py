@@ -16,7 +16,7 @@ from rich.console import Console
 
 from router.cli import main
 from router.commands.top import Snapshot, render, sparkline
-from router.history import History
+from router.ops.history import History
 from tests.unit.test_hostile_rig import (
     ADMIN_KEY,
     TENANT_KEY,

@@ -1,4 +1,4 @@
-"""The status page's last hour (router/history.py): bucket quantiles, interval rates, the ring
+"""The status page's last hour (router/ops/history.py): bucket quantiles, interval rates, the ring
 buffer's window, readings from the router's own metrics, and the sampler's lifecycle in
 simulated time. Expected values are worked out by hand in the comments."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from router.history import History, HistoryBuffer, Reading, bucket_quantile, reading_from
 from router.metrics import RouterMetrics
+from router.ops.history import History, HistoryBuffer, Reading, bucket_quantile, reading_from
 
 INF = math.inf
 

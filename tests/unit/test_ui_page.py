@@ -1,4 +1,4 @@
-"""The status page's HTTP side (router/ui/): who may load `/ui`, what it serves, and that the
+"""The status page's HTTP side (router/ops/ui/): who may load `/ui`, what it serves, and that the
 admin JSON it draws from takes the browser's Basic credentials. Served by uvicorn in front of
 fake engines (the hostile-input rig); the page in a real browser is
 tests/integration/test_ui_browser.py."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.ui import ASSETS
+from router.ops.ui import ASSETS
 from tests.unit.test_hostile_rig import (
     ADMIN_KEY,
     TENANT_KEY,

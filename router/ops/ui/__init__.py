@@ -1,4 +1,4 @@
-"""The status page, `GET /ui`: static files shipped in the package (`router/ui/static/`), no
+"""The status page, `GET /ui`: static files shipped in the package (`router/ops/ui/static/`), no
 build step. The page draws itself from the admin JSON (`/admin/pools`, `/admin/accounting`,
 `/admin/history`, and `/admin/decisions` where the rebalancer answers it) and refreshes itself.
 

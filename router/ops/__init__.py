@@ -1,0 +1,1 @@
+"""The ops feature (docstring written with the layering rules)."""
