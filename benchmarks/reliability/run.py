@@ -519,7 +519,7 @@ def markdown(report: JsonDict) -> str:
     lines += [
         "",
         f"Grace period: {results[-1].get('grace_s', 10) if results else 10} s (uvicorn's "
-        "`timeout_graceful_shutdown` in `router/stack.py`).",
+        "`timeout_graceful_shutdown` in `router/cli/stack.py`).",
         "",
         "## Commands",
         "",

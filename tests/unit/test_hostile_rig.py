@@ -177,7 +177,7 @@ class _Server(uvicorn.Server):
 
 
 def router_server(gateway: Gateway, config: Config) -> uvicorn.Server:
-    """uvicorn configured as router/stack.py configures it for `gpupool serve`."""
+    """uvicorn configured as router/cli/stack.py configures it for `gpupool serve`."""
     return _Server(
         uvicorn.Config(
             gateway,

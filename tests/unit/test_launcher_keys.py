@@ -22,7 +22,7 @@ from pools.launchers.engine_args import build_engine_command, engine_environ
 from pools.launchers.engine_guard import GUARD_MIDDLEWARE, EngineKeyGuard
 from pools.launchers.engine_plan import HostFacts
 from pools.launchers.local import EngineProcess
-from router.stack import instances_without_launching
+from router.cli.stack import instances_without_launching
 
 FLAGS = frozenset(
     {

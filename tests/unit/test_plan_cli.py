@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gpu_probe.fake_nvml import FakeGpu, FakeNvml
-from router.commands import plan, probe
+from router.cli.commands import plan, probe
 
 
 def parser() -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.admission.decision import InstanceView, Need, fit_reason
 from router.cli import main
-from router.commands.top import Snapshot, render
+from router.cli.commands.top import Snapshot, render
 from router.gateway.app import create_app
 
 

@@ -1,4 +1,4 @@
-"""`gpupool runs` (router/commands/runs.py): reading the ledger file, and a router's API through
+"""`gpupool runs` (router/cli/commands/runs.py): reading the ledger file, and a router's API through
 httpx's MockTransport (no patching, no network)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from router.accounting.ledger import Ledger, RequestRecord
-from router.commands import runs
+from router.cli.commands import runs
 
 T0 = 1_750_000_000.0
 

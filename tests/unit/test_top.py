@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from router.cli import main
-from router.commands.top import Snapshot, render, sparkline
+from router.cli.commands.top import Snapshot, render, sparkline
 from router.ops.history import History
 from tests.unit.test_hostile_rig import (
     ADMIN_KEY,

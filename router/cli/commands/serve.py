@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from router.commands._config import load_checked_or_report, with_port, with_verbose
+from router.cli.commands._config import load_checked_or_report, with_port, with_verbose
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_checked_or_report(args.config)
     if config is None:
         return 2
-    from router.stack import run_blocking
+    from router.cli.stack import run_blocking
 
     config = with_verbose(with_port(config, args.port), getattr(args, "verbose", False))
     return run_blocking(config, launch=False)

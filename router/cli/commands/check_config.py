@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from pools.config import Config, not_yet_in_effect
-from router.commands._config import load_checked_or_report
+from router.cli.commands._config import load_checked_or_report
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

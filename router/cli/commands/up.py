@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from pools.devmodel import SHAPES, is_dev_model, make_dev_model
-from router.commands._config import check_or_report, load_or_report, with_port, with_verbose
+from router.cli.commands._config import check_or_report, load_or_report, with_port, with_verbose
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,6 +29,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpupool: made the dev model {model.path.name!r} in {model.path}", file=sys.stderr)
     if not check_or_report(config):
         return 2
-    from router.stack import run_blocking
+    from router.cli.stack import run_blocking
 
     return run_blocking(config, launch=True)

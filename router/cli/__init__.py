@@ -1,5 +1,5 @@
 """The `gpupool` command line: one entry point, one module per subcommand under
-`router/commands/`. Each module exposes `register(subparsers)`, which adds its parser and sets
+`router/cli/commands/`. Each module exposes `register(subparsers)`, which adds its parser and sets
 `func(args) -> int` (the exit code). Exit codes: 0 success, 1 runtime failure, 2 bad input
 (usage or configuration).
 """
@@ -9,22 +9,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import sys
 
 __all__ = ["main"]
 
 # Subcommand modules, in the order `gpupool --help` lists them.
 COMMAND_MODULES = (
-    "router.commands.up",
-    "router.commands.serve",
-    "router.commands.check_config",
-    "router.commands.dev_model",
-    "router.commands.plan",
-    "router.commands.probe",
-    "router.commands.runs",
-    "router.commands.top",
-    "router.commands.pools",
-    "router.commands.simulate",
+    "router.cli.commands.up",
+    "router.cli.commands.serve",
+    "router.cli.commands.check_config",
+    "router.cli.commands.dev_model",
+    "router.cli.commands.plan",
+    "router.cli.commands.probe",
+    "router.cli.commands.runs",
+    "router.cli.commands.top",
+    "router.cli.commands.pools",
+    "router.cli.commands.simulate",
 )
 
 
@@ -58,7 +57,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     code: int = args.func(args)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
