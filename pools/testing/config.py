@@ -5,7 +5,7 @@ scratch folder, the engines optionally static URLs, and a test's own settings me
     config = config_for_test(tmp_path, pools=even_pools(), router={"scrape_interval_s": 0.05})
 
 Overrides merge into the default section by section (a mapping into a mapping, key by key; any
-other value replaces; `None` removes the key). `pools` replaces the default pools whole, since
+other value replaces; `REMOVE` removes the key). `pools` replaces the default pools whole, since
 a test's pools are a set: `even_pools()` (agent and normal, half each) and `one_pool()` (one
 `normal` pool serving both classes) are the two shapes most tests use.
 """
@@ -19,15 +19,23 @@ from typing import Any
 
 from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
 
-__all__ = ["config_data", "config_for_test", "deep_merge", "even_pools", "one_pool"]
+__all__ = ["REMOVE", "config_data", "config_for_test", "deep_merge", "even_pools", "one_pool"]
+
+
+class _Remove:
+    def __repr__(self) -> str:
+        return "REMOVE"
+
+
+REMOVE: Any = _Remove()  # as an override's value: leave the key out (its schema default holds)
 
 
 def deep_merge(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
-    """`base` with `changes` merged in: mappings key by key, other values replace, `None`
-    removes the key. Neither argument is changed."""
+    """`base` with `changes` merged in: mappings key by key, other values replace (`None`
+    too), `REMOVE` removes the key. Neither argument is changed."""
     merged = copy.deepcopy(dict(base))
     for key, value in changes.items():
-        if value is None:
+        if value is REMOVE:
             merged.pop(key, None)
         elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
             merged[key] = deep_merge(merged[key], value)

@@ -20,7 +20,7 @@ import pytest
 
 from pools.config import parse_config
 from pools.launchers.base import InstanceSpec
-from pools.testing.config import config_data, config_for_test, even_pools
+from pools.testing.config import REMOVE, config_data, config_for_test, even_pools
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.gateway import gateway_over_fakes
 from pools.testing.serve import serve_asgi
@@ -307,7 +307,7 @@ async def test_on_a_known_gpu_the_operating_point_starts_from_the_roofline_prior
     model_dir.mkdir()
     known = Path(kvcache_model.__file__).parent / "known_models" / "llama-3.1-8b.json"
     (model_dir / "config.json").write_text(known.read_text())
-    model = {"path": str(model_dir), "max_model_len_tokens": None}  # the model's own length
+    model = {"path": str(model_dir), "max_model_len_tokens": REMOVE}  # the model's own length
     nvml = FakeNvml([FakeGpu(name="NVIDIA H100 80GB HBM3")])
     gateway = create_app(
         config_for_test(tmp_path, model=model),

@@ -18,10 +18,11 @@ import pytest
 import yaml
 from rich.console import Console
 
-from pools.config import DEFAULT_CPU_CONFIG, ConfigError, parse_config
+from pools.config import ConfigError, parse_config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import parse_vllm_metrics
+from pools.testing.config import config_data, one_pool
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.admission.decision import InstanceView, Need, fit_reason
@@ -31,17 +32,8 @@ from router.gateway.app import create_app
 
 
 def _config(tmp_path: Path, **router: Any) -> dict[str, Any]:
-    return {
-        **DEFAULT_CPU_CONFIG,
-        "router": {"ledger_path": str(tmp_path / "l.sqlite"), **router},
-        "pools": {
-            "normal": {
-                "classes": ["normal", "agent"],
-                "share": {"initial_frac": 1.0},
-                "queue": {"max_wait_s": 5.0},
-            }
-        },
-    }
+    pools = one_pool(queue={"max_wait_s": 5.0})
+    return config_data(tmp_path, pools=pools, router=router)
 
 
 def _body(max_tokens: int = 3) -> dict[str, object]:

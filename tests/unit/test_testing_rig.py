@@ -9,7 +9,14 @@ import httpx
 import pytest
 
 from pools.config import DEFAULT_CPU_CONFIG
-from pools.testing.config import config_data, config_for_test, deep_merge, even_pools, one_pool
+from pools.testing.config import (
+    REMOVE,
+    config_data,
+    config_for_test,
+    deep_merge,
+    even_pools,
+    one_pool,
+)
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.gateway import gateway_over_fakes
 from pools.testing.router_process import async_router_process, start_router_process
@@ -18,10 +25,10 @@ from pools.testing.serve import serve_asgi
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-def test_deep_merge_merges_mappings_replaces_the_rest_and_none_removes() -> None:
+def test_deep_merge_merges_mappings_replaces_the_rest_and_remove_removes() -> None:
     base = {"a": {"x": 1, "y": [1]}, "b": 2}
-    assert deep_merge(base, {"a": {"y": [2], "z": 3}, "b": None}) == {
-        "a": {"x": 1, "y": [2], "z": 3}
+    assert deep_merge(base, {"a": {"y": [2], "z": None}, "b": REMOVE}) == {
+        "a": {"x": 1, "y": [2], "z": None}
     }
     assert base == {"a": {"x": 1, "y": [1]}, "b": 2}  # untouched
 
