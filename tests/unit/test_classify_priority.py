@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, ConfigError, parse_config
+from pools.config import ConfigError
+from pools.testing.config import config_for_test, even_pools
 from router.errors import BadRequest
 from router.gateway.classify import classify
 
@@ -16,16 +17,11 @@ BODY: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content"
 
 
 def _config(**extra: Any) -> Any:
-    return parse_config(
-        {
-            **DEFAULT_CPU_CONFIG,
-            "tenants": [
-                {"name": "plain", "api_key_sha256": "0" * 64},
-                {"name": "vip", "api_key_sha256": "1" * 64, "max_priority": 5},
-            ],
-            **extra,
-        }
-    )
+    tenants = [
+        {"name": "plain", "api_key_sha256": "0" * 64},
+        {"name": "vip", "api_key_sha256": "1" * 64, "max_priority": 5},
+    ]
+    return config_for_test(tenants=tenants, **extra)
 
 
 def _ctx(config: Any, tenant: str, headers: dict[str, str], body: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
@@ -64,21 +60,8 @@ def test_the_body_priority_is_clamped_for_the_engine() -> None:
         _ctx(config, tenant, {}, body)
         assert body["priority"] == sent, (tenant, asked)
     with_policy = _config(
-        engines={
-            **DEFAULT_CPU_CONFIG["engines"],
-            "local": {
-                **DEFAULT_CPU_CONFIG["engines"].get("local", {}),
-                "vllm_args": ["--scheduling-policy", "priority"],
-            },
-        },
-        pools={
-            "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
-            "normal": {
-                "classes": ["normal"],
-                "share": {"initial_frac": 0.5},
-                "engine_priority": 10,
-            },
-        },
+        engines={"local": {"vllm_args": ["--scheduling-policy", "priority"]}},
+        pools=even_pools(normal={"engine_priority": 10}),
     )
     body = {**BODY, "priority": 0}
     _ctx(with_policy, "plain", {}, body)
@@ -92,4 +75,4 @@ def test_the_body_priority_is_clamped_for_the_engine() -> None:
 def test_check_config_refuses_a_max_priority_that_is_not_a_64_bit_integer() -> None:
     for bad in ("high", 2**64, 1.5):
         with pytest.raises(ConfigError, match="max_priority"):
-            parse_config({**DEFAULT_CPU_CONFIG, "tenants": [{"name": "t", "max_priority": bad}]})
+            config_for_test(tenants=[{"name": "t", "max_priority": bad}])

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
+from pools.testing.config import config_for_test
 from router.governance.bucket import TokenBucket, WindowSum
 from router.governance.guards import RunLimits, RunState, Stop, check_step
 from router.governance.headers import format_duration, rate_limit_headers
@@ -271,12 +271,8 @@ def test_rate_limit_headers_say_limit_remaining_and_reset() -> None:
 # ------------------------------------------------------------------------------ limits
 
 
-def _config(**extra: Any) -> Any:
-    return parse_config({**DEFAULT_CPU_CONFIG, **extra})
-
-
 def test_tiers_set_concurrency_and_weight_and_the_tenant_overrides_runs() -> None:
-    config = _config(
+    config = config_for_test(
         tenants=[
             {"name": "f", "tier": "free"},
             {"name": "p", "tier": "paid", "max_concurrent_runs": 5},
@@ -291,7 +287,7 @@ def test_tiers_set_concurrency_and_weight_and_the_tenant_overrides_runs() -> Non
 
 
 def test_run_guards_layer_class_then_tenant_then_task_type() -> None:
-    config = _config(
+    config = config_for_test(
         classes={
             "agent": {"timeout_s": 600, "run_guards": {"max_steps": 20, "max_tokens": 9000}},
             "normal": {"timeout_s": 120},
@@ -314,10 +310,10 @@ def test_unknown_tier_or_task_type_is_a_config_error() -> None:
     from pools.config import ConfigError
 
     with pytest.raises(ConfigError, match="tier 'gold'"):
-        _config(tenants=[{"name": "t", "tier": "gold"}])
+        config_for_test(tenants=[{"name": "t", "tier": "gold"}])
     with pytest.raises(ConfigError, match="task_type 'huge'"):
-        _config(tenants=[{"name": "t", "task_type": "huge"}])
-    config = _config(
+        config_for_test(tenants=[{"name": "t", "task_type": "huge"}])
+    config = config_for_test(
         governance={"tiers": {"gold": {"max_concurrent_runs": 7, "max_concurrent_requests": 9}}},
         tenants=[{"name": "t", "tier": "gold"}],
     )

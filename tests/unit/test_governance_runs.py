@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
+from pools.config import Config
+from pools.testing.config import config_for_test
 from router.admission.estimate import Estimate
 from router.errors import RunStopped
 from router.governance import GovernanceMetrics, Governor, StepSignals
@@ -30,8 +31,8 @@ class Clock:
 
 
 def config(**extra: Any) -> Config:
-    data = {**DEFAULT_CPU_CONFIG, "tenants": [{"name": "t", "api_key_sha256": "0" * 64}], **extra}
-    return parse_config(data)
+    tenants = [{"name": "t", "api_key_sha256": "0" * 64}]
+    return config_for_test(**{"tenants": tenants, **extra})
 
 
 def governor(clock: Clock, cfg: Config | None = None, **kw: Any) -> Governor:
@@ -177,12 +178,9 @@ async def test_the_governor_survives_any_sequence_of_run_states(
 
 
 def guarded(clock: Clock, **guards: Any) -> Governor:
-    cfg = parse_config(
-        {
-            **DEFAULT_CPU_CONFIG,
-            "tenants": [{"name": "t", "api_key_sha256": "0" * 64, "run_guards": guards}],
-            "governance": {"run_idle_timeout_s": 30},
-        }
+    cfg = config_for_test(
+        tenants=[{"name": "t", "api_key_sha256": "0" * 64, "run_guards": guards}],
+        governance={"run_idle_timeout_s": 30},
     )
     return governor(clock, cfg)
 

@@ -5,24 +5,20 @@ it did not warn that a router without tenants is open to anyone who reaches it."
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
-from pools.config import DEFAULT_CPU_CONFIG, RebalancerConfig, not_yet_in_effect, parse_config
+from pools.config import RebalancerConfig, not_yet_in_effect
 from pools.launchers.base import InstanceSpec
+from pools.testing.config import config_for_test
 from router.gateway.app import create_app
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def _config(tmp_path: Path, **extra: Any) -> Any:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["router"] = {
-        "ledger_path": str(tmp_path / "l.sqlite"),
-        "state_path": str(tmp_path / "sre" / "state.json"),
-    }
-    return parse_config({**data, **extra})
+    state_path = str(tmp_path / "sre" / "state.json")
+    return config_for_test(tmp_path, router={"state_path": state_path}, **extra)
 
 
 def test_the_readme_no_longer_says_what_is_implemented_is_not() -> None:
