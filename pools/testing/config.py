@@ -7,7 +7,8 @@ scratch folder, the engines optionally static URLs, and a test's own settings me
 Overrides merge into the default section by section (a mapping into a mapping, key by key; any
 other value replaces; `REMOVE` removes the key). `pools` replaces the default pools whole, since
 a test's pools are a set: `even_pools()` (agent and normal, half each) and `one_pool()` (one
-`normal` pool serving both classes) are the two shapes most tests use.
+`normal` pool serving both classes) are the two shapes most tests use; `default_pools(...)`
+changes the built-in two.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from typing import Any
 
 from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
 
-__all__ = ["REMOVE", "config_data", "config_for_test", "deep_merge", "even_pools", "one_pool"]
+__all__ = [
+    "REMOVE",
+    "config_data",
+    "config_for_test",
+    "deep_merge",
+    "default_pools",
+    "even_pools",
+    "one_pool",
+]
 
 
 class _Remove:
@@ -42,6 +51,12 @@ def deep_merge(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str,
         else:
             merged[key] = copy.deepcopy(value)
     return merged
+
+
+def default_pools(**per_pool: Mapping[str, Any]) -> dict[str, Any]:
+    """The built-in default's pools (agent 0.34, normal 0.66, with their SLOs and queues);
+    `per_pool` merges more into one, e.g. `agent={"share": {"floor_frac": 0.2}}`."""
+    return deep_merge(DEFAULT_CPU_CONFIG["pools"], per_pool)
 
 
 def even_pools(**per_pool: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,14 +6,14 @@ calls; the session is the Gateway's own (no engine is contacted: scrape off)."""
 from __future__ import annotations
 
 import asyncio
-import copy
 from pathlib import Path
 
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
+from pools.config import Config
 from pools.discovery import DiscoveryLoop
 from pools.launchers.base import InstanceSpec
+from pools.testing.config import config_for_test
 from router.gateway.app import Gateway, create_app
 
 # the components Gateway.start starts, in its order (the session comes after "placement")
@@ -53,12 +53,7 @@ SPECS = [InstanceSpec("engine-0", "http://127.0.0.1:9", 1)]
 
 
 def _config(tmp_path: Path) -> Config:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["router"] = {
-        "ledger_path": str(tmp_path / "l.sqlite"),
-        "state_path": str(tmp_path / "state.json"),
-    }
-    return parse_config(data)
+    return config_for_test(tmp_path)
 
 
 def _gateway(tmp_path: Path, log: list[str], failing: str | None = None) -> Gateway:

@@ -5,7 +5,6 @@ key variables stay out of the engines' environment, and prompts stay out of thei
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import json
 import sys
@@ -15,13 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.devmodel import make_dev_model
 from pools.launchers import InstanceSpec, LocalLauncher, StaticLauncher
 from pools.launchers.engine_args import build_engine_command, engine_environ
 from pools.launchers.engine_guard import GUARD_MIDDLEWARE, EngineKeyGuard
 from pools.launchers.engine_plan import HostFacts
 from pools.launchers.local import EngineProcess
+from pools.testing.config import config_for_test, deep_merge
 from router.cli.stack import instances_without_launching
 
 FLAGS = frozenset(
@@ -48,12 +47,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(tiny: Path, tmp_path: Path, **changes: Any) -> Any:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["model"]["path"] = str(tiny)
-    data["engines"]["local"]["run_dir"] = str(tmp_path)
-    for section, value in changes.items():
-        data[section] = value if not isinstance(value, dict) else {**data.get(section, {}), **value}
-    return parse_config(data)
+    ours = {"model": {"path": str(tiny)}, "engines": {"local": {"run_dir": str(tmp_path)}}}
+    return config_for_test(**deep_merge(ours, changes))
 
 
 def _value(argv: tuple[str, ...], flag: str) -> str:

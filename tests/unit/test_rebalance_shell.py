@@ -5,7 +5,6 @@ drains, SRE settings persist and are audited, the admin API and its errors, the 
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -13,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
+from pools.testing.config import config_for_test, deep_merge, default_pools
 from router.gateway.app import Gateway, create_app
 from router.request import RequestContext, RequestOutcome
 
@@ -28,23 +27,14 @@ class Clock:
         return self.now_s
 
 
+SHARES = default_pools(
+    agent={"share": {"initial_frac": 1 / 3, "floor_frac": 0.2, "ceiling_frac": 0.7}},
+    normal={"share": {"initial_frac": 2 / 3, "floor_frac": 0.3, "ceiling_frac": 0.8}},
+)
+
+
 def config(tmp_path: Path, **rebalancer: Any) -> Any:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["router"] = {
-        "ledger_path": str(tmp_path / "l.sqlite"),
-        "state_path": str(tmp_path / "state.json"),
-    }
-    data["pools"]["agent"]["share"] = {
-        "initial_frac": 1 / 3,
-        "floor_frac": 0.2,
-        "ceiling_frac": 0.7,
-    }
-    data["pools"]["normal"]["share"] = {
-        "initial_frac": 2 / 3,
-        "floor_frac": 0.3,
-        "ceiling_frac": 0.8,
-    }
-    data["rebalancer"] = {
+    rebalancer = {
         "enabled": False,  # ticks are driven by the tests
         "interval_s": 10,
         "cooldown_s": 10,
@@ -52,7 +42,7 @@ def config(tmp_path: Path, **rebalancer: Any) -> Any:
         "drain_timeout_s": 30,
         **rebalancer,
     }
-    return parse_config(data)
+    return config_for_test(tmp_path, pools=SHARES, rebalancer=rebalancer)
 
 
 SPECS = [InstanceSpec(f"engine-{i}", f"http://127.0.0.1:{9 + i}", 1) for i in range(3)]
@@ -283,26 +273,12 @@ async def test_frozen_loop_does_not_move_and_schedule_bounds_apply(
 async def test_schedule_window_bounds_move_the_ratio(
     tmp_path: Path, make_gateway: Callable[..., Any]
 ) -> None:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["router"] = {
-        "ledger_path": str(tmp_path / "l.sqlite"),
-        "state_path": str(tmp_path / "state.json"),
-    }
     night = {"start": "00:00", "end": "24:00", "floor_frac": 0.5, "ceiling_frac": 0.7}
-    data["pools"]["agent"]["share"] = {
-        "initial_frac": 1 / 3,
-        "floor_frac": 0.2,
-        "ceiling_frac": 0.7,
-        "schedule": [night],
-    }
-    data["pools"]["normal"]["share"] = {
-        "initial_frac": 2 / 3,
-        "floor_frac": 0.3,
-        "ceiling_frac": 0.8,
-    }
-    data["rebalancer"] = {"enabled": False, "interval_s": 10}
+    pools = deep_merge(SHARES, {"agent": {"share": {"schedule": [night]}}})
+    rebalancer = {"enabled": False, "interval_s": 10}
+    cfg = config_for_test(tmp_path, pools=pools, rebalancer=rebalancer)
     clock = Clock()
-    gw: Gateway = await make_gateway(parse_config(data), clock)
+    gw: Gateway = await make_gateway(cfg, clock)
     # restoring at start already applies the schedule's floor 0.5
     assert gw.rebalancer.placed_shares()["agent"] == pytest.approx(0.5)
 

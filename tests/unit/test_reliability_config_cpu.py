@@ -4,7 +4,6 @@ refused by check-config (predicted by kvcache_model from the model's config.json
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 import yaml
 
 from kvcache_model.geometry import ModelGeometry
-from pools.config import DEFAULT_CPU_CONFIG, default_config, parse_config
+from pools.config import default_config
 from pools.devmodel import make_dev_model
 from pools.launchers import LocalLauncher
 from pools.launchers.engine_plan import (
@@ -26,6 +25,7 @@ from pools.launchers.engine_plan import (
     engine_problems,
     plan_engines,
 )
+from pools.testing.config import REMOVE, config_data, config_for_test
 from router.cli import main
 
 GIB = 1024**3
@@ -60,11 +60,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(tiny: Path, **local: Any) -> Any:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["model"]["path"] = str(tiny)
-    data["engines"]["local"].update(local)
-    data["engines"]["local"] = {k: v for k, v in data["engines"]["local"].items() if v is not None}
-    return parse_config(data)
+    local = {k: REMOVE if v is None else v for k, v in local.items()}
+    return config_for_test(model={"path": str(tiny)}, engines={"local": local})
 
 
 # --- dtype ------------------------------------------------------------------------------------
@@ -173,10 +170,10 @@ def test_cpu_affinity_naming_cpus_this_machine_lacks_is_refused(tiny: Path) -> N
 def test_check_config_refuses_a_kv_cache_smaller_than_one_sequence(
     tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["model"]["path"] = str(tiny)
-    data["model"]["dtype"] = "float32"  # the same answer on every CPU
-    data["engines"]["local"]["kv_cache_bytes"] = 4 * MIB
+    data = config_data(
+        model={"path": str(tiny), "dtype": "float32"},  # float32: the same answer on every CPU
+        engines={"local": {"kv_cache_bytes": 4 * MIB}},
+    )
     path = tmp_path / "small-kv.yaml"
     path.write_text(yaml.safe_dump(data))
     assert main(["check-config", str(path)]) == 2

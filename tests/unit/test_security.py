@@ -4,7 +4,6 @@ are never duplicated across tenants and never appear in logs or reprs."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 from collections.abc import AsyncIterator
@@ -14,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, Config, ConfigError, parse_config
+from pools.config import Config, ConfigError, parse_config
+from pools.testing.config import config_data
 from router.errors import Forbidden, Unauthorized
 from router.gateway.app import create_app
 from router.identity import OperatorAccess, Tenants
@@ -27,14 +27,7 @@ def _sha(key: str) -> str:
 
 
 def _data(tmp_path: Path | None = None, *, tenants: Any = (), **router: Any) -> dict[str, Any]:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["tenants"] = list(tenants)
-    data["router"] = dict(router)
-    if tmp_path is not None:
-        data["router"].update(
-            ledger_path=str(tmp_path / "l.sqlite"), state_path=str(tmp_path / "s.json")
-        )
-    return data
+    return config_data(tmp_path, tenants=list(tenants), router=router)
 
 
 def _config(tmp_path: Path | None = None, *, tenants: Any = (), **router: Any) -> Config:
