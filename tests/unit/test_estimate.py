@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from pools.config import parse_config
 from pools.devmodel import make_dev_model
+from pools.testing.config import config_for_test, even_pools
 from router.admission.estimate import Estimate, TokenEstimator
 
 _WORD_TEXT = (
@@ -440,15 +440,10 @@ def test_observe_reports_relative_error() -> None:
 
 
 def _config(model_path: Path, max_len: int | None = 2048) -> Any:
-    return parse_config(
-        {
-            "model": {"name": "tiny", "path": str(model_path), "max_model_len_tokens": max_len},
-            "pools": {
-                "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
-                "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
-            },
-            "classes": {"agent": {"expected_output_tokens": 300}},
-        }
+    return config_for_test(
+        model={"path": str(model_path), "max_model_len_tokens": max_len},
+        pools=even_pools(),
+        classes={"agent": {"expected_output_tokens": 300}},
     )
 
 
