@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from benchmarks.simulate.matrix import summary_markdown
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
+from pools.testing.config import config_data, config_for_test
 from router.admission.decision import Need
 from router.admission.estimate import Estimate
 from router.cli import main as cli_main
@@ -72,9 +72,7 @@ SLOW = LatencyModel(tpot_intercept_s=0.01, tpot_slope_s=0.004, prefill_tokens_pe
 
 
 def config(tmp_path: Path, enabled: bool) -> Any:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["router"] = {"ledger_path": str(tmp_path / "l"), "state_path": str(tmp_path / "s.json")}
-    data["rebalancer"] = {
+    rebalancer = {
         "enabled": enabled,
         "interval_s": 5,
         "cooldown_s": 10,
@@ -82,7 +80,7 @@ def config(tmp_path: Path, enabled: bool) -> Any:
         "hysteresis_frac": 0.3,
         "max_step_frac": 0.34,
     }
-    return parse_config(data)
+    return config_for_test(tmp_path, rebalancer=rebalancer)
 
 
 def test_engine_model_processor_sharing() -> None:
@@ -341,9 +339,7 @@ def test_cli_runs_configs_side_by_side(tmp_path: Path) -> None:
     scenario["duration_s"] = 30
     (tmp_path / "scenario.yaml").write_text(yaml.safe_dump(scenario))
     for name, enabled in (("static", False), ("moving", True)):
-        data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-        data["router"] = {"ledger_path": str(tmp_path / "l"), "state_path": str(tmp_path / "s")}
-        data["rebalancer"] = {"enabled": enabled}
+        data = config_data(tmp_path, rebalancer={"enabled": enabled})
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(data))
     out = tmp_path / "out"
     argv = ["simulate", "--trace", str(tmp_path / "scenario.yaml"), "--out", str(out)]
@@ -444,14 +440,8 @@ def test_the_dispatch_core_waits_for_home_then_moves_after_patience(tmp_path: Pa
     instance has room, and moves once it has waited `always_affinity`'s patience (half the
     queue's `max_wait_s`). Before the simulator ran this core, it called the decision without
     the time waited, so the patience never ran out there."""
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["router"] = {
-        "ledger_path": str(tmp_path / "l"),
-        "state_path": str(tmp_path / "s.json"),
-        "kv_margin_frac": 0.05,
-    }
-    data["pools"] = {"agent": {"classes": ["agent", "normal"], "share": {"initial_frac": 1.0}}}
-    cfg = parse_config(data)
+    pools = {"agent": {"classes": ["agent", "normal"], "share": {"initial_frac": 1.0}}}
+    cfg = config_for_test(tmp_path, pools=pools, router={"kv_margin_frac": 0.05})
     now = [1000.0]
     specs = [InstanceSpec(f"engine-{i}", f"sim://engine-{i}", 1) for i in range(2)]
     core = build_core(cfg, specs, lambda: now[0], random.Random(0))
