@@ -22,7 +22,7 @@ from tests.unit.test_hostile_rig import (
     live_router,
 )
 
-STATIC = Path(__file__).resolve().parents[2] / "router" / "ui" / "static"
+STATIC = Path(__file__).resolve().parents[2] / "router" / "ops" / "ui" / "static"
 
 
 def basic(password: str, user: str = "sre") -> dict[str, str]:
