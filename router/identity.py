@@ -27,6 +27,7 @@ import base64
 import hashlib
 import hmac
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pools.config import RouterConfig, TenantConfig
@@ -143,6 +144,11 @@ class Tenants:
         if tenant is None:
             raise Unauthorized("invalid API key", "invalid_api_key")
         return tenant
+
+    def caller(self, headers: Mapping[str, str]) -> TenantConfig:
+        """The calling tenant of a request with `headers`: `Authorization: Bearer KEY`, or
+        `x-api-key` (Anthropic's clients). Raises `Unauthorized`."""
+        return self.authenticate(headers.get("authorization"), headers.get("x-api-key"))
 
 
 @dataclass(frozen=True, slots=True)

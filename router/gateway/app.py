@@ -1,18 +1,19 @@
 """`create_app(config, instances)`: every router component built in one place and passed in.
 
-The returned `Gateway` is the ASGI app. The two generation endpoints go straight to the
-`CompletionsHandler` (raw ASGI, the hot path); everything else (`/v1/models`, `/health`,
-`/ready`, `/metrics`, `/admin/...`) is a small FastAPI app. Lifecycle is explicit:
+The returned `Gateway` is the ASGI app and the composition root. The generation endpoints go
+straight to the `CompletionsHandler` (raw ASGI, the hot path), and the engine calls without
+admission to `EngineCalls`; everything else is a small FastAPI app: `/health`, `/ready` and
+`/v1/models` here, and each feature's routes registered by the feature itself
+(`router.ops.routes`, `router.rebalancer.routes`, `router.governance.routes`,
+`router.accounting.routes`), given the components they read. Lifecycle is explicit:
 `await gateway.start()` opens the upstream session and starts telemetry, `await
 gateway.aclose()` stops them; the ASGI lifespan calls both, and tests may call them directly.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Hashable
@@ -22,18 +23,17 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from gpu_probe.nvml import NvmlApi
 from gpu_probe.sampler import GpuSampler
 from kvcache_model import KVCacheModelError, LatencyPrior, gpu_spec, load_geometry
-from pools.config import Config, ConfigError, TenantConfig, contract_problems, load_config
+from pools.config import Config
 from pools.discovery import DiscoveryLoop, EngineSource
 from pools.launchers.base import InstanceSpec
 from pools.operating_point import OperatingPoint, TpotLine
 from pools.telemetry import TelemetryScraper
+from router.accounting import routes as accounting_routes
 from router.accounting.accountant import Accountant, with_restored
 from router.accounting.ledger import Ledger
 from router.accounting.metrics import AccountingMetrics
@@ -57,12 +57,14 @@ from router.gateway.protocols import ADAPTERS, MessagesAdapter, ResponsesAdapter
 from router.gateway.proxy import CompletionsHandler
 from router.gateway.response_placement import ResponsePlacement
 from router.governance import GovernanceMetrics, Governor
+from router.governance import routes as governance_routes
 from router.governance.store import GovernanceStore
 from router.identity import OperatorAccess, Tenants
+from router.ops import routes as ops_routes
 from router.ops.history import History, reading_from
 from router.ops.openapi import openapi_document
-from router.ops.ui import register_ui
-from router.rebalancer.routes import register_pools_admin
+from router.ops.pools_view import PoolsView
+from router.rebalancer import routes as rebalancer_routes
 from router.request import Message, Receive, RequestObserver, Scope, Send
 from router.runtable import RunTable
 from router.settlement import Settlement
@@ -182,6 +184,16 @@ class Gateway:
             ledger_path.with_name(ledger_path.stem + ".responses.sqlite")
         )
         self.max_model_len_tokens: int | None = config.model.max_model_len_tokens
+        # what operators read: GET /admin/pools, /ready, the gauges of GET /metrics
+        self.ops_view = PoolsView(
+            config,
+            self.fleet,
+            self.pool_map,
+            self.admitter,
+            self.rebalancer,
+            self.metrics,
+            clock=clock,
+        )
         # the last hour for the status page's plots (GET /admin/history)
         self.history = History(lambda: reading_from(self.pools_view(), self.metrics.registry))
         self.api = self._build_api()
@@ -370,115 +382,16 @@ class Gateway:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    # ------------------------------------------------------------------ the rest of the API
+    # ------------------------------------------------------------------ the API
 
     def pools_view(self) -> dict[str, Any]:
-        allocation = self.pool_map.current
-        capacity = self.fleet.capacity_gpus()
-        pools = {}
-        for pool in self.config.pools:
-            ids = allocation.instances_for(pool.name)
-            pools[pool.name] = {
-                "classes": list(pool.classes),
-                "share_frac": round(allocation.share_of(pool.name, capacity), 4),
-                "floor_frac": pool.share.floor_frac,
-                "ceiling_frac": pool.share.ceiling_frac,
-                "instances": {i: round(allocation.frac(i, pool.name), 4) for i in ids},
-                "healthy_instances": sum(
-                    1 for i in ids if (s := self.fleet.get(i)) is not None and s.healthy
-                ),
-                "slo": {"ttft_p95_ms": pool.slo.ttft_p95_ms, "tpot_p95_ms": pool.slo.tpot_p95_ms},
-                "queue": self._queue_view(pool.name),
-            }
-        instances = {}
-        for state in self.fleet:
-            r = state.reading
-            instances[state.spec.instance_id] = {
-                "url": state.spec.url,
-                "gpus": state.spec.gpus,
-                "healthy": state.healthy,
-                "last_error": state.last_error,
-                "inflight": state.inflight,
-                "pools": dict(allocation.pools_of(state.spec.instance_id)),
-                "telemetry_age_s": None if r is None else round(self.fleet.age_s(state) or 0, 3),
-                "kv_usage_frac": None if r is None else r.kv_usage_frac,
-                "running": None if r is None else r.running,
-                "waiting": None if r is None else r.waiting,
-                "num_gpu_blocks": None if r is None else r.num_gpu_blocks,
-                "kv_capacity": state.kv_capacity,  # known | unknown | None (not reported)
-                "block_size": None if r is None else r.block_size,
-                "kv_reserved_blocks": state.reserved_blocks,
-                "kv_reserved_blocks_by_pool": dict(state.reserved_by_pool),
-                "kv_used_blocks": round(state.used_blocks(), 1),
-                "running_by_pool": dict(state.running_by_pool),
-                "operating_point": {
-                    "limit": self.admitter.instance_limit(state),
-                    "source": state.op.source,
-                    "samples": state.op.samples,
-                    "tpot_line_ms": None
-                    if (line := state.op.line) is None
-                    else {
-                        "intercept": round(line.intercept_s * 1e3, 3),
-                        "per_sequence": round(line.slope_s * 1e3, 4),
-                    },
-                },
-                "prefill_tokens_per_s": None
-                if state.prefill_tokens_per_s is None
-                else round(state.prefill_tokens_per_s, 1),
-                "preemptions_seen": state.preemptions_seen,
-            }
-        return {
-            "allocation_version": allocation.version,
-            "admission": self.config.router.admission,
-            "pools": pools,
-            "instances": instances,
-            "rebalancer": self.rebalancer.view(),
-        }
+        """`GET /admin/pools` (router.ops.pools_view.PoolsView)."""
+        return self.ops_view.view()
 
-    def _queue_view(self, pool: str) -> dict[str, Any]:
-        queue = self.admitter.queues[pool]
-        now = self.clock()
-        p = self.config.pool(pool)
-        return {
-            "depth": len(queue),
-            "max_depth": p.queue.max_depth,
-            "max_wait_s": p.queue.max_wait_s,
-            "order": p.queue.order,
-            "drain_rate_per_s": round(queue.drain_rate_per_s(now), 3),
-        }
-
-    def _refresh_gauges(self) -> None:
-        m = self.metrics
-        m.asyncio_tasks.set(len(asyncio.all_tasks()))
-        allocation = self.pool_map.current
-        capacity = self.fleet.capacity_gpus()
-        for pool in self.config.pools:
-            m.pool_share.labels(pool.name).set(allocation.share_of(pool.name, capacity))
-            m.queue_depth(pool.name, len(self.admitter.queues[pool.name]))
-        self.rebalancer.refresh_gauges()
-        for state in self.fleet:
-            iid = state.spec.instance_id
-            m.healthy.labels(iid).set(1 if state.healthy else 0)
-            m.set_inflight(iid, state.inflight)
-            m.kv_reserved.labels(iid).set(state.reserved_blocks)
-            m.op_limit.labels(iid).set(self.admitter.instance_limit(state))
-            m.set_preemptions(iid, state.preemptions_seen)
-            if state.reading is not None:
-                if state.reading.num_gpu_blocks is not None:
-                    blocks = state.reading.num_gpu_blocks
-                    m.kv_capacity.labels(iid).set(blocks)
-                    m.kv_measured.labels(iid).set(state.reading.kv_usage_frac * blocks)
-                m.kv_usage.labels(iid).set(state.reading.kv_usage_frac)
-                m.engine_running.labels(iid).set(state.reading.running)
-                m.engine_waiting.labels(iid).set(state.reading.waiting)
-                m.telemetry_age.labels(iid).set(self.fleet.age_s(state) or 0.0)
-
-    def _tenant_of(self, request: Request) -> TenantConfig:
-        """The calling tenant: `Authorization: Bearer KEY`, or `x-api-key` (Anthropic's
-        clients). Raises `Unauthorized`."""
-        return self.tenants.authenticate(
-            request.headers.get("authorization"), request.headers.get("x-api-key")
-        )
+    def _refresh_metrics(self) -> None:
+        """Every gauge `GET /metrics` exports, set now."""
+        self.ops_view.refresh_gauges()
+        self.accounting_metrics.update(self.accountant.conservation(self.clock()))
 
     def _build_api(self) -> FastAPI:
         api = FastAPI(
@@ -513,12 +426,6 @@ class Gateway:
         async def health() -> dict[str, str]:
             return {"status": "ok"}
 
-        document = openapi_document(self.config, access)
-
-        @api.get("/openapi.json")
-        async def openapi() -> dict[str, Any]:
-            return document
-
         @api.get("/ready")
         async def ready() -> Response:
             view = self.pools_view()
@@ -528,7 +435,7 @@ class Gateway:
 
         @api.get("/v1/models")
         async def models(request: Request) -> dict[str, Any]:
-            self._tenant_of(request)
+            self.tenants.caller(request.headers)
             entry: dict[str, Any] = {
                 "id": self.config.model.name,
                 "object": "model",
@@ -539,117 +446,29 @@ class Gateway:
                 entry["max_model_len"] = self.max_model_len_tokens
             return {"object": "list", "data": [entry]}
 
-        @api.get("/metrics")
-        async def metrics(request: Request) -> Response:
-            access.authorize_metrics(request.headers.get("authorization"))
-            self._refresh_gauges()
-            self.accounting_metrics.update(self.accountant.conservation(self.clock()))
-            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-        @api.get("/admin/pools")
-        async def admin_pools(request: Request) -> dict[str, Any]:
-            access.authorize_admin(request.headers.get("authorization"))
-            return self.pools_view()
-
-        register_pools_admin(api, access, self.rebalancer)
-
-        @api.get("/admin/history")
-        async def admin_history(request: Request) -> dict[str, Any]:
-            access.authorize_admin(request.headers.get("authorization"))
-            since_s = _float_param(request.query_params.get("since_s"), "since_s")
-            return self.history.view(since_s)
-
-        register_ui(api, access)
-
-        @api.get("/admin/gpus")
-        async def admin_gpus(request: Request) -> dict[str, Any]:
-            access.authorize_admin(request.headers.get("authorization"))
-            latest = self.gpu_sampler.latest
-            return {
-                "object": "gpupool.gpus",
-                "snapshot": None if latest is None else latest.to_dict(),
-            }
-
-        @api.post("/admin/governance/reload")
-        async def governance_reload(request: Request) -> dict[str, Any]:
-            """Re-read the config file the router started from and apply its tenants' budgets,
-            tiers, cost caps and run guards (for new runs) without dropping a request."""
-            access.authorize_admin(request.headers.get("authorization"))
-            source = self.config.source
-            if not source or source.startswith("<"):
-                raise BadRequest(
-                    "the router was started without a config file: nothing to reload",
-                    "no_config_file",
-                )
-            try:
-                fresh = await asyncio.to_thread(load_config, source)
-            except ConfigError as err:
-                raise BadRequest("; ".join(err.problems)[:2000], "invalid_config") from None
-            problems = contract_problems(fresh)
-            if problems:
-                raise BadRequest("; ".join(problems)[:2000], "inconsistent_config")
-            tenants = self.governor.reload(fresh)
-            return {"object": "gpupool.governance_reload", "source": source, "tenants": tenants}
-
-        @api.get("/v1/budget")
-        async def budget(request: Request) -> dict[str, Any]:
-            tenant = self._tenant_of(request)
-            return self.governor.budget(tenant)
-
-        @api.post("/v1/runs/{run_id}/end")
-        async def end_run(run_id: str, request: Request) -> dict[str, Any]:
-            tenant = self._tenant_of(request)
-            run = self.governor.end_run(tenant.name, run_id)
-            if run is None:
-                raise NotFound(
-                    f"no active or recent run {run_id[:64]!r} for tenant {tenant.name!r}",
-                    "run_not_found",
-                )
-            return {
-                "object": "gpupool.run_end",
-                "run_id": run.run_id,  # a session's id ends its current run, `<session>:<n>`
-                "reason": run.ended,
-                "steps": run.steps,
-                "tokens": run.tokens,
-                "gpu_seconds": round(run.gpu_seconds, 6),
-            }
-
-        @api.get("/v1/runs/{run_id}")
-        async def run_detail(run_id: str, request: Request) -> dict[str, Any]:
-            tenant = self._tenant_of(request)
-            summary = await self.ledger.run_summary(run_id, tenant.name)
-            session = None if summary else self.governor.session(tenant.name, run_id)
-            if session is not None:  # a session id: its runs, and its current run's summary
-                current = session["current_run"]
-                latest = current and await self.ledger.run_summary(current, tenant.name)
-                return {**session, "current": latest or None}
-            if summary is None:
-                raise NotFound(f"no run {run_id!r} for tenant {tenant.name!r}", "run_not_found")
-            return summary
-
-        @api.get("/v1/runs")
-        async def runs(request: Request) -> dict[str, Any]:
-            tenant = self._tenant_of(request)
-            q = request.query_params
-            since_s = _float_param(q.get("since_s", q.get("since")), "since_s")
-            limit = _int_param(q.get("limit"), "limit", default=50, low=1, high=1000)
-            data = await self.ledger.list_runs(
-                tenant.name, since_s=since_s, limit=limit, class_name=q.get("class")
-            )
-            return {"object": "list", "data": data}
-
-        @api.get("/admin/accounting")
-        async def admin_accounting(request: Request) -> dict[str, Any]:
-            access.authorize_admin(request.headers.get("authorization"))
-            q = request.query_params
-            top = _int_param(q.get("top"), "top", default=10, low=1, high=1000)
-            report: dict[str, Any] = await self.ledger.admin_report(
-                top_n=top,
-                tenant=q.get("tenant"),
-                since_s=_float_param(q.get("since_s"), "since_s"),
-                live=self.accountant.conservation(self.clock()),
-            )
-            return report
+        # each feature's own routes
+        ops_routes.register(
+            api,
+            access,
+            document=openapi_document(self.config, access),
+            pools=self.ops_view,
+            refresh_metrics=self._refresh_metrics,
+            registry=self.metrics.registry,
+            history=self.history,
+            gpu_sampler=self.gpu_sampler,
+        )
+        rebalancer_routes.register(api, access, self.rebalancer)
+        governance_routes.register(
+            api, access, self.tenants, self.governor, config_source=self.config.source
+        )
+        accounting_routes.register(
+            api,
+            access,
+            self.tenants,
+            self.ledger,
+            live=lambda: self.accountant.conservation(self.clock()),
+            session=self.governor.session,
+        )
 
         # The Gateway serves these itself once started; declared here so that another
         # method on them answers 405 (an unknown path answers 404 through _http_error).
@@ -683,25 +502,6 @@ def _response_path(path: str) -> tuple[str | None, bool]:
     return rest, cancel
 
 
-def _float_param(raw: str | None, name: str) -> float | None:
-    """A number of magnitude at most 2**53 (SQLite's integers hold it, and it is finite) from a
-    query parameter; None when absent. Raises `BadRequest`."""
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not abs(value) <= 2**53:  # nan fails too
-        raise BadRequest(
-            f"query parameter {name} must be a finite number (at most 2**53 either side of 0),"
-            f" got {raw[:40]!r}",
-            "invalid_param",
-            param=name,
-        )
-    return value
-
-
 def create_app(
     config: Config,
     instances: list[InstanceSpec],
@@ -712,23 +512,8 @@ def create_app(
 
 
 # ---------------------------------------------------------------------------------------------
-# Query parameters and error responses of the API above
+# Error responses of the API above
 # ---------------------------------------------------------------------------------------------
-
-
-def _int_param(raw: str | None, name: str, *, default: int, low: int, high: int) -> int:
-    """A whole number in [low, high] from a query parameter (`1e2` is 100); `default` when
-    absent. Raises `BadRequest`."""
-    value = _float_param(raw, name)
-    if value is None:
-        return default
-    if value != int(value) or not low <= value <= high:
-        raise BadRequest(
-            f"query parameter {name} must be a whole number from {low} to {high}",
-            "invalid_param",
-            param=name,
-        )
-    return int(value)
 
 
 def _basic_credentials_on_a_change(scope: Scope) -> bool:

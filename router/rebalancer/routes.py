@@ -26,7 +26,7 @@ from router.errors import BadRequest
 from router.identity import OperatorAccess
 from router.rebalancer.rebalancer import Rebalancer
 
-__all__ = ["register_pools_admin"]
+__all__ = ["register"]
 
 
 class _Body(BaseModel):
@@ -77,7 +77,7 @@ def _limit(raw: str | None) -> int:
     return int(value)
 
 
-def register_pools_admin(api: FastAPI, access: OperatorAccess, rebalancer: Rebalancer) -> None:
+def register(api: FastAPI, access: OperatorAccess, rebalancer: Rebalancer) -> None:
     def who(request: Request) -> str:
         return access.authorize_admin(request.headers.get("authorization"))
 

@@ -1,0 +1,146 @@
+"""The fleet as operators read it: `PoolsView.view()` answers `GET /admin/pools` (and feeds
+`/ready` and the status page's history), `refresh_gauges()` sets the gauges `GET /metrics`
+exports. Reads only; changes nothing it reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from pools.allocation import PoolMap
+from pools.config import Config
+from pools.fleet import Fleet
+from router.admission.admitter import Admitter
+from router.metrics import RouterMetrics
+from router.rebalancer.rebalancer import Rebalancer
+
+__all__ = ["PoolsView"]
+
+
+class PoolsView:
+    """Operators' view of the pools and instances; pure reads of the components it is given."""
+
+    def __init__(
+        self,
+        config: Config,
+        fleet: Fleet,
+        pool_map: PoolMap,
+        admitter: Admitter,
+        rebalancer: Rebalancer,
+        metrics: RouterMetrics,
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.pool_map = pool_map
+        self.admitter = admitter
+        self.rebalancer = rebalancer
+        self.metrics = metrics
+        self.clock = clock
+
+    def view(self) -> dict[str, Any]:
+        """`GET /admin/pools`: each pool's share, bounds, instances, SLO and queue, each
+        instance's telemetry, reservations and operating point, and the rebalancer's view."""
+        allocation = self.pool_map.current
+        capacity = self.fleet.capacity_gpus()
+        pools = {}
+        for pool in self.config.pools:
+            ids = allocation.instances_for(pool.name)
+            pools[pool.name] = {
+                "classes": list(pool.classes),
+                "share_frac": round(allocation.share_of(pool.name, capacity), 4),
+                "floor_frac": pool.share.floor_frac,
+                "ceiling_frac": pool.share.ceiling_frac,
+                "instances": {i: round(allocation.frac(i, pool.name), 4) for i in ids},
+                "healthy_instances": sum(
+                    1 for i in ids if (s := self.fleet.get(i)) is not None and s.healthy
+                ),
+                "slo": {"ttft_p95_ms": pool.slo.ttft_p95_ms, "tpot_p95_ms": pool.slo.tpot_p95_ms},
+                "queue": self._queue_view(pool.name),
+            }
+        instances = {}
+        for state in self.fleet:
+            r = state.reading
+            instances[state.spec.instance_id] = {
+                "url": state.spec.url,
+                "gpus": state.spec.gpus,
+                "healthy": state.healthy,
+                "last_error": state.last_error,
+                "inflight": state.inflight,
+                "pools": dict(allocation.pools_of(state.spec.instance_id)),
+                "telemetry_age_s": None if r is None else round(self.fleet.age_s(state) or 0, 3),
+                "kv_usage_frac": None if r is None else r.kv_usage_frac,
+                "running": None if r is None else r.running,
+                "waiting": None if r is None else r.waiting,
+                "num_gpu_blocks": None if r is None else r.num_gpu_blocks,
+                "kv_capacity": state.kv_capacity,  # known | unknown | None (not reported)
+                "block_size": None if r is None else r.block_size,
+                "kv_reserved_blocks": state.reserved_blocks,
+                "kv_reserved_blocks_by_pool": dict(state.reserved_by_pool),
+                "kv_used_blocks": round(state.used_blocks(), 1),
+                "running_by_pool": dict(state.running_by_pool),
+                "operating_point": {
+                    "limit": self.admitter.instance_limit(state),
+                    "source": state.op.source,
+                    "samples": state.op.samples,
+                    "tpot_line_ms": None
+                    if (line := state.op.line) is None
+                    else {
+                        "intercept": round(line.intercept_s * 1e3, 3),
+                        "per_sequence": round(line.slope_s * 1e3, 4),
+                    },
+                },
+                "prefill_tokens_per_s": None
+                if state.prefill_tokens_per_s is None
+                else round(state.prefill_tokens_per_s, 1),
+                "preemptions_seen": state.preemptions_seen,
+            }
+        return {
+            "allocation_version": allocation.version,
+            "admission": self.config.router.admission,
+            "pools": pools,
+            "instances": instances,
+            "rebalancer": self.rebalancer.view(),
+        }
+
+    def _queue_view(self, pool: str) -> dict[str, Any]:
+        queue = self.admitter.queues[pool]
+        now = self.clock()
+        p = self.config.pool(pool)
+        return {
+            "depth": len(queue),
+            "max_depth": p.queue.max_depth,
+            "max_wait_s": p.queue.max_wait_s,
+            "order": p.queue.order,
+            "drain_rate_per_s": round(queue.drain_rate_per_s(now), 3),
+        }
+
+    def refresh_gauges(self) -> None:
+        """Set the gauges `GET /metrics` reads from the fleet, the pools and the queues."""
+        m = self.metrics
+        m.asyncio_tasks.set(len(asyncio.all_tasks()))
+        allocation = self.pool_map.current
+        capacity = self.fleet.capacity_gpus()
+        for pool in self.config.pools:
+            m.pool_share.labels(pool.name).set(allocation.share_of(pool.name, capacity))
+            m.queue_depth(pool.name, len(self.admitter.queues[pool.name]))
+        self.rebalancer.refresh_gauges()
+        for state in self.fleet:
+            iid = state.spec.instance_id
+            m.healthy.labels(iid).set(1 if state.healthy else 0)
+            m.set_inflight(iid, state.inflight)
+            m.kv_reserved.labels(iid).set(state.reserved_blocks)
+            m.op_limit.labels(iid).set(self.admitter.instance_limit(state))
+            m.set_preemptions(iid, state.preemptions_seen)
+            if state.reading is not None:
+                if state.reading.num_gpu_blocks is not None:
+                    blocks = state.reading.num_gpu_blocks
+                    m.kv_capacity.labels(iid).set(blocks)
+                    m.kv_measured.labels(iid).set(state.reading.kv_usage_frac * blocks)
+                m.kv_usage.labels(iid).set(state.reading.kv_usage_frac)
+                m.engine_running.labels(iid).set(state.reading.running)
+                m.engine_waiting.labels(iid).set(state.reading.waiting)
+                m.telemetry_age.labels(iid).set(self.fleet.age_s(state) or 0.0)
