@@ -15,9 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.launchers.base import InstanceSpec
+from pools.testing.config import config_data, config_for_test, even_pools, one_pool
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from pools.testing.gateway import gateway_over_fakes
 from pools.testing.serve import serve_asgi
 from router.gateway.app import Gateway, create_app
 
@@ -74,26 +75,14 @@ class Rig:
 @pytest.fixture
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     engine = FakeEngineState()
-    async with serve_asgi(make_fake_engine(engine)) as url:
-        data = {
-            **DEFAULT_CPU_CONFIG,
-            "pools": {
-                "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
-                "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
-            },
-            "tenants": TENANTS,
-            "router": {
-                "ledger_path": str(tmp_path / "l.sqlite"),
-                "state_path": str(tmp_path / "s.json"),
-            },
-            "governance": {"run_idle_timeout_s": 30},
-        }
-        gateway = create_app(parse_config(data), [InstanceSpec("engine-0", url, 1)])
-        await gateway.start()
-        transport = httpx.ASGITransport(app=gateway)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            yield Rig(gateway, client, engine)
-        await gateway.aclose()
+    config = config_for_test(
+        tmp_path,
+        pools=even_pools(),
+        tenants=TENANTS,
+        governance={"run_idle_timeout_s": 30},
+    )
+    async with gateway_over_fakes(config, [engine]) as r:
+        yield Rig(r.gateway, r.client, engine)
 
 
 def _client(gateway: Gateway) -> httpx.AsyncClient:
@@ -343,15 +332,10 @@ async def test_budgets_and_stopped_runs_survive_a_restart_without_a_clean_shutdo
     """The first router is never closed before the second starts (as after `kill -9`): what
     its once-a-second save wrote is what the second one finds."""
     engine = FakeEngineState()
-    data = {
-        **DEFAULT_CPU_CONFIG,
-        "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
-        "tenants": TENANTS,
-        "router": {"ledger_path": str(tmp_path / "l.sqlite"), "state_path": str(tmp_path / "s")},
-    }
+    config = config_for_test(tmp_path, pools=one_pool(), tenants=TENANTS)
     async with serve_asgi(make_fake_engine(engine)) as url:
         spec = [InstanceSpec("engine-0", url, 1)]
-        first = create_app(parse_config(data), spec)
+        first = create_app(config, spec)
         await first.start()
         async with _client(first) as client:
             rig = Rig(first, client, engine)
@@ -361,7 +345,7 @@ async def test_budgets_and_stopped_runs_survive_a_restart_without_a_clean_shutdo
             assert (await rig.post("guarded", x_gpupool_run_id="r")).status_code == 403
             before = (await rig.get("slow", "/v1/budget")).json()["tokens"]["remaining"]
             await asyncio.sleep(1.5)  # the sweep saves once a second
-        second = create_app(parse_config(data), spec)
+        second = create_app(config, spec)
         await second.start()
         try:
             async with _client(second) as client:
@@ -384,15 +368,11 @@ async def test_an_admin_reload_applies_new_budgets_without_refilling_them(tmp_pa
 
     engine = FakeEngineState()
     path = tmp_path / "gpupool.yaml"
-    data: dict[str, Any] = {
-        **DEFAULT_CPU_CONFIG,
-        "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
-        "tenants": [
-            {"name": "slow", "api_key": "k-slow", "tokens_per_minute": 120},
-            {"name": "ops", "api_key": "k-ops", "admin": True},
-        ],
-        "router": {"ledger_path": str(tmp_path / "l.sqlite"), "state_path": str(tmp_path / "s")},
-    }
+    tenants = [
+        {"name": "slow", "api_key": "k-slow", "tokens_per_minute": 120},
+        {"name": "ops", "api_key": "k-ops", "admin": True},
+    ]
+    data = config_data(tmp_path, pools=one_pool(), tenants=tenants)
     path.write_text(yaml.safe_dump(data))
     async with serve_asgi(make_fake_engine(engine)) as url:
         gateway = create_app(load_config(path), [InstanceSpec("engine-0", url, 1)])
@@ -429,13 +409,6 @@ async def test_an_admin_reload_applies_new_budgets_without_refilling_them(tmp_pa
 
 async def test_a_gateway_closes_twice_without_error(tmp_path: Path) -> None:
     """aclose() is idempotent with the governance store open (a second close raised)."""
-    data = {
-        **DEFAULT_CPU_CONFIG,
-        "tenants": TENANTS,
-        "router": {"ledger_path": str(tmp_path / "l.sqlite"), "state_path": str(tmp_path / "s")},
-    }
-    async with serve_asgi(make_fake_engine(FakeEngineState())) as url:
-        gateway = create_app(parse_config(data), [InstanceSpec("engine-0", url, 1)])
-        await gateway.start()
-        await gateway.aclose()
-        await gateway.aclose()
+    async with gateway_over_fakes(config_for_test(tmp_path, tenants=TENANTS), 1) as rig:
+        await rig.gateway.aclose()
+        await rig.gateway.aclose()

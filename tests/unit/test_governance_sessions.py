@@ -15,11 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
-from pools.launchers.base import InstanceSpec
-from pools.testing.fake_engine import FakeEngineState, make_fake_engine
-from pools.testing.serve import serve_asgi
-from router.gateway.app import create_app
+from pools.testing.config import config_for_test
+from pools.testing.fake_engine import FakeEngineState
+from pools.testing.gateway import gateway_over_fakes
 
 SESSION = "5b0c6a43-7d1e-4d2b-9a57-2f0e8c1d9e11"
 KEY = {"authorization": "Bearer k-dev"}
@@ -34,21 +32,10 @@ class Rig:
 @pytest.fixture
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     engine = FakeEngineState(keep_requests=True)
-    async with serve_asgi(make_fake_engine(engine)) as url:
-        data = {
-            **DEFAULT_CPU_CONFIG,  # the default guards
-            "tenants": [{"name": "dev", "api_key": "k-dev"}],
-            "router": {
-                "ledger_path": str(tmp_path / "l.sqlite"),
-                "state_path": str(tmp_path / "s.json"),
-            },
-        }
-        gateway = create_app(parse_config(data), [InstanceSpec("engine-0", url, 1)])
-        await gateway.start()
-        transport = httpx.ASGITransport(app=gateway)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            yield Rig(client, engine)
-        await gateway.aclose()
+    # the default guards
+    config = config_for_test(tmp_path, tenants=[{"name": "dev", "api_key": "k-dev"}])
+    async with gateway_over_fakes(config, [engine]) as r:
+        yield Rig(r.client, engine)
 
 
 TOOLS = [

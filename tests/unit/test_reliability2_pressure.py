@@ -16,11 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
-from pools.launchers.base import InstanceSpec
-from pools.testing.fake_engine import FakeEngineState, make_fake_engine
-from pools.testing.serve import serve_asgi
-from router.gateway.app import Gateway, create_app
+from pools.testing.config import config_for_test, one_pool
+from pools.testing.fake_engine import FakeEngineState
+from pools.testing.gateway import gateway_over_fakes
+from router.gateway.app import Gateway
 
 TENANTS: list[dict[str, Any]] = [
     # a request over the whole bucket spends it (it goes through once the bucket is full);
@@ -66,38 +65,21 @@ async def _until(condition: Callable[[], bool]) -> None:
 @pytest.fixture
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     engine = FakeEngineState()  # answers at once unless a test sets itl_s
-    async with serve_asgi(make_fake_engine(engine)) as url:
-        data = {
-            **DEFAULT_CPU_CONFIG,
-            "pools": {
-                "normal": {
-                    "classes": ["normal", "agent"],
-                    "share": {"initial_frac": 1.0},
-                    # a queue of one: a second request is refused for capacity at once
-                    "queue": {"max_wait_s": 5.0, "max_depth": 1},
-                }
-            },
-            "engines": {"launcher": "local", "local": {"vllm_args": ["--max-num-seqs", "1"]}},
-            "tenants": TENANTS,
-            "governance": {
-                "tiers": {
-                    "one": {
-                        "max_concurrent_runs": 1,
-                        "max_concurrent_requests": 1,
-                        "queue_weight": 1.0,
-                    }
-                }
-            },
-            "router": {"ledger_path": str(tmp_path / "l.sqlite")},
-            "rebalancer": {"enabled": False},
-        }
-        gateway = create_app(parse_config(data), [InstanceSpec("e", url, 1)])
-        await gateway.start()
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=gateway), base_url="http://gw", timeout=30
-        ) as client:
-            yield Rig(gateway, client, engine)
-        await gateway.aclose()
+    config = config_for_test(
+        tmp_path,
+        # a queue of one: a second request is refused for capacity at once
+        pools=one_pool(queue={"max_wait_s": 5.0, "max_depth": 1}),
+        engines={"local": {"vllm_args": ["--max-num-seqs", "1"]}},
+        tenants=TENANTS,
+        governance={
+            "tiers": {
+                "one": {"max_concurrent_runs": 1, "max_concurrent_requests": 1, "queue_weight": 1.0}
+            }
+        },
+        rebalancer={"enabled": False},
+    )
+    async with gateway_over_fakes(config, [engine], client_timeout_s=30) as r:
+        yield Rig(r.gateway, r.client, engine)
 
 
 async def test_token_rate_refusals_are_not_pool_pressure(rig: Rig) -> None:

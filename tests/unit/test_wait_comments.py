@@ -15,9 +15,9 @@ import openai
 import orjson
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import parse_vllm_metrics
+from pools.testing.config import config_for_test, one_pool
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.gateway.app import Gateway, create_app
@@ -29,20 +29,13 @@ HOLD = {**CHAT, "max_tokens": 30}  # 30 tokens at 0.05 s: the engine's one slot 
 async def _gateway(tmp_path: Path, max_wait_s: float) -> AsyncIterator[Gateway]:
     state = FakeEngineState(itl_s=0.05)
     async with serve_asgi(make_fake_engine(state)) as url:
-        data = {
-            **DEFAULT_CPU_CONFIG,
+        config = config_for_test(
+            tmp_path,
             # one sequence per engine: a second request waits for the first
-            "engines": {"launcher": "local", "local": {"vllm_args": ["--max-num-seqs", "1"]}},
-            "router": {"ledger_path": str(tmp_path / "l.sqlite")},
-            "pools": {
-                "normal": {
-                    "classes": ["normal", "agent"],
-                    "share": {"initial_frac": 1.0},
-                    "queue": {"max_wait_s": max_wait_s},
-                }
-            },
-        }
-        gateway = create_app(parse_config(data), [InstanceSpec("only", url, 1)], scrape=False)
+            engines={"local": {"vllm_args": ["--max-num-seqs", "1"]}},
+            pools=one_pool(queue={"max_wait_s": max_wait_s}),
+        )
+        gateway = create_app(config, [InstanceSpec("only", url, 1)], scrape=False)
         gateway.fleet.record_reading(
             "only", parse_vllm_metrics(FakeEngineState().metrics_text(), gateway.clock())
         )
