@@ -5,6 +5,9 @@
   `GpuSnapshot.no_gpu_reason`;
 - `GpuSampler(registry=..., interval_s=...)`: periodic sampling into Prometheus gauges;
 - `FakeNvml`: scripted NVML for tests and GPU-less demos (inject it as `nvml=`).
+
+Must not import `pools`, `router` nor `benchmarks` (it may use `kvcache_model`'s GPU specs;
+tests/unit/test_layering.py).
 """
 
 from gpu_probe.detect import visible_gpu_count

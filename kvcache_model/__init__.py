@@ -9,6 +9,8 @@ The router's entry points:
   an engine reports (engine wins over prediction);
 - `LatencyPrior(geometry, gpu_spec("H100")).max_batch_for_tpot(target_s, context_tokens)`:
   the operating-point prior.
+
+Must not import `pools`, `router`, `gpu_probe` nor `benchmarks` (tests/unit/test_layering.py).
 """
 
 from kvcache_model.capacity import (

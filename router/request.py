@@ -1,6 +1,7 @@
 """The per-request contracts every stage of the request path shares.
 
-One typed object per request travels the path (DESIGN.md, "The request path"):
+One typed object per request travels the request path (`router.gateway`; README, "Where
+things live"):
 
     RequestContext  what classification decided (tenant, class, pool, priority, deadline, run)
     RequestOutcome  what happened to it: the lease's instance, status, timings, tokens, cost

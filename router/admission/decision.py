@@ -5,7 +5,8 @@ choose among), a `Wait` (nothing fits now but something can free up) or a `Rejec
 be served in time). No clock, no I/O, no state: the shell (`router.admission.admitter`) builds the
 views from the fleet and holds the queue and the leases.
 
-On instance `i`, a sequence of pool `p` fits when all of these hold (DESIGN.md, step 3):
+On instance `i`, a sequence of pool `p` fits when all of these hold (docs/admission.md,
+sections 2 and 3):
 
 - **fresh and healthy**: stale telemetry counts as full;
 - (an engine that does not report its KV capacity, `kv_known` False, skips both KV checks:

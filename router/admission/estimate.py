@@ -1,5 +1,5 @@
-"""The request estimate admission works from (DESIGN.md, "The request path", step 2): prompt
-tokens, expected output tokens, and the KV blocks the two need together.
+"""The request estimate admission works from (docs/admission.md, "1. Estimate"): prompt tokens,
+expected output tokens, and the KV blocks the two need together.
 
 Prompt tokens come from one of two sources, fixed when the estimator is built:
 

@@ -1,7 +1,11 @@
 """The `gpupool` command line: one entry point, one module per subcommand under
 `router/cli/commands/`. Each module exposes `register(subparsers)`, which adds its parser and sets
 `func(args) -> int` (the exit code). Exit codes: 0 success, 1 runtime failure, 2 bad input
-(usage or configuration).
+(usage or configuration). `stack` runs the stack in one process (engines, the router behind
+uvicorn, a clean shutdown).
+
+The top of the product: it may import every package of it; nothing imports it. Must not import
+`benchmarks` (tests/unit/test_layering.py).
 """
 
 from __future__ import annotations

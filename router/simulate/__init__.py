@@ -9,5 +9,6 @@ a time-ordered plan (`workload.build_plan`, prompts from `prompts`). The benchma
 (`benchmarks/`) sends the same plans to real endpoints.
 
 Lives in the product because `gpupool simulate` runs it. Must not import the request path
-(`router.gateway`); the benchmark harness uses this package, never the reverse.
+(`router.gateway`), `router.ops` nor `router.cli`; the benchmark harness uses this package,
+never the reverse (tests/unit/test_layering.py).
 """
