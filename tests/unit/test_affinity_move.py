@@ -4,16 +4,15 @@ and the admitter's inputs to it (the time a step waited, the expected wait for i
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 
 from pools.allocation import plan_allocation
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
+from pools.testing.config import config_for_test, even_pools
 from router.admission.picking import (
     Candidate,
     Picker,
@@ -237,17 +236,9 @@ def test_always_affinity_stops_waiting_for_home_after_its_patience() -> None:
 
 
 def test_the_router_gives_always_affinity_half_the_queue_wait() -> None:
-    config = parse_config(
-        {
-            **copy.deepcopy(DEFAULT_CPU_CONFIG),
-            "pools": {
-                "agent": {
-                    "classes": ["agent"],
-                    "share": {"initial_frac": 0.34},
-                    "queue": {"max_wait_s": 40},
-                },
-                "normal": {"classes": ["normal"], "share": {"initial_frac": 0.66}},
-            },
-        }
+    pools = even_pools(
+        agent={"share": {"initial_frac": 0.34}, "queue": {"max_wait_s": 40}},
+        normal={"share": {"initial_frac": 0.66}},
     )
+    config = config_for_test(pools=pools)
     assert placement_patience_s(config) == {"agent": 20.0, "normal": 5.0}  # default max wait 10 s

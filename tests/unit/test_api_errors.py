@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -11,18 +10,13 @@ from typing import Any
 import httpx
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
+from pools.testing.config import config_for_test
 from router.gateway.app import create_app
 
 
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["router"] = {
-        "ledger_path": str(tmp_path / "l.sqlite"),
-        "state_path": str(tmp_path / "s.json"),
-    }
-    gateway = create_app(parse_config(data), [], scrape=False)
+    gateway = create_app(config_for_test(tmp_path), [], scrape=False)
     await gateway.start()
     transport = httpx.ASGITransport(app=gateway)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:

@@ -7,23 +7,20 @@ import random
 import pytest
 
 from pools.allocation import plan_allocation
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
+from pools.testing.config import config_for_test
 from router.admission.picking import PickRequest, RunAffinity, default_picker
 from router.errors import BadRequest, ClassNotAllowed, Unauthorized
 from router.gateway.classify import classify, run_identity
 from router.identity import Tenants
 
-CONFIG = parse_config(
-    {
-        **DEFAULT_CPU_CONFIG,
-        "tenants": [
-            {"name": "a", "api_key": "ka"},
-            {"name": "b", "api_key": "kb", "default_class": "agent", "may_set_class": False},
-        ],
-    }
+CONFIG = config_for_test(
+    tenants=[
+        {"name": "a", "api_key": "ka"},
+        {"name": "b", "api_key": "kb", "default_class": "agent", "may_set_class": False},
+    ],
 )
 TENANTS = Tenants.from_config(CONFIG.tenants)
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}

@@ -16,7 +16,6 @@ shape, never a 5xx, an exception or a hang; and what it echoes or forwards carri
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import socket
 import time
@@ -30,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
+from pools.testing.config import config_for_test
 from router.errors import BadRequest, ClassNotAllowed, Forbidden, Unauthorized
 from router.gateway.classify import RUN_ID_HEADERS, classify
 from router.identity import OperatorAccess, Tenants
@@ -177,11 +176,8 @@ def _assert_openai_answer(
 # Pure functions: classification and authentication are total
 # ------------------------------------------------------------------------------------------------
 
-CLASSIFY_CONFIG = parse_config(
-    {
-        **copy.deepcopy(DEFAULT_CPU_CONFIG),
-        "tenants": [{"name": "fixed", "api_key_sha256": "0" * 64, "may_set_class": False}],
-    }
+CLASSIFY_CONFIG = config_for_test(
+    tenants=[{"name": "fixed", "api_key_sha256": "0" * 64, "may_set_class": False}]
 )
 (FIXED_TENANT,) = CLASSIFY_CONFIG.tenants
 TENANTS = [FIXED_TENANT, Tenants.from_config(()).authenticate(None)]

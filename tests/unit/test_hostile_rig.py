@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -27,8 +26,9 @@ from typing import Any, TypeVar
 import orjson
 import uvicorn
 
-from pools.config import DEFAULT_CPU_CONFIG, Config, parse_config
+from pools.config import Config
 from pools.launchers.base import InstanceSpec
+from pools.testing.config import REMOVE, config_for_test, default_pools
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.gateway.app import Gateway, create_app
@@ -45,8 +45,7 @@ MAX_MODEL_LEN_TOKENS = 4096
 
 def hostile_config(tmp_path: Path, *, keys: bool = True, **router: Any) -> Config:
     """DEFAULT_CPU_CONFIG with its ledger in `tmp_path`, one engine per pool and two tenants."""
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["router"] = {
+    router = {
         "ledger_path": str(tmp_path / "ledger.sqlite"),
         "state_path": str(tmp_path / "state.json"),
         "scrape_interval_s": 0.2,
@@ -56,14 +55,13 @@ def hostile_config(tmp_path: Path, *, keys: bool = True, **router: Any) -> Confi
         "stale_after_s": 600,
         **router,
     }
-    data["pools"]["agent"]["share"] = {"initial_frac": 0.5}
-    data["pools"]["normal"]["share"] = {"initial_frac": 0.5}
-    if keys:
-        data["tenants"] = [
-            {"name": "team-a", "api_key": TENANT_KEY},
-            {"name": "ops", "api_key": ADMIN_KEY, "admin": True},
-        ]
-    return parse_config(data)
+    half = {"share": {"initial_frac": 0.5, "floor_frac": REMOVE, "ceiling_frac": REMOVE}}
+    tenants = [
+        {"name": "team-a", "api_key": TENANT_KEY},
+        {"name": "ops", "api_key": ADMIN_KEY, "admin": True},
+    ]
+    pools = default_pools(agent=half, normal=half)
+    return config_for_test(pools=pools, router=router, tenants=tenants if keys else REMOVE)
 
 
 # ------------------------------------------------------------------------------------------------

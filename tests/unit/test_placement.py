@@ -7,7 +7,6 @@ Two engines, one pool; KV capacity is the limit: each engine holds two of the `B
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -15,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, ConfigError, parse_config
+from pools.config import ConfigError, parse_config
 from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
+from pools.testing.config import config_data
 from router.admission.estimate import Estimate
 from router.gateway.app import Gateway, create_app
 from router.request import RequestContext
@@ -30,16 +30,8 @@ BIG = Estimate(prompt_tokens=6000, output_tokens=400, source="heuristic")
 
 
 def _data(tmp_path: Path, pool: dict[str, Any]) -> dict[str, Any]:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["router"] = {
-        "ledger_path": str(tmp_path / "l.sqlite"),
-        "state_path": str(tmp_path / "state.json"),
-        "kv_margin_frac": 0.05,
-    }
-    data["pools"] = {
-        "agent": {"classes": ["agent", "normal"], "share": {"initial_frac": 1.0}, **pool}
-    }
-    return data
+    pools = {"agent": {"classes": ["agent", "normal"], "share": {"initial_frac": 1.0}, **pool}}
+    return config_data(tmp_path, pools=pools, router={"kv_margin_frac": 0.05})
 
 
 @pytest.fixture

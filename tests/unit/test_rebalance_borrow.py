@@ -4,15 +4,14 @@ owner's queue wins the next free slot, and the borrowed sequence is the borrower
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
+from pools.testing.config import REMOVE, config_for_test, default_pools
 from router.admission.estimate import Estimate
 from router.gateway.app import Gateway, create_app
 from router.request import RequestContext
@@ -23,17 +22,15 @@ SPECS = [InstanceSpec(f"engine-{i}", f"http://127.0.0.1:{9 + i}", 1) for i in ra
 
 @pytest.fixture
 async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
-    data = copy.deepcopy(DEFAULT_CPU_CONFIG)
-    data["router"] = {
-        "ledger_path": str(tmp_path / "l.sqlite"),
-        "state_path": str(tmp_path / "state.json"),
-        "kv_margin_frac": 0.05,
-    }
-    data["pools"]["agent"]["share"] = {"initial_frac": 0.5}
-    data["pools"]["normal"]["share"] = {"initial_frac": 0.5}
-    data["rebalancer"] = {"borrow_max_frac": 0.5}
+    half = {"share": {"initial_frac": 0.5, "floor_frac": REMOVE, "ceiling_frac": REMOVE}}
+    config = config_for_test(
+        tmp_path,
+        pools=default_pools(agent=half, normal=half),
+        router={"kv_margin_frac": 0.05},
+        rebalancer={"borrow_max_frac": 0.5},
+    )
     clock = Clock()
-    gateway = create_app(parse_config(data), list(SPECS), scrape=False, clock=clock)
+    gateway = create_app(config, list(SPECS), scrape=False, clock=clock)
     await gateway.start()
     for spec in SPECS:
         r = reading(clock())
