@@ -22,10 +22,10 @@ from typing import Any
 import aiohttp
 import httpx
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import TelemetryScraper, parse_vllm_metrics
+from pools.testing.config import config_for_test, one_pool
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.gateway.app import create_app
@@ -43,14 +43,14 @@ async def test_a_dropped_request_waits_for_a_busy_healthy_engine_rather_than_fai
     live = FakeEngineState(itl_s=0.05)
     async with serve_asgi(make_fake_engine(live)) as live_url:
         specs = [InstanceSpec("drops", drop_url, 1), InstanceSpec("live", live_url, 1)]
-        data = {
-            **DEFAULT_CPU_CONFIG,
+        config = config_for_test(
+            tmp_path,
             # one sequence per engine: a second request fits only where none runs
-            "engines": {"launcher": "local", "local": {"vllm_args": ["--max-num-seqs", "1"]}},
-            "router": {"ledger_path": str(tmp_path / "l.sqlite"), "max_connect_retries": 2},
-            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
-        }
-        gateway = create_app(parse_config(data), specs, scrape=False)
+            engines={"local": {"vllm_args": ["--max-num-seqs", "1"]}},
+            router={"max_connect_retries": 2},
+            pools=one_pool(),
+        )
+        gateway = create_app(config, specs, scrape=False)
         for state in gateway.fleet:
             gateway.fleet.record_reading(
                 state.instance_id,
@@ -96,12 +96,8 @@ async def test_a_deadline_over_five_seconds_ends_on_time(tmp_path: Path) -> None
     the router's deadline must not end up to 1 s late (found on a frozen engine)."""
     hung = FakeEngineState(failure="hang", fail_next=-1)
     async with serve_asgi(make_fake_engine(hung)) as url:
-        data = {
-            **DEFAULT_CPU_CONFIG,
-            "router": {"ledger_path": str(tmp_path / "l.sqlite")},
-            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
-        }
-        gateway = create_app(parse_config(data), [InstanceSpec("hung", url, 1)], scrape=False)
+        config = config_for_test(tmp_path, pools=one_pool())
+        gateway = create_app(config, [InstanceSpec("hung", url, 1)], scrape=False)
         gateway.fleet.record_reading(
             "hung", parse_vllm_metrics(FakeEngineState().metrics_text(), gateway.clock())
         )
@@ -162,12 +158,8 @@ async def test_engine_500s_answer_502_but_do_not_take_a_scraped_healthy_engine_o
     only its scrapes and refused connections decide."""
     state = FakeEngineState()
     async with serve_asgi(make_fake_engine(state)) as url:
-        data = {
-            **DEFAULT_CPU_CONFIG,
-            "router": {"ledger_path": str(tmp_path / "l.sqlite")},
-            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
-        }
-        gateway = create_app(parse_config(data), [InstanceSpec("only", url, 1)], scrape=False)
+        config = config_for_test(tmp_path, pools=one_pool())
+        gateway = create_app(config, [InstanceSpec("only", url, 1)], scrape=False)
         gateway.fleet.record_reading(
             "only", parse_vllm_metrics(FakeEngineState().metrics_text(), gateway.clock())
         )

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from pools.config import DEFAULT_CPU_CONFIG, parse_config
+from pools.testing.config import config_for_test
 from router.admission.estimate import Estimate
 from router.errors import RateLimited, RunStopped
 from router.gateway.classify import classify
@@ -227,11 +227,8 @@ class Clock:
         return self.now_s
 
 
-CONFIG = parse_config(
-    {
-        **DEFAULT_CPU_CONFIG,
-        "tenants": [{"name": "t", "api_key_sha256": "0" * 64, "run_guards": {"max_steps": 3}}],
-    }
+CONFIG = config_for_test(
+    tenants=[{"name": "t", "api_key_sha256": "0" * 64, "run_guards": {"max_steps": 3}}]
 )
 TENANT = CONFIG.tenants[0]
 ESTIMATE = Estimate(prompt_tokens=10, output_tokens=5, source="heuristic")
@@ -361,12 +358,7 @@ def test_signals_type_is_exported() -> None:
 async def test_a_sessions_runs_share_one_concurrency_slot() -> None:
     """A free tenant (one agent run at a time) types its next task while the last run is
     still active: the session holds the slot, so it is served; another session is refused."""
-    config = parse_config(
-        {
-            **DEFAULT_CPU_CONFIG,
-            "tenants": [{"name": "t", "api_key_sha256": "0" * 64, "tier": "free"}],
-        }
-    )
+    config = config_for_test(tenants=[{"name": "t", "api_key_sha256": "0" * 64, "tier": "free"}])
     tenant = config.tenants[0]
     clock = Clock()
     gov = Governor(config, GovernanceMetrics(CollectorRegistry()), clock=clock)
