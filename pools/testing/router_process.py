@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -72,15 +71,16 @@ def wait_ready(
     raise AssertionError(f"{url}{path} not answering 200 after {timeout_s:g} s{_tail(log)}")
 
 
-def _tail(log: Path | None, lines: int = 60) -> str:
+def _tail(log: Path | None, lines: int = 200) -> str:
     if log is None or not log.is_file():
         return ""
     return ":\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 class RouterProcess:
-    """`gpupool <command> --config <config> --port <port> [args]` with its output in `log`.
-    Started by the constructor; `wait_ready` / `await wait_ready_async()`, then `stop`."""
+    """`gpupool [flags] <command> --config <config> --port <port> [args]` with its output in
+    `log`, in `env` (the whole environment; this one's when None). Started by the constructor;
+    `wait_ready` / `await wait_ready_async()`, then `stop`."""
 
     def __init__(
         self,
@@ -90,6 +90,7 @@ class RouterProcess:
         command: str = "serve",
         port: int | None = None,
         args: Sequence[str] = (),
+        flags: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
     ) -> None:
@@ -99,12 +100,13 @@ class RouterProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("ab")
+        argv = [GPUPOOL, *flags, command, "--config", str(config_path), "--port", str(self.port)]
         self.proc = subprocess.Popen(
-            [GPUPOOL, command, "--config", str(config_path), "--port", str(self.port), *args],
+            [*argv, *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=cwd,
-            env=None if env is None else {**os.environ, **env},
+            env=None if env is None else dict(env),
         )
 
     def wait_ready(
@@ -152,7 +154,7 @@ class RouterProcess:
     async def stop_async(self, grace_s: float = 20.0) -> int:
         return await asyncio.to_thread(self.stop, grace_s)
 
-    def tail(self, lines: int = 60) -> str:
+    def tail(self, lines: int = 200) -> str:
         """The last `lines` of the log, after a colon and a newline ("" when it is empty)."""
         if not self._log.closed:
             self._log.flush()
@@ -179,7 +181,7 @@ def start_router_process(
 ) -> Iterator[RouterProcess]:
     """A ready router for `config` (a file, or a YAML document written to
     `folder/gpupool.yaml`), its log `folder/router.log`; `process` goes to `RouterProcess`
-    (`command`, `port`, `args`, `env`, `cwd`). Stopped on exit, also when start fails."""
+    (`command`, `port`, `args`, `flags`, `env`, `cwd`). Stopped on exit, also when start fails."""
     router = RouterProcess(_config_path(config, folder), folder / "router.log", **process)
     try:
         router.wait_ready(ready_timeout_s)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,19 +17,15 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.stack import GPUPOOL, REPO, wait_ready
+from pools.testing.config import REMOVE, config_data, one_pool
+from pools.testing.router_process import RouterProcess, free_port, wait_ready
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -57,46 +52,35 @@ def outputs(tmp_path_factory: pytest.TempPathFactory, engine_url: str) -> dict[s
     one request, Ctrl-C; its output (stdout and stderr). The three run side by side."""
     tmp_path = tmp_path_factory.mktemp("serve")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPOOL_")}
-    procs: dict[str, tuple[subprocess.Popen[bytes], Path, str]] = {}
+    routers: dict[str, RouterProcess] = {}
     try:
         for name, (log_level, *flags) in RUNS.items():
-            port = _free_port()
-            config = {
-                "model": {"name": "tiny", "path": str(REPO / ".gpupool/models/tiny")},
-                "engines": {"launcher": "static", "static": {"urls": [engine_url]}},
-                "pools": {
-                    "normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}
-                },
-                "router": {
-                    "port": port,
+            config = config_data(
+                model={"path": str(REPO / ".gpupool/models/tiny"), "max_model_len_tokens": REMOVE},
+                urls=[engine_url],
+                pools=one_pool(),
+                router={
                     "log_level": log_level,
                     "ledger_path": str(tmp_path / f"{name}.sqlite"),
                     "state_path": str(tmp_path / f"{name}.json"),
                 },
-            }
+            )
             path = tmp_path / f"{name}.yaml"
             path.write_text(yaml.safe_dump(config))
             log = tmp_path / f"{name}.log"
-            with log.open("wb") as out:
-                proc = subprocess.Popen(
-                    [GPUPOOL, *flags, "serve", "--config", str(path)],
-                    cwd=REPO,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                )
-            procs[name] = (proc, log, f"http://127.0.0.1:{port}")
+            routers[name] = RouterProcess(path, log, flags=flags, env=env, cwd=REPO)
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        for proc, log, url in procs.values():
-            wait_ready(url, proc, log, 90, interval_s=0.1)
-            resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10)
+        for router in routers.values():
+            router.wait_ready(90, interval_s=0.1)
+            resp = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=10)
             assert resp.status_code == 200
     finally:
-        for proc, _, _ in procs.values():
-            proc.send_signal(signal.SIGINT)
-        for proc, _, _ in procs.values():
-            proc.wait(30)
-    return {name: log.read_text() for name, (_, log, _) in procs.items()}
+        for router in routers.values():
+            router.signal(signal.SIGINT)
+        for router in routers.values():
+            router.proc.wait(30)
+            router.stop()  # closes its log (it has exited)
+    return {name: router.log_path.read_text() for name, router in routers.items()}
 
 
 def test_debug_reaches_the_routers_loggers_and_uvicorns(outputs: dict[str, str]) -> None:
