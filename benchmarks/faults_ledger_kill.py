@@ -37,10 +37,10 @@ from benchmarks.reliability.faults import (
     Reply,
     RouterProcess,
     client_session,
-    free_port,
     ledger_rows,
     send,
 )
+from pools.testing.router_process import free_port
 
 __all__ = ["KillRound", "main", "router_config", "stream_then_kill"]
 

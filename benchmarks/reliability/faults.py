@@ -43,7 +43,6 @@ import signal
 import socket
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -56,6 +55,8 @@ import yaml
 
 from pools.config import RouterConfig, default_of
 from pools.launchers import InstanceSpec, LocalLauncher
+from pools.testing import router_process
+from pools.testing.router_process import free_port
 
 __all__ = [
     "DelayProxy",
@@ -71,7 +72,6 @@ __all__ = [
     "slow_metrics",
 ]
 
-GPUPOOL = str(Path(sys.executable).parent / "gpupool")
 JsonDict = dict[str, Any]
 
 
@@ -405,43 +405,24 @@ def client_session() -> aiohttp.ClientSession:
 # ---------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class RouterProcess:
-    """`gpupool serve|up --config ... --port ...` as a child process, its output in `log`."""
+    """`gpupool serve|up --config ... --port ...` as a child process, its output in `log`
+    (`pools.testing.router_process.RouterProcess`, with this harness's async waits)."""
 
     def __init__(self, command: str, config: Path, log: Path, *, port: int | None = None) -> None:
+        self._router = router_process.RouterProcess(config, log, command=command, port=port)
         self.command = command
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = self._router.port
+        self.url = self._router.url
         self.log = log
-        self._out = log.open("ab")
-        self.proc = subprocess.Popen(
-            [GPUPOOL, command, "--config", str(config), "--port", str(self.port)],
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-        )
+        self.proc = self._router.proc
 
     async def wait_ready(self, timeout_s: float = 90.0) -> float:
         """Seconds until `/ready` answers 200; raises if the router exits or never is."""
-        started = time.monotonic()
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() - started < timeout_s:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"router exited {self.proc.returncode}: {self.tail()}")
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                    async with session.get(
-                        f"{self.url}/ready", timeout=aiohttp.ClientTimeout(total=2)
-                    ) as resp:
-                        if resp.status == 200:
-                            return time.monotonic() - started
-                await asyncio.sleep(0.2)
-        raise RuntimeError(f"router not ready after {timeout_s} s: {self.tail()}")
+        try:
+            return await self._router.wait_ready_async(timeout_s)
+        except AssertionError as err:
+            raise RuntimeError(str(err)) from None
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
@@ -452,17 +433,10 @@ class RouterProcess:
         return self.proc.poll()
 
     async def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            if await self.wait_exit(60) is None:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._out.close()
+        await self._router.stop_async(grace_s=60)
 
     def tail(self, lines: int = 30) -> str:
-        self._out.flush()
-        text = self.log.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
+        return self._router.tail(lines)
 
 
 def router_config(
