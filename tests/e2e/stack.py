@@ -1,24 +1,22 @@
 """What the e2e tests share: where the `gpupool` console script is, waiting for a stack
 started with `gpupool up` (or a router, or an engine) to answer `/ready` (failing with its log
-when it exits first), and the installed vLLM's flag list for an engine run_dir."""
+when it exits first; `pools.testing.router_process.wait_ready`), and the installed vLLM's flag
+list for an engine run_dir."""
 
 from __future__ import annotations
 
 import functools
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 from pools.launchers.engine_args import installed_vllm_version, supported_vllm_flags
+from pools.testing.router_process import GPUPOOL, wait_ready
+
+__all__ = ["GPUPOOL", "REPO", "seed_vllm_flags", "vllm_flags_file", "wait_ready"]
 
 REPO = Path(__file__).resolve().parents[2]
-GPUPOOL = str(Path(sys.executable).parent / "gpupool")
 FLAGS_CACHE_DIR = REPO / ".gpupool" / "test-cache"
 
 
@@ -52,31 +50,3 @@ def seed_vllm_flags(run_dir: Path) -> None:
     if source is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, run_dir / source.name)
-
-
-def wait_ready(
-    url: str,
-    proc: subprocess.Popen[bytes] | None,
-    log: Path | None,
-    timeout_s: float,
-    *,
-    path: str = "/ready",
-    interval_s: float = 0.5,
-) -> None:
-    """Poll `url + path` every `interval_s` until 200; raise with the log if `proc` (when
-    given) exits first, or when `timeout_s` passes."""
-
-    def tail() -> str:
-        return "" if log is None else ":\n" + log.read_text(errors="replace")
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{proc.args!r} exited {proc.returncode}{tail()}")
-        try:
-            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(interval_s)
-    raise AssertionError(f"{url}{path} not answering 200 after {timeout_s:g} s{tail()}")

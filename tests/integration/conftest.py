@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -31,6 +29,8 @@ import yaml
 from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec, LocalLauncher
+from pools.testing import router_process
+from pools.testing.router_process import free_port
 from tests.e2e.stack import seed_vllm_flags, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,13 +45,6 @@ ENGINE_KEY_ENV = "GPUPOOL_TEST_ENGINE_KEY"
 os.environ.setdefault(ENGINE_KEY_ENV, "test-engine-key-" + os.urandom(6).hex())
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class EngineFleet:
@@ -178,34 +171,16 @@ def write_router_config(path: Path, urls: list[str], **extra: Any) -> Path:
     return path
 
 
-class RouterProcess:
-    def __init__(self, config_path: Path, port: int, log_path: Path) -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [
-                str(Path(sys.executable).parent / "gpupool"),
-                "serve",
-                "--config",
-                str(config_path),
-                "--port",
-                str(port),
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-        )
-        wait_ready(self.url, self.proc, log_path, 60, interval_s=0.2)
+class RouterProcess(router_process.RouterProcess):
+    """`gpupool serve` on `port`, ready when constructed (`pools.testing.router_process`)."""
 
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
+    def __init__(self, config_path: Path, port: int, log_path: Path) -> None:
+        super().__init__(config_path, log_path, port=port, cwd=REPO)
         try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
+            self.wait_ready(60, interval_s=0.2)
+        except BaseException:
+            self.stop()  # a router that never got ready does not outlive the test
+            raise
 
 
 @pytest.fixture(scope="session")
