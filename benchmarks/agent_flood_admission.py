@@ -34,6 +34,7 @@ import yaml
 from benchmarks.outputs import bulk_path
 from pools.config import parse_config
 from pools.launchers import InstanceSpec, LocalLauncher
+from pools.testing.router_process import RouterProcess
 
 SCENARIO = "benchmarks/scenarios/agent-flood.yaml"
 KEY_ENV = "GPUPOOL_BENCH_ENGINE_KEY"
@@ -259,21 +260,15 @@ def _main(args: argparse.Namespace) -> int:
     loop = Loop()
     specs: list[InstanceSpec] = loop.run(launcher.start())
     engines = [s.url for s in specs]
-    routers: dict[str, subprocess.Popen[bytes]] = {}
+    routers: dict[str, RouterProcess] = {}
     results = []
     try:
         for mode, port in ROUTER_PORTS.items():
             path = out / f"router-{mode}.yaml"
             path.write_text(yaml.safe_dump(_router_config(mode, engines, state)))
-            log = bulk_path(out, f"router-{mode}.log").open("wb")
-            gpupool = str(Path(sys.executable).parent / "gpupool")
-            routers[mode] = subprocess.Popen(
-                [gpupool, "serve", "--config", str(path), "--port", str(port)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        for port in ROUTER_PORTS.values():
-            _wait_ready(f"http://127.0.0.1:{port}")
+            routers[mode] = RouterProcess(path, bulk_path(out, f"router-{mode}.log"), port=port)
+        for router in routers.values():
+            router.wait_ready(60)
         view = httpx.get(f"http://127.0.0.1:{ROUTER_PORTS['admission-on']}/admin/pools").json()
         (agent_id,) = view["pools"]["agent"]["instances"]
         agent_engine = view["instances"][agent_id]["url"]
@@ -292,27 +287,14 @@ def _main(args: argparse.Namespace) -> int:
                 print(json.dumps(result), flush=True)
                 time.sleep(args.pause_s)
     finally:
-        for proc in routers.values():
-            proc.terminate()
-            proc.wait(timeout=30)
+        for router in routers.values():
+            router.stop(30)
         loop.run(launcher.aclose())
         loop.close()
     (out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "summary.md").write_text(_markdown(results, args))
     print((out / "summary.md").read_text())
     return 0
-
-
-def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"router {url} not ready after {timeout_s:g} s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,12 +33,13 @@ import httpx
 import numpy as np
 import yaml
 
-from benchmarks.agent_flood_admission import Loop, _wait_ready
+from benchmarks.agent_flood_admission import Loop
 from benchmarks.metrics import meets_slo, tpot_ms
 from benchmarks.outputs import bulk_dir, bulk_path
 from benchmarks.records import RequestRecord
 from pools.config import DEFAULT_CPU_CONFIG, parse_config
 from pools.launchers import InstanceSpec, LocalLauncher
+from pools.testing.router_process import RouterProcess
 from router.simulate.scenario import load_scenario
 
 SCENARIO = "benchmarks/scenarios/day-night.yaml"
@@ -229,15 +230,9 @@ def run_mode(mode: str, engines: list[str], out: Path, state: Path) -> None:
     _forget_state(state, mode)
     config_path = out / f"router-{mode}.yaml"
     config_path.write_text(yaml.safe_dump(router_config(mode, engines, state)))
-    log = bulk_path(out, f"router-{mode}.log").open("wb")
-    gpupool = str(Path(sys.executable).parent / "gpupool")
-    proc = subprocess.Popen(
-        [gpupool, "serve", "--config", str(config_path), "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    router = RouterProcess(config_path, bulk_path(out, f"router-{mode}.log"), port=port)
     try:
-        _wait_ready(url)
+        router.wait_ready(60)
         with Timeline(url) as timeline:
             harness = [sys.executable, "-m", "benchmarks", "--scenario", str(scenario_path(out))]
             harness += ["--target", url, "--target-name", mode, "--no-progress"]
@@ -245,9 +240,7 @@ def run_mode(mode: str, engines: list[str], out: Path, state: Path) -> None:
         decisions = httpx.get(f"{url}/admin/decisions?limit=1000", timeout=10).json()["data"]
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        router.stop(30)
     (out / mode / "timeline.json").write_text(json.dumps(timeline.rows) + "\n")
     (out / mode / "decisions.json").write_text(json.dumps(decisions, indent=1) + "\n")
     moves = [line for line in metrics.splitlines() if line.startswith("gpupool_rebalance_moves")]
@@ -297,13 +290,7 @@ def run_idle(engines: list[str], out: Path, state: Path) -> None:
     config["router"]["ledger_path"] = str(state / f"ledger-{mode}.sqlite")
     config["rebalancer"]["decision_log_path"] = str(state / f"decisions-{mode}.sqlite")
     config_path.write_text(yaml.safe_dump(config))
-    log = bulk_path(out, f"router-{mode}.log").open("wb")
-    gpupool = str(Path(sys.executable).parent / "gpupool")
-    proc = subprocess.Popen(
-        [gpupool, "serve", "--config", str(config_path), "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    router = RouterProcess(config_path, bulk_path(out, f"router-{mode}.log"), port=port)
     stop = threading.Event()
     chat_status: list[int] = []
 
@@ -322,7 +309,7 @@ def run_idle(engines: list[str], out: Path, state: Path) -> None:
                     chat_status.append(0)
 
     try:
-        _wait_ready(url)
+        router.wait_ready(60)
         workers = [threading.Thread(target=chat, args=(w,), daemon=True) for w in range(3)]
         with Timeline(url) as timeline:
             started = time.time()
@@ -339,9 +326,7 @@ def run_idle(engines: list[str], out: Path, state: Path) -> None:
             for t in workers:
                 t.join(timeout=60)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        router.stop(30)
     shares = [(round(r["unix_s"] - started, 1), r["placed"]["agent"]) for r in timeline.rows]
     before = [v for t, v in shares if 30 <= t <= IDLE_S]
     result = {
