@@ -247,7 +247,11 @@ async def test_ray_engines_serve_and_a_killed_actor_is_restarted_and_readmitted(
             assert all(code == 200 for _, code, _ in results), results
             # the killed actor's engine tree is gone: its reaper saw the actor die (a poll),
             # gave the engine its stop grace, then killed what was left
-            grace_s = engine_settings(config.engines.ray, port=0, run_dir=tmp_path).stop_grace_s
+            # (any valid port: only the stop grace is read)
+            ray_engines = config.engines.ray
+            grace_s = engine_settings(
+                ray_engines, port=ray_engines.port_range[0], run_dir=tmp_path
+            ).stop_grace_s
             left = await asyncio.to_thread(
                 _running, old_engine, until_s=killed_at + OWNER_POLL_S + grace_s + 5
             )
