@@ -6,6 +6,7 @@ but cannot run is refused by all three before anything starts.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import sys
@@ -64,6 +65,18 @@ def load_checked_or_report(path: str | None) -> Config | None:
     if config is None or not check_or_report(config):
         return None
     return config
+
+
+def port_number(text: str) -> int:
+    """`--port`'s type: a TCP port (1-65535), else argparse's usage error (exit 2), never a
+    traceback from the config's validation."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
+    return port
 
 
 def with_port(config: Config, port: int | None) -> Config:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 
-from router.cli.commands._config import load_checked_or_report, with_port, with_verbose
+from router.cli.commands._config import load_checked_or_report, port_number, with_port, with_verbose
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("serve", help="run only the router against running engines")
     p.add_argument("--config", help="YAML config (default: the built-in default)")
-    p.add_argument("--port", type=int, help="router port (overrides router.port)")
+    p.add_argument("--port", type=port_number, help="router port (overrides router.port)")
     p.set_defaults(func=run)
 
 

@@ -8,13 +8,19 @@ import argparse
 import sys
 
 from pools.devmodel import SHAPES, is_dev_model, make_dev_model
-from router.cli.commands._config import check_or_report, load_or_report, with_port, with_verbose
+from router.cli.commands._config import (
+    check_or_report,
+    load_or_report,
+    port_number,
+    with_port,
+    with_verbose,
+)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("up", help="start engines and the router (default: 3 CPU engines)")
     p.add_argument("--config", help="YAML config (default: the built-in default)")
-    p.add_argument("--port", type=int, help="router port (overrides router.port)")
+    p.add_argument("--port", type=port_number, help="router port (overrides router.port)")
     p.set_defaults(func=run)
 
 
