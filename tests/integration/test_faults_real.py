@@ -12,6 +12,7 @@ engine it faulted running and healthy.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ def _all_engines_healthy(engine_fleet: EngineFleet) -> None:
 
 
 def test_a_frozen_engine_times_out_by_deadline_leaves_rotation_and_returns(
-    setup: faults.Setup, engine_fleet: EngineFleet
+    setup: faults.Setup, engine_fleet: EngineFleet, tmp_path: Path
 ) -> None:
     deadline_s = 12.0
     try:
@@ -59,8 +60,25 @@ def test_a_frozen_engine_times_out_by_deadline_leaves_rotation_and_returns(
     # its requests end by their deadline, in OpenAI's error shape, not before and not hanging
     assert frozen["ended_by_deadline"] == frozen["sent"], frozen
     assert frozen["openai_error_shape"] == frozen["sent"]
+    # The router's promise, timed by the router (its ledger: arrival to end): every request on
+    # the frozen engine ends at its deadline, within 0.5 s (aiohttp's timeout is not rounded).
+    with sqlite3.connect(tmp_path / "engine-freeze" / "ledger.sqlite") as db:
+        router_late = [
+            ended - started - deadline_s
+            for ended, started in db.execute(
+                "SELECT ended_at_s, started_at_s FROM requests"
+                " WHERE outcome = 'timeout' AND instance = ?",
+                (r["victim"],),
+            )
+        ]
+    assert len(router_late) == frozen["sent"], router_late
+    assert all(-0.1 <= x <= 0.5 for x in router_late), router_late
+    # Seen by the client (the load generator shares this process and its 2 cores with the
+    # engines and their launcher): not before the deadline, and not hanging. The client's own
+    # lateness is its scheduling, not the router's: a CI run saw 1.83 s where the router's
+    # ledger said 12.004 s for the same request.
     late = frozen["ended_after_deadline_s"]
-    assert late["min"] >= -0.1 and late["max"] <= 1.5, late
+    assert late["min"] >= -0.1 and late["max"] <= 5.0, late
     assert r["router_timeouts_metric"] == frozen["sent"]  # counted as timeouts
     # it leaves rotation (failed scrapes) and nothing is sent to it after; the rest is served
     assert r["seconds"]["stop_to_out_of_rotation"] is not None
