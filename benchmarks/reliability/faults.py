@@ -1340,6 +1340,13 @@ async def graceful_stop(
             router.signal(signal.SIGTERM)
             term_at = time.monotonic()
             setup.say(f"{name}: SIGTERM with {running}+ streams running")
+            # the router stops accepting, then says "shutting down": new connections from then
+            await until(
+                lambda: "shutting down" in router.log.read_text(errors="replace"),
+                10,
+                "the router's 'shutting down'",
+                0.02,
+            )
             # new connections while it drains: each must be refused, none served
             async with aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(force_close=True)

@@ -175,6 +175,10 @@ async def run_stack(config: Config, *, launch: bool) -> int:
         _banner(config, gateway.pools_view(), rc.host, rc.port)
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        # stop accepting before saying so: uvicorn's own close waits for its next 0.1 s tick,
+        # and a connection accepted in that window was served while the router drained
+        for listener in server.servers:
+            listener.close()
         _say("shutting down")
         server.should_exit = True
         await serving

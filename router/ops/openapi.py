@@ -206,7 +206,10 @@ def _schemas(config: Config) -> dict[str, Schema]:
                     "description": "Passed through; the engine validates each message",
                 },
                 "max_tokens": {"type": "integer", "minimum": 1},
-                "system": {"anyOf": [_STR, {"type": "array"}]},
+                "system": {
+                    "anyOf": [_STR, {"type": "array"}, {"type": "null"}],
+                    "description": "A string or text blocks; null is the same as absent",
+                },
                 "tools": {"description": "A non-empty list classifies into the tools class"},
             },
         ),

@@ -119,18 +119,7 @@ def test_every_route_the_router_serves_is_described(live: LiveRouter) -> None:
     assert served - UNDOCUMENTED == described
 
 
-@schema.parametrize()
-@settings(
-    max_examples=EXAMPLES_PER_OPERATION,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    print_blob=False,
-)
-def test_router_matches_its_openapi(
-    case: schemathesis.Case, live: LiveRouter, session: requests.Session
-) -> None:
+def _check(case: schemathesis.Case, live: LiveRouter, session: requests.Session) -> None:
     # the admin tenant's key opens every operation; ignored_auth retries without it
     response = case.call(
         base_url=live.url,
@@ -145,6 +134,38 @@ def test_router_matches_its_openapi(
         SHORT_DEADLINE_504S[case.operation.label] += 1
         checks = [c for c in CHECKS if c is not not_a_server_error]
     case.validate_response(response, checks=checks)
+
+
+def _operation_test(method: str, path: str) -> Any:
+    """One test per operation: under pytest-xdist schemathesis runs only the first operation of
+    a test parametrized over the whole schema, so each gets its own test function."""
+
+    @schema.include(method=method, path=path).parametrize()
+    @settings(
+        max_examples=EXAMPLES_PER_OPERATION,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    def test(case: schemathesis.Case, live: LiveRouter, session: requests.Session) -> None:
+        _check(case, live, session)
+
+    return test
+
+
+OPERATIONS = [
+    (method.upper(), path)
+    for path, ops in DOCUMENT["paths"].items()
+    for method in ops
+    if method != "parameters"
+]
+for _method, _path in OPERATIONS:
+    _name = "test_router_matches_its_openapi_" + "".join(
+        c if c.isalnum() else "_" for c in f"{_method}_{_path}"
+    ).strip("_")
+    globals()[_name] = _operation_test(_method, _path)
 
 
 def _own_deadline_passed(case: schemathesis.Case, response: requests.Response) -> bool:
