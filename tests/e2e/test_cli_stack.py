@@ -2,7 +2,9 @@
 two cores, so each is checked for several things at once):
 
 - the embedded default as a newcomer runs it (three real CPU engines): the official OpenAI
-  client through it, Ctrl-C, and no engine left behind;
+  client through it, then Ctrl-C with streams running: they finish, new connections are refused
+  from "shutting down" on, it exits 0 and no engine is left behind (SIGTERM takes the same
+  handler, `router/cli/stack.py`);
 - a new user's config (two CPU engines, no KV size, no dtype) with a tenant and the router at
   debug: both engines start and serve, each refuses a request without its key, no prompt or key
   reaches any file written, and every engine dies when gpupool itself is killed;
@@ -13,11 +15,13 @@ and bad configs exiting 2.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
 import sqlite3
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +70,59 @@ def _process_tree(pid: int) -> list[int]:
         return [pid]
 
 
+STREAMS = 4  # running when Ctrl-C comes
+STREAM_TOKENS = 300  # `ignore_eos`: each stream runs its full length (seconds on CPU)
+
+
+class _Stream(threading.Thread):
+    """One streamed chat completion: when its first content came, whether it ended with
+    [DONE], its finish reason, its error if it failed."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.first_content = threading.Event()
+        self.done = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def run(self) -> None:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "count"}],
+            "max_tokens": STREAM_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        try:
+            with httpx.stream(
+                "POST", f"{self.url}/v1/chat/completions", json=body, timeout=120
+            ) as resp:
+                for line in resp.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        choices = json.loads(line[6:]).get("choices") or [{}]
+                        if choices[0].get("delta", {}).get("content"):
+                            self.first_content.set()
+                        self.finish_reason = choices[0].get("finish_reason") or self.finish_reason
+        except httpx.HTTPError as err:
+            self.error = repr(err)
+
+
+def _refused_while_draining(url: str, proc: subprocess.Popen[bytes]) -> tuple[int, list[int]]:
+    """New connections tried every 0.1 s until gpupool exits: (refused, statuses answered)."""
+    refused, answered = 0, []
+    while proc.poll() is None:
+        try:
+            resp = httpx.get(f"{url}/v1/models", timeout=5)
+            answered.append(resp.status_code)
+        except httpx.HTTPError:
+            refused += 1
+        time.sleep(0.1)
+    return refused, answered
+
+
 def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
     port = _free_port()
     log = tmp_path / "up.log"
@@ -74,6 +131,7 @@ def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Pat
             [GPUPOOL, "up", "--port", str(port)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
         )
     url = f"http://127.0.0.1:{port}"
+    streams: list[_Stream] = []
     try:
         wait_ready(url, proc, log, timeout_s=400, interval_s=0.2)
         deadline = time.monotonic() + 10
@@ -112,11 +170,33 @@ def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Pat
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
         assert plain.headers["x-gpupool-pool"] == "normal"
-    finally:
+        streams = [_Stream(url) for _ in range(STREAMS)]
+        for stream in streams:
+            stream.start()
+        for stream in streams:
+            assert stream.first_content.wait(60), stream.error
+    except BaseException:
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=90)
-    assert code == 0, log.read_text()
-    assert "engines stopped" in log.read_text()
+        proc.wait(timeout=90)
+        raise
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends gpupool (its engines are its own)
+    deadline = time.monotonic() + 10
+    while "shutting down" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    running_at_ctrl_c = sum(not s.done for s in streams)
+    refused, answered = _refused_while_draining(url, proc)
+    code = proc.wait(timeout=90)
+    for stream in streams:
+        stream.join(timeout=30)
+    text = log.read_text()
+    assert code == 0, text
+    assert running_at_ctrl_c >= 2, running_at_ctrl_c
+    # every stream that was running ran to its end: none cut by the stop
+    assert [(s.done, s.finish_reason, s.error) for s in streams] == [
+        (True, "length", None)
+    ] * STREAMS
+    assert answered == [] and refused >= 1, (refused, answered)
+    assert "engines stopped" in text
     assert _engines_on(range(8100, 8103)) == []
     assert _engine_children_alive(tree) == [], "an engine process outlived gpupool"
 

@@ -1,8 +1,9 @@
 """Faults on real CPU vLLM engines under load: about 20 concurrent streams plus queued
 requests through `gpupool serve`, then `SIGSTOP` of an engine, a slow `/metrics`, `kill -9` of
-the router and a graceful `SIGTERM` (of `serve`, and of `gpupool up` with its own engine).
-`kill -9` of an engine is in `test_engine_kill_real.py`, where one kill serves this scenario's
-test and the router's and the Responses API's dead-engine tests.
+the router and a graceful `SIGTERM` of `serve`. `kill -9` of an engine is in
+`test_engine_kill_real.py`, where one kill serves this scenario's test and the router's and the
+Responses API's dead-engine tests; the stop of `gpupool up` with streams running (the same
+handler as `serve`'s, then its engines) is in `tests/e2e/test_cli_stack.py`.
 
 The scenarios live in `benchmarks/reliability/faults.py`, which the reliability benchmark runs
 with heavier load; here they run on the session's shared engines, and each test leaves every
@@ -20,7 +21,6 @@ from typing import Any
 import pytest
 
 from benchmarks.reliability import faults
-from tests.e2e.stack import seed_vllm_flags
 from tests.integration.conftest import ENGINE_KEY_ENV, MODEL_DIR, EngineFleet
 
 pytestmark = pytest.mark.integration
@@ -171,18 +171,6 @@ def test_sigterm_of_serve_refuses_new_work_drains_streams_and_flushes_the_ledger
     r = asyncio.run(faults.graceful_stop(setup, LOAD, mode="serve"))
     print(r)
     _check_graceful(r)
-
-
-def test_sigterm_of_up_drains_streams_then_stops_its_engines(setup: faults.Setup) -> None:
-    # one engine for both pools: the normal pool gets its share of the engine's 16 sequences
-    load = faults.Load(streams=8, plain=2, queued=2, slots=16, max_tokens=300)
-    seed_vllm_flags(setup.work / "graceful-up" / "run")  # where graceful_stop puts its engine
-    r = asyncio.run(faults.graceful_stop(setup, load, mode="up", engine_count=1))
-    print(r)
-    _check_graceful(r)
-    engines = r["engines"]
-    assert engines["started"] == 1 and engines["alive_after_exit"] == 0, engines
-    assert engines["stopped_after_shutdown"], engines
 
 
 def _check_graceful(r: dict[str, Any]) -> None:
