@@ -8,6 +8,8 @@ One `RunRecord` per run holds what used to live in separate LRUs, each with its 
 - its span (the class of its first step, first arrival, last byte out: run completion time);
 - its next step number (router.accounting.ledger: the ledger numbers a run's steps 0, 1, 2, ...);
 - its home (router.admission.picking.RunAffinity: where its last step went, and its context then);
+- its place in the run-aware queue order (router.admission.queueing, per pool: the dispatches
+  its steps banked against their FIFO bound, and the service its idle periods forgave);
 - whether governance ended it.
 
 One cap, one eviction rule (governance's, issue 23; `router.governance.runtable.runs_to_forget`
@@ -50,6 +52,10 @@ class RunRecord:
     # home (router.admission.picking.RunAffinity): None until a step of it went somewhere
     home: str | None = None
     context_tokens: int = 0
+    # run-aware queue order (router.admission.queueing), per pool: dispatches banked against
+    # the FIFO bound, and the service idle periods forgave; None until a queue wrote one
+    credit: dict[str, float] | None = None
+    forgiven: dict[str, Any] | None = None
     # governance ended it (cleared when a step of it starts again): forgotten first
     ended: bool = False
 

@@ -54,6 +54,7 @@ from router.admission.queueing import AttainedService, PoolQueue, QueueEntry, Qu
 from router.errors import CapacityExceeded, NoHealthyInstance
 from router.metrics import RouterMetrics
 from router.request import RequestContext
+from router.runtable import RunTable
 
 __all__ = ["Admitter", "Waiter"]
 
@@ -125,9 +126,12 @@ class Admitter:
         *,
         clock: Callable[[], float] = time.monotonic,
         run_usage: Callable[[Hashable, float], RunUsage | None] | None = None,
+        runs: RunTable | None = None,
     ) -> None:
         """`run_usage((tenant, run_id), now_s)`: a run's attained service (the accountant's
-        `run_usage`), which `queue.order: run_las` pools order their queue by."""
+        `run_usage`), which `queue.order: run_las` pools order their queue by; `runs`: the
+        router's one `RunTable`, where the queues keep what they know of each run (the
+        affinity's, when not given)."""
         self.config = config
         self.enabled = config.router.admission == "on"
         self.fleet = fleet
@@ -140,6 +144,7 @@ class Admitter:
         self.unknown_kv_max_concurrency = config.router.unknown_kv_max_concurrency
         self.borrow_max_frac = config.rebalancer.borrow_max_frac
         self.pools: dict[str, PoolConfig] = {p.name: p for p in config.pools}
+        runs = runs if runs is not None else affinity.runs
         self.queues = {
             p.name: PoolQueue(
                 p.name,
@@ -148,11 +153,14 @@ class Admitter:
                 aging_s=p.queue.run_las_aging_s,
                 max_attained_gpu_s=p.queue.run_las_max_attained_gpu_s or math.inf,
                 max_slowdown=p.queue.run_las_max_slowdown or math.inf,
+                runs=runs,
             )
             for p in config.pools
         }
         self._attained = {
-            p.name: AttainedService(run_usage, idle_decay_s=p.queue.run_las_idle_decay_s)
+            p.name: AttainedService(
+                run_usage, idle_decay_s=p.queue.run_las_idle_decay_s, pool=p.name, runs=runs
+            )
             for p in config.pools
             if p.queue.order == "run_las" and run_usage is not None
         }

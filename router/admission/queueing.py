@@ -27,7 +27,7 @@ when they went late). Due entries go first on their tenant's turn, earliest due 
 run's queue position summed over its steps stays within `max_slowdown` x what FIFO would have
 given it in the same queue, while short runs still overtake everything not yet due.
 Counted in dispatches, not seconds, so the bound needs no rate estimate and holds at any load.
-Credit lives in an LRU of `max_runs` runs.
+Credit lives in the run's record of the router's `RunTable` (router.runtable), per pool.
 
 Any order: `peek(skip=...)` passes over entries that cannot go now for a reason of their own
 (the shell's: a step waiting for its run's home instance), so they do not block the entries
@@ -46,10 +46,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from router.runtable import RunTable
 
 __all__ = ["ORDERS", "AttainedService", "PoolQueue", "QueueEntry", "QueueFull", "RunUsage"]
 
@@ -91,8 +93,10 @@ class PoolQueue:
         aging_s: float = math.inf,
         max_attained_gpu_s: float = math.inf,
         max_slowdown: float = math.inf,
-        max_runs: int = 100_000,
+        runs: RunTable | None = None,
     ) -> None:
+        """`runs`: where each run's credit is kept (the router's one table; without one the
+        queue keeps its own)."""
         if order not in ORDERS:
             raise ValueError(f"unknown queue order {order!r}")
         if not aging_s > 0:
@@ -116,8 +120,7 @@ class PoolQueue:
         self._pops: deque[float] = deque(maxlen=4096)  # dispatch times, for the drain rate
         self._dispatched = 0  # entries dispatched so far (run_las's relative aging counts them)
         self._band_live: dict[int, int] = {}  # live entries per priority band
-        self._run_credit: OrderedDict[Hashable, float] = OrderedDict()  # run -> dispatches
-        self._max_runs = max_runs
+        self._runs = runs if runs is not None else RunTable()
 
     def __len__(self) -> int:
         return self._live
@@ -168,7 +171,8 @@ class PoolQueue:
         if self.max_slowdown == math.inf:
             return math.inf
         ahead = sum(n for band, n in self._band_live.items() if band >= entry.priority)
-        credit = self._run_credit.get(entry.run_key, 0.0) if entry.run_key is not None else 0.0
+        record = self._runs.get(entry.run_key) if entry.run_key is not None else None
+        credit = record.credit.get(self.pool, 0.0) if record is not None and record.credit else 0.0
         return self._dispatched + self.max_slowdown * (ahead + 1) - 1 + credit
 
     def peek(
@@ -195,10 +199,10 @@ class PoolQueue:
             self._virtual_time = max(self._virtual_time, turn_start)
         self._pops.append(now_s)
         if entry.run_key is not None and entry.due_dispatches < math.inf:
-            self._run_credit[entry.run_key] = entry.due_dispatches - self._dispatched
-            self._run_credit.move_to_end(entry.run_key)
-            if len(self._run_credit) > self._max_runs:
-                self._run_credit.popitem(last=False)
+            record = self._runs.touch(entry.run_key)
+            if record.credit is None:
+                record.credit = {}
+            record.credit[self.pool] = entry.due_dispatches - self._dispatched
         self._dispatched += 1
 
     def remove(self, entry: QueueEntry) -> None:
@@ -384,8 +388,9 @@ class AttainedService:
 
     A run idle (no step in flight) for `idle_decay_s` or less keeps all its service (tool
     calls between steps are short); past that, what it had halves per further
-    `idle_decay_s` idle, and stays forgiven when the run comes back. Only runs that were
-    forgiven something are remembered here (an LRU of `max_runs`).
+    `idle_decay_s` idle, and stays forgiven when the run comes back. What was forgiven is kept
+    in the run's record of `runs` (the router's one `RunTable`), under `pool`; it goes when
+    the record goes.
     """
 
     def __init__(
@@ -393,21 +398,26 @@ class AttainedService:
         source: Callable[[Hashable, float], RunUsage | None],
         *,
         idle_decay_s: float,
-        max_runs: int = 100_000,
+        pool: str = "",
+        runs: RunTable | None = None,
     ) -> None:
         if not idle_decay_s > 0:
             raise ValueError(f"idle_decay_s must be > 0, got {idle_decay_s}")
         self._source = source
         self.idle_decay_s = idle_decay_s
-        self._max_runs = max_runs
-        self._forgiven: OrderedDict[Hashable, _Forgiven] = OrderedDict()
+        self.pool = pool
+        self._runs = runs if runs is not None else RunTable()
 
     def attained_gpu_s(self, run_key: Hashable, now_s: float) -> float:
         usage = self._source(run_key, now_s)
-        if usage is None:
-            self._forgiven.pop(run_key, None)
+        record = self._runs.get(run_key)
+        if usage is None:  # the accountant forgot the run (or never saw it): so does LAS
+            if record is not None and record.forgiven:
+                record.forgiven.pop(self.pool, None)
             return 0.0
-        known = self._forgiven.get(run_key)
+        known: _Forgiven | None = None
+        if record is not None and record.forgiven:
+            known = record.forgiven.get(self.pool)
         forgiven_gpu_s = known.gpu_s if known is not None else 0.0
         current = max(0.0, usage.gpu_seconds - forgiven_gpu_s)
         idle_s = 0.0 if usage.in_flight else now_s - usage.last_active_s
@@ -415,11 +425,11 @@ class AttainedService:
             return current
         if known is None or known.idle_since_s != usage.last_active_s:
             known = _Forgiven(usage.last_active_s, current, forgiven_gpu_s)
-            self._forgiven[run_key] = known
+            record = self._runs.touch(run_key)
+            if record.forgiven is None:
+                record.forgiven = {}
+            record.forgiven[self.pool] = known
         halvings = (idle_s - self.idle_decay_s) / self.idle_decay_s
         decayed = known.before_gpu_s * math.pow(0.5, halvings)
         known.gpu_s = usage.gpu_seconds - decayed
-        self._forgiven.move_to_end(run_key)
-        if len(self._forgiven) > self._max_runs:
-            self._forgiven.popitem(last=False)
         return decayed

@@ -14,6 +14,7 @@ import pytest
 
 from router.accounting.accountant import Accountant
 from router.admission.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
+from router.runtable import RunTable
 
 
 def _entry(
@@ -319,6 +320,38 @@ def test_attained_service_decays_only_after_a_long_idle_and_stays_forgiven() -> 
     assert svc.attained_gpu_s("r", 420.0) == 0.0
     usage.runs["r"] = RunUsage(gpu_seconds=4.0, in_flight=0, last_active_s=419.0)
     assert svc.attained_gpu_s("r", 420.0) == 4.0
+
+
+def test_credit_and_forgiveness_live_in_the_runs_record_and_go_with_it() -> None:
+    """run_las keeps no table of its own: a run's banked dispatches and forgiven service are
+    in its record of the router's `RunTable`, per pool, and go when the table forgets it."""
+    runs = RunTable(max_runs=2)
+    queue = PoolQueue("agent", max_depth=8, order="run_las", max_slowdown=2.0, runs=runs)
+    first = _entry(0.0, run="r1")
+    queue.push(first)
+    # alone in the queue: due by the 2 x (0 + 1) - 1 = 1st dispatch, it went at the 0th
+    assert first.due_dispatches == 1.0
+    queue.pop(first, 0.0)
+    record = runs.get("r1")
+    assert record is not None and record.credit == {"agent": 1.0}
+    # its next step carries the credit: due one dispatch later than a newcomer would be
+    second = _entry(1.0, run="r1")
+    queue.push(second)
+    assert second.due_dispatches == 1 + 1.0 + 1.0
+    queue.remove(second)
+
+    usage = _Usage()
+    svc = AttainedService(usage, idle_decay_s=60.0, pool="agent", runs=runs)
+    usage.runs["r1"] = RunUsage(gpu_seconds=8.0, in_flight=0, last_active_s=0.0)
+    assert svc.attained_gpu_s("r1", 120.0) == pytest.approx(4.0)
+    assert record.forgiven is not None and record.forgiven["agent"].gpu_s == pytest.approx(4.0)
+    # two newer runs push it out of a table of two: its credit and forgiveness go with it
+    runs.touch("r2")
+    runs.touch("r3")
+    assert "r1" not in runs
+    third = _entry(2.0, run="r1")
+    queue.push(third)
+    assert third.due_dispatches == 1 + 1.0  # no credit: a newcomer's bound
 
 
 def test_attained_service_refuses_a_zero_decay() -> None:
