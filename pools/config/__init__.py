@@ -16,6 +16,7 @@ from pools.config.load import (
     default_config,
     load_config,
     parse_config,
+    validation_problems,
 )
 from pools.config.schema import (
     VLLM_MAX_NUM_SEQS,
@@ -76,4 +77,5 @@ __all__ = [
     "max_num_seqs",
     "not_yet_in_effect",
     "parse_config",
+    "validation_problems",
 ]

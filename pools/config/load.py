@@ -26,6 +26,7 @@ __all__ = [
     "default_config",
     "load_config",
     "parse_config",
+    "validation_problems",
 ]
 
 _log = logging.getLogger(__name__)
@@ -42,7 +43,9 @@ class ConfigError(Exception):
         super().__init__(f"{source}: " + "; ".join(problems))
 
 
-def _format_validation_error(err: ValidationError) -> list[str]:
+def validation_problems(err: ValidationError) -> list[str]:
+    """One line per problem, `where: what` (the dotted path in the document, then pydantic's
+    message, plainer for unknown and missing fields); the simulator's scenarios use it too."""
     problems = []
     for item in err.errors():
         where = ".".join(str(p) for p in item["loc"]) or "(top level)"
@@ -169,7 +172,7 @@ def parse_config(data: Any, *, base_dir: Path | None = None, source: str = "conf
     try:
         config = _CONFIG.validate_python(data, context={"base_dir": base_dir or Path.cwd()})
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err), source) from None
+        raise ConfigError(validation_problems(err), source) from None
     problems: list[str] = []
     config = _with_keys(dataclasses.replace(config, source=source), problems)
     if problems:

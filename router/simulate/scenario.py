@@ -43,6 +43,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pools.config import validation_problems
 from router.simulate.arrivals import ArrivalProcess, RateSegment, RenewalArrivals, TraceArrivals
 from router.simulate.distributions import (
     Distribution,
@@ -338,14 +339,6 @@ def _arrivals(schema: Any, base_dir: Path, where: str) -> ArrivalProcess:
     return TraceArrivals(rows, schema.speedup, schema.offset_s, schema.length_scale)
 
 
-def _format_error(err: ValidationError) -> list[str]:
-    problems = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        problems.append(f"{loc}: {e['msg']}")
-    return problems
-
-
 def parse_scenario(data: Any, source: str = "scenario", base_dir: Path | None = None) -> Scenario:
     """Validate a parsed YAML document and build the frozen `Scenario`."""
     if not isinstance(data, dict):
@@ -353,7 +346,7 @@ def parse_scenario(data: Any, source: str = "scenario", base_dir: Path | None = 
     try:
         schema = ScenarioSchema.model_validate(data)
     except ValidationError as err:
-        raise ScenarioError(_format_error(err), source) from err
+        raise ScenarioError(validation_problems(err), source) from err
     base = base_dir or Path.cwd()
     classes = []
     for name, c in schema.classes.items():

@@ -15,11 +15,15 @@ from pools.config import Config, ConfigError, contract_problems, load_config
 from pools.launchers.engine_plan import engine_problems, probe_host
 
 __all__ = [
+    "add_stack_arguments",
     "check_or_report",
     "config_problems",
     "load_checked_or_report",
     "load_or_report",
+    "port_number",
+    "stack_config",
     "with_port",
+    "with_verbose",
 ]
 
 
@@ -91,3 +95,19 @@ def with_verbose(config: Config, verbose: bool) -> Config:
         return config
     router = dataclasses.replace(config.router, log_level="debug")
     return dataclasses.replace(config, router=router)
+
+
+def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--config` and `--port`, as `serve` and `up` take them."""
+    parser.add_argument("--config", help="YAML config (default: the built-in default)")
+    parser.add_argument("--port", type=port_number, help="router port (overrides router.port)")
+
+
+def stack_config(args: argparse.Namespace) -> Config | None:
+    """The config `serve` and `up` run: `--config` loaded (None after printing why not), with
+    `--port` and `-v` applied. The contract checks are the caller's (`up` may make the dev
+    model first)."""
+    config = load_or_report(args.config)
+    if config is None:
+        return None
+    return with_verbose(with_port(config, args.port), getattr(args, "verbose", False))

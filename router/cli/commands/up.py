@@ -8,27 +8,19 @@ import argparse
 import sys
 
 from pools.devmodel import SHAPES, is_dev_model, make_dev_model
-from router.cli.commands._config import (
-    check_or_report,
-    load_or_report,
-    port_number,
-    with_port,
-    with_verbose,
-)
+from router.cli.commands._config import add_stack_arguments, check_or_report, stack_config
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("up", help="start engines and the router (default: 3 CPU engines)")
-    p.add_argument("--config", help="YAML config (default: the built-in default)")
-    p.add_argument("--port", type=port_number, help="router port (overrides router.port)")
+    add_stack_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_or_report(args.config)
+    config = stack_config(args)
     if config is None:
         return 2
-    config = with_verbose(with_port(config, args.port), getattr(args, "verbose", False))
     model = config.model
     if model.load_format == "dummy" and not is_dev_model(model.path) and model.path.name in SHAPES:
         make_dev_model(model.path, model.path.name)
