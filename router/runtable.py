@@ -20,6 +20,18 @@ just touched (its caller is about to use it). So it may exceed `max_runs` by the
 step in flight, plus one (trimmed again at the next touch). Each eviction skips at most the
 runs with a step in flight: it always terminates, O(1) amortised while few steps are in flight.
 
+Kept elsewhere, on purpose:
+
+- governance's run states (router.governance.governor: guard counters, stopped runs, a
+  session's run numbers) are bounded per tenant (`max_runs_per_tenant`), not by this table's
+  one cap: under one cap a tenant that opened 100,000 runs would push another tenant's stopped
+  run out, and that run would be served again. They are also persisted with the tenant's
+  buckets, in the governance store. So governance counts a run's served steps (its `max_steps`
+  guard) and the ledger numbers every step, failed ones too: two counts, two meanings;
+- where each stored OpenAI response lives (router.gateway.response_placement): keyed by
+  response id, many per run, and it records where an engine holds an object, which outlives
+  the run's other state (a follow-up may come after the run is forgotten); persisted too.
+
 Pure state, no I/O, no clock; not thread-safe (own it from one event loop).
 """
 
