@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -47,6 +49,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_PID = os.getpid()
+_RESPONSE_IDS = itertools.count(1)  # response and message ids, one sequence per process
 
 
 @dataclass
@@ -97,6 +101,9 @@ class FakeEngineState:
     # False: /metrics has no vllm:cache_config_info (an older vLLM, a proxy, another server)
     cache_config_info: bool = True
     reasoning_tokens: int = 0  # reasoning deltas before the output (a reasoning parser's)
+    # while set to an unset event, chat and completions requests hold their sequence (and its
+    # KV blocks) before generating, until it is set: a test's "engine busy" without a timer
+    gate: asyncio.Event | None = None
     # stored responses (the Responses API): id -> (context tokens, body)
     responses: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     # live counters
@@ -252,6 +259,8 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
         st.used_blocks += blocks
         started = time.perf_counter()
         try:
+            if st.gate is not None:
+                await st.gate.wait()
             if body.get("stream"):
                 await _stream(send, receive, body, chat, prompt_tokens, max_tokens, failure)
             else:
@@ -422,7 +431,9 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
         if await _failed(send, failure):
             return
         st.served += 1
-        rid = ("resp_" if responses else "msg_") + f"{st.served:08x}{id(st) % 65536:04x}"
+        # unique across every fake engine of the process (and of others: the pid), as a real
+        # engine's are: `id(st) % 65536` collided between two engines' states on a CI run
+        rid = ("resp_" if responses else "msg_") + f"{_PID:x}{next(_RESPONSE_IDS):08x}"
         reasoning = st.reasoning_tokens
         if responses:
             st.responses[rid] = (

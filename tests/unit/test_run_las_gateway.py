@@ -33,8 +33,14 @@ def _config(tmp_path: Path, queue: dict[str, Any], **extra: Any) -> Any:
 
 
 @pytest.fixture
-async def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Gateway]:
-    states = [FakeEngineState(num_gpu_blocks=12, itl_s=0.004) for _ in range(2)]
+def states() -> list[FakeEngineState]:
+    return [FakeEngineState(num_gpu_blocks=12, itl_s=0.004) for _ in range(2)]
+
+
+@pytest.fixture
+async def gateway(
+    tmp_path: Path, request: pytest.FixtureRequest, states: list[FakeEngineState]
+) -> AsyncIterator[Gateway]:
     queue = dict(request.param)
     governance = queue.pop("governance", None)
     extra = {} if governance is None else {"governance": governance}
@@ -56,17 +62,23 @@ async def _until(cond: Any) -> None:
     raise AssertionError("condition never held")
 
 
-async def _served_order(gw: Gateway) -> list[str]:
+async def _served_order(gw: Gateway, states: list[FakeEngineState]) -> list[str]:
     done: list[str] = []
     for _ in range(3):  # the long run has three steps behind it
         await _step(gw, "long", done)
     queue = gw.admitter.queues["agent"]
+    # the blocker holds the agent engine's KV until both later steps queue behind it (a gate,
+    # not its ~0.4 s: on a loaded machine it ended before the second one queued)
+    gate = asyncio.Event()
+    for state in states:
+        state.gate = gate
     blocker = asyncio.ensure_future(_step(gw, "blocker", done))
     await _until(lambda: gw.accountant.run_usage(("default", "blocker"), 0.0) is not None)
     later = [asyncio.ensure_future(_step(gw, "long", done))]
     await _until(lambda: len(queue) == 1)
     later.append(asyncio.ensure_future(_step(gw, "fresh", done)))
     await _until(lambda: len(queue) == 2)
+    gate.set()
     await asyncio.gather(blocker, *later)
     return done[3:]
 
@@ -74,17 +86,19 @@ async def _served_order(gw: Gateway) -> list[str]:
 @pytest.mark.parametrize(
     "gateway", [{"order": "run_las", "run_las_aging_s": 4, "max_wait_s": 10}], indirect=True
 )
-async def test_run_las_serves_the_fresh_run_before_the_served_one(gateway: Gateway) -> None:
+async def test_run_las_serves_the_fresh_run_before_the_served_one(
+    gateway: Gateway, states: list[FakeEngineState]
+) -> None:
     usage = gateway.accountant.run_usage(("default", "long"), 0.0)
     assert usage is None
-    assert await _served_order(gateway) == ["blocker", "fresh", "long"]
+    assert await _served_order(gateway, states) == ["blocker", "fresh", "long"]
     long_usage = gateway.accountant.run_usage(("default", "long"), 1e12)
     assert long_usage is not None and long_usage.gpu_seconds > 0.4 * 4 * 0.5
 
 
 @pytest.mark.parametrize("gateway", [{"order": "fifo"}], indirect=True)
-async def test_fifo_keeps_arrival_order(gateway: Gateway) -> None:
-    assert await _served_order(gateway) == ["blocker", "long", "fresh"]
+async def test_fifo_keeps_arrival_order(gateway: Gateway, states: list[FakeEngineState]) -> None:
+    assert await _served_order(gateway, states) == ["blocker", "long", "fresh"]
 
 
 def test_run_las_fields_are_refused_where_they_take_no_effect(tmp_path: Path) -> None:
