@@ -303,11 +303,20 @@ def _bodies(text: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def _queued_so_far(rig: Rig) -> float:
+    """Requests that have waited in an admission queue (`gpupool_queue_wait_seconds`)."""
+    return sum(
+        sample.value
+        for metric in rig.gateway.metrics.registry.collect()
+        if metric.name == "gpupool_queue_wait_seconds"
+        for sample in metric.samples
+        if sample.name.endswith("_count")
+    )
+
+
 async def test_context_length_exceeded_on_every_endpoint_before_admission(rig: Rig) -> None:
     for path, body in _bodies(_huge()).items():
-        start = time.perf_counter()
         resp = await rig.client.post(path, json=body)
-        elapsed = time.perf_counter() - start
         assert resp.status_code == 400, (path, resp.text)
         payload = resp.json()
         error = payload["error"]
@@ -317,8 +326,10 @@ async def test_context_length_exceeded_on_every_endpoint_before_admission(rig: R
             assert payload["type"] == "error" and error["type"] == "invalid_request_error"
         else:
             assert error["type"] == "invalid_request_error"
-        assert elapsed < 0.5, (path, elapsed)  # generous here; the real-engine test asks 0.1
+    # refused before admission: no engine saw them and none waited in a queue (a wall-clock
+    # bound here failed under load; the real-engine test times it)
     assert rig.seen() == 0
+    assert _queued_so_far(rig) == 0
     # a prompt that fits, with an output limit over what the context leaves: served as vLLM
     # serves it (the output stops at the context's end), as Claude Code's max_tokens 32,000 is
     fits = await rig.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100})
@@ -425,30 +436,26 @@ async def test_a_follow_up_waits_for_its_busy_engine_rather_than_go_elsewhere(ri
     gateway.fleet.record_reading(home, parse_vllm_metrics(engine.metrics_text(), gateway.clock()))
     engine.used_blocks = 0
 
-    async def free_later() -> None:
-        await asyncio.sleep(0.3)
-        gateway.fleet.record_reading(
-            home, parse_vllm_metrics(engine.metrics_text(), gateway.clock())
-        )
-
-    freeing = asyncio.ensure_future(free_later())
-    start = time.perf_counter()
     follow_up = asyncio.ensure_future(
         rig.client.post(
             "/v1/responses", json={**RESPONSES, "previous_response_id": first.json()["id"]}
         )
     )
-    await asyncio.sleep(0.05)  # it waits in the queue for its engine
-    # a request behind it in the same pool is not held up by it: it goes elsewhere at once
+    queues = gateway.admitter.queues.values()
+    for _ in range(500):  # it waits in the queue for its engine
+        if sum(len(q) for q in queues) == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert sum(len(q) for q in queues) == 1
+    # a request behind it in the same pool is not held up by it: it goes elsewhere, served
+    # while the follow-up still waits (its home stays full until the reading below)
     other = await rig.client.post("/v1/responses", json=RESPONSES)
-    other_s = time.perf_counter() - start
-    resp = await follow_up
-    waited = time.perf_counter() - start
-    await freeing
-    assert resp.status_code == 200, resp.text
-    assert resp.headers["x-gpupool-instance"] == home and waited >= 0.25
     assert other.status_code == 200 and other.headers["x-gpupool-instance"] != home
-    assert other_s < 0.25
+    assert not follow_up.done()
+    gateway.fleet.record_reading(home, parse_vllm_metrics(engine.metrics_text(), gateway.clock()))
+    resp = await follow_up
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-gpupool-instance"] == home
 
 
 async def test_response_placements_survive_a_router_restart(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ async def test_an_engine_without_cache_config_info_serves_its_first_request_at_o
                 resp = await client.post("/v1/chat/completions", json=_body())
                 elapsed_s = time.monotonic() - started
                 assert resp.status_code == 200, resp.text
-                assert elapsed_s < 0.5
+                assert elapsed_s < 1.0  # the bound (it takes milliseconds here)
                 view = (await client.get("/admin/pools")).json()
         finally:
             await gateway.aclose()
