@@ -54,7 +54,6 @@ from router.admission.queueing import AttainedService, PoolQueue, QueueEntry, Qu
 from router.errors import CapacityExceeded, NoHealthyInstance
 from router.metrics import RouterMetrics
 from router.request import RequestContext
-from router.runtable import RunTable
 
 __all__ = ["Admitter", "Waiter"]
 
@@ -126,12 +125,10 @@ class Admitter:
         *,
         clock: Callable[[], float] = time.monotonic,
         run_usage: Callable[[Hashable, float], RunUsage | None] | None = None,
-        runs: RunTable | None = None,
     ) -> None:
         """`run_usage((tenant, run_id), now_s)`: a run's attained service (the accountant's
-        `run_usage`), which `queue.order: run_las` pools order their queue by; `runs`: the
-        router's one `RunTable`, where the queues keep what they know of each run (the
-        affinity's, when not given)."""
+        `run_usage`), which `queue.order: run_las` pools order their queue by. The queues keep
+        what they know of each run in the affinity's `RunTable` (the router's one)."""
         self.config = config
         self.enabled = config.router.admission == "on"
         self.fleet = fleet
@@ -144,7 +141,7 @@ class Admitter:
         self.unknown_kv_max_concurrency = config.router.unknown_kv_max_concurrency
         self.borrow_max_frac = config.rebalancer.borrow_max_frac
         self.pools: dict[str, PoolConfig] = {p.name: p for p in config.pools}
-        runs = runs if runs is not None else affinity.runs
+        runs = affinity.runs
         self.queues = {
             p.name: PoolQueue(
                 p.name,
