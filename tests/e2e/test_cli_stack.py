@@ -179,19 +179,23 @@ def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Pat
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)
         raise
+    # which streams run at Ctrl-C is read the moment it is sent: read later (after the
+    # "shutting down" line, as it once was), a fast machine had finished three of four streams
+    # by then. The last stream to start has just had its first token of 300, so at least one
+    # is always running.
+    running_at_ctrl_c = sum(not s.done for s in streams)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends gpupool (its engines are its own)
     deadline = time.monotonic() + 10
     while "shutting down" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.02)
-    running_at_ctrl_c = sum(not s.done for s in streams)
     refused, answered = _refused_while_draining(url, proc)
     code = proc.wait(timeout=90)
     for stream in streams:
         stream.join(timeout=30)
     text = log.read_text()
     assert code == 0, text
-    assert running_at_ctrl_c >= 2, running_at_ctrl_c
-    # every stream that was running ran to its end: none cut by the stop
+    assert running_at_ctrl_c >= 1, running_at_ctrl_c
+    # every stream, those running at Ctrl-C among them, ran to its end: none cut by the stop
     assert [(s.done, s.finish_reason, s.error) for s in streams] == [
         (True, "length", None)
     ] * STREAMS
