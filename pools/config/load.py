@@ -129,8 +129,13 @@ def _with_keys(config: Config, problems: list[str]) -> Config:
         )
     }
     secret_env = _secret_env_names(config)
+    store = config.store
+    if store.password_env is not None:
+        password = _env_key(store.password_env, "store.password_env", problems)
+        store = dataclasses.replace(store, password=password)
     return dataclasses.replace(
         config,
+        store=store,
         tenants=tuple(tenants),
         router=dataclasses.replace(
             r,
@@ -148,13 +153,14 @@ def _with_keys(config: Config, problems: list[str]) -> Config:
 
 
 def _secret_env_names(node: Any) -> frozenset[str]:
-    """Every env var name the config gives in a field called `api_key_env` or `*_api_key_env`,
-    anywhere in the tree: the variables engines must not inherit."""
+    """Every env var name the config gives in a field called `api_key_env`, `*_api_key_env` or
+    `password_env`, anywhere in the tree: the variables engines must not inherit."""
     names: set[str] = set()
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         for f in dataclasses.fields(node):
             value = getattr(node, f.name)
-            if f.name.endswith("api_key_env") and isinstance(value, str):
+            secret = f.name.endswith("api_key_env") or f.name == "password_env"
+            if secret and isinstance(value, str):
                 names.add(value)
             elif f.init:
                 names |= _secret_env_names(value)

@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -59,6 +60,7 @@ __all__ = [
     "ShareWindow",
     "SloConfig",
     "StaticEnginesConfig",
+    "StoreConfig",
     "TenantConfig",
     "TierConfig",
     "default_of",
@@ -857,6 +859,140 @@ class RebalancerConfig(RebalanceSettings):
 
 
 # ---------------------------------------------------------------------------------------------
+# store
+# ---------------------------------------------------------------------------------------------
+
+_PG_SCHEMES = ("postgresql", "postgres")
+
+
+@dataclass(frozen=True, slots=True, config=_STRICT)
+class StoreConfig:
+    """Where the state that router replicas must agree on lives: the ledger, governance
+    (budgets, runs, sessions), the SRE settings and audit, the rebalancer's decision log.
+
+    `url` None (the default): embedded SQLite files, one machine (router.ledger_path and the
+    files beside it, rebalancer.decision_log_path). `postgresql://user@host:5432/dbname`: one
+    PostgreSQL database (a unix socket: `postgresql://user@/dbname?host=/run/postgresql`),
+    with the password read from the environment variable `password_env` names (never in the
+    URL). Schema migrations run at start (`gpupool store migrate` runs them alone)."""
+
+    url: str | None = None
+    password_env: str | None = None
+    # connections each router process keeps open at least / at most
+    pool_min_connections: int = Field(default=1, ge=0)
+    pool_max_connections: int = Field(default=8, ge=1)
+    connect_timeout_s: float = Field(default=5.0, gt=0)  # also the wait for a free connection
+    statement_timeout_s: float = Field(default=10.0, gt=0)  # PostgreSQL's statement_timeout
+    # read from `password_env` at load (the document may not set it)
+    password: str | None = dataclasses.field(default=None, repr=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_password_in_document(cls, data: Any) -> Any:
+        return _refuse_derived(data, ("password",))
+
+    @field_validator("url")
+    @classmethod
+    def _postgres_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError as err:
+            raise ValueError(f"not a URL: {err}") from None
+        if parts.scheme not in _PG_SCHEMES:
+            raise ValueError(
+                "must be a PostgreSQL URL (postgresql://user@host:5432/dbname); leave it out"
+                " for the embedded SQLite store"
+            )
+        if parts.password is not None:
+            raise ValueError(
+                "holds a password: put it in an environment variable and name that in"
+                " store.password_env"
+            )
+        if not parts.path.strip("/"):
+            raise ValueError("names no database (postgresql://user@host:5432/dbname)")
+        if not parts.hostname and "host" not in parse_qs(parts.query):
+            raise ValueError(
+                "names no host (postgresql://user@host:5432/dbname, or ?host=/socket/dir)"
+            )
+        if port == 0:
+            raise ValueError("port 0")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StoreConfig:
+        if self.url is None and self.password_env is not None:
+            raise ValueError(
+                "store.password_env without store.url: the embedded store has no password"
+            )
+        if self.pool_min_connections > self.pool_max_connections:
+            raise ValueError("store.pool_min_connections exceeds store.pool_max_connections")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# observability
+# ---------------------------------------------------------------------------------------------
+
+_OTLP_TRACES_PATH = "/v1/traces"
+
+
+@dataclass(frozen=True, slots=True, config=_STRICT)
+class ObservabilityConfig:
+    """OpenTelemetry traces (router/ops/tracing): a span tree per request, exported over
+    OTLP/HTTP (protobuf) in batches. Off while `otlp_endpoint` is None; the other fields then
+    have nothing to steer, so a document that sets them without it is refused."""
+
+    # the collector's OTLP/HTTP base URL (http://tempo:4318: /v1/traces is added) or its full
+    # traces URL; None: no traces
+    otlp_endpoint: str | None = None
+    service_name: str = Field(default="gpupool", min_length=1)  # every span's service.name
+    # the share of new traces kept; an incoming traceparent's sampled flag (and an agent
+    # run's first step, for its later steps) decides for the requests that have one
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+    # the name of an env var holding headers for the collector (OTEL_EXPORTER_OTLP_HEADERS'
+    # format: `key=value,key2=value2`, e.g. an authorization token); None: none
+    headers_env: str | None = None
+    export_interval_s: float = Field(default=1.0, gt=0, le=60)  # at most this long in a batch
+    # read from `headers_env` at load (the document may not set it)
+    headers: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_with_an_endpoint(cls, data: Any) -> Any:
+        _refuse_derived(data, ("headers",))
+        if isinstance(data, Mapping) and data.get("otlp_endpoint") is None:
+            idle = [k for k in data if k != "otlp_endpoint"]
+            if idle:
+                raise ValueError(
+                    f"{', '.join(idle)} set without otlp_endpoint: traces are off, so"
+                    " nothing reads them (set otlp_endpoint, or remove them)"
+                )
+        return data
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _traces_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            parts = urllib.parse.urlsplit(value)
+            parts.port  # noqa: B018 (raises on a bad port)
+        except ValueError as err:
+            raise ValueError(f"not a URL: {err}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                "must be the collector's OTLP/HTTP URL, e.g. http://tempo:4318 (OTLP over"
+                " gRPC, port 4317, is not spoken)"
+            )
+        if parts.path in ("", "/"):
+            return value.rstrip("/") + _OTLP_TRACES_PATH
+        return value
+
+
+# ---------------------------------------------------------------------------------------------
 # the whole configuration
 # ---------------------------------------------------------------------------------------------
 
@@ -884,6 +1020,7 @@ class Config:
     source: str = "<default>"  # where it was read from (set at load; not in the document)
     governance: GovernanceConfig = Field(default_factory=GovernanceConfig)
     rebalancer: RebalancerConfig = Field(default_factory=RebalancerConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
     class_names: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # pools' classes
 
     def __post_init__(self) -> None:
@@ -898,9 +1035,27 @@ class Config:
         if not isinstance(data, Mapping):
             return data
         _refuse_derived(data, ("source",))
-        sections = ("model", "engines", "classification", "router", "governance", "rebalancer")
+        sections = (
+            "model",
+            "engines",
+            "classification",
+            "router",
+            "governance",
+            "rebalancer",
+            "store",
+        )
         data = _sections_given(data, sections)
         rebalancer, router = data["rebalancer"], data["router"]
+        store = data["store"]
+        if isinstance(store, Mapping) and store.get("url") is not None:
+            # with a shared store these name files nothing reads
+            for section, key in (("router", "ledger_path"), ("rebalancer", "decision_log_path")):
+                given = data[section]
+                if isinstance(given, Mapping) and given.get(key) is not None:
+                    raise ValueError(
+                        f"{section}.{key} names a file of the embedded store; with store.url"
+                        " set the ledger and the decision log are in PostgreSQL: remove it"
+                    )
         if isinstance(rebalancer, Mapping) and rebalancer.get("decision_log_path") is None:
             rebalancer = {k: v for k, v in rebalancer.items() if k != "decision_log_path"}
             state = router.get("state_path") if isinstance(router, Mapping) else None

@@ -1,0 +1,34 @@
+"""The store: one interface for the state router replicas must agree on, two backends.
+
+What lives there, each feature owning its tables and their migrations: the ledger (requests,
+hourly idle and capacity, run ends; router/accounting/ledger.py), governance (token buckets,
+cost windows, runs and their guards, sessions; router/governance/store.py), and the
+rebalancer's SRE settings, audit trail and decision log (router/rebalancer/store.py).
+
+`Stores.from_config(config)` gives each of them its `Store`: with `store.url` unset, the
+embedded SQLite files of one machine (router.ledger_path, the governance file beside it,
+rebalancer.decision_log_path: existing files keep working, adopted by the migrations); with a
+PostgreSQL URL, one database (one connection pool) for all of them. See docs/replicas.md.
+"""
+
+from router.store.base import Conn, Dialect, Rows, Store, StoreError, savepoint
+from router.store.migrations import Migration, applied_versions, migrate
+from router.store.postgres import PostgresStore, redact
+from router.store.sqlite import SqliteStore
+from router.store.stores import Stores
+
+__all__ = [
+    "Conn",
+    "Dialect",
+    "Migration",
+    "PostgresStore",
+    "Rows",
+    "SqliteStore",
+    "Store",
+    "StoreError",
+    "Stores",
+    "applied_versions",
+    "migrate",
+    "redact",
+    "savepoint",
+]

@@ -1,0 +1,151 @@
+"""The shared backend: one PostgreSQL database, through psycopg 3 and a connection pool.
+
+`store: {url: "postgresql://user@host:5432/db", password_env: GPUPOOL_STORE_PASSWORD}`. The
+password never sits in the URL or the config file (the config refuses one there): it is read
+from the environment at open. `open()` makes one connection first, so a wrong host, password or
+database name fails at start with PostgreSQL's own words, then opens the pool. A connection
+taken from the pool is checked first (a server restart leaves dead ones behind: they are
+replaced, not handed out); every statement runs under `statement_timeout` and every connect
+under `connect_timeout`, so no call waits without a bound.
+
+SQL arrives in the store's portable dialect (`?` placeholders) and is rewritten once per
+statement text to psycopg's (`%s`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import psycopg_pool
+
+from router.store.base import Conn, Rows, Store, StoreError
+
+__all__ = ["PostgresStore", "redact"]
+
+
+def redact(url: str) -> str:
+    """The URL without a password (for messages and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = (parts.username or "") + ":***"
+    return urlunsplit(parts._replace(netloc=f"{user}@{netloc[-1]}"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _psycopg_sql(sql: str) -> str:
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+class _PgConn:
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: psycopg.Connection[Any]) -> None:
+        self.raw = raw
+
+    def execute(self, sql: str, params: Sequence[Any] = (), /) -> Rows:
+        return self.raw.execute(_psycopg_sql(sql), params)
+
+    def executemany(self, sql: str, params: Sequence[Sequence[Any]], /) -> None:
+        with self.raw.cursor() as cur:
+            cur.executemany(_psycopg_sql(sql), params)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        with self.raw.transaction():
+            yield
+
+
+class PostgresStore(Store):
+    dialect = "postgresql"
+    max_params = 65_535
+    data_errors = (psycopg.DataError, psycopg.IntegrityError, psycopg.ProgrammingError)
+    errors = (psycopg.Error,)
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        password: str | None = None,
+        min_connections: int = 1,
+        max_connections: int = 8,
+        connect_timeout_s: float = 5.0,
+        statement_timeout_s: float = 10.0,
+    ) -> None:
+        self.url = url
+        self._kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "connect_timeout": max(1, round(connect_timeout_s)),
+            "options": f"-c statement_timeout={round(statement_timeout_s * 1000)}",
+            "application_name": "gpupool",
+        }
+        if password is not None:
+            self._kwargs["password"] = password
+        self._min, self._max = min_connections, max_connections
+        self._timeout_s = connect_timeout_s
+        self._pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] | None = None
+
+    @property
+    def name(self) -> str:
+        return redact(self.url)
+
+    def open(self) -> None:
+        if self._pool is not None:
+            return
+        try:  # one connection first: PostgreSQL's own reason when it fails
+            psycopg.connect(self.url, **self._kwargs).close()
+        except psycopg.Error as err:
+            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            raise StoreError(
+                f"cannot connect to the PostgreSQL store {self.name}: {reason}"
+            ) from err
+        pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = psycopg_pool.ConnectionPool(
+            self.url,
+            kwargs=self._kwargs,
+            min_size=self._min,
+            max_size=self._max,
+            open=False,
+            timeout=self._timeout_s,
+            check=psycopg_pool.ConnectionPool.check_connection,
+            name="gpupool-store",
+        )
+        try:
+            pool.open(wait=True, timeout=self._timeout_s)
+        except psycopg_pool.PoolTimeout as err:
+            pool.close()
+            raise StoreError(
+                f"the PostgreSQL store {self.name} gave no {self._min} connections within"
+                f" {self._timeout_s:g} s"
+            ) from err
+        self._pool = pool
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[Conn]:
+        pool = self._pool
+        if pool is None:
+            raise StoreError(f"{self.name}: the store is not open")
+        try:
+            cm = pool.connection()
+            raw = cm.__enter__()
+        except psycopg_pool.PoolTimeout as err:
+            raise StoreError(
+                f"the PostgreSQL store {self.name} gave no connection within {self._timeout_s:g} s"
+            ) from err
+        try:
+            yield _PgConn(raw)
+        except BaseException as err:
+            if not cm.__exit__(type(err), err, err.__traceback__):
+                raise
+        else:
+            cm.__exit__(None, None, None)
