@@ -26,6 +26,7 @@ from router.admission.picking import Picker, RunAffinity, default_picker, placem
 from router.admission.queueing import RunUsage
 from router.metrics import RouterMetrics
 from router.rebalancer.rebalancer import Rebalancer
+from router.rebalancer.store import DecisionLog
 
 __all__ = ["Core", "build_core"]
 
@@ -54,12 +55,14 @@ def build_core(
     affinity: RunAffinity | None = None,
     run_usage: Callable[[Hashable, float], RunUsage | None] | None = None,
     wall_clock: Callable[[], float] = time.time,
+    decision_log: DecisionLog | None = None,
 ) -> Core:
     """The components over `engines`, each pool at its `share.initial_frac` (pinned instances
     to their pool). `clock`: monotonic seconds for every decision; `wall_clock`: epoch seconds
     for the rebalancer's decision log; `rng`: the picker's tie-breaks. `run_usage((tenant,
     run_id), now_s)`: a run's attained service, which `queue.order: run_las` pools order by
-    (none: every run counts as new)."""
+    (none: every run counts as new). `decision_log`: the rebalancer's, in the router's store
+    (none: its own file at rebalancer.decision_log_path)."""
     metrics = metrics or RouterMetrics()
     rc = config.router
     fleet = Fleet(
@@ -88,6 +91,13 @@ def build_core(
     )
     # the pool ratio follows demand; SRE controls; the decision log (router/rebalancer/)
     rebalancer = Rebalancer(
-        config, fleet, pool_map, admitter.queues, metrics, clock=clock, wall_clock=wall_clock
+        config,
+        fleet,
+        pool_map,
+        admitter.queues,
+        metrics,
+        clock=clock,
+        wall_clock=wall_clock,
+        decision_log=decision_log,
     )
     return Core(metrics, fleet, pool_map, affinity, picker, admitter, rebalancer, max_num_seqs)

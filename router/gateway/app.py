@@ -12,6 +12,7 @@ gateway.aclose()` stops them; the ASGI lifespan calls both, and tests may call t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import random
@@ -65,9 +66,11 @@ from router.ops.history import History, reading_from
 from router.ops.openapi import openapi_document
 from router.ops.pools_view import PoolsView
 from router.rebalancer import routes as rebalancer_routes
+from router.rebalancer.store import DecisionLog
 from router.request import Message, Receive, RequestObserver, Scope, Send
 from router.runtable import RunTable
 from router.settlement import Settlement
+from router.store import Stores
 
 __all__ = ["Gateway", "create_app"]
 
@@ -109,6 +112,9 @@ class Gateway:
         rc = config.router
         # everything kept per run (home, attained service, step numbers, span): one bound
         self.runs = RunTable()
+        # the ledger, governance, SRE settings and decisions: embedded SQLite files, or one
+        # PostgreSQL database shared by router replicas (router/store)
+        self.stores = Stores.from_config(config)
         # fleet, pool map, affinity, picker, admitter, rebalancer: wired as the simulator
         # wires them (router/core.py)
         core = build_core(
@@ -118,6 +124,9 @@ class Gateway:
             rng or random.Random(),
             affinity=RunAffinity(runs=self.runs),
             run_usage=self._run_usage,
+            decision_log=DecisionLog(
+                self.stores.rebalancer, retention_days=config.rebalancer.decision_log_retention_days
+            ),
         )
         self.metrics, self.fleet, self.pool_map = core.metrics, core.fleet, core.pool_map
         self.affinity, self.picker = core.affinity, core.picker
@@ -131,13 +140,13 @@ class Gateway:
             rc, snapshot_source=lambda: self.accountant.conservation(self.clock()), runs=self.runs
         )
         self.gpu_sampler = GpuSampler(registry=self.metrics.registry, nvml=nvml)
-        # budgets and run states survive a restart: a file next to the ledger
+        # budgets and run states survive a restart: in the store
         ledger_path = rc.ledger_path
         self.governor = Governor(
             config,
             GovernanceMetrics(self.metrics.registry),
             clock=clock,
-            store=GovernanceStore(ledger_path.with_name(ledger_path.stem + ".governance.sqlite")),
+            store=GovernanceStore(self.stores.governance),
         )
         self.accounting_observer = AccountingObserver(
             self.accountant, self.ledger, self.accounting_metrics, clock=clock
@@ -225,6 +234,8 @@ class Gateway:
                 iid, float(state.spec.gpus), dict(allocation.pools_of(iid)), now
             )
         self.pool_map.on_change(self._shares_changed)
+        await asyncio.to_thread(self.stores.open)
+        stack.push_async_callback(asyncio.to_thread, self.stores.close)
         for component in (
             self.rebalancer,
             self.ledger,

@@ -9,19 +9,24 @@ seconds on disk; the governor converts them to and from its monotonic clock. `sa
 the tenants' rows and upserts the runs and sessions given (the ones changed since the last
 save); it runs in a worker thread every `governance` sweep (1 s), so a hard kill loses at
 most that much.
+
+The tables live in the store (router/store): embedded, `ledger.governance.sqlite` beside the
+ledger; shared, the PostgreSQL database. Their schema is `MIGRATIONS` (component
+"governance"), applied at `open`.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["GovernanceStore", "RunRow", "SessionRow", "TenantRow"]
+from router.store import Conn, Migration, SqliteStore, Store, migrate, upsert
 
-_SCHEMA = """
+__all__ = ["MIGRATIONS", "GovernanceStore", "RunRow", "SessionRow", "TenantRow"]
+
+_SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     tenant TEXT PRIMARY KEY,
     saved_at_s REAL NOT NULL,
@@ -62,6 +67,24 @@ _ADDED_COLUMNS = (
     ("runs", "active_s", "REAL NOT NULL DEFAULT 0"),
     ("runs", "settings", "TEXT NOT NULL DEFAULT '{}'"),
 )
+_POSTGRES_SCHEMA = _SQLITE_SCHEMA.replace(" REAL", " DOUBLE PRECISION").replace(
+    " INTEGER", " BIGINT"
+)
+
+
+def _sqlite_v1(conn: Conn) -> None:
+    """The tables, on a new file or one written before migrations (which may lack the
+    columns added since)."""
+    for statement in _SQLITE_SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    for table, column, declaration in _ADDED_COLUMNS:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+
+
+MIGRATIONS = (Migration("governance", 1, "tenants, runs, sessions", _sqlite_v1, _POSTGRES_SCHEMA),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,53 +126,51 @@ class SessionRow:
 
 
 class GovernanceStore:
-    """Sync; call it through `asyncio.to_thread`. One connection, used by one thread at a
-    time (the governor never overlaps two calls)."""
+    """Sync; call it through `asyncio.to_thread`. The governor never overlaps two calls.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._conn: sqlite3.Connection | None = None
+    `store`: the store the router shares (opened and closed by its owner), or a path: an
+    embedded store of its own, opened and closed here."""
+
+    def __init__(self, store: Store | Path) -> None:
+        self._owned = isinstance(store, Path)
+        self.store: Store = SqliteStore(store) if isinstance(store, Path) else store
 
     def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.executescript(_SCHEMA)
-        for table, column, declaration in _ADDED_COLUMNS:
-            have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
-        self._conn = conn
+        if self._owned:
+            self.store.open()
+        migrate(self.store, MIGRATIONS)
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        if self._owned:
+            self.store.close()
 
     def load(self) -> tuple[list[TenantRow], list[RunRow]]:
-        conn = self._need()
-        tenants = [
-            TenantRow(t, at, tl, rl, al, _slices(h), _slices(d))
-            for t, at, tl, rl, al, h, d in conn.execute("SELECT * FROM tenants")
-        ]
-        runs = [
-            RunRow(t, r, s, ls, json.loads(lim), st, tok, g, sc, sm, e, a, json.loads(se))
-            for t, r, s, ls, lim, st, tok, g, sc, sm, e, a, se in conn.execute(
-                "SELECT tenant, run_id, started_at_s, last_seen_s, limits, steps, tokens,"
-                " gpu_seconds, stop_code, stop_message, ended, active_s, settings FROM runs"
-            )
-        ]
+        with self.store.connection() as conn:
+            tenants = [
+                TenantRow(t, at, tl, rl, al, _slices(h), _slices(d))
+                for t, at, tl, rl, al, h, d in conn.execute(
+                    "SELECT tenant, saved_at_s, tokens_level, requests_level, allowance_level,"
+                    " hour_slices, day_slices FROM tenants"
+                )
+            ]
+            runs = [
+                RunRow(t, r, s, ls, json.loads(lim), st, tok, g, sc, sm, e, a, json.loads(se))
+                for t, r, s, ls, lim, st, tok, g, sc, sm, e, a, se in conn.execute(
+                    "SELECT tenant, run_id, started_at_s, last_seen_s, limits, steps, tokens,"
+                    " gpu_seconds, stop_code, stop_message, ended, active_s, settings FROM runs"
+                )
+            ]
         return tenants, runs
 
     def load_sessions(self) -> list[SessionRow]:
-        return [
-            SessionRow(t, s, at, last, cur, [(str(k), int(n)) for k, n in json.loads(a)])
-            for t, s, at, last, cur, a in self._need().execute(
-                "SELECT tenant, session_id, last_seen_s, last_run, current_run, anchors"
-                " FROM sessions"
-            )
-        ]
+        with self.store.connection() as conn:
+            return [
+                SessionRow(t, s, at, last, cur, [(str(k), int(n)) for k, n in json.loads(a)])
+                for t, s, at, last, cur, a in conn.execute(
+                    "SELECT tenant, session_id, last_seen_s, last_run, current_run, anchors"
+                    " FROM sessions"
+                )
+            ]
 
     def save(
         self,
@@ -157,11 +178,20 @@ class GovernanceStore:
         runs: Sequence[RunRow],
         sessions: Sequence[SessionRow] = (),
     ) -> None:
-        conn = self._need()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self.store.connection() as conn, conn.transaction():
             conn.executemany(
-                "INSERT OR REPLACE INTO tenants VALUES (?, ?, ?, ?, ?, ?, ?)",
+                upsert(
+                    "tenants",
+                    ("tenant",),
+                    (
+                        "saved_at_s",
+                        "tokens_level",
+                        "requests_level",
+                        "allowance_level",
+                        "hour_slices",
+                        "day_slices",
+                    ),
+                ),
                 [
                     (
                         t.tenant,
@@ -176,9 +206,23 @@ class GovernanceStore:
                 ],
             )
             conn.executemany(
-                "INSERT OR REPLACE INTO runs (tenant, run_id, started_at_s, last_seen_s, limits,"
-                " steps, tokens, gpu_seconds, stop_code, stop_message, ended, active_s, settings)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                upsert(
+                    "runs",
+                    ("tenant", "run_id"),
+                    (
+                        "started_at_s",
+                        "last_seen_s",
+                        "limits",
+                        "steps",
+                        "tokens",
+                        "gpu_seconds",
+                        "stop_code",
+                        "stop_message",
+                        "ended",
+                        "active_s",
+                        "settings",
+                    ),
+                ),
                 [
                     (
                         r.tenant,
@@ -199,8 +243,11 @@ class GovernanceStore:
                 ],
             )
             conn.executemany(
-                "INSERT OR REPLACE INTO sessions (tenant, session_id, last_seen_s, last_run,"
-                " current_run, anchors) VALUES (?, ?, ?, ?, ?, ?)",
+                upsert(
+                    "sessions",
+                    ("tenant", "session_id"),
+                    ("last_seen_s", "last_run", "current_run", "anchors"),
+                ),
                 [
                     (
                         x.tenant,
@@ -213,20 +260,12 @@ class GovernanceStore:
                     for x in sessions
                 ],
             )
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
 
     def forget_runs_before(self, unix_s: float) -> None:
         """Delete runs and sessions last seen before `unix_s` (the governor forgets them too)."""
-        self._need().execute("DELETE FROM runs WHERE last_seen_s < ?", (unix_s,))
-        self._need().execute("DELETE FROM sessions WHERE last_seen_s < ?", (unix_s,))
-
-    def _need(self) -> sqlite3.Connection:
-        if self._conn is None:
-            raise RuntimeError("governance store not open")
-        return self._conn
+        with self.store.connection() as conn, conn.transaction():
+            conn.execute("DELETE FROM runs WHERE last_seen_s < ?", (unix_s,))
+            conn.execute("DELETE FROM sessions WHERE last_seen_s < ?", (unix_s,))
 
 
 def _slices(raw: str) -> list[tuple[float, float]]:

@@ -29,8 +29,9 @@ the trailing interval (`decide(..., recall_only=True)`): share lent away comes b
 the lender misses its target, not at the next decision; otherwise nothing changes.
 
 SRE changes (`set_bounds`, `pin`, `unpin`, `pin_instance`, `unpin_instance`, `freeze`,
-`unfreeze`, `move`, `move_instance`) take effect at once, are saved at `router.state_path`
-(they survive a restart) and are audited (who, when, what, before and after).
+`unfreeze`, `move`, `move_instance`) take effect at once, are saved in the store with the
+decision log (they survive a restart; router.state_path is read once, the JSON file gpupool
+kept them in before) and are audited (who, when, what, before and after).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from pools.tasks import cancel_and_wait
 from router.admission.queueing import PoolQueue
 from router.errors import BadRequest, CapacityExceeded, NotFound
 from router.metrics import RouterMetrics
-from router.rebalancer.store import DecisionLog, SreSettings, load_settings, save_settings
+from router.rebalancer.store import DecisionLog, SreSettings
 from router.request import RequestOutcome
 
 __all__ = ["RECALL_CHECK_S", "Rebalancer", "SignalWindow", "recall_check_offsets_s"]
@@ -228,8 +229,8 @@ class Rebalancer:
         if self._started:
             return
         self._started = True
-        self.sre = await asyncio.to_thread(load_settings, self.state_path)
         await self.decision_log.start()
+        self.sre = await self.decision_log.load_settings(self.state_path)
         self._restore()
         if self.rc.enabled:
             self._task = asyncio.create_task(self._run(), name="rebalancer")
@@ -561,7 +562,7 @@ class Rebalancer:
     async def _changed(self, who: str, action: str, detail: dict[str, Any]) -> None:
         """Save the settings and audit the change (who, when, what)."""
         self.sre.shares = dict(self.loop_state.shares)
-        await asyncio.to_thread(save_settings, self.state_path, self.sre)
+        await self.decision_log.save_settings(self.sre)
         await self.decision_log.record_audit(self.wall_clock(), who, action, detail)
         log.info("SRE %s by %s: %s", action, who, detail)
 

@@ -1,11 +1,14 @@
-"""What the rebalancer keeps on disk: the SREs' settings and the decision log.
+"""What the rebalancer keeps in the store: the SREs' settings, the audit trail and the
+decision log.
 
-`SreSettings` (bounds overrides, a pinned ratio, pinned instances, frozen, and the last target
-ratio) lives in one JSON file at `router.state_path`, written atomically (temporary file +
-rename), so it survives a restart. `DecisionLog` is one SQLite file (WAL) with two tables:
-`decisions` (every decision of the loop with the signals behind it, and every SRE move) and
-`audit` (every SRE change: who, when, what, before and after). Both are written through
-`asyncio.to_thread`; rows older than the retention are deleted at start.
+`DecisionLog` owns three tables in the store (router/store; embedded: `decisions.sqlite` at
+rebalancer.decision_log_path; shared: the PostgreSQL database, so every replica reads the same
+settings and appends to one log): `decisions` (every decision of the loop with the signals
+behind it, and every SRE move), `audit` (every SRE change: who, when, what, before and after)
+and `sre_settings` (one row: bounds overrides, a pinned ratio, pinned instances, frozen, the
+last target ratio; it survives a restart). Settings written by gpupool before the store, a JSON
+file at router.state_path, are read once, when the store holds none yet. Every call is one
+short transaction in a worker thread; rows older than the retention are deleted at start.
 """
 
 from __future__ import annotations
@@ -13,39 +16,67 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import sqlite3
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["DecisionLog", "SreSettings", "load_settings", "save_settings"]
+from router.store import Conn, Migration, SqliteStore, Store, migrate, upsert
+
+__all__ = ["MIGRATIONS", "DecisionLog", "SreSettings", "read_legacy_settings"]
 
 log = logging.getLogger(__name__)
 
-_SCHEMA = """
+T = TypeVar("T")
+
+_DECISIONS = """
 CREATE TABLE IF NOT EXISTS decisions (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    at_unix_s REAL NOT NULL,
+    id {id},
+    at_unix_s {real} NOT NULL,
     reason TEXT NOT NULL,
     from_pool TEXT,
     to_pool TEXT,
-    share_frac REAL,
+    share_frac {real},
     shares TEXT NOT NULL,
     detail TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS decisions_at ON decisions (at_unix_s);
 CREATE TABLE IF NOT EXISTS audit (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    at_unix_s REAL NOT NULL,
+    id {id},
+    at_unix_s {real} NOT NULL,
     who TEXT NOT NULL,
     action TEXT NOT NULL,
     detail TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS audit_at ON audit (at_unix_s);
 """
+_SETTINGS = """
+CREATE TABLE IF NOT EXISTS sre_settings (
+    id INTEGER PRIMARY KEY,
+    saved_at_s {real} NOT NULL,
+    body TEXT NOT NULL
+)
+"""
+_SQLITE = {"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "real": "REAL"}
+_POSTGRES = {"id": "BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY", "real": "DOUBLE PRECISION"}
+MIGRATIONS = (
+    Migration(
+        "rebalancer",
+        1,
+        "decisions, audit",
+        _DECISIONS.format(**_SQLITE),
+        _DECISIONS.format(**_POSTGRES),
+    ),
+    Migration(
+        "rebalancer",
+        2,
+        "SRE settings (were a JSON file)",
+        _SETTINGS.format(**_SQLITE),
+        _SETTINGS.format(**_POSTGRES),
+    ),
+)
+_SAVE_SETTINGS = upsert("sre_settings", ("id",), ("saved_at_s", "body"))
 _DAY_S = 86_400.0
 
 
@@ -85,74 +116,98 @@ class SreSettings:
         )
 
 
-def load_settings(path: Path) -> SreSettings:
-    """The settings saved at `path`; empty ones when there is no file. A file that cannot be
-    read is logged and ignored (the router starts from the config), never fatal."""
+def read_legacy_settings(path: Path) -> SreSettings | None:
+    """The settings gpupool kept at `path` (JSON) before the store; None when there is no
+    file. A file that cannot be read is logged and ignored (the router starts from the
+    config), never fatal."""
     try:
         text = path.read_text()
     except FileNotFoundError:
-        return SreSettings()
+        return None
     except OSError as err:
         log.warning("cannot read the SRE settings at %s: %s", path, err.strerror)
-        return SreSettings()
+        return None
     try:
         return SreSettings.from_json(json.loads(text))
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as err:
         log.warning("ignoring unreadable SRE settings at %s: %s", path, err)
-        return SreSettings()
-
-
-def save_settings(path: Path, settings: SreSettings) -> None:
-    """Write atomically: a reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(settings.to_json(), indent=2, sort_keys=True))
-    os.replace(tmp, path)
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.executescript(_SCHEMA)
-    return conn
+        return None
 
 
 class DecisionLog:
-    """Decisions and the audit trail in SQLite. Every call is one short transaction, run in a
-    worker thread one at a time (a lock orders them)."""
+    """Decisions, the audit trail and the SRE settings in the store. Every call is one short
+    transaction, run in a worker thread one at a time (a lock orders them).
 
-    def __init__(self, path: Path, *, retention_days: float = 30.0) -> None:
-        self.path = path
+    `store`: the router's store (opened and closed by its owner), or a path: an embedded
+    store of its own, opened and closed here."""
+
+    def __init__(self, store: Store | Path, *, retention_days: float = 30.0) -> None:
+        self._owned = isinstance(store, Path)
+        self.store: Store = SqliteStore(store) if isinstance(store, Path) else store
         self.retention_days = retention_days
-        self._conn: sqlite3.Connection | None = None
+        self._open = False
         self._lock = asyncio.Lock()
 
     async def start(self) -> None:
-        if self._conn is not None:
+        if self._open:
             return
-        self._conn = await asyncio.to_thread(_connect, self.path)
-        cutoff = time.time() - self.retention_days * _DAY_S
-        await self._run(
-            lambda c: (
-                c.execute("DELETE FROM decisions WHERE at_unix_s < ?", (cutoff,)),
-                c.execute("DELETE FROM audit WHERE at_unix_s < ?", (cutoff,)),
-            )
-        )
+        if self._owned:
+            await asyncio.to_thread(self.store.open)
+        self._open = True
+        try:
+            await asyncio.to_thread(migrate, self.store, MIGRATIONS)
+            cutoff = time.time() - self.retention_days * _DAY_S
+
+            def expire(c: Conn) -> None:
+                c.execute("DELETE FROM decisions WHERE at_unix_s < ?", (cutoff,))
+                c.execute("DELETE FROM audit WHERE at_unix_s < ?", (cutoff,))
+
+            await self._run(expire)
+        except BaseException:
+            await self.aclose()
+            raise
 
     async def aclose(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
+        if not self._open:
+            return
+        self._open = False
+        if self._owned:
             async with self._lock:
-                await asyncio.to_thread(conn.close)
+                await asyncio.to_thread(self.store.close)
 
-    async def _run(self, fn: Any) -> Any:
-        conn = self._conn
-        if conn is None:
+    async def _run(self, fn: Callable[[Conn], T]) -> T:
+        if not self._open:
             raise RuntimeError("the decision log is not open")
+
+        def work() -> T:
+            with self.store.connection() as conn:
+                return fn(conn)
+
         async with self._lock:
-            return await asyncio.to_thread(fn, conn)
+            return await asyncio.to_thread(work)
+
+    async def load_settings(self, legacy_path: Path | None = None) -> SreSettings:
+        """The saved settings; with none saved yet, those of the JSON file at `legacy_path`
+        (gpupool before the store), saved here at once; else empty ones."""
+        row = await self._run(
+            lambda c: c.execute("SELECT body FROM sre_settings WHERE id = 1").fetchone()
+        )
+        if row is not None:
+            try:
+                return SreSettings.from_json(json.loads(row[0]))
+            except (ValueError, TypeError, AttributeError, KeyError, IndexError) as err:
+                log.warning("ignoring unreadable SRE settings in %s: %s", self.store.name, err)
+                return SreSettings()
+        legacy = None if legacy_path is None else read_legacy_settings(legacy_path)
+        if legacy is None:
+            return SreSettings()
+        await self.save_settings(legacy)
+        log.info("SRE settings imported from %s into %s", legacy_path, self.store.name)
+        return legacy
+
+    async def save_settings(self, settings: SreSettings) -> None:
+        body = json.dumps(settings.to_json(), sort_keys=True)
+        await self._run(lambda c: c.execute(_SAVE_SETTINGS, (1, time.time(), body)))
 
     async def record_decision(self, at_unix_s: float, row: Mapping[str, Any]) -> None:
         move = row.get("move") or {}

@@ -11,7 +11,7 @@ rebalancer.decision_log_path: existing files keep working, adopted by the migrat
 PostgreSQL URL, one database (one connection pool) for all of them. See docs/replicas.md.
 """
 
-from router.store.base import Conn, Dialect, Rows, Store, StoreError, savepoint
+from router.store.base import Conn, Dialect, Rows, Store, StoreError, savepoint, upsert
 from router.store.migrations import Migration, applied_versions, migrate
 from router.store.postgres import PostgresStore, redact
 from router.store.sqlite import SqliteStore
@@ -31,4 +31,5 @@ __all__ = [
     "migrate",
     "redact",
     "savepoint",
+    "upsert",
 ]

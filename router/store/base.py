@@ -18,7 +18,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Protocol
 
-__all__ = ["Conn", "Dialect", "Rows", "Store", "StoreError"]
+__all__ = [
+    "Conn",
+    "Dialect",
+    "Rows",
+    "Store",
+    "StoreError",
+    "savepoint",
+    "split_statements",
+    "upsert",
+]
 
 Dialect = Literal["sqlite", "postgresql"]
 
@@ -108,3 +117,14 @@ def savepoint(conn: Conn, name: str) -> Iterator[None]:
         conn.execute(f"RELEASE SAVEPOINT {name}")
         raise
     conn.execute(f"RELEASE SAVEPOINT {name}")
+
+
+def upsert(table: str, key: Sequence[str], rest: Sequence[str]) -> str:
+    """INSERT of every column (`key`, then `rest`) that replaces the row with the same key:
+    the portable `INSERT OR REPLACE`."""
+    columns = (*key, *rest)
+    return (
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' for _ in columns)})"
+        f" ON CONFLICT ({', '.join(key)}) DO UPDATE SET "
+        + ", ".join(f"{c} = excluded.{c}" for c in rest)
+    )
