@@ -9,6 +9,7 @@ things live"):
 and the seams between stages:
 
     RequestObserver hooks around the upstream call, called by router.settlement.Settlement
+    TraceHooks      a traced request's span tree (router.ops.tracing), when tracing is on
 
 plus the ASGI aliases the raw handlers use. Nothing here does I/O.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "RequestOutcome",
     "Scope",
     "Send",
+    "TraceHooks",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -111,6 +113,8 @@ class RequestOutcome:
     acct_token: SequenceToken | None = None
     gpu_seconds: float = 0.0
     step_index: int | None = None
+    # its span tree (router.ops.tracing.RequestTrace); None: tracing is off
+    trace: TraceHooks | None = None
 
     @property
     def queue_s(self) -> float:
@@ -134,6 +138,18 @@ class RequestOutcome:
         if self.first_token_at_s is None or self.completion_tokens < 2:
             return None
         return (self.ended_at_s - self.first_token_at_s) / (self.completion_tokens - 1)
+
+
+class TraceHooks(Protocol):
+    """What the request path tells a traced request's span tree beyond the outcome's own
+    times (router.ops.tracing.RequestTrace): the `traceparent` its engine call sends upstream,
+    and when settlement starts and ends."""
+
+    traceparent: str | None
+
+    def settling(self, now_s: float) -> None: ...
+
+    def settled(self, now_s: float) -> None: ...
 
 
 class RequestObserver(Protocol):

@@ -10,7 +10,8 @@ One `RunRecord` per run holds what used to live in separate LRUs, each with its 
 - its home (router.admission.picking.RunAffinity: where its last step went, and its context then);
 - its place in the run-aware queue order (router.admission.queueing, per pool: the dispatches
   its steps banked against their FIFO bound, and the service its idle periods forgave);
-- whether governance ended it.
+- whether governance ended it;
+- its first step's span, when tracing is on (router.ops.tracing: its later steps join it).
 
 One cap, one eviction rule (governance's, issue 23; `router.governance.runtable.runs_to_forget`
 is the same rule over a whole table): past `max_runs` the table forgets a run that ended with
@@ -70,6 +71,8 @@ class RunRecord:
     forgiven: dict[str, Any] | None = None
     # governance ended it (cleared when a step of it starts again): forgotten first
     ended: bool = False
+    # its first step's span context (router.ops.tracing): later steps continue its trace
+    trace_first_step: Any = None
 
     @property
     def steps_in_flight(self) -> int:

@@ -151,6 +151,8 @@ class Settlement:
         if request_id in self._settled:
             return
         self._settled.add(request_id)
+        if (trace := outcome.trace) is not None:
+            trace.settling(self._clock())
         for part in ORDER[:3]:
             try:
                 if part == "meter":
@@ -161,6 +163,8 @@ class Settlement:
                     await self.accounting.commit(outcome)
             except Exception:
                 log.exception("settling %s (%s) failed", request_id, part)
+        if trace is not None:
+            trace.settled(self._clock())
 
     def finish(self, outcome: RequestOutcome) -> None:
         """After the response, exactly once: what `settle` did not do, then the learners."""

@@ -12,13 +12,14 @@ import dataclasses
 import hashlib
 import logging
 import os
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from pools.config.schema import Config, TenantConfig
+from pools.config.schema import Config, ObservabilityConfig, TenantConfig
 
 __all__ = [
     "DEFAULT_CPU_CONFIG",
@@ -129,12 +130,15 @@ def _with_keys(config: Config, problems: list[str]) -> Config:
         )
     }
     secret_env = _secret_env_names(config)
+    if config.observability.headers_env is not None:  # the collector's token
+        secret_env |= {config.observability.headers_env}
     store = config.store
     if store.password_env is not None:
         password = _env_key(store.password_env, "store.password_env", problems)
         store = dataclasses.replace(store, password=password)
     return dataclasses.replace(
         config,
+        observability=_with_headers(config.observability, problems),
         store=store,
         tenants=tuple(tenants),
         router=dataclasses.replace(
@@ -150,6 +154,29 @@ def _with_keys(config: Config, problems: list[str]) -> Config:
             ray=dataclasses.replace(e.ray, api_key=keys["ray"], secret_env=secret_env),
         ),
     )
+
+
+def _with_headers(obs: ObservabilityConfig, problems: list[str]) -> ObservabilityConfig:
+    """`obs` with the collector's headers read from `headers_env` (`key=value,...`, values
+    percent-decoded as OTEL_EXPORTER_OTLP_HEADERS' are). Problems name the variable, never a
+    value."""
+    if obs.headers_env is None:
+        return obs
+    where = "observability.headers_env"
+    raw = _env_key(obs.headers_env, where, problems)
+    if raw is None:
+        return obs
+    headers: list[tuple[str, str]] = []
+    for item in raw.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            problems.append(
+                f"{where}: the value of {obs.headers_env!r} is not `key=value,key2=value2`"
+                " (an item has no key or no value)"
+            )
+            return obs
+        headers.append((name.strip().lower(), urllib.parse.unquote(value.strip())))
+    return dataclasses.replace(obs, headers=tuple(headers))
 
 
 def _secret_env_names(node: Any) -> frozenset[str]:

@@ -16,6 +16,7 @@ together (a warning, not a refusal) live in `checks.py`.
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -50,6 +51,7 @@ __all__ = [
     "KubernetesServiceConfig",
     "LocalEnginesConfig",
     "ModelConfig",
+    "ObservabilityConfig",
     "PoolConfig",
     "QueueConfig",
     "RayEnginesConfig",
@@ -783,6 +785,9 @@ class RouterConfig:
     ledger_durable: StrictBool = True
     state_path: _Path = Path("./.gpupool/state.json")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # text: `time level logger: message`; json: one JSON object per line (ts, level, logger,
+    # message, and trace_id/span_id inside a traced request; router/ops/tracing/logs.py)
+    log_format: Literal["text", "json"] = "text"
     # on: KV-headroom and operating-point admission with per-pool queues; off: every request is
     # forwarded at once (the behaviour before admission, kept for comparison)
     admission: Literal["on", "off"] = "on"
@@ -1020,6 +1025,7 @@ class Config:
     source: str = "<default>"  # where it was read from (set at load; not in the document)
     governance: GovernanceConfig = Field(default_factory=GovernanceConfig)
     rebalancer: RebalancerConfig = Field(default_factory=RebalancerConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     class_names: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # pools' classes
 

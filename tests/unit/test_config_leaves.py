@@ -38,6 +38,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "api_key_env": ("api_key",),  # the env var's value, the key
     "admin_api_key_env": ("admin_api_key_sha256",),
     "metrics_api_key_env": ("metrics_api_key_sha256",),
+    "headers_env": ("headers",),  # the collector's headers, read from it
     "start": ("start_min",),  # ShareWindow -> ScheduleWindow
     "end": ("end_min",),
     "floor_frac": ("floor_frac", "bounds"),

@@ -1,0 +1,355 @@
+"""One request's span tree, built from the times the request path records anyway.
+
+The request path (router.gateway.proxy) calls four things, each behind one `is None` check:
+`Tracing.request(headers, now_s, path)` on arrival, `begin(ctx, estimate, now_s)` once the
+request is classified and estimated (or `refused(...)` when it is answered before that), reads
+`traceparent` for the engine call's headers, and `Settlement.settle` marks `settling`/`settled`.
+The rest comes from `RequestOutcome` through `TraceObserver` (`dispatched`, `finished`).
+
+The tree (children tile the server span: each starts where the one before ended):
+
+    POST /v1/chat/completions     SERVER  arrival -> last byte; pool, class, tenant, run, step,
+    │                                     endpoint, instance, tokens, TTFT, GPU-seconds, outcome
+    ├─ gpupool.classify                   arrival -> classified: body read, parse, classify,
+    │                                     the run guards' check, the token estimate
+    ├─ gpupool.governance                 -> asked admission: the tenant's budget wait
+    ├─ gpupool.admission.queue            -> lease granted: the pool's queue wait (or the 429)
+    ├─ gpupool.placement                  -> dispatched: instance, cached tokens expected there
+    ├─ gpupool.engine             CLIENT  -> last byte from the engine (one per attempt); its id
+    │                                     is the `traceparent` sent upstream, so vLLM's own
+    │                                     spans (`--otlp-traces-endpoint`) hang below it
+    └─ gpupool.settle                     meter, governance, ledger: the GPU-seconds
+
+The server span continues an incoming `traceparent`; otherwise a later step of an agent run
+continues its run's first step's trace (kept in the run's `RunRecord`), so a run reads as one
+trace; a step that has its own incoming trace links to its run's first step instead.
+Attributes never hold a prompt, a completion, a header or a key.
+
+Times: the router's monotonic clock, turned into epoch nanoseconds by one offset taken at
+arrival, so a span's length is exactly the monotonic difference.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    Tracer,
+    get_current_span,
+    set_span_in_context,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from router.request import RequestContext, RequestOutcome
+from router.runtable import RunTable
+
+if TYPE_CHECKING:
+    from router.admission.estimate import Estimate
+
+__all__ = ["RequestTrace", "TraceObserver"]
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def _traceparent(span: Span) -> str:
+    sc = span.get_span_context()
+    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+class RequestTrace:
+    """One request's spans; see the module's docstring for the tree and who calls what."""
+
+    __slots__ = (
+        "_ctx",
+        "_engine",
+        "_first_dispatch_s",
+        "_offset_ns",
+        "_path",
+        "_runs",
+        "_token",
+        "_tracer",
+        "cached_tokens",
+        "carrier",
+        "prepared_s",
+        "received_s",
+        "recording",
+        "server",
+        "settle_ended_s",
+        "settle_started_s",
+        "traceparent",
+    )
+
+    def __init__(
+        self,
+        tracer: Tracer,
+        runs: RunTable,
+        *,
+        received_s: float,
+        offset_ns: int,
+        path: str,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> None:
+        self._tracer = tracer
+        self._runs = runs
+        self._offset_ns = offset_ns
+        self._path = path
+        self.received_s = received_s
+        self.carrier: dict[str, str] = {}
+        if traceparent:
+            self.carrier["traceparent"] = traceparent
+            if tracestate:
+                self.carrier["tracestate"] = tracestate
+        self.server: Span | None = None
+        self.recording = False
+        self.traceparent: str | None = None  # sent upstream with the engine call
+        self.prepared_s = received_s
+        self.cached_tokens = 0
+        self.settle_started_s: float | None = None
+        self.settle_ended_s: float | None = None
+        self._ctx: Any = None  # the server span's context: every child's parent
+        self._token: Any = None  # the attached context, detached when the request ends
+        self._engine: Span | None = None
+        self._first_dispatch_s: float | None = None
+
+    def _ns(self, t_s: float) -> int:
+        return self._offset_ns + int(t_s * 1e9)
+
+    def _incoming(self) -> Any:
+        """The incoming trace's context, None without a valid `traceparent`."""
+        if not self.carrier:
+            return None
+        parent = _PROPAGATOR.extract(self.carrier)
+        return parent if get_current_span(parent).get_span_context().is_valid else None
+
+    # ------------------------------------------------------------------ the request path
+
+    def begin(self, ctx: RequestContext, estimate: Estimate, now_s: float) -> None:
+        """The request is classified and estimated: its server span starts (at its arrival),
+        under the incoming trace, else its run's first step; it becomes the current span."""
+        parent = self._incoming()
+        links: list[Link] = []
+        first: SpanContext | None = None
+        if (run_key := ctx.run_key) is not None:
+            record = self._runs.get(run_key)
+            first = record.trace_first_step if record is not None else None
+            if first is not None:
+                if parent is None:
+                    parent = set_span_in_context(NonRecordingSpan(first))
+                else:
+                    links.append(Link(first, {"gpupool.link": "run_first_step"}))
+        attributes: dict[str, Any] = {
+            "http.request.method": "POST",
+            "url.path": self._path,
+            "gpupool.request_id": ctx.request_id,
+            "gpupool.tenant": ctx.tenant,
+            "gpupool.class": ctx.class_name,
+            "gpupool.pool": ctx.pool,
+            "gpupool.priority": ctx.priority,
+            "gpupool.stream": ctx.stream,
+        }
+        if ctx.run_id is not None:
+            attributes["gpupool.run_id"] = ctx.run_id
+        span = self._tracer.start_span(
+            f"POST {self._path}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            links=links,
+            start_time=self._ns(self.received_s),
+        )
+        if run_key is not None and first is None:
+            self._runs.touch(run_key).trace_first_step = span.get_span_context()
+        self.server = span
+        self.recording = span.is_recording()
+        self.prepared_s = now_s
+        self.traceparent = _traceparent(span)
+        self._ctx = set_span_in_context(span)
+        self._token = otel_context.attach(self._ctx)  # the request's log lines name it
+        if self.recording:
+            span.set_attribute("gpupool.estimate.prompt_tokens", estimate.prompt_tokens)
+
+    def refused(self, status: int, code: str, tenant: str | None, now_s: float) -> None:
+        """The request was answered before classification finished (auth, a bad body, a
+        guard, a prompt over the context): a server span and the classify span that refused
+        it, both carrying the code."""
+        attributes: dict[str, Any] = {
+            "http.request.method": "POST",
+            "url.path": self._path,
+            "http.response.status_code": status,
+            "gpupool.outcome": "refused",
+            "gpupool.code": code,
+        }
+        if tenant is not None:
+            attributes["gpupool.tenant"] = tenant
+        span = self._tracer.start_span(
+            f"POST {self._path}",
+            context=self._incoming(),
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            start_time=self._ns(self.received_s),
+        )
+        if not span.is_recording():
+            return
+        self._ctx = set_span_in_context(span)
+        self._child("gpupool.classify", self.received_s, now_s, {"gpupool.code": code}, code)
+        if status >= 500:
+            span.set_status(Status(StatusCode.ERROR, code))
+        span.end(end_time=self._ns(now_s))
+
+    def settling(self, now_s: float) -> None:
+        """Settlement starts (the engine's last byte is in)."""
+        self.settle_started_s = now_s
+
+    def settled(self, now_s: float) -> None:
+        self.settle_ended_s = now_s
+
+    # ------------------------------------------------------------------ from the observer
+
+    def dispatched(self, outcome: RequestOutcome) -> None:
+        """An engine call starts (again, after a failed attempt: that one's span ends here)."""
+        if not self.recording:
+            return
+        now_s = outcome.dispatched_at_s
+        assert now_s is not None
+        if self._engine is not None:
+            self._engine.set_status(Status(StatusCode.ERROR, "retried"))
+            self._engine.end(end_time=self._ns(now_s))
+        else:
+            self._first_dispatch_s = now_s
+            home_key = outcome.ctx.home_key
+            record = self._runs.get(home_key) if home_key is not None else None
+            if record is not None and record.home == outcome.instance_id:
+                self.cached_tokens = record.context_tokens
+        attributes: dict[str, Any] = {"gpupool.instance": outcome.instance_id or ""}
+        if outcome.step_index is not None:
+            attributes["gpupool.run_step"] = outcome.step_index
+        self._engine = self._tracer.start_span(
+            "gpupool.engine",
+            context=self._ctx,
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+            start_time=self._ns(now_s),
+        )
+        self.traceparent = _traceparent(self._engine)
+
+    def finished(self, outcome: RequestOutcome) -> None:
+        """The request is over: every span but the engine's is written now, from the
+        outcome's times, and the server span ends at the last byte."""
+        if self._token is not None:
+            otel_context.detach(self._token)
+            self._token = None
+        server = self.server
+        if server is None or not self.recording:
+            return
+        self.recording = False  # once
+        ctx, end_s = outcome.ctx, outcome.ended_at_s
+        code = outcome.reason
+        failed = outcome.outcome != "ok"
+        error = code if failed else None
+        self._child("gpupool.classify", self.received_s, self.prepared_s, {})
+        asked_s = outcome.admission_started_at_s
+        governed_until = asked_s if asked_s is not None else end_s
+        self._child(
+            "gpupool.governance",
+            self.prepared_s,
+            governed_until,
+            {"gpupool.governance.wait_ms": _ms(governed_until - self.prepared_s)},
+            error if asked_s is None else None,
+        )
+        granted_s = outcome.admitted_at_s
+        if asked_s is not None:
+            queued_until = granted_s if granted_s is not None else end_s
+            self._child(
+                "gpupool.admission.queue",
+                asked_s,
+                queued_until,
+                {"gpupool.pool": ctx.pool, "gpupool.queue.wait_ms": _ms(queued_until - asked_s)},
+                error if granted_s is None else None,
+            )
+        if granted_s is not None:
+            self._child(
+                "gpupool.placement",
+                granted_s,
+                self._first_dispatch_s if self._first_dispatch_s is not None else end_s,
+                {
+                    "gpupool.instance": outcome.instance_id or "",
+                    "gpupool.placement.cached_tokens": self.cached_tokens,
+                },
+            )
+        results: dict[str, Any] = {
+            "http.response.status_code": outcome.status,
+            "gpupool.outcome": outcome.outcome,
+            "gpupool.code": code,
+            "gpupool.endpoint": outcome.endpoint,
+            "gen_ai.usage.input_tokens": outcome.prompt_tokens,
+            "gen_ai.usage.output_tokens": outcome.completion_tokens,
+        }
+        if (ttft_s := outcome.ttft_s) is not None:
+            results["gpupool.ttft_ms"] = _ms(ttft_s)
+        if (engine := self._engine) is not None:
+            engine.set_attributes(results)
+            if error is not None:
+                engine.set_status(Status(StatusCode.ERROR, error))
+            settle_s = self.settle_started_s
+            engine.end(end_time=self._ns(settle_s if settle_s is not None else end_s))
+        if self.settle_started_s is not None:
+            self._child(
+                "gpupool.settle",
+                self.settle_started_s,
+                self.settle_ended_s if self.settle_ended_s is not None else end_s,
+                {"gpupool.gpu_seconds": outcome.gpu_seconds},
+            )
+        results["gpupool.gpu_seconds"] = outcome.gpu_seconds
+        results["gpupool.queue.wait_ms"] = _ms(outcome.queue_s)
+        if outcome.instance_id is not None:
+            results["gpupool.instance"] = outcome.instance_id
+        if outcome.step_index is not None:
+            results["gpupool.run_step"] = outcome.step_index
+        server.set_attributes(results)
+        if outcome.status >= 500:
+            server.set_status(Status(StatusCode.ERROR, code))
+        server.end(end_time=self._ns(end_s))
+
+    def _child(
+        self,
+        name: str,
+        start_s: float,
+        end_s: float,
+        attributes: dict[str, Any],
+        error: str | None = None,
+    ) -> None:
+        span = self._tracer.start_span(
+            name, context=self._ctx, attributes=attributes, start_time=self._ns(start_s)
+        )
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=self._ns(max(start_s, end_s)))
+
+
+class TraceObserver:
+    """Hands a traced request's dispatch and end to its `RequestTrace` (a
+    `router.request.RequestObserver`, registered with the settlement when tracing is on)."""
+
+    def dispatched(self, outcome: RequestOutcome) -> None:
+        if isinstance(trace := outcome.trace, RequestTrace):
+            trace.dispatched(outcome)
+
+    def finished(self, outcome: RequestOutcome) -> None:
+        if isinstance(trace := outcome.trace, RequestTrace):
+            trace.finished(outcome)
+
+    def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
+        return {}
