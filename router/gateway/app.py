@@ -57,6 +57,7 @@ from router.gateway.engine_calls import EngineCalls
 from router.gateway.protocols import ADAPTERS, MessagesAdapter, ResponsesAdapter
 from router.gateway.proxy import CompletionsHandler
 from router.gateway.response_placement import ResponsePlacement
+from router.gateway.upstream import Upstream
 from router.governance import GovernanceMetrics, Governor
 from router.governance import routes as governance_routes
 from router.governance.store import GovernanceStore
@@ -77,6 +78,7 @@ __all__ = ["Gateway", "create_app"]
 log = logging.getLogger(__name__)
 
 _PRIOR_CONTEXT_TOKENS = 2048  # context at which the roofline prior's TPOT line is drawn
+_UPSTREAM_KEEPALIVE_S = 60.0  # an idle pooled connection to an engine is closed after this
 
 
 class _Component(Protocol):
@@ -185,6 +187,7 @@ class Gateway:
         )
         self._scrape = scrape
         self.session: aiohttp.ClientSession | None = None
+        self.upstream: Upstream | None = None  # the proxy's client to the engines
         self.scraper: TelemetryScraper | None = None
         self.handler: CompletionsHandler | None = None
         self.engine_calls: EngineCalls | None = None
@@ -250,6 +253,8 @@ class Gateway:
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
         stack.push_async_callback(self.session.close)
+        self.upstream = Upstream(keepalive_s=_UPSTREAM_KEEPALIVE_S)
+        stack.push_async_callback(self.upstream.aclose)
         self.scraper = TelemetryScraper(
             self.fleet,
             self.session,
@@ -268,7 +273,7 @@ class Gateway:
             admitter=self.admitter,
             estimator=self.estimator,
             settlement=self.settlement,
-            session=self.session,
+            upstream=self.upstream,
             metrics=self.metrics,
             clock=self.clock,
             governor=self.governor,

@@ -39,14 +39,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import aiohttp
 import orjson
 
 from pools.config import Config
@@ -65,6 +63,7 @@ from router.errors import (
 from router.gateway.classify import classify
 from router.gateway.protocols import ProtocolAdapter
 from router.gateway.response_placement import ResponsePlacement, StoredResponse
+from router.gateway.upstream import ConnectFailed, Response, Upstream
 from router.gateway.wait_comments import HEADER as WAIT_COMMENTS_HEADER
 from router.gateway.wait_comments import WaitComments, wait_comments_after_s
 from router.governance import Governor, StepSignals
@@ -105,7 +104,7 @@ class CompletionsHandler:
         admitter: Admitter,
         estimator: TokenEstimator,
         settlement: Settlement,
-        session: aiohttp.ClientSession,
+        upstream: Upstream,
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
         governor: Governor | None = None,
@@ -119,7 +118,7 @@ class CompletionsHandler:
         self.admitter = admitter
         self.estimator = estimator
         self.settlement = settlement
-        self.session = session
+        self.upstream = upstream
         self.metrics = metrics
         self.clock = clock
         rc = config.router
@@ -395,30 +394,25 @@ class CompletionsHandler:
                     raise DeadlineExceeded(
                         "the request's deadline passed before dispatch", "deadline_exceeded"
                     )
-                timeout = aiohttp.ClientTimeout(
-                    total=min(remaining_s, self._upstream_timeout_s),
-                    sock_connect=self._connect_timeout_s,
-                    # aiohttp rounds timeouts over 5 s up to the next whole second: a deadline
-                    # would end up to 1 s late
-                    ceil_threshold=math.inf,
-                )
                 self.metrics.set_inflight(instance_id, instance.inflight)
                 outcome.dispatched_at_s = self.clock()
                 self.settlement.dispatched(outcome)
-                upstream_headers = {
-                    "content-type": "application/json",
-                    "x-request-id": ctx.request_id,
-                }
+                upstream_headers = [
+                    ("content-type", "application/json"),
+                    ("x-request-id", ctx.request_id),
+                ]
                 if instance.spec.api_key:
-                    upstream_headers["authorization"] = "Bearer " + instance.spec.api_key
+                    upstream_headers.append(("authorization", "Bearer " + instance.spec.api_key))
                 try:
-                    resp = await self.session.post(
-                        instance.spec.url + path,
-                        data=body_bytes,
-                        headers=upstream_headers,
-                        timeout=timeout,
+                    resp = await self.upstream.post(
+                        instance.spec.url,
+                        path,
+                        body_bytes,
+                        upstream_headers,
+                        total_s=min(remaining_s, self._upstream_timeout_s),
+                        connect_s=self._connect_timeout_s,
                     )
-                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as err:
+                except ConnectFailed as err:
                     # nothing reached the engine: it is down or not listening
                     refused.add(instance_id)
                     self.fleet.record_failure(instance_id, f"connect failed: {err}", immediate=True)
@@ -430,7 +424,7 @@ class CompletionsHandler:
                     raise DeadlineExceeded(
                         "the engine did not answer before the deadline", "deadline_exceeded"
                     ) from None
-                except (aiohttp.ClientError, OSError) as err:
+                except OSError as err:
                     # reset or closed before the response head (often a stale pooled
                     # connection); no byte has reached the client, so try again
                     lease = await self._retry(
@@ -546,7 +540,7 @@ class CompletionsHandler:
     async def _relay(
         self,
         ctx: RequestContext,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         send: Send,
         headers: list[tuple[bytes, bytes]],
         outcome: RequestOutcome,
@@ -578,7 +572,7 @@ class CompletionsHandler:
                 body = adapter.refusal_event(raw)
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return
-            ctype = resp.headers.get("content-type", "application/json").encode()
+            ctype = (resp.content_type or "application/json").encode()
             outcome.response_started = True
             await send(
                 {
@@ -597,7 +591,7 @@ class CompletionsHandler:
     async def _relay_body(
         self,
         ctx: RequestContext,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         send: Send,
         headers: list[tuple[bytes, bytes]],
         outcome: RequestOutcome,
@@ -606,13 +600,13 @@ class CompletionsHandler:
     ) -> None:
         try:
             raw = await resp.read()
-        except (aiohttp.ClientError, OSError) as err:
-            raise EngineFailure(
-                f"engine {outcome.instance_id} failed mid-response: {err}", "engine_error"
-            ) from None
         except TimeoutError:
             raise DeadlineExceeded(
                 "the engine did not finish before the deadline", "deadline_exceeded"
+            ) from None
+        except OSError as err:
+            raise EngineFailure(
+                f"engine {outcome.instance_id} failed mid-response: {err}", "engine_error"
             ) from None
         outcome.ended_at_s = self.clock()  # a whole body: no first token to observe
         extra_headers: list[tuple[bytes, bytes]] = []
@@ -652,7 +646,7 @@ class CompletionsHandler:
     async def _relay_stream(
         self,
         ctx: RequestContext,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         send: Send,
         headers: list[tuple[bytes, bytes]],
         outcome: RequestOutcome,
@@ -682,7 +676,7 @@ class CompletionsHandler:
         marker = adapter.usage_marker
         extras = lambda: self.settlement.usage_extra(outcome)  # noqa: E731
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp:
                 buf += chunk
                 out: list[bytes] = []
                 start = 0
@@ -708,7 +702,7 @@ class CompletionsHandler:
                     await send(
                         {"type": "http.response.body", "body": b"".join(out), "more_body": True}
                     )
-        except (aiohttp.ClientError, OSError, TimeoutError) as err:
+        except OSError as err:  # UpstreamClosed, TimeoutError (the deadline)
             error: GpupoolError
             if isinstance(err, TimeoutError):
                 error = DeadlineExceeded(
@@ -813,10 +807,10 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-async def _read_upstream(resp: aiohttp.ClientResponse) -> bytes:
+async def _read_upstream(resp: Response) -> bytes:
     try:
         return await resp.read()
-    except (aiohttp.ClientError, OSError, TimeoutError):
+    except OSError:  # UpstreamClosed, TimeoutError
         return b""
 
 

@@ -1,0 +1,366 @@
+"""The proxy's HTTP/1.1 client to the engines: pooled keep-alive connections, one write per
+request, responses parsed by httptools (C), bodies handed over as the bytes that arrived.
+
+It replaces aiohttp on the request path only (the scraper, governance and the engine calls that
+generate nothing keep aiohttp): per request aiohttp built a URL, a multidict of headers, a
+payload object, a timer context and a response with its own stream reader, ~26 % of the
+router's CPU at c=64 (benchmarks/results/router_overhead.md). What the proxy needs is smaller:
+
+- `Upstream.post(url, path, body, headers, total_s=..., connect_s=...)` returns a `Response`
+  once its status line and headers have arrived;
+- a connection that cannot be made (refused, unreachable, over `connect_s`) raises
+  `ConnectFailed`: nothing reached the engine; a connection that fails before the response
+  head (often a pooled one the engine closed) raises `UpstreamClosed`; both are
+  `ConnectionError`s, and `ConnectFailed` says the engine was never reached;
+- `total_s` bounds the whole exchange, connect to last byte (TimeoutError), not rounded;
+- `Response.read()` is the whole body; `async for data in response` yields what has arrived
+  since the last step (chunked transfer already decoded), pausing the engine's socket while
+  more than `_HIGH_WATER_BYTES` wait unread, so a slow client never makes the router buffer a
+  whole stream;
+- `release()` hands a fully read connection back to the pool, `close()` drops it (an
+  unfinished request: the engine sees the connection close and aborts the sequence).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = ["ConnectFailed", "Response", "Upstream", "UpstreamClosed"]
+
+_HIGH_WATER_BYTES = 256 * 1024  # unread response bytes before the engine's socket pauses
+
+
+class UpstreamClosed(ConnectionError):
+    """The connection failed or closed before the response was complete."""
+
+
+class ConnectFailed(UpstreamClosed):
+    """No connection: refused, unreachable or over the connect timeout. Nothing was sent."""
+
+
+@dataclass(frozen=True)
+class _Origin:
+    host: str
+    port: int
+    ssl: ssl.SSLContext | None
+    prefix: bytes  # the request line's start up to the path: b"POST /base"
+    host_header: bytes
+
+
+class Response:
+    """One upstream response: `status`, `content_type`, then its body through `read()` or
+    `async for`. Call exactly one of `release()` or `close()` when done."""
+
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_done",
+        "_exc",
+        "_size",
+        "_timer",
+        "_waiter",
+        "content_type",
+        "status",
+    )
+
+    def __init__(self, conn: _Conn) -> None:
+        self._conn = conn
+        self.status = 0
+        self.content_type: str | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._done = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- fed by the connection
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size > _HIGH_WATER_BYTES:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self, exc: BaseException | None = None) -> None:
+        if self._done or self._exc is not None:
+            return
+        if exc is None:
+            self._done = True
+        else:
+            self._exc = exc
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- read by the proxy
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = self._conn.loop.create_future()
+        await waiter
+
+    def _take(self) -> bytes:
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        if self._size > _HIGH_WATER_BYTES:
+            self._conn.resume()
+        self._size = 0
+        return data
+
+    async def read(self) -> bytes:
+        """The whole body (raises what ended the exchange early)."""
+        while not self._done:
+            if self._exc is not None:
+                raise self._exc
+            await self._wait()
+        return self._take()
+
+    def __aiter__(self) -> Response:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._chunks:
+            if self._done:
+                raise StopAsyncIteration
+            if self._exc is not None:
+                raise self._exc
+            await self._wait()
+        return self._take()
+
+    def release(self) -> None:
+        """Done with it: a complete response's connection goes back to the pool."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._conn.finished(reuse=self._done)
+
+    def close(self) -> None:
+        """Drop the connection (an unfinished request is aborted upstream)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._conn.finished(reuse=False)
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to an engine and the response it is reading."""
+
+    def __init__(self, pool: deque[_Conn], loop: asyncio.AbstractEventLoop) -> None:
+        self.pool = pool
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Response | None = None
+        self.head: asyncio.Future[None] | None = None
+        self.keep_alive = True
+        self.open = False
+        self.idle_since_s = 0.0
+        self._paused = False
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.open = True
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as err:
+            self._fail(UpstreamClosed(f"invalid HTTP from the engine: {err}"))
+            self.drop()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open = False
+        self._fail(UpstreamClosed(f"the engine closed the connection{f': {exc}' if exc else ''}"))
+
+    # -- httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None and name.lower() == b"content-type":
+            self.response.content_type = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        if response is None:
+            return
+        response.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        head = self.head
+        if head is not None and not head.done():
+            head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self.response is not None:
+            self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self.response is not None:
+            self.response._finish()
+
+    # -- the exchange
+
+    def _fail(self, exc: BaseException) -> None:
+        head = self.head
+        if head is not None and not head.done():
+            head.set_exception(exc)
+        if self.response is not None:
+            self.response._finish(exc)
+
+    def start(self, request: bytes, response: Response) -> None:
+        assert self.transport is not None
+        self.response = response
+        self.head = self.loop.create_future()
+        self.transport.write(request)
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def finished(self, *, reuse: bool) -> None:
+        self.response = None
+        self.head = None
+        if reuse and self.keep_alive and self.open and not self._paused:
+            self.idle_since_s = time.monotonic()
+            self.pool.append(self)
+        else:
+            self.drop()
+
+    def drop(self) -> None:
+        self.open = False
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Upstream:
+    """Pooled HTTP/1.1 connections to the engines, per origin; idle ones are closed after
+    `keepalive_s`. `aclose()` closes them all."""
+
+    def __init__(self, *, keepalive_s: float = 60.0) -> None:
+        self.keepalive_s = keepalive_s
+        self._origins: dict[str, _Origin] = {}
+        self._idle: dict[_Origin, deque[_Conn]] = {}
+        self._closed = False
+
+    def _origin(self, url: str, path: str) -> _Origin:
+        key = url + "\0" + path
+        origin = self._origins.get(key)
+        if origin is None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConnectFailed(f"not an http(s) URL: {url!r}")
+            tls = ssl.create_default_context() if parts.scheme == "https" else None
+            port = parts.port or (443 if tls else 80)
+            base = parts.path.rstrip("/")
+            origin = _Origin(
+                host=parts.hostname,
+                port=port,
+                ssl=tls,
+                prefix=f"POST {base}{path} HTTP/1.1\r\nhost: {parts.netloc}\r\n".encode("latin-1"),
+                host_header=parts.netloc.encode("latin-1"),
+            )
+            self._origins[key] = origin
+        return origin
+
+    async def _connect(self, origin: _Origin, connect_s: float) -> _Conn:
+        pool = self._idle.setdefault(origin, deque())
+        now_s = time.monotonic()
+        while pool:
+            conn = pool.pop()  # the most recently used: the least likely to be stale
+            if conn.open and now_s - conn.idle_since_s < self.keepalive_s:
+                return conn
+            conn.drop()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_s):
+                _, proto = await loop.create_connection(
+                    lambda: _Conn(pool, loop),
+                    origin.host,
+                    origin.port,
+                    ssl=origin.ssl,
+                    server_hostname=origin.host if origin.ssl is not None else None,
+                )
+        except TimeoutError:
+            raise ConnectFailed(
+                f"connect to {origin.host}:{origin.port} took over {connect_s:g} s"
+            ) from None
+        except OSError as err:
+            raise ConnectFailed(f"cannot connect to {origin.host}:{origin.port}: {err}") from None
+        assert isinstance(proto, _Conn)
+        return proto
+
+    async def post(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        headers: Iterable[tuple[str, str]],
+        *,
+        total_s: float,
+        connect_s: float,
+    ) -> Response:
+        """POST `body` (JSON) to `url` + `path`; returns once the response head has arrived.
+        `total_s` bounds everything from here to the body's last byte."""
+        if self._closed:
+            raise ConnectFailed("the upstream client is closed")
+        origin = self._origin(url, path)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + total_s
+        try:
+            conn = await self._connect(origin, min(connect_s, total_s))
+        except ConnectFailed:
+            if loop.time() >= deadline:
+                raise TimeoutError from None
+            raise
+        head = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
+        request = b"%b%bcontent-length: %d\r\n\r\n%b" % (origin.prefix, head, len(body), body)
+        response = Response(conn)
+        conn.start(request, response)
+        response._timer = loop.call_at(deadline, _expire, response)
+        assert conn.head is not None
+        try:
+            await conn.head
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for pool in self._idle.values():
+            while pool:
+                pool.pop().drop()
+        await asyncio.sleep(0)  # let the transports finish closing
+
+
+def _expire(response: Response) -> None:
+    """The exchange's total time is up: fail it and drop its connection."""
+    response._timer = None
+    conn = response._conn
+    conn._fail(TimeoutError())
+    conn.drop()
