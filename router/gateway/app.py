@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Hashable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -72,6 +72,9 @@ from router.request import Message, Receive, RequestObserver, Scope, Send
 from router.runtable import RunTable
 from router.settlement import Settlement
 from router.store import Stores
+
+if TYPE_CHECKING:
+    from router.ops.tracing.tracer import Tracing
 
 __all__ = ["Gateway", "create_app"]
 
@@ -153,6 +156,10 @@ class Gateway:
         self.accounting_observer = AccountingObserver(
             self.accountant, self.ledger, self.accounting_metrics, clock=clock
         )
+        # traces (router.ops.tracing), when observability.otlp_endpoint is set
+        self.tracing = _tracing(config, self.runs, clock)
+        if self.tracing is not None:
+            observers = [*(observers or []), self.tracing.observer]
         # a request's end and a run's end, after dispatch: meter, governance, ledger, learners
         self.settlement = Settlement(
             accounting=self.accounting_observer,
@@ -247,6 +254,8 @@ class Gateway:
             self.placement,
         ):
             await _start(stack, component)
+        if self.tracing is not None:
+            await _start(stack, self.tracing)
         self._seed_operating_points()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
@@ -278,6 +287,7 @@ class Gateway:
             clock=self.clock,
             governor=self.governor,
             placement=self.placement,
+            tracing=self.tracing,
         )
         self.engine_calls = EngineCalls(
             config=self.config,
@@ -516,6 +526,16 @@ def _response_path(path: str) -> tuple[str | None, bool]:
     if not rest or "/" in rest:
         return None, False
     return rest, cancel
+
+
+def _tracing(config: Config, runs: RunTable, clock: Callable[[], float]) -> Tracing | None:
+    """The router's tracer when `observability.otlp_endpoint` is set, else None (and the
+    OpenTelemetry SDK is not even imported)."""
+    if config.observability.otlp_endpoint is None:
+        return None
+    from router.ops.tracing.tracer import Tracing
+
+    return Tracing(config.observability, runs=runs, clock=clock)
 
 
 def create_app(

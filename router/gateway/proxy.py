@@ -43,7 +43,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -80,6 +80,9 @@ from router.request import (
 from router.settlement import Settlement
 from router.settlement import outcome_of as _outcome_of
 
+if TYPE_CHECKING:
+    from router.ops.tracing.tracer import Tracing
+
 __all__ = ["CompletionsHandler", "parse_request_body", "read_request_body", "request_headers"]
 
 log = logging.getLogger(__name__)
@@ -109,9 +112,11 @@ class CompletionsHandler:
         clock: Callable[[], float] = time.monotonic,
         governor: Governor | None = None,
         placement: ResponsePlacement | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
         self.governor = governor
+        self.tracing = tracing  # None: traces are off (router.ops.tracing)
         self.placement = placement if placement is not None else ResponsePlacement(None)
         self.tenants = tenants
         self.fleet = fleet
@@ -137,6 +142,8 @@ class CompletionsHandler:
         now = self.clock()
         request_id = "gp-" + os.urandom(8).hex()
         headers = request_headers(scope)
+        tracing = self.tracing
+        trace = None if tracing is None else tracing.request(headers, now, scope["path"])
         signals: StepSignals | None = None
         tenant_name: str | None = None
         try:
@@ -181,6 +188,8 @@ class CompletionsHandler:
             if self.governor is not None and tenant_name is not None:
                 extra += self.governor.rate_headers(tenant_name)
             await _send_error(send, err, extra, adapter)
+            if trace is not None:
+                trace.refused(err.status, err.code, tenant_name, self.clock())
             self.metrics.request_done(
                 "none",
                 "none",
@@ -193,6 +202,9 @@ class CompletionsHandler:
         except ConnectionError:
             return  # the client left while sending its body
         outcome = RequestOutcome(ctx=ctx, estimate=estimate, endpoint=adapter.name)
+        if trace is not None:
+            trace.begin(ctx, estimate, self.clock())
+            outcome.trace = trace
         task = asyncio.ensure_future(
             self._serve(
                 ctx,
@@ -403,6 +415,8 @@ class CompletionsHandler:
                 ]
                 if instance.spec.api_key:
                     upstream_headers.append(("authorization", "Bearer " + instance.spec.api_key))
+                if (trace := outcome.trace) is not None and trace.traceparent is not None:
+                    upstream_headers.append(("traceparent", trace.traceparent))
                 try:
                     resp = await self.upstream.post(
                         instance.spec.url,
