@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -178,8 +179,8 @@ class _Conn(asyncio.Protocol):
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
         self.open = True
 
     def data_received(self, data: bytes) -> None:

@@ -1,0 +1,174 @@
+"""The proxy's upstream client (router/gateway/upstream.py) against a fake engine over real
+HTTP, on asyncio's loop and on uvloop's (the one `gpupool serve` runs): bodies, streams,
+keep-alive reuse, refused connections, the total deadline, a connection dropped mid-stream and
+closing a response before its end."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import orjson
+import pytest
+import uvloop
+
+from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from pools.testing.serve import serve_asgi
+from router.gateway.upstream import ConnectFailed, Upstream, UpstreamClosed
+
+_HEADERS = [("content-type", "application/json")]
+
+
+def _body(stream: bool, max_tokens: int = 4) -> bytes:
+    return orjson.dumps(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
+    )
+
+
+def _on_both_loops(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[str], None]:
+    @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+    def run(loop: str) -> None:
+        if loop == "uvloop":
+            uvloop.run(test())
+        else:
+            asyncio.run(test())
+
+    run.__name__ = test.__name__
+    run.__doc__ = test.__doc__
+    return run
+
+
+async def _whole_body_and_reuse() -> None:
+    """A body read whole; the connection goes back to the pool and serves the next one."""
+    state = FakeEngineState()
+    async with serve_asgi(make_fake_engine(state)) as url:
+        client = Upstream()
+        conns = set()
+        for _ in range(3):
+            resp = await client.post(
+                url, "/v1/chat/completions", _body(False), _HEADERS, total_s=10, connect_s=2
+            )
+            conns.add(id(resp._conn))
+            assert resp.status == 200
+            assert resp.content_type == "application/json"
+            data = orjson.loads(await resp.read())
+            assert data["usage"]["completion_tokens"] == 4
+            resp.release()
+        await client.aclose()
+    assert len(conns) == 1  # one keep-alive connection for all three
+    assert state.served == 3
+
+
+test_a_whole_body_and_a_reused_connection = _on_both_loops(_whole_body_and_reuse)
+
+
+async def _stream() -> None:
+    """A chunked SSE stream arrives whole, event by event, ending with [DONE]."""
+    state = FakeEngineState(itl_s=0.001)
+    async with serve_asgi(make_fake_engine(state)) as url:
+        client = Upstream()
+        resp = await client.post(
+            url, "/v1/chat/completions", _body(True, 8), _HEADERS, total_s=10, connect_s=2
+        )
+        assert resp.status == 200
+        data = b""
+        steps = 0
+        async for chunk in resp:
+            data += chunk
+            steps += 1
+        resp.release()
+        await client.aclose()
+    assert data.endswith(b"data: [DONE]\n\n")
+    assert data.count(b"data: ") >= 9
+    assert steps > 1  # handed over as it arrived, not at the end
+
+
+test_a_stream_arrives_as_it_is_sent = _on_both_loops(_stream)
+
+
+async def _refused() -> None:
+    """Nothing listening: ConnectFailed (the proxy retries elsewhere)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = Upstream()
+    with pytest.raises(ConnectFailed):
+        await client.post(
+            f"http://127.0.0.1:{port}", "/v1/completions", b"{}", _HEADERS, total_s=5, connect_s=2
+        )
+    await client.aclose()
+
+
+test_a_refused_connection_is_connect_failed = _on_both_loops(_refused)
+
+
+async def _deadline() -> None:
+    """An engine that never answers: TimeoutError at the total deadline, and the engine sees
+    the connection close (it aborts the sequence)."""
+    state = FakeEngineState(failure="hang", fail_next=-1)
+    async with serve_asgi(make_fake_engine(state)) as url:
+        client = Upstream()
+        with pytest.raises(TimeoutError):
+            await client.post(
+                url, "/v1/chat/completions", _body(False), _HEADERS, total_s=0.3, connect_s=2
+            )
+        assert not any(c.open for pool in client._idle.values() for c in pool)
+        await client.aclose()
+
+
+test_the_total_deadline_raises_timeout = _on_both_loops(_deadline)
+
+
+async def _dropped() -> None:
+    """The engine drops the connection mid-stream: UpstreamClosed after what had arrived."""
+    state = FakeEngineState(failure="drop_midstream", fail_next=1, itl_s=0.001)
+    async with serve_asgi(make_fake_engine(state)) as url:
+        client = Upstream()
+        resp = await client.post(
+            url, "/v1/chat/completions", _body(True, 8), _HEADERS, total_s=10, connect_s=2
+        )
+        got = b""
+        with pytest.raises(UpstreamClosed):
+            async for chunk in resp:
+                got += chunk
+        resp.close()
+        assert got.startswith(b"data: ")
+        # the next request gets a fresh connection and succeeds
+        resp = await client.post(
+            url, "/v1/chat/completions", _body(False), _HEADERS, total_s=10, connect_s=2
+        )
+        assert resp.status == 200 and b"usage" in await resp.read()
+        resp.release()
+        await client.aclose()
+
+
+test_a_connection_dropped_mid_stream_is_upstream_closed = _on_both_loops(_dropped)
+
+
+async def _close_early() -> None:
+    """Closing a response before its end drops its connection: never reused, closed (a real
+    engine aborts the sequence then: tests/integration/test_faults_real.py)."""
+    state = FakeEngineState(itl_s=0.01)
+    async with serve_asgi(make_fake_engine(state)) as url:
+        client = Upstream()
+        resp = await client.post(
+            url, "/v1/chat/completions", _body(True, 200), _HEADERS, total_s=10, connect_s=2
+        )
+        first = await resp.__anext__()
+        assert first.startswith(b"data: ")
+        conn = resp._conn
+        resp.close()
+        assert not conn.open
+        assert conn.transport is not None and conn.transport.is_closing()
+        assert not any(client._idle.values())
+        await client.aclose()
+
+
+test_closing_a_response_early_aborts_it = _on_both_loops(_close_early)
