@@ -1,8 +1,10 @@
-"""The durable GPU-seconds ledger: one SQLite file (WAL) of finished requests, rolled up per run,
-tenant, class and pool, plus hourly idle/capacity totals so idle time survives a restart.
+"""The durable GPU-seconds ledger: finished requests, rolled up per run, tenant, class and pool,
+plus hourly idle/capacity totals so idle time survives a restart. Its tables live in the store
+(router/store): an embedded SQLite file (WAL) at router.ledger_path, or the PostgreSQL database
+router replicas share; their schema is `MIGRATIONS` (component "ledger"), applied at start.
 
-Every write goes through one writer thread that owns its own connection (`_Writer`, started by
-`start()`, joined by `aclose()`); the event loop never waits on disk.
+Every write goes through one writer thread (`_Writer`, started by `start()`, joined by
+`aclose()`); the event loop never waits on the database for a write.
 
 - Durable (`durable=True`, `router.ledger_durable`, the default): `await ledger.commit(record)`
   returns once the record is committed to the WAL. Commits are grouped: the thread writes every
@@ -23,9 +25,10 @@ A background task writes the buffer, the idle/capacity growth and run ends every
 loses nothing. Rows whose request ended more than `retention_days` ago are deleted at start and
 every `maintenance_interval_s`.
 
-Queries exist twice: sync functions over a `sqlite3.Connection` (the CLI reads the file with
-them) and async methods on `Ledger` (the HTTP layer), which first write the buffer, so a run's
-latest requests are always visible. All of them return JSON-ready dicts; see docs/accounting.md.
+Queries exist twice: sync functions over a store connection or a `sqlite3.Connection` (the CLI
+reads the file with them) and async methods on `Ledger` (the HTTP layer), which first write the
+buffer, so a run's latest requests are always visible. All of them return JSON-ready dicts;
+see docs/accounting.md.
 """
 
 from __future__ import annotations
@@ -58,14 +61,15 @@ from router.accounting.ledger_queries import (
     totals,
 )
 from router.runtable import RunTable
+from router.store import Conn, Migration, SqliteStore, Store, StoreError, migrate, savepoint, upsert
 
 __all__ = [
+    "MIGRATIONS",
     "OUTCOMES",
     "SCHEMA_VERSION",
     "Ledger",
     "LedgerError",
     "RequestRecord",
-    "connect",
     "list_runs",
     "open_readonly",
     "run_summary",
@@ -77,7 +81,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1  # PRAGMA user_version of the file
+SCHEMA_VERSION = 1  # PRAGMA user_version of an embedded file (the CLI refuses newer ones)
 DAY_S = 86_400.0
 # Runs whose next step index is kept in memory: ~25 MB with 36-character run ids, ~47 MB at
 # most (run ids are cut to 256 characters).
@@ -94,8 +98,8 @@ COMMIT_WAIT_S = 2.0
 COMMIT_DELAY_S = 0.002
 
 
-class LedgerError(Exception):
-    """The ledger file cannot be used (unreadable, or written by a newer gpupool)."""
+class LedgerError(StoreError):
+    """The ledger cannot be used (unreadable, or written by a newer gpupool)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,7 +137,7 @@ _Row = tuple[Any, ...]
 _FIELDS_BUT_STEP = tuple(c for c in _COLUMNS if c != "step_index")
 _record_fields = operator.attrgetter(*_FIELDS_BUT_STEP)
 
-_SCHEMA = """
+_SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT PRIMARY KEY,
     run_id TEXT,
@@ -178,61 +182,61 @@ CREATE TABLE IF NOT EXISTS run_ends (
 );
 """
 
-_INSERT = (
-    f"INSERT OR REPLACE INTO requests ({', '.join(_FIELDS_BUT_STEP)}, step_index) "
-    f"VALUES ({', '.join('?' for _ in _COLUMNS)})"
+_POSTGRES_SCHEMA = _SQLITE_SCHEMA.replace(" REAL", " DOUBLE PRECISION").replace(
+    " INTEGER", " BIGINT"
 )
+
+
+def _sqlite_v1(conn: Conn) -> None:
+    """The tables (a file written before migrations has them: adopted), and the file's
+    user_version, which `open_readonly` (and gpupool before the store) checks."""
+    (version,) = conn.execute("PRAGMA user_version").fetchone()
+    if int(version) > SCHEMA_VERSION:
+        raise LedgerError(
+            f"ledger schema version {version} is newer than this gpupool's ({SCHEMA_VERSION})"
+        )
+    for statement in _SQLITE_SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+MIGRATIONS = (
+    Migration(
+        "ledger",
+        1,
+        "requests, idle_hourly, capacity_hourly, run_ends",
+        _sqlite_v1,
+        _POSTGRES_SCHEMA,
+    ),
+)
+
+_INSERT = upsert("requests", ("request_id",), (*_FIELDS_BUT_STEP[1:], "step_index"))
 # one INSERT of many rows: a group commit is one statement (one step on the writer thread)
 _INSERT_ROWS_HEAD = _INSERT[: _INSERT.index("VALUES") + len("VALUES ")]
+_INSERT_ROWS_TAIL = _INSERT[_INSERT.index(" ON CONFLICT") :]
 _ONE_ROW = "(" + ", ".join("?" for _ in _COLUMNS) + ")"
 _ADD_IDLE = (
     "INSERT INTO idle_hourly (hour_start_s, pool, idle_gpu_seconds) VALUES (?, ?, ?) "
     "ON CONFLICT (hour_start_s, pool) DO UPDATE SET "
-    "idle_gpu_seconds = idle_gpu_seconds + excluded.idle_gpu_seconds"
+    "idle_gpu_seconds = idle_hourly.idle_gpu_seconds + excluded.idle_gpu_seconds"
 )
 _ADD_RUN_END = (
-    "INSERT OR REPLACE INTO run_ends (tenant, run_id, reason, ended_at_s, steps, tokens,"
-    " gpu_seconds) VALUES (?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO run_ends (tenant, run_id, reason, ended_at_s, steps, tokens, gpu_seconds)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, run_id, ended_at_s) DO UPDATE SET"
+    " reason = excluded.reason, steps = excluded.steps, tokens = excluded.tokens,"
+    " gpu_seconds = excluded.gpu_seconds"
 )
 _ADD_CAPACITY = (
     "INSERT INTO capacity_hourly (hour_start_s, capacity_gpu_seconds) VALUES (?, ?) "
     "ON CONFLICT (hour_start_s) DO UPDATE SET "
-    "capacity_gpu_seconds = capacity_gpu_seconds + excluded.capacity_gpu_seconds"
+    "capacity_gpu_seconds = capacity_hourly.capacity_gpu_seconds + excluded.capacity_gpu_seconds"
 )
 
 
 # ---------------------------------------------------------------------------------------------
 # Opening the file
 # ---------------------------------------------------------------------------------------------
-
-
-def connect(path: Path) -> sqlite3.Connection:
-    """Open (creating if missing) a ledger for writing: WAL, schema ensured, version checked.
-
-    The connection is in autocommit mode and may be used from any one thread at a time.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
-    try:
-        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
-        if version > SCHEMA_VERSION:
-            raise LedgerError(
-                f"{path}: ledger schema version {version} is newer than this gpupool's "
-                f"({SCHEMA_VERSION})"
-            )
-        conn.execute("PRAGMA journal_mode=WAL")
-        # NORMAL in WAL mode: a committed batch survives a process kill; an OS crash may lose
-        # the last batches, never corrupt the file.
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.executescript(_SCHEMA)
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-    except sqlite3.DatabaseError as err:
-        conn.close()
-        raise LedgerError(f"{path}: cannot open the ledger: {err}") from err
-    except BaseException:
-        conn.close()
-        raise
-    return conn
 
 
 def open_readonly(path: Path) -> sqlite3.Connection:
@@ -265,65 +269,59 @@ class _Batch:
     run_ends: Sequence[_Row] = ()  # (tenant, run_id, reason, ended_at_s, steps, tokens, gpu_s)
 
 
-def _write_batch(conn: sqlite3.Connection, batch: _Batch) -> int:
-    """One transaction. Returns how many rows were malformed and skipped (they would otherwise
-    fail every retry); disk and lock errors roll everything back and raise."""
+def _write_batch(conn: Conn, batch: _Batch, bad_row: tuple[type[Exception], ...] = ()) -> int:
+    """One transaction. Returns how many rows were malformed (`bad_row` errors) and skipped
+    (they would otherwise fail every retry); disk, lock and connection errors roll everything
+    back and raise."""
     skipped = 0
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with conn.transaction():
         try:
-            conn.executemany(_INSERT, batch.rows)
-        except (sqlite3.InterfaceError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
-            for row in batch.rows:  # find the bad rows; OR REPLACE makes the re-insert idempotent
+            with savepoint(conn, "batch_rows"):
+                conn.executemany(_INSERT, batch.rows)
+        except bad_row:
+            for row in batch.rows:  # find the bad rows; the upsert makes a re-insert idempotent
                 try:
-                    conn.execute(_INSERT, row)
-                except (sqlite3.InterfaceError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
+                    with savepoint(conn, "one_row"):
+                        conn.execute(_INSERT, row)
+                except bad_row:
                     skipped += 1
         for pool, idle_gpu_s in batch.idle_by_pool_gpu_s.items():
             conn.execute(_ADD_IDLE, (batch.hour_start_s, pool, idle_gpu_s))
         if batch.capacity_gpu_s > 0.0:
             conn.execute(_ADD_CAPACITY, (batch.hour_start_s, batch.capacity_gpu_s))
-        conn.executemany(_ADD_RUN_END, batch.run_ends)
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
+        if batch.run_ends:
+            conn.executemany(_ADD_RUN_END, batch.run_ends)
     return skipped
 
 
-def _insert_rows(conn: sqlite3.Connection, rows: list[_Row], max_rows: int) -> int:
+def _insert_rows(
+    conn: Conn, rows: list[_Row], max_rows: int, bad_row: tuple[type[Exception], ...]
+) -> int:
     """Write `rows` in one transaction: one multi-row INSERT (its own transaction), or, with a
     malformed row or more than `max_rows`, `_write_batch` (which skips what is malformed).
     Returns how many rows were skipped."""
     if len(rows) <= max_rows:
-        sql = _INSERT_ROWS_HEAD + ", ".join([_ONE_ROW] * len(rows))
+        sql = _INSERT_ROWS_HEAD + ", ".join([_ONE_ROW] * len(rows)) + _INSERT_ROWS_TAIL
         try:
             conn.execute(sql, [value for row in rows for value in row])
-        except (sqlite3.InterfaceError, sqlite3.IntegrityError, sqlite3.ProgrammingError):
+        except bad_row:
             pass  # nothing was written: find the bad rows below
         else:
             return 0
-    return _write_batch(conn, _Batch(rows, {}, 0.0, 0))
+    return _write_batch(conn, _Batch(rows, {}, 0.0, 0), bad_row)
 
 
-def _delete_older_than(conn: sqlite3.Connection, cutoff_s: float) -> int:
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+def _delete_older_than(conn: Conn, cutoff_s: float) -> int:
+    with conn.transaction():
         deleted = conn.execute("DELETE FROM requests WHERE ended_at_s < ?", (cutoff_s,)).rowcount
         hour = math.floor(cutoff_s / HOUR_S) * HOUR_S
         conn.execute("DELETE FROM idle_hourly WHERE hour_start_s < ?", (hour,))
         conn.execute("DELETE FROM capacity_hourly WHERE hour_start_s < ?", (hour,))
         conn.execute("DELETE FROM run_ends WHERE ended_at_s < ?", (cutoff_s,))
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
     return int(deleted)
 
 
-def _recent_steps(
-    conn: sqlite3.Connection, since_s: float, limit: int
-) -> list[tuple[str, str, int, float]]:
+def _recent_steps(conn: Conn, since_s: float, limit: int) -> list[tuple[str, str, int, float]]:
     """The `limit` runs that ended a request most recently (since `since_s`), oldest first."""
     cur = conn.execute(
         "SELECT tenant, run_id, MAX(step_index), MAX(ended_at_s) AS last FROM requests "
@@ -337,16 +335,6 @@ def _recent_steps(
 
 
 _STORED_STEP = "SELECT MAX(step_index) FROM requests WHERE run_id = ? AND tenant = ?"
-
-
-def _open_reader(path: Path) -> sqlite3.Connection:
-    """A second, read-only connection for step look-ups on the event loop (WAL: readers never
-    wait for the writer)."""
-    conn = sqlite3.connect(
-        f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=1.0
-    )
-    conn.execute("PRAGMA query_only = ON")
-    return conn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,7 +368,9 @@ def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None)
 
 
 class _Writer:
-    """The ledger's one writer: a thread with its own connection, fed by a queue.
+    """The ledger's one writer: a thread fed by a queue, taking a store connection per
+    transaction (the embedded store's is the thread's own; PostgreSQL's comes from the pool, a
+    new one after the server restarted).
 
     Rows queued with `put` are written in group commits: the thread takes every row queued
     while it was busy and writes them in one transaction (`_write_batch`: one WAL commit), then
@@ -391,16 +381,16 @@ class _Writer:
 
     def __init__(
         self,
-        conn: sqlite3.Connection,
+        store: Store,
         loop: asyncio.AbstractEventLoop,
         on_commit: _OnCommit,
         *,
         delay_s: float = COMMIT_DELAY_S,
     ) -> None:
-        self._conn = conn
+        self._store = store
         self._delay_s = delay_s
-        # rows one INSERT may carry (SQLite's limit on bound variables)
-        self._max_rows = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(_COLUMNS)
+        # rows one INSERT may carry (the backend's limit on bound variables)
+        self._max_rows = store.max_params // len(_COLUMNS)
         self._loop = loop
         self._on_commit = on_commit
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -421,10 +411,9 @@ class _Writer:
         return done
 
     async def aclose(self) -> None:
-        """Write what is queued, stop the thread, close the connection."""
+        """Write what is queued, stop the thread."""
         self._queue.put(_STOP)
         await asyncio.to_thread(self._thread.join)
-        await asyncio.to_thread(self._conn.close)
 
     # -- on the thread ---------------------------------------------------------------------
 
@@ -457,7 +446,8 @@ class _Writer:
         error: Exception | None = None
         skipped = 0
         try:
-            skipped = _insert_rows(self._conn, rows, self._max_rows)
+            with self._store.connection() as conn:
+                skipped = _insert_rows(conn, rows, self._max_rows, self._store.data_errors)
             self.commits += 1
         except Exception as err:  # handed to the event loop: logged there, rows retried
             error = err
@@ -465,7 +455,8 @@ class _Writer:
 
     def _run(self, job: _Job) -> None:
         try:
-            result = job.fn(self._conn, *job.args)
+            with self._store.connection() as conn:
+                result = job.fn(conn, *job.args)
         except Exception as err:
             self._post(_resolve, job.done, None, err)
         else:
@@ -477,8 +468,11 @@ class _Writer:
 
 
 class Ledger:
-    """Writes request records to SQLite: each durably before its response ends (`commit`), or
-    buffered and written in batches (`submit`; see the module's docstring).
+    """Writes request records to the store: each durably before its response ends (`commit`),
+    or buffered and written in batches (`submit`; see the module's docstring).
+
+    `store`: the router's store (opened and closed by its owner), or a path: an embedded store
+    of its own, opened and closed here.
 
     `clock` is wall time (unix seconds): retention and hourly buckets. `snapshot_source`,
     when given, is polled on the event loop at every flush (e.g.
@@ -488,7 +482,7 @@ class Ledger:
 
     def __init__(
         self,
-        path: Path,
+        store: Store | Path,
         *,
         flush_interval_s: float = default_of(RouterConfig, "ledger_flush_interval_s"),
         retention_days: float = 30.0,
@@ -506,7 +500,8 @@ class Ledger:
             raise ValueError("flush_interval_s and retention_days must be > 0")
         if max_tracked_runs < 1:
             raise ValueError("max_tracked_runs must be >= 1")
-        self.path = path
+        self._owned = isinstance(store, Path)
+        self.store: Store = SqliteStore(store) if isinstance(store, Path) else store
         self._flush_interval_s = flush_interval_s
         self._retention_s = retention_days * DAY_S
         self._clock = clock
@@ -530,10 +525,9 @@ class Ledger:
         self._unwritten: dict[tuple[str, str], int] = {}
         self._writing: dict[tuple[str, str], int] = {}
         self._committing: dict[tuple[str, str], int] = {}
-        self._reader: sqlite3.Connection | None = None
         self._last_idle_gpu_s: dict[str, float] = {}
         self._last_capacity_gpu_s = 0.0
-        self._conn: sqlite3.Connection | None = None  # queries (on worker threads, one at a time)
+        self._started = False
         self._writer: _Writer | None = None  # every write
         self._queued = 0  # rows put to the writer and not yet committed (or failed)
         # durable commits' waiters, oldest first, with their deadlines (loop time); one timer
@@ -559,9 +553,12 @@ class Ledger:
         clock: Callable[[], float] = time.time,
         snapshot_source: Callable[[], ConservationReport] | None = None,
         runs: RunTable | None = None,
+        store: Store | None = None,
     ) -> Ledger:
+        """`store`: the router's (router.store.Stores); none: the embedded file at
+        `config.ledger_path`."""
         return cls(
-            config.ledger_path,
+            config.ledger_path if store is None else store,
             flush_interval_s=config.ledger_flush_interval_s,
             retention_days=config.ledger_retention_days,
             clock=clock,
@@ -573,20 +570,22 @@ class Ledger:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open (or create) the file, apply retention, load the step counters of the most recent
-        runs (at most `max_tracked_runs`, active in the last `step_memory_s`; others are read
-        when they come back) and start the flush task. Raises `LedgerError` when the file
-        cannot be used."""
-        if self._conn is not None:
+        """Open (or create) the tables (migrations), apply retention, load the step counters of
+        the most recent runs (at most `max_tracked_runs`, active in the last `step_memory_s`;
+        others are read when they come back) and start the flush task. Raises `StoreError`
+        (`LedgerError` for a ledger of a newer gpupool) when the store cannot be used."""
+        if self._started:
             raise RuntimeError("ledger already started")
-        self._conn = await asyncio.to_thread(connect, self.path)
+        if self._owned:
+            await asyncio.to_thread(self.store.open)
         try:
-            writer_conn = await asyncio.to_thread(connect, self.path)
+            await asyncio.to_thread(migrate, self.store, MIGRATIONS)
         except BaseException:
-            conn, self._conn = self._conn, None
-            await asyncio.to_thread(conn.close)
+            if self._owned:
+                await asyncio.to_thread(self.store.close)
             raise
-        self._writer = _Writer(writer_conn, asyncio.get_running_loop(), self._committed)
+        self._started = True
+        self._writer = _Writer(self.store, asyncio.get_running_loop(), self._committed)
         self._writer.start()
         now_s = self._clock()
         try:
@@ -594,12 +593,12 @@ class Ledger:
             recent = await self._in_db(
                 _recent_steps, now_s - self._step_memory_s, self._max_tracked_runs
             )
-            self._reader = await asyncio.to_thread(_open_reader, self.path)
         except BaseException:
-            conn, self._conn = self._conn, None
+            self._started = False
             writer, self._writer = self._writer, None
             await writer.aclose()
-            await asyncio.to_thread(conn.close)
+            if self._owned:
+                await asyncio.to_thread(self.store.close)
             raise
         for tenant, run_id, step, _ in recent:  # oldest first: the newest end up most recent
             key = (tenant, run_id)
@@ -609,27 +608,26 @@ class Ledger:
         self._flush_loop.start()
 
     async def aclose(self) -> None:
-        """Stop the flush task, write everything buffered, close the file. Idempotent."""
+        """Stop the flush task, write everything buffered, close the store (when its own).
+        Idempotent."""
         await self._flush_loop.aclose()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if self._conn is None:
+        if not self._started:
             if self._buffer:
                 logger.warning("ledger closed before start: %d records not written", self.buffered)
             return
         try:
             await self.flush()
         finally:
-            conn, self._conn = self._conn, None
-            reader, self._reader = self._reader, None
+            self._started = False
             writer, self._writer = self._writer, None
             async with self._db_lock:
                 if writer is not None:
                     await writer.aclose()  # what is queued is written first
-                await asyncio.to_thread(conn.close)
-                if reader is not None:
-                    await asyncio.to_thread(reader.close)
+                if self._owned:
+                    await asyncio.to_thread(self.store.close)
             if self._buffer:  # a group commit failed at the end
                 logger.error("ledger closed: %d records not written", len(self._buffer))
 
@@ -642,7 +640,8 @@ class Ledger:
         The counters of the `max_tracked_runs` most recently used runs stay in memory (O(1), no
         I/O), so random run ids cannot grow memory. A run not among them (new, evicted, or from
         before a restart) continues after the highest step stored for it, found with one
-        indexed read of the file (WAL: no waiting on the writer; ~6-8 us with the page cached)
+        indexed read of the store (embedded, WAL: no waiting on the writer; ~6-8 us with the page
+        cached; PostgreSQL: one round trip, on the event loop, bounded by statement_timeout)
         and the unwritten buffer.
         A run with a step in flight is never forgotten (the run table's rule), so a step
         number is never reused while its request runs.
@@ -675,11 +674,13 @@ class Ledger:
             self._writing.get(key, 0),
             self._committing.get(key, 0),
         )
-        if self._reader is not None:
+        if self._started:
             tenant, run_id = key
+            failures: tuple[type[Exception], ...] = (StoreError, *self.store.errors)
             try:
-                (stored,) = self._reader.execute(_STORED_STEP, (run_id, tenant)).fetchone()
-            except sqlite3.Error:
+                with self.store.connection() as conn:
+                    (stored,) = conn.execute(_STORED_STEP, (run_id, tenant)).fetchone()
+            except failures:
                 logger.exception("ledger: cannot read a run's stored steps; numbering from memory")
             else:
                 if stored is not None:
@@ -850,7 +851,7 @@ class Ledger:
             return 0
         self._writing, self._unwritten = self._unwritten, {}
         batch = _Batch(rows, idle, capacity, math.floor(self._clock() / HOUR_S) * HOUR_S, run_ends)
-        work = writer.call(_write_batch, batch)
+        work = writer.call(_write_batch, batch, self.store.data_errors)
         try:
             skipped = await _finish(work)
         finally:
@@ -927,7 +928,7 @@ class Ledger:
     ) -> list[JsonDict]:
         """`GET /v1/runs` for `tenant`. See `list_runs`."""
 
-        def query(conn: sqlite3.Connection) -> list[JsonDict]:
+        def query(conn: Conn) -> list[JsonDict]:
             return list_runs(
                 conn,
                 tenant,
@@ -952,7 +953,7 @@ class Ledger:
     ) -> JsonDict:
         """`GET /admin/accounting`. See `top_runs_report`."""
 
-        def query(conn: sqlite3.Connection) -> JsonDict:
+        def query(conn: Conn) -> JsonDict:
             return top_runs_report(conn, top_n=top_n, tenant=tenant, since_s=since_s, live=live)
 
         return await self._query(query)
@@ -964,16 +965,24 @@ class Ledger:
                 await self._flush_locked()
             except Exception:  # answer from what is on disk; the rows stay buffered
                 logger.exception("ledger write before a query failed")
-            return await _finish(asyncio.ensure_future(asyncio.to_thread(fn, self._conn, *args)))
+            return await _finish(
+                asyncio.ensure_future(asyncio.to_thread(self._with_conn, fn, *args))
+            )
 
     async def _in_db(self, fn: Callable[..., T], *args: Any) -> T:
         async with self._db_lock:
-            if self._conn is None:
+            if not self._started:
                 raise RuntimeError("ledger not started")
-            return await _finish(asyncio.ensure_future(asyncio.to_thread(fn, self._conn, *args)))
+            return await _finish(
+                asyncio.ensure_future(asyncio.to_thread(self._with_conn, fn, *args))
+            )
+
+    def _with_conn(self, fn: Callable[..., T], *args: Any) -> T:
+        with self.store.connection() as conn:
+            return fn(conn, *args)
 
 
-def _nothing(conn: sqlite3.Connection) -> None:
+def _nothing(conn: Conn) -> None:
     """A writer job that does nothing: awaiting it waits for every row queued before it."""
 
 

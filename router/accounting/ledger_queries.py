@@ -1,7 +1,8 @@
 """Read-side queries over the ledger file: one run, a tenant's runs, totals and top runs.
 
-Sync functions over a `sqlite3.Connection`: the CLI calls them on the file directly, `Ledger`
-through a worker thread (after writing its buffer, so the latest requests are visible). All
+Sync functions over a store connection (either backend; router/store) or a `sqlite3.Connection`:
+the CLI calls them on the file directly, `Ledger` through a worker thread (after writing its
+buffer, so the latest requests are visible). The SQL is the store's portable dialect. All
 return JSON-ready dicts; shapes in docs/accounting.md.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from router.accounting.accountant import ConservationReport
+from router.store import Conn, Rows
 
 __all__ = [
     "HOUR_S",
@@ -25,13 +27,24 @@ __all__ = [
 ]
 
 JsonDict = dict[str, Any]
+Db = Conn | sqlite3.Connection  # a store's connection, or the CLI's read-only file
 RunOrder = Literal["last_seen", "gpu_seconds"]
 HOUR_S = 3600  # idle and capacity are kept in hourly rows
 
 
-def _dicts(cur: sqlite3.Cursor) -> list[JsonDict]:
+def _dicts(cur: Rows | sqlite3.Cursor) -> list[JsonDict]:
     names = [d[0] for d in cur.description]
     return [dict(zip(names, row, strict=True)) for row in cur]
+
+
+def _sum_int(column: str) -> str:
+    """SUM of an integer column as an integer on both backends (PostgreSQL's is NUMERIC)."""
+    return f"CAST(SUM({column}) AS BIGINT) AS {column}"
+
+
+def _total(column: str) -> str:
+    """SQLite's TOTAL: a float sum, 0.0 over no rows."""
+    return f"COALESCE(SUM({column}), 0.0) AS {column}"
 
 
 _ROLLUP_KEYS = ("requests", "runs", "prompt_tokens", "completion_tokens", "gpu_seconds")
@@ -57,7 +70,7 @@ def _distribution(values: Iterable[float | None]) -> JsonDict:
     }
 
 
-def run_summary(conn: sqlite3.Connection, run_id: str, tenant: str | None) -> JsonDict | None:
+def run_summary(conn: Db, run_id: str, tenant: str | None) -> JsonDict | None:
     """One run: totals, TTFT/TPOT distributions and every request, in step order.
 
     `tenant` scopes the answer: None when that tenant has no request in the run (so a run id
@@ -102,7 +115,7 @@ def run_summary(conn: sqlite3.Connection, run_id: str, tenant: str | None) -> Js
     }
 
 
-def _run_end(conn: sqlite3.Connection, run_id: str, tenant: str | None) -> JsonDict | None:
+def _run_end(conn: Db, run_id: str, tenant: str | None) -> JsonDict | None:
     """How the run last ended (governance: client_end, idle_timeout, or the run guard's
     code), or None while it has not ended; files older than the run_ends table have none."""
     where = "run_id = ?" + ("" if tenant is None else " AND tenant = ?")
@@ -146,7 +159,7 @@ def _time_split(requests: Sequence[JsonDict], wall_s: float) -> JsonDict:
 
 
 def list_runs(
-    conn: sqlite3.Connection,
+    conn: Db,
     tenant: str | None,
     *,
     since_s: float | None = None,
@@ -166,52 +179,62 @@ def list_runs(
     if tenant is not None:
         where.append("tenant = ?")
         params.append(tenant)
-    having = ["1"]
+    having = ["1 = 1"]
     if since_s is not None:
         having.append("MAX(ended_at_s) >= ?")
         params.append(since_s)
     if class_name is not None:
-        having.append("SUM(class_name = ?) > 0")
+        having.append("SUM(CASE WHEN class_name = ? THEN 1 ELSE 0 END) > 0")
         params.append(class_name)
     order = "gpu_seconds DESC" if order_by == "gpu_seconds" else "last_seen_s DESC"
     params.append(limit)
     cur = conn.execute(
-        "SELECT run_id, tenant, COUNT(*) AS requests, SUM(outcome != 'ok') AS errors, "
-        "SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens, "
-        "TOTAL(gpu_seconds) AS gpu_seconds, TOTAL(queue_s) AS queue_s, "
-        "MIN(started_at_s) AS first_seen_s, MAX(ended_at_s) AS last_seen_s, "
-        "MAX(ended_at_s) - MIN(started_at_s) AS wall_s, "
-        "GROUP_CONCAT(DISTINCT class_name) AS classes "
+        "SELECT run_id, tenant, COUNT(*) AS requests,"
+        " CAST(SUM(CASE WHEN outcome <> 'ok' THEN 1 ELSE 0 END) AS BIGINT) AS errors,"
+        f" {_sum_int('prompt_tokens')}, {_sum_int('completion_tokens')},"
+        f" {_total('gpu_seconds')}, {_total('queue_s')},"
+        " MIN(started_at_s) AS first_seen_s, MAX(ended_at_s) AS last_seen_s,"
+        " MAX(ended_at_s) - MIN(started_at_s) AS wall_s "
         f"FROM requests WHERE {' AND '.join(where)} GROUP BY run_id, tenant "
         f"HAVING {' AND '.join(having)} ORDER BY {order}, run_id LIMIT ?",
         params,
     )
     runs = _dicts(cur)
-    for run in runs:
-        run["classes"] = sorted(run["classes"].split(","))
+    if runs:  # each run's classes (no GROUP_CONCAT that both backends speak)
+        classes: dict[tuple[str, str], list[str]] = {(r["run_id"], r["tenant"]): [] for r in runs}
+        ids = sorted({r["run_id"] for r in runs})
+        for run_id, run_tenant, class_name in conn.execute(
+            "SELECT DISTINCT run_id, tenant, class_name FROM requests"
+            f" WHERE run_id IN ({', '.join('?' for _ in ids)})",
+            ids,
+        ):
+            if (run_id, run_tenant) in classes:
+                classes[(run_id, run_tenant)].append(class_name)
+        for run in runs:
+            run["classes"] = sorted(classes[(run["run_id"], run["tenant"])])
     return runs
 
 
-def _rollup(conn: sqlite3.Connection, column: str, since_s: float) -> dict[str, JsonDict]:
+def _rollup(conn: Db, column: str, since_s: float) -> dict[str, JsonDict]:
     cur = conn.execute(
-        f"SELECT {column} AS key, COUNT(*) AS requests, COUNT(DISTINCT run_id) AS runs, "
-        "SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens, "
-        "TOTAL(gpu_seconds) AS gpu_seconds "
+        f"SELECT {column} AS key, COUNT(*) AS requests, COUNT(DISTINCT run_id) AS runs,"
+        f" {_sum_int('prompt_tokens')}, {_sum_int('completion_tokens')}, {_total('gpu_seconds')} "
         f"FROM requests WHERE ended_at_s >= ? GROUP BY {column} ORDER BY {column}",
         (since_s,),
     )
     return {row.pop("key"): row for row in _dicts(cur)}
 
 
-def totals(conn: sqlite3.Connection, since_s: float | None = None) -> JsonDict:
+def totals(conn: Db, since_s: float | None = None) -> JsonDict:
     """Everything in the ledger (or since `since_s`): requests, tokens and GPU-seconds per
     pool, class and tenant; idle GPU-seconds per pool and fleet capacity (hourly buckets, so
     `since_s` is rounded down to the hour for those)."""
     since = -math.inf if since_s is None else since_s
     hour = -(2**62) if since_s is None else math.floor(since_s / HOUR_S) * HOUR_S
     n, prompt, completion, gpu_s, first_s, last_s = conn.execute(
-        "SELECT COUNT(*), TOTAL(prompt_tokens), TOTAL(completion_tokens), TOTAL(gpu_seconds), "
-        "MIN(started_at_s), MAX(ended_at_s) FROM requests WHERE ended_at_s >= ?",
+        "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0),"
+        " COALESCE(SUM(gpu_seconds), 0.0), MIN(started_at_s), MAX(ended_at_s) FROM requests"
+        " WHERE ended_at_s >= ?",
         (since,),
     ).fetchone()
     outcomes = dict(
@@ -222,13 +245,15 @@ def totals(conn: sqlite3.Connection, since_s: float | None = None) -> JsonDict:
     )
     idle = dict(
         conn.execute(
-            "SELECT pool, TOTAL(idle_gpu_seconds) FROM idle_hourly WHERE hour_start_s >= ? "
+            "SELECT pool, COALESCE(SUM(idle_gpu_seconds), 0.0) FROM idle_hourly"
+            " WHERE hour_start_s >= ? "
             "GROUP BY pool ORDER BY pool",
             (hour,),
         ).fetchall()
     )
     (capacity,) = conn.execute(
-        "SELECT TOTAL(capacity_gpu_seconds) FROM capacity_hourly WHERE hour_start_s >= ?",
+        "SELECT COALESCE(SUM(capacity_gpu_seconds), 0.0) FROM capacity_hourly"
+        " WHERE hour_start_s >= ?",
         (hour,),
     ).fetchone()
     by_pool = _rollup(conn, "pool", since)
@@ -263,7 +288,7 @@ def totals(conn: sqlite3.Connection, since_s: float | None = None) -> JsonDict:
 
 
 def top_runs_report(
-    conn: sqlite3.Connection,
+    conn: Db,
     *,
     top_n: int = 10,
     tenant: str | None = None,

@@ -142,7 +142,10 @@ class Gateway:
         self.estimator = estimator or TokenEstimator.from_config(config)
         self.accounting_metrics = AccountingMetrics(self.metrics.registry)
         self.ledger = Ledger.from_config(
-            rc, snapshot_source=lambda: self.accountant.conservation(self.clock()), runs=self.runs
+            rc,
+            snapshot_source=lambda: self.accountant.conservation(self.clock()),
+            runs=self.runs,
+            store=self.stores.ledger,
         )
         self.gpu_sampler = GpuSampler(registry=self.metrics.registry, nvml=nvml)
         # budgets and run states survive a restart: in the store

@@ -18,9 +18,10 @@ from pools.config import Config, ConfigError
 from pools.testing.config import config_for_test, one_pool
 from pools.testing.fake_engine import FakeEngineState
 from pools.testing.gateway import gateway_over_fakes
-from router.accounting.ledger import Ledger, connect
+from router.accounting.ledger import MIGRATIONS, Ledger
 from router.gateway.app import Gateway
 from router.request import Message, Receive, Scope, Send
+from router.store import SqliteStore, migrate
 from tests.unit.ledger_records import T0, record
 from tests.unit.test_ledger import run_then_kill
 
@@ -40,7 +41,15 @@ def drop_requests_table(path: Path) -> None:
 
 
 def restore_requests_table(path: Path) -> None:
-    connect(path).close()  # the schema again
+    """The schema again: the ledger's migrations, run as on a file that never had them."""
+    with sqlite3.connect(path) as conn:
+        conn.execute("DELETE FROM gpupool_schema WHERE component = 'ledger'")
+    store = SqliteStore(path)
+    store.open()
+    try:
+        migrate(store, MIGRATIONS)
+    finally:
+        store.close()
 
 
 @pytest.fixture
