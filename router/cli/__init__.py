@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "router.cli.commands.top",
     "router.cli.commands.pools",
     "router.cli.commands.simulate",
+    "router.cli.commands.store",
 )
 
 

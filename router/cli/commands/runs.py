@@ -4,8 +4,9 @@
                  [--top N] [--json]
     gpupool runs show RUN_ID [same options]
 
-Reads the ledger SQLite file directly (default: `router.ledger_path` of `--config`, else the
-built-in `./.gpupool/ledger.sqlite`), or with `--url` a running router's API:
+Reads the ledger directly: the SQLite file (default: `router.ledger_path` of `--config`, else
+the built-in `./.gpupool/ledger.sqlite`), or the PostgreSQL store when `--config` sets
+`store.url`; or with `--url` a running router's API:
 `GET {url}/admin/accounting?top=N[&tenant=T]` and `GET {url}/v1/runs/{run_id}`, with the key
 from `--api-key` or `$GPUPOOL_API_KEY` as a bearer token. A session id (Claude Code's, Codex's)
 names many runs, `<session>:1`, `<session>:2`, ... (one per task); with `--url`, `show SESSION`
@@ -32,6 +33,7 @@ import httpx
 
 from pools.config import ConfigError, load_config
 from router.accounting.ledger import LedgerError, open_readonly, run_summary, top_runs_report
+from router.store import StoreError, Stores
 
 __all__ = ["register", "run_command"]
 
@@ -98,18 +100,19 @@ def run_command(args: argparse.Namespace, *, transport: httpx.BaseTransport | No
 # --- sources ----------------------------------------------------------------------------------
 
 
-def _ledger_path(args: argparse.Namespace) -> Path:
-    if args.ledger is not None:
-        return Path(args.ledger)
-    try:
-        return load_config(args.config).router.ledger_path
-    except ConfigError as err:
-        raise _Failure(f"invalid config {err.source}: {'; '.join(err.problems)}", 2) from None
-
-
 def _read_ledger(args: argparse.Namespace, query: str) -> Any:
+    if args.ledger is not None:
+        path = Path(args.ledger)
+    else:
+        try:
+            config = load_config(args.config)
+        except ConfigError as err:
+            raise _Failure(f"invalid config {err.source}: {'; '.join(err.problems)}", 2) from None
+        if config.store.url is not None:
+            return _read_shared_ledger(args, query, Stores.from_config(config))
+        path = config.router.ledger_path
     try:
-        conn = open_readonly(_ledger_path(args))
+        conn = open_readonly(path)
     except LedgerError as err:
         raise _Failure(str(err), 2) from None
     try:
@@ -118,6 +121,23 @@ def _read_ledger(args: argparse.Namespace, query: str) -> Any:
         return top_runs_report(conn, top_n=args.top, tenant=args.tenant)
     finally:
         conn.close()
+
+
+def _read_shared_ledger(args: argparse.Namespace, query: str, stores: Stores) -> Any:
+    """The same queries on the PostgreSQL store the config names."""
+    store = stores.ledger
+    failures: tuple[type[Exception], ...] = (StoreError, *store.errors)
+    try:
+        store.open()
+        try:
+            with store.connection() as conn:
+                if query == "show":
+                    return run_summary(conn, args.run_id, args.tenant)
+                return top_runs_report(conn, top_n=args.top, tenant=args.tenant)
+        finally:
+            store.close()
+    except failures as err:
+        raise _Failure(f"{store.name}: {err}", 1) from None
 
 
 def _get_json(

@@ -1,0 +1,85 @@
+"""`gpupool store`: the store's schema (router/store).
+
+    gpupool store migrate [--config FILE]   apply the migrations the store lacks, then exit
+    gpupool store status  [--config FILE]   the schema version of each feature's tables
+
+The router applies migrations itself at start; `migrate` runs them alone (before a rolling
+upgrade of several replicas, or to check a PostgreSQL URL and password). The store is the
+config's: `store.url` (PostgreSQL, password from `store.password_env`), else the embedded
+SQLite files beside `router.ledger_path`.
+
+Exit codes: 0 done; 1 the store is unreachable, refused the password, or is newer than this
+gpupool; 2 bad input (the config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from router.accounting.ledger import MIGRATIONS as LEDGER
+from router.cli.commands._config import load_or_report
+from router.governance.store import MIGRATIONS as GOVERNANCE
+from router.rebalancer.store import MIGRATIONS as REBALANCER
+from router.store import Migration, Store, StoreError, Stores, applied_versions, migrate
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("store", help="the store's schema: migrate, status")
+    sub = p.add_subparsers(dest="store_command", metavar="{migrate,status}", required=True)
+    for name, text in (
+        ("migrate", "apply the schema migrations the store lacks"),
+        ("status", "the schema version of each feature's tables"),
+    ):
+        q = sub.add_parser(name, help=text)
+        q.add_argument("--config", metavar="FILE", help="YAML config (default: the built-in)")
+    p.set_defaults(func=run)
+
+
+def _by_store(stores: Stores) -> list[tuple[Store, tuple[Migration, ...]]]:
+    """Each distinct store with the migrations of the features it holds."""
+    pairs: list[tuple[Store, tuple[Migration, ...]]] = []
+    for store, migrations in (
+        (stores.ledger, LEDGER),
+        (stores.governance, GOVERNANCE),
+        (stores.rebalancer, REBALANCER),
+    ):
+        for i, (seen, held) in enumerate(pairs):
+            if seen is store:
+                pairs[i] = (seen, held + migrations)
+                break
+        else:
+            pairs.append((store, migrations))
+    return pairs
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_or_report(args.config)
+    if config is None:
+        return 2
+    stores = Stores.from_config(config)
+    try:
+        stores.open()
+        try:
+            for store, migrations in _by_store(stores):
+                if args.store_command == "migrate":
+                    done = migrate(store, migrations)
+                    for m in done:
+                        print(f"{store.name}: {m.component} {m.version}: {m.description}")
+                    if not done:
+                        print(f"{store.name}: up to date")
+                else:
+                    have = applied_versions(store)
+                    for component in sorted({m.component for m in migrations}):
+                        latest = max(m.version for m in migrations if m.component == component)
+                        at = have.get(component, 0)
+                        state = "up to date" if at == latest else f"{latest - at} to apply"
+                        print(f"{store.name}: {component} at {at} of {latest} ({state})")
+        finally:
+            stores.close()
+    except StoreError as err:
+        print(f"gpupool store: {err}", file=sys.stderr)
+        return 1
+    return 0
