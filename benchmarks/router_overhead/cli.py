@@ -82,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--notes", type=Path, help="Markdown file appended under the profile")
     p.add_argument("--repo", type=Path, default=Path.cwd(), help="gpupool checkout")
     p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another gpupool checkout (a `git worktree` at an earlier commit) measured beside "
+        "--repo's as target gpupool-baseline: a before/after in one run",
+    )
+    p.add_argument(
         "--render-only",
         action="store_true",
         help="re-render DIR/router_overhead.md from DIR/router_overhead.json (and --notes)",
@@ -153,12 +159,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             plan, c1_rounds=args.rounds, hi_rounds=args.rounds, stream_rounds=args.rounds
         )
     repo = args.repo.resolve()
-    paths = PeerPaths.default(repo)
+    paths = PeerPaths.default(repo, args.baseline.resolve() if args.baseline else None)
     workdir = Path(tempfile.mkdtemp(prefix="router-overhead-", dir="/tmp"))
     log.info("logs and configs in %s", workdir)
     names = [n.strip() for n in args.targets.split(",") if n.strip()]
     if "direct" not in names:
         names.insert(0, "direct")
+    if args.baseline is not None and "gpupool-baseline" not in names:
+        names.append("gpupool-baseline")
     placement, placed = _placement(args)
     machine = describe()
     result: dict[str, Any] = {

@@ -74,8 +74,12 @@ def versions(paths: PeerPaths) -> dict[str, str]:
         commit_file.read_text().strip()[:12] if commit_file.exists() else "snapshot commit unknown"
     )
     gp_py = paths.gpupool_venv / "bin" / "python"
+    baseline = (
+        {} if paths.baseline is None else {"gpupool-baseline": f"git {_git_head(paths.baseline)}"}
+    )
     return {
         "gpupool": f"git {_git_head(paths.repo)}",
+        **baseline,
         "uvicorn (gpupool)": _pkg_version(gp_py, "uvicorn"),
         "aiohttp (gpupool)": _pkg_version(gp_py, "aiohttp"),
         "vllm-router": _pkg_version(paths.vllm_router_venv / "bin" / "python", "vllm-router"),

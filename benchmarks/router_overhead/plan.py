@@ -15,6 +15,7 @@ PORTS: dict[str, int] = {
     "gpupool-real": 8521,
     "gpupool-admission-off": 8522,
     "gpupool-ledger-batched": 8523,
+    "gpupool-baseline": 8524,
     "vllm-router": 8530,
     "vllm-router-metrics": 8531,
     "vllm-router-real": 8532,

@@ -2,9 +2,12 @@
 and why it cannot run when it cannot.
 
 - `direct`: the engine itself, the limit (no proxy process);
-- `gpupool`: `gpupool serve` over one static URL (both pools split one instance);
+- `gpupool`: `gpupool serve` over one static URL (both pools split one instance), the code of
+  the checkout `--repo` names (default: the current directory);
   `gpupool-admission-off` and `gpupool-ledger-batched`: the same with `router.admission: off`
   or `router.ledger_durable: false`, for an A/B in the same run;
+  `gpupool-baseline`: the same config from another checkout (`--baseline PATH`, e.g. a
+  `git worktree` at the commit before a change), for a before/after in one run;
 - `vllm-router`: vllm-project's Rust router (`pip install vllm-router`), round robin;
 - `production-stack`: vLLM production-stack's Python router from a source snapshot, static
   discovery, round robin;
@@ -35,11 +38,13 @@ class PeerPaths:
     pstack_venv: Path
     pstack_src: Path
     litellm_venv: Path
+    baseline: Path | None = None  # another gpupool checkout, run as `gpupool-baseline`
 
     @classmethod
-    def default(cls, repo: Path) -> PeerPaths:
+    def default(cls, repo: Path, baseline: Path | None = None) -> PeerPaths:
         peers = repo / ".venv-peers"
         return cls(
+            baseline=baseline,
             repo=repo,
             gpupool_venv=repo / ".venv",
             vllm_router_venv=peers / "vllmrouter",
@@ -117,25 +122,37 @@ def gpupool_target(
     workdir: Path,
     admission: str = "on",
     ledger_durable: bool = True,
+    checkout: Path | None = None,
 ) -> TargetSpec:
     """`gpupool serve` over one static engine (admission on, or off for comparison; the
-    durable ledger, or the batched one for comparison)."""
+    durable ledger, or the batched one for comparison), running the code of `checkout`
+    (default `paths.repo`) with the gpupool venv's Python and packages."""
     state = workdir / f"{name}-state"
     state.mkdir(parents=True, exist_ok=True)
     cfg = workdir / f"{name}.json"
     cfg.write_text(json.dumps(gpupool_config(engine_url, state, admission, ledger_durable)))
-    exe = paths.gpupool_venv / "bin" / "gpupool"
+    python = paths.gpupool_venv / "bin" / "python"
+    code = checkout if checkout is not None else paths.repo
     return TargetSpec(
         name=name,
         port=port,
-        argv=[str(exe), "serve", "--config", str(cfg), "--port", str(port)],
+        # -P: the checkout on PYTHONPATH comes first, ahead of the venv's editable install
+        argv=[
+            *(str(python), "-P", "-c", _GPUPOOL_MAIN),
+            *("serve", "--config", str(cfg), "--port", str(port)),
+        ],
         ready_path="/ready",
-        cwd=paths.repo,
-        needs=(exe,),
+        env={"PYTHONPATH": str(code)},
+        cwd=paths.repo,  # where ./.gpupool/models/tiny is
+        needs=(python, code / "router" / "cli" / "__init__.py"),
         install_hint="pip install -e . into .venv",
         note="gpupool serve, one static engine split between the agent and normal pools"
-        f", admission {admission}, ledger {'durable' if ledger_durable else 'batched'}",
+        f", admission {admission}, ledger {'durable' if ledger_durable else 'batched'}"
+        + (f", code of {code}" if checkout is not None else ""),
     )
+
+
+_GPUPOOL_MAIN = "import sys; from router.cli import main; sys.argv[0] = 'gpupool'; sys.exit(main())"
 
 
 def vllm_router_target(
@@ -198,6 +215,20 @@ def make_targets(
             paths,
             workdir,
             ledger_durable=False,
+        ),
+        *(
+            [
+                gpupool_target(
+                    "gpupool-baseline",
+                    ports["gpupool-baseline"],
+                    engine_url,
+                    paths,
+                    workdir,
+                    checkout=paths.baseline,
+                )
+            ]
+            if paths.baseline is not None
+            else []
         ),
         vllm_router_target(
             "vllm-router", ports["vllm-router"], ports["vllm-router-metrics"], engine_url, paths
