@@ -16,18 +16,23 @@ trickles its headers therefore holds a connection for as long as it likes, and
 
 Every answer here is OpenAI-shaped JSON, like every other gpupool error. The body has its own
 deadline on the request path (`router.body_read_timeout_s`, router/gateway/proxy.py).
+
+Each request's scope also carries a `ClientLink` (`scope[CLIENT_LINK]`): the request path
+registers its task there and is cancelled when the client's connection is lost before the
+response is complete, and can ask whether the whole body has already arrived. That is what lets
+it serve a request in the server's own task, with no disconnect-watching task beside it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["guarded_protocol"]
+__all__ = ["CLIENT_LINK", "ClientLink", "guarded_protocol"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,31 @@ def _error(status: int, reason: str, message: str, code: str) -> bytes:
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     ).encode("ascii") + body
+
+
+CLIENT_LINK = "gpupool.client_link"  # the scope key of a request's ClientLink
+
+
+class ClientLink:
+    """One request's tie to its client connection. `task`, set by the request path while it
+    serves, is cancelled when the connection is lost before the response is complete (then
+    `lost` is True); `body_arrived` is True once the request's whole body has been received."""
+
+    __slots__ = ("_cycle", "lost", "task")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+        self.lost = False
+        self.task: asyncio.Task[Any] | None = None
+
+    @property
+    def body_arrived(self) -> bool:
+        return not self._cycle.more_body
+
+    def _connection_lost(self) -> None:
+        self.lost = True
+        if self.task is not None:
+            self.task.cancel()
 
 
 class _GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -131,6 +161,8 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self.app = app
             return
         super().on_headers_complete()
+        cycle = self.cycle
+        cast(dict[str, Any], cycle.scope)[CLIENT_LINK] = ClientLink(cycle)
 
     def send_400_response(self, msg: str) -> None:
         body = _error_body(f"not a valid HTTP request: {msg}", "invalid_http")
@@ -152,7 +184,13 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        cycle = self.cycle
         super().connection_lost(exc)
+        # as uvicorn marks only its current cycle disconnected (pipelined requests are rare)
+        if cycle is not None and not cycle.response_complete:
+            link = cast(dict[str, Any], cycle.scope).get(CLIENT_LINK)
+            if isinstance(link, ClientLink):
+                link._connection_lost()
 
 
 def guarded_protocol(*, head_timeout_s: float, max_head_bytes: int) -> type[HttpToolsProtocol]:

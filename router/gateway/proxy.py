@@ -41,7 +41,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,7 @@ from router.errors import (
     RequestTimeout,
 )
 from router.gateway.classify import classify
+from router.gateway.http_protocol import CLIENT_LINK, ClientLink
 from router.gateway.protocols import ProtocolAdapter
 from router.gateway.response_placement import ResponsePlacement, StoredResponse
 from router.gateway.upstream import ConnectFailed, Response, Upstream
@@ -151,7 +152,11 @@ class CompletionsHandler:
                 headers.get("authorization"), headers.get("x-api-key")
             )
             tenant_name = tenant.name
-            body_bytes = await self._read_body(receive)
+            link = scope.get(CLIENT_LINK)  # served by gpupool's own server (http_protocol)
+            if isinstance(link, ClientLink) and link.body_arrived:
+                body_bytes = await read_request_body(receive, self._max_body_bytes)
+            else:
+                body_bytes = await self._read_body(receive)
             read_s = self.clock()
             body = self._parse(body_bytes, adapter)
             ctx = classify(
@@ -205,33 +210,15 @@ class CompletionsHandler:
         if trace is not None:
             trace.begin(ctx, estimate, self.clock())
             outcome.trace = trace
-        task = asyncio.ensure_future(
-            self._serve(
-                ctx,
-                body,
-                body_bytes,
-                adapter,
-                send,
-                outcome,
-                read_s,
-                signals,
-                wait_after_s,
-                stored,
-            )
+        serving = self._serve(
+            ctx, body, body_bytes, adapter, send, outcome, read_s, signals, wait_after_s, stored
         )
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if task not in done:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                outcome.outcome, outcome.reason = "aborted", "client_disconnect"
-                outcome.status = 499
-            else:
-                task.result()
+            if isinstance(link, ClientLink):
+                await _serve_in_this_task(serving, link, outcome)
+            else:  # another ASGI server (tests' in-process transport): watch for the disconnect
+                await _serve_in_a_task(serving, receive, outcome)
         finally:
-            watcher.cancel()
             outcome.ended_at_s = self.clock()
             self.settlement.finish(outcome)
 
@@ -812,6 +799,51 @@ async def read_request_body(receive: Receive, max_bytes: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body"):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _serve_in_this_task(
+    serving: Coroutine[Any, Any, None], link: ClientLink, outcome: RequestOutcome
+) -> None:
+    """Serve in the server's task, which the server cancels when the client leaves."""
+    task = asyncio.current_task()
+    if link.lost:  # it left while the request was being read and estimated
+        serving.close()
+        _client_left(outcome)
+        return
+    link.task = task
+    try:
+        await serving
+    except asyncio.CancelledError:
+        if not link.lost or task is None:
+            raise  # not the client: the server is shutting down
+        task.uncancel()
+        _client_left(outcome)
+    finally:
+        link.task = None
+
+
+async def _serve_in_a_task(
+    serving: Coroutine[Any, Any, None], receive: Receive, outcome: RequestOutcome
+) -> None:
+    """Serve in a task of its own beside one that waits for the client's disconnect."""
+    task = asyncio.ensure_future(serving)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            _client_left(outcome)
+        else:
+            task.result()
+    finally:
+        watcher.cancel()
+
+
+def _client_left(outcome: RequestOutcome) -> None:
+    outcome.outcome, outcome.reason = "aborted", "client_disconnect"
+    outcome.status = 499
 
 
 async def _wait_disconnect(receive: Receive) -> None:
