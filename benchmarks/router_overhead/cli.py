@@ -23,7 +23,12 @@ from benchmarks.router_overhead.machine import describe, load_average, versions
 from benchmarks.router_overhead.plan import PORTS, Plan
 from benchmarks.router_overhead.procs import Proc, pin_self
 from benchmarks.router_overhead.real_vllm import run_real_vllm
-from benchmarks.router_overhead.report import check_gpupool, render
+from benchmarks.router_overhead.report import (
+    RUST_CPU_RATIO_LIMIT,
+    against_rust,
+    check_gpupool,
+    render,
+)
 from benchmarks.router_overhead.runner import (
     Live,
     Placement,
@@ -70,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated subset of " + ",".join(ALL_TARGETS),
     )
     p.add_argument("--no-real-vllm", action="store_true", help="skip the real-engine phase")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit 1 when gpupool's CPU per request at c=64 is over {RUST_CPU_RATIO_LIMIT:g}x "
+        "vllm-router's in this run (exit 2 when either did not run); adds both if --targets "
+        "left them out",
+    )
     p.add_argument("--no-profile", action="store_true", help="skip py-spy on gpupool")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument(
@@ -167,6 +179,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         names.insert(0, "direct")
     if args.baseline is not None and "gpupool-baseline" not in names:
         names.append("gpupool-baseline")
+    if args.check:
+        names += [n for n in ("gpupool", "vllm-router") if n not in names]
     placement, placed = _placement(args)
     machine = describe()
     result: dict[str, Any] = {
@@ -195,6 +209,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         log.info("real vLLM phase (engine start takes a minute)")
         result["real_vllm"] = await run_real_vllm(paths, workdir, placement, plan)
     result["gpupool_targets"] = check_gpupool(result["targets"])
+    result["against_rust"] = against_rust(result["targets"])
     result["load_average_at_end"] = load_average()
     result["elapsed_s"] = time.monotonic() - started
     if args.notes is not None and args.notes.exists():
@@ -223,4 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "router_overhead.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "router_overhead.md").write_text(render(result))
     print(render(result))
-    return 0
+    return _check(result) if args.check else 0
+
+
+def _check(result: dict[str, Any]) -> int:
+    """`--check`: 0 when gpupool's CPU per request at c=64 is within the limit of the Rust
+    router's, 1 when over, 2 when the two could not be compared (one did not run)."""
+    rows = {r["bar"]: r for r in result.get("against_rust") or []}
+    row = rows.get("CPU per non-streaming request at c=64")
+    if row is None or row["ratio"] is None or math.isnan(row["ratio"]):
+        bad = {t["name"]: t.get("reason", "") for t in result["targets"] if t["status"] != "ok"}
+        print(f"check: cannot compare gpupool with vllm-router: {bad or 'no CPU figures'}")
+        return 2
+    verdict = "ok" if row["met"] else "FAILED"
+    print(
+        f"check {verdict}: gpupool {row['gpupool']:.0f} µs CPU per request at c=64, "
+        f"vllm-router {row['vllm_router']:.0f} µs: {row['ratio']:.2f}x (limit "
+        f"{row['limit']:g}x)"
+    )
+    return 0 if row["met"] else 1

@@ -6,12 +6,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_gpupool", "render"]
+__all__ = ["RUST_CPU_RATIO_LIMIT", "against_rust", "check_gpupool", "render"]
 
 # gpupool's targets (issue 5): added p50 at c=1, CPU per request, CPU per forwarded chunk.
 TARGET_ADDED_P50_MS = 1.0
 TARGET_CPU_US_PER_REQUEST = 1000.0
 TARGET_CPU_US_PER_CHUNK = 30.0
+
+# Issue 28, against vllm-project's Rust router in the same run: added p50 at c=1 (absolute),
+# CPU per non-streaming request at c=64 and CPU per streamed chunk (ratios to the Rust router's).
+# `--check` fails on the first ratio, the one the issue keeps won.
+RUST_ADDED_P50_LIMIT_MS = 0.5
+RUST_CPU_RATIO_LIMIT = 2.5
+RUST_CHUNK_RATIO_LIMIT = 1.5
 
 
 def _f(x: Any, digits: int = 2) -> str:
@@ -70,6 +77,69 @@ def check_gpupool(targets: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def against_rust(targets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """gpupool beside vllm-router in the same run (issue 28's bars): each row with gpupool's
+    value, the Rust router's, the ratio where the bar is one, the limit and whether it is met.
+    Empty when either did not run."""
+    ok = {t["name"]: t for t in targets if t["status"] == "ok"}
+    gp, vr = ok.get("gpupool"), ok.get("vllm-router")
+    if gp is None or vr is None:
+        return []
+
+    def row(name: str, phase: str, key: str, limit: float, unit: str, ratio: bool) -> Any:
+        mine, rust = _get(gp, phase, key), _get(vr, phase, key)
+        usable = all(isinstance(x, float) and not math.isnan(x) for x in (mine, rust))
+        value = (mine / rust if rust else math.nan) if ratio and usable else mine
+        met = usable and value <= limit
+        return {
+            "bar": name,
+            "gpupool": mine,
+            "vllm_router": rust,
+            "unit": unit,
+            "ratio": value if ratio else None,
+            "limit": limit,
+            "limit_is_ratio": ratio,
+            "met": bool(met),
+        }
+
+    return [
+        row("added p50 at c=1", "c1", "added_p50_ms", RUST_ADDED_P50_LIMIT_MS, "ms", False),
+        row(
+            "CPU per non-streaming request at c=64",
+            "hi",
+            "cpu_us_per_unit",
+            RUST_CPU_RATIO_LIMIT,
+            "µs",
+            True,
+        ),
+        row(
+            "CPU per streamed chunk",
+            "stream",
+            "cpu_us_per_unit",
+            RUST_CHUNK_RATIO_LIMIT,
+            "µs",
+            True,
+        ),
+    ]
+
+
+def _rust_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "## gpupool against the Rust router (issue 28; `--check` fails on the c=64 CPU ratio)",
+        "",
+        "| bar | gpupool | vllm-router | gpupool / vllm-router | limit | met |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        limit = f"{r['limit']:g} ×" if r["limit_is_ratio"] else f"{r['limit']:g} {r['unit']}"
+        out.append(
+            f"| {r['bar']} | {_f(r['gpupool'])} {r['unit']} | {_f(r['vllm_router'])} {r['unit']} "
+            f"| {_f(r['ratio']) + ' ×' if r['ratio'] is not None else '—'} | {limit} "
+            f"| {'yes' if r['met'] else '**no**'} |"
+        )
+    return [*out, ""]
 
 
 def _main_table(targets: list[dict[str, Any]]) -> list[str]:
@@ -257,6 +327,8 @@ def render(res: dict[str, Any]) -> str:
                 f"| {_f(head * 100 if head is not None else None, 0)} % |"
             )
         out.append("")
+    if res.get("against_rust"):
+        out += _rust_table(res["against_rust"])
     if res.get("analysis"):
         out += ["## Analysis (benchmarks/router_overhead/notes.md)", "", res["analysis"], ""]
     out += [
