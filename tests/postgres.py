@@ -21,7 +21,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,10 +42,13 @@ def pg_binaries() -> Path | None:
     return versions[0].parent if versions else None
 
 
-@dataclass(frozen=True, slots=True)
 class PostgresServer:
-    socket_dir: Path
-    process: subprocess.Popen[bytes]
+    """One server on a data folder of its own; `stop()` and `start()` again (an outage)."""
+
+    def __init__(self, root: Path, bin_dir: Path, owner: dict[str, object]) -> None:
+        self.socket_dir = root
+        self._root, self._bin, self._owner = root, bin_dir, owner
+        self.process: subprocess.Popen[bytes] | None = None
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://{USER}@/{database}?host={self.socket_dir}&port={PORT}"
@@ -59,6 +61,49 @@ class PostgresServer:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
+
+    def start(self) -> None:
+        log = self._root / "log"
+        with open(log, "ab") as sink:
+            self.process = subprocess.Popen(
+                [
+                    str(self._bin / "postgres"),
+                    "-D",
+                    str(self._root / "data"),
+                    "-k",
+                    str(self._root),
+                    "-p",
+                    str(PORT),
+                    "-c",
+                    "listen_addresses=",
+                    "-c",
+                    "fsync=off",
+                    "-c",
+                    "synchronous_commit=off",
+                    "-c",
+                    "full_page_writes=off",
+                    "-c",
+                    "shared_buffers=16MB",
+                    "-c",
+                    "max_connections=60",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=sink,
+                **self._owner,  # type: ignore[arg-type]
+            )
+        _wait_ready(self, log)
+
+    def stop(self) -> None:
+        """Fast shutdown (open sessions are ended), as a database restart would."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _as_owner() -> dict[str, object]:
@@ -80,7 +125,7 @@ def start_postgres() -> Iterator[PostgresServer]:
     if owner:
         nobody = pwd.getpwnam("nobody")
         os.chown(root, nobody.pw_uid, nobody.pw_gid)
-    process: subprocess.Popen[bytes] | None = None
+    server = PostgresServer(root, bin_dir, owner)
     try:
         pwfile = root / "pw"
         pwfile.write_text(PASSWORD + "\n")
@@ -103,45 +148,12 @@ def start_postgres() -> Iterator[PostgresServer]:
             ],
             check=True,
             capture_output=True,
-            **owner,
+            **owner,  # type: ignore[arg-type]
         )
-        process = subprocess.Popen(
-            [
-                str(bin_dir / "postgres"),
-                "-D",
-                str(root / "data"),
-                "-k",
-                str(root),
-                "-p",
-                str(PORT),
-                "-c",
-                "listen_addresses=",
-                "-c",
-                "fsync=off",
-                "-c",
-                "synchronous_commit=off",
-                "-c",
-                "full_page_writes=off",
-                "-c",
-                "shared_buffers=16MB",
-                "-c",
-                "max_connections=60",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=open(root / "log", "wb"),  # noqa: SIM115 (the child holds it)
-            **owner,
-        )
-        server = PostgresServer(root, process)
-        _wait_ready(server, root / "log")
+        server.start()
         yield server
     finally:
-        if process is not None:
-            process.send_signal(signal.SIGINT)  # fast shutdown: ends open sessions
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -150,7 +162,7 @@ def _wait_ready(server: PostgresServer, log: Path) -> None:
 
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        if server.process.poll() is not None:
+        if server.process is None or server.process.poll() is not None:
             raise RuntimeError(f"postgres exited at start:\n{log.read_text()[-2000:]}")
         try:
             psycopg.connect(server.url(), password=PASSWORD, connect_timeout=2).close()

@@ -544,6 +544,7 @@ class Ledger:
         self.written_records = 0
         self.failed_commits = 0  # group commits that failed (their rows went back to the buffer)
         self.late_commits = 0  # durable commits that took longer than `commit_wait_s`
+        self._failing = False  # the last write failed (the store unreachable): say when it heals
 
     @classmethod
     def from_config(
@@ -640,9 +641,11 @@ class Ledger:
         The counters of the `max_tracked_runs` most recently used runs stay in memory (O(1), no
         I/O), so random run ids cannot grow memory. A run not among them (new, evicted, or from
         before a restart) continues after the highest step stored for it, found with one
-        indexed read of the store (embedded, WAL: no waiting on the writer; ~6-8 us with the page
-        cached; PostgreSQL: one round trip, on the event loop, bounded by statement_timeout)
-        and the unwritten buffer.
+        indexed read of the embedded store (WAL: no waiting on the writer; ~6-8 us with the page
+        cached) and the unwritten buffer. With PostgreSQL the read would be a network round trip
+        on the event loop (seconds in an outage), so it is not made: the runs of the last
+        `step_memory_s` are loaded at start, and a run older than that (or evicted) that comes
+        back continues from what memory holds (docs/replicas.md).
         A run with a step in flight is never forgotten (the run table's rule), so a step
         number is never reused while its request runs.
         """
@@ -674,7 +677,7 @@ class Ledger:
             self._writing.get(key, 0),
             self._committing.get(key, 0),
         )
-        if self._started:
+        if self._started and self.store.dialect == "sqlite":
             tenant, run_id = key
             failures: tuple[type[Exception], ...] = (StoreError, *self.store.errors)
             try:
@@ -789,6 +792,7 @@ class Ledger:
             self.written_records += len(rows) - skipped
         else:
             self.failed_commits += 1
+            self._failing = True
             self._buffer.extend(rows)  # the next flush retries them
             if self.failed_commits == 1 or self.failed_commits % 1000 == 0:
                 logger.error(
@@ -856,6 +860,7 @@ class Ledger:
             skipped = await _finish(work)
         finally:
             if work.done() and (work.cancelled() or work.exception() is not None):
+                self._failing = True
                 self._buffer[:0] = rows  # the transaction rolled back: try again next time
                 self._run_ends[:0] = run_ends
                 self._unsnapshot(idle, capacity)
@@ -867,6 +872,12 @@ class Ledger:
             logger.error("ledger: skipped %d malformed records", skipped)
             self.dropped_records += skipped
         self.written_records += len(rows) - skipped
+        if self._failing:
+            self._failing = False
+            logger.warning(
+                "ledger: the store answers again: wrote %d records kept while it did not",
+                len(rows) - skipped,
+            )
         return len(rows) - skipped
 
     def _snapshot_deltas(self) -> tuple[dict[str, float], float]:

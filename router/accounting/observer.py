@@ -52,6 +52,7 @@ class AccountingObserver:
         self.accountant = accountant
         self.ledger = ledger
         self.metrics = metrics
+        metrics.watch_ledger(ledger)
         self._clock = clock
         self._wall_clock = wall_clock
         # request id -> (outcome, status) of its settled record, until `finished`

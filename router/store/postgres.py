@@ -38,6 +38,12 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}@{netloc[-1]}"))
 
 
+def _reason(err: psycopg.Error) -> str:
+    """PostgreSQL's (or libpq's) words for a failed connection, one line."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
 @functools.lru_cache(maxsize=1024)
 def _psycopg_sql(sql: str) -> str:
     return sql.replace("%", "%%").replace("?", "%s")
@@ -101,9 +107,8 @@ class PostgresStore(Store):
         try:  # one connection first: PostgreSQL's own reason when it fails
             psycopg.connect(self.url, **self._kwargs).close()
         except psycopg.Error as err:
-            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             raise StoreError(
-                f"cannot connect to the PostgreSQL store {self.name}: {reason}"
+                f"cannot connect to the PostgreSQL store {self.name}: {_reason(err)}"
             ) from err
         pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = psycopg_pool.ConnectionPool(
             self.url,
@@ -132,16 +137,21 @@ class PostgresStore(Store):
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[Conn]:
+        """A pooled connection. When the pool has none to give (the server was down: its
+        reconnection backs off for seconds after the server is back), one direct connection
+        is tried, so the first write after an outage goes through; it is closed after use.
+        During an outage a call waits up to `connect_timeout_s` for the pool, then one connect
+        attempt: call it off the event loop (a thread), as every caller does."""
         pool = self._pool
         if pool is None:
             raise StoreError(f"{self.name}: the store is not open")
+        cm = pool.connection()
         try:
-            cm = pool.connection()
             raw = cm.__enter__()
-        except psycopg_pool.PoolTimeout as err:
-            raise StoreError(
-                f"the PostgreSQL store {self.name} gave no connection within {self._timeout_s:g} s"
-            ) from err
+        except psycopg_pool.PoolTimeout:
+            with self._direct() as direct:
+                yield direct
+            return
         try:
             yield _PgConn(raw)
         except BaseException as err:
@@ -149,3 +159,17 @@ class PostgresStore(Store):
                 raise
         else:
             cm.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def _direct(self) -> Iterator[Conn]:
+        try:
+            raw = psycopg.connect(self.url, **self._kwargs)
+        except psycopg.Error as err:
+            raise StoreError(
+                f"the PostgreSQL store {self.name} gave no connection within"
+                f" {self._timeout_s:g} s: {_reason(err)}"
+            ) from err
+        try:
+            yield _PgConn(raw)
+        finally:
+            raw.close()
