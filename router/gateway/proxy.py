@@ -675,10 +675,26 @@ class CompletionsHandler:
         first_token_seen = False
         want_id = adapter.stateful
         marker = adapter.usage_marker
+        finals = adapter.final_markers
         extras = lambda: self.settlement.usage_extra(outcome)  # noqa: E731
         try:
             async for chunk in resp:
                 buf += chunk
+                if (
+                    first_token_seen
+                    and finals
+                    and not want_id
+                    and not tail
+                    and marker not in buf
+                    and not any(final in buf for final in finals)
+                ):
+                    # no event here needs reading (no first token, id, usage or end to find):
+                    # the complete ones go out as they came, one scan of the bytes per chunk
+                    end = buf.rfind(_SSE_SEP) + 2
+                    if end > 1:
+                        body, buf = buf[:end], buf[end:]
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    continue
                 out: list[bytes] = []
                 start = 0
                 while (end := buf.find(_SSE_SEP, start)) >= 0:

@@ -64,6 +64,8 @@ class ProtocolAdapter:
     name: ClassVar[str]  # the `endpoint` metric label
     path: ClassVar[str]  # the engine's path for it
     usage_marker: ClassVar[bytes] = b'"usage"'  # events without it carry no usage
+    # every event `is_final_event` accepts contains one of these; () reads every event
+    final_markers: ClassVar[tuple[bytes, ...]] = ()
     engine_priority: ClassVar[bool] = True  # the engine reads the body's `priority`
     stateful: ClassVar[bool] = False  # `previous_response_id` continues a stored response
 

@@ -86,6 +86,7 @@ def _blocks(content: Any, pieces: list[str], json_pieces: list[str]) -> int:
 
 class MessagesAdapter(ProtocolAdapter):
     name = "messages"
+    final_markers = (b"message_stop",)
     path = "/v1/messages"
     engine_priority = False  # vLLM's Anthropic request has no `priority`
 

@@ -26,6 +26,7 @@ _FIRST_TOKEN_MARKERS = (b'"content"', b'"text"', b'"tool_calls"', b'"reasoning')
 
 class _OpenAIGeneration(ProtocolAdapter):
     chat: ClassVar[bool]
+    final_markers = (b"[DONE]",)
 
     def estimate_input(self, body: dict[str, Any]) -> EstimateInput:
         return read_openai(body, chat=self.chat)

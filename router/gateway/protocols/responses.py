@@ -46,6 +46,7 @@ def tools_json(tools: Any) -> list[str]:
 
 class ResponsesAdapter(ProtocolAdapter):
     name = "responses"
+    final_markers = _FINAL_EVENTS
     path = "/v1/responses"
     stateful = True
 
