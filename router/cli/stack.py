@@ -23,6 +23,7 @@ from pools.config import Config
 from pools.launchers import DiscoveringLauncher, InstanceSpec, LauncherError, make_launcher
 from router.gateway.app import create_app
 from router.gateway.http_protocol import guarded_protocol
+from router.ops.tracing.logs import configure_logging
 
 __all__ = ["instances_without_launching", "run_blocking", "run_stack"]
 
@@ -98,8 +99,9 @@ def _banner(config: Config, gateway_view: dict[str, object], host: str, port: in
 
 def run_blocking(config: Config, *, launch: bool) -> int:
     """Run the stack on uvloop (as uvicorn does when it owns the loop), else asyncio's loop.
-    Logs at `router.log_level` (`gpupool -v` has made it debug), uvicorn's loggers too."""
-    logging.getLogger().setLevel(config.router.log_level.upper())
+    Logs at `router.log_level` (`gpupool -v` has made it debug), uvicorn's loggers too, in
+    `router.log_format` (json: uvicorn's loggers write through the root's JSON handler)."""
+    configure_logging(config.router.log_format, config.router.log_level)
     # Everything is imported by now: keep those objects (~65k) out of the cyclic GC's scans.
     # Measured: CPU per proxied request 282 -> 261 us (benchmarks/results/router_overhead.md).
     gc.collect()
@@ -152,6 +154,7 @@ async def run_stack(config: Config, *, launch: bool) -> int:
             uvicorn.Config(
                 gateway,
                 log_level=rc.log_level,  # access lines stay off: one per request
+                log_config=None if rc.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
                 access_log=False,
                 lifespan="on",
                 http=guarded_protocol(

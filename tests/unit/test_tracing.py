@@ -26,20 +26,14 @@ from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.gateway.app import Gateway, create_app
 from router.ops.tracing.logs import JsonFormatter
+from router.ops.tracing.request_trace import CHILD_SPANS
 from router.request import Receive, Scope, Send
 from tests.otlp_receiver import CLIENT, SERVER, OtlpReceiver, ReceivedSpan
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
-CHILDREN = (
-    "gpupool.classify",
-    "gpupool.governance",
-    "gpupool.admission.queue",
-    "gpupool.placement",
-    "gpupool.engine",
-    "gpupool.settle",
-)
+CHILDREN = CHILD_SPANS
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 

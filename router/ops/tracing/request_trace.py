@@ -54,7 +54,17 @@ from router.runtable import RunTable
 if TYPE_CHECKING:
     from router.admission.estimate import Estimate
 
-__all__ = ["RequestTrace", "TraceObserver"]
+__all__ = ["CHILD_SPANS", "RequestTrace", "TraceObserver"]
+
+# a served request's children, in the order they tile its server span
+CHILD_SPANS = (
+    "gpupool.classify",
+    "gpupool.governance",
+    "gpupool.admission.queue",
+    "gpupool.placement",
+    "gpupool.engine",
+    "gpupool.settle",
+)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
