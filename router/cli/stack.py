@@ -156,6 +156,10 @@ async def run_stack(config: Config, *, launch: bool) -> int:
                 log_level=rc.log_level,  # access lines stay off: one per request
                 log_config=None if rc.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
                 access_log=False,
+                # nothing reads the client address or scheme: no X-Forwarded-* rewriting
+                # middleware around every request, no `server: uvicorn` header on every answer
+                proxy_headers=False,
+                server_header=False,
                 lifespan="on",
                 http=guarded_protocol(
                     head_timeout_s=rc.head_timeout_s, max_head_bytes=rc.max_header_bytes

@@ -181,6 +181,8 @@ def router_server(gateway: Gateway, config: Config) -> uvicorn.Server:
             gateway,
             log_level="critical",
             access_log=False,
+            proxy_headers=False,
+            server_header=False,
             lifespan="on",
             http=guarded_protocol(
                 head_timeout_s=config.router.head_timeout_s,
