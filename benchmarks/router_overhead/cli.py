@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.router_overhead import profile
+from benchmarks.router_overhead import flame, profile
 from benchmarks.router_overhead.load import chat_body
 from benchmarks.router_overhead.machine import describe, load_average, versions
 from benchmarks.router_overhead.plan import PORTS, Plan
@@ -237,8 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "router_overhead.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "router_overhead.md").write_text(render(result))
+    _flame_graphs(Path(result["workdir"]), args.out)
     print(render(result))
     return _check(result) if args.check else 0
+
+
+def _flame_graphs(workdir: Path, out: Path) -> None:
+    """gpupool's py-spy samples as small SVG flame graphs beside the report."""
+    for phase, title in (("hi", "non-streaming, c=64"), ("st", "streaming, c=16")):
+        raw = workdir / f"pyspy-gpupool-{phase}.txt"
+        if raw.exists():
+            svg = flame.render_svg(raw.read_text(), f"gpupool, {title}")
+            (out / f"flame-gpupool-{phase}.svg").write_text(svg)
 
 
 def _check(result: dict[str, Any]) -> int:

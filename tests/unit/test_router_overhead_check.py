@@ -1,10 +1,13 @@
 """The router-overhead benchmark's `--check` (issue 28): gpupool's CPU per request at c=64
-against the Rust router's in the same run; a failure exits 1, a run without either exits 2."""
+against the Rust router's in the same run; a failure exits 1, a run without either exits 2.
+And the flame graphs it writes beside the report."""
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET
 from typing import Any
 
+from benchmarks.router_overhead import flame
 from benchmarks.router_overhead.cli import _check
 from benchmarks.router_overhead.report import _rust_table, against_rust
 
@@ -47,3 +50,19 @@ def test_the_report_shows_the_bars() -> None:
     rows = _result(300.0)["against_rust"]
     lines = [line for line in _rust_table(rows) if line.startswith("| CPU per non-streaming")]
     assert lines and "3.00 ×" in lines[0] and "**no**" in lines[0]
+
+
+def test_the_flame_graph_keeps_what_is_large_and_says_what_it_left_out() -> None:
+    raw = "\n".join(
+        [
+            "main (router/cli/stack.py:10);serve (router/gateway/proxy.py:20) 90",
+            "main (router/cli/stack.py:10);serve (router/gateway/proxy.py:21) 9",
+            "main (router/cli/stack.py:10);tiny (x.py:1) 1",
+        ]
+    )
+    svg = flame.render_svg(raw, "t", min_frac=0.05)
+    root = ET.fromstring(svg)
+    titles = [el.text or "" for el in root.iter("{http://www.w3.org/2000/svg}title")]
+    assert titles[0].startswith("main (cli/stack.py): 100 samples")
+    assert any(t.startswith("serve (gateway/proxy.py): 99 samples") for t in titles)  # lines merged
+    assert not any(t.startswith("tiny") for t in titles)  # 1 % < 5 %
