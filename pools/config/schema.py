@@ -888,6 +888,10 @@ class StoreConfig:
     pool_max_connections: int = Field(default=8, ge=1)
     connect_timeout_s: float = Field(default=5.0, gt=0)  # also the wait for a free connection
     statement_timeout_s: float = Field(default=10.0, gt=0)  # PostgreSQL's statement_timeout
+    # on: each commit waits for the database server's WAL fsync (survives its crash); off:
+    # survives the router's kill -9 and a clean database restart, as the embedded store does
+    # (benchmarks/results/store_overhead.md: +0.18 ms p50 per request off, +0.36 ms on)
+    synchronous_commit: StrictBool = False
     # read from `password_env` at load (the document may not set it)
     password: str | None = dataclasses.field(default=None, repr=False)
 

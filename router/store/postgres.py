@@ -5,8 +5,15 @@ password never sits in the URL or the config file (the config refuses one there)
 from the environment at open. `open()` makes one connection first, so a wrong host, password or
 database name fails at start with PostgreSQL's own words, then opens the pool. A connection
 taken from the pool is checked first (a server restart leaves dead ones behind: they are
-replaced, not handed out); every statement runs under `statement_timeout` and every connect
-under `connect_timeout`, so no call waits without a bound.
+replaced, not handed out: the check is one `select` on the socket, no round trip); every
+statement runs under `statement_timeout` and every connect under `connect_timeout`, so no call
+waits without a bound.
+
+`synchronous_commit` off (the default): a commit returns once PostgreSQL has it, before its WAL
+is on disk: it survives the router's kill -9 and a clean database restart; a crash of the
+database server itself may lose the last ~0.6 s (3 x wal_writer_delay), as an OS crash may
+lose the embedded store's last transactions (SQLite's synchronous=NORMAL). On: each commit
+waits for the server's fsync (milliseconds more per request; docs/replicas.md).
 
 SQL arrives in the store's portable dialect (`?` placeholders) and is rewritten once per
 statement text to psycopg's (`%s`).
@@ -16,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import select
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -42,6 +51,16 @@ def _reason(err: psycopg.Error) -> str:
     """PostgreSQL's (or libpq's) words for a failed connection, one line."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[-1] if lines else type(err).__name__
+
+
+def _alive(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection is still open, without a round trip: an idle connection has
+    nothing to read, so a readable socket means the server closed it (a restart sends its
+    goodbye, or EOF)."""
+    if conn.broken or conn.closed:
+        return False
+    readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    return not readable
 
 
 @functools.lru_cache(maxsize=1024)
@@ -83,12 +102,14 @@ class PostgresStore(Store):
         max_connections: int = 8,
         connect_timeout_s: float = 5.0,
         statement_timeout_s: float = 10.0,
+        synchronous_commit: bool = False,
     ) -> None:
         self.url = url
         self._kwargs: dict[str, Any] = {
             "autocommit": True,
             "connect_timeout": max(1, round(connect_timeout_s)),
-            "options": f"-c statement_timeout={round(statement_timeout_s * 1000)}",
+            "options": f"-c statement_timeout={round(statement_timeout_s * 1000)}"
+            f" -c synchronous_commit={'on' if synchronous_commit else 'off'}",
             "application_name": "gpupool",
         }
         if password is not None:
@@ -117,7 +138,6 @@ class PostgresStore(Store):
             max_size=self._max,
             open=False,
             timeout=self._timeout_s,
-            check=psycopg_pool.ConnectionPool.check_connection,
             name="gpupool-store",
         )
         try:
@@ -145,20 +165,33 @@ class PostgresStore(Store):
         pool = self._pool
         if pool is None:
             raise StoreError(f"{self.name}: the store is not open")
-        cm = pool.connection()
-        try:
-            raw = cm.__enter__()
-        except psycopg_pool.PoolTimeout:
+        raw = self._live_pooled(pool)
+        if raw is None:
             with self._direct() as direct:
                 yield direct
             return
         try:
             yield _PgConn(raw)
-        except BaseException as err:
-            if not cm.__exit__(type(err), err, err.__traceback__):
-                raise
-        else:
-            cm.__exit__(None, None, None)
+        finally:
+            pool.putconn(raw)  # a transaction left open is rolled back; a broken one dropped
+
+    def _live_pooled(
+        self, pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]]
+    ) -> psycopg.Connection[Any] | None:
+        """A pooled connection that is alive, or None within `connect_timeout_s`. A dead one
+        (the server restarted) is closed and given back, so the pool drops it and opens
+        another; the next is tried at once (the pool's own check would back off a second)."""
+        deadline = time.monotonic() + self._timeout_s
+        for _ in range(self._max + 1):
+            try:
+                raw = pool.getconn(timeout=max(0.001, deadline - time.monotonic()))
+            except psycopg_pool.PoolTimeout:
+                return None
+            if _alive(raw):
+                return raw
+            raw.close()
+            pool.putconn(raw)
+        return None
 
     @contextlib.contextmanager
     def _direct(self) -> Iterator[Conn]:

@@ -32,6 +32,7 @@ def shared_store(sc: StoreConfig) -> PostgresStore:
         max_connections=sc.pool_max_connections,
         connect_timeout_s=sc.connect_timeout_s,
         statement_timeout_s=sc.statement_timeout_s,
+        synchronous_commit=sc.synchronous_commit,
     )
 
 

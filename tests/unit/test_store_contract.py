@@ -200,3 +200,24 @@ def test_an_existing_file_is_adopted(tmp_path: Path) -> None:
             assert conn.execute("SELECT k, n, note FROM items").fetchall() == [("old", 4, "")]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("synchronous_commit", [False, True])
+def test_the_sessions_run_with_the_configured_commit_and_timeout(
+    postgres_server: PostgresServer, synchronous_commit: bool
+) -> None:
+    store = PostgresStore(
+        postgres_server.url(),
+        password=PASSWORD,
+        statement_timeout_s=2.5,
+        synchronous_commit=synchronous_commit,
+    )
+    store.open()
+    try:
+        with store.connection() as conn:
+            assert conn.execute("SHOW synchronous_commit").fetchone()[0] == (
+                "on" if synchronous_commit else "off"
+            )
+            assert conn.execute("SHOW statement_timeout").fetchone()[0] == "2500ms"
+    finally:
+        store.close()

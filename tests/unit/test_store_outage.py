@@ -66,3 +66,25 @@ async def test_an_outage_loses_and_doubles_nothing(
     finally:
         await ledger.aclose()
         store.close()
+
+
+async def test_a_restart_leaves_no_dead_connection_to_fail_a_write(
+    own_server: PostgresServer,
+) -> None:
+    """The pool's idle connections die with the server; the check on checkout (a select on
+    the socket, no round trip) drops them, so the first commit after the restart succeeds."""
+    url = own_server.create_database("restart")
+    store = PostgresStore(url, password=PASSWORD, min_connections=2, connect_timeout_s=2.0)
+    store.open()
+    ledger = Ledger(store, flush_interval_s=3600.0)
+    await ledger.start()
+    try:
+        assert await ledger.commit(record(request_id="before"))
+        own_server.stop()
+        own_server.start()
+        assert await ledger.commit(record(request_id="after"))
+        assert ledger.failed_commits == 0
+        assert (await ledger.totals())["requests"] == 2
+    finally:
+        await ledger.aclose()
+        store.close()
