@@ -149,7 +149,6 @@ class Gateway:
         )
         self.gpu_sampler = GpuSampler(registry=self.metrics.registry, nvml=nvml)
         # budgets and run states survive a restart: in the store
-        ledger_path = rc.ledger_path
         self.governor = Governor(
             config,
             GovernanceMetrics(self.metrics.registry),
@@ -201,10 +200,8 @@ class Gateway:
         self.scraper: TelemetryScraper | None = None
         self.handler: CompletionsHandler | None = None
         self.engine_calls: EngineCalls | None = None
-        # where each stored response lives (previous_response_id): a file next to the ledger
-        self.placement = ResponsePlacement(
-            ledger_path.with_name(ledger_path.stem + ".responses.sqlite")
-        )
+        # where each stored response lives (previous_response_id): in the store
+        self.placement = ResponsePlacement(self.stores.responses)
         self.max_model_len_tokens: int | None = config.model.max_model_len_tokens
         # what operators read: GET /admin/pools, /ready, the gauges of GET /metrics
         self.ops_view = PoolsView(

@@ -2,12 +2,14 @@
 
 What lives there, each feature owning its tables and their migrations: the ledger (requests,
 hourly idle and capacity, run ends; router/accounting/ledger.py), governance (token buckets,
-cost windows, runs and their guards, sessions; router/governance/store.py), and the
-rebalancer's SRE settings, audit trail and decision log (router/rebalancer/store.py).
+cost windows, runs and their guards, sessions; router/governance/store.py), the rebalancer's
+SRE settings, audit trail and decision log (router/rebalancer/store.py), and where each stored
+response lives (router/gateway/response_placement.py).
 
 `Stores.from_config(config)` gives each of them its `Store`: with `store.url` unset, the
-embedded SQLite files of one machine (router.ledger_path, the governance file beside it,
-rebalancer.decision_log_path: existing files keep working, adopted by the migrations); with a
+embedded SQLite files of one machine (router.ledger_path, the governance and responses files
+beside it, rebalancer.decision_log_path: existing files keep working, adopted by the
+migrations); with a
 PostgreSQL URL, one database (one connection pool) for all of them. See docs/replicas.md.
 """
 

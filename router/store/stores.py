@@ -15,12 +15,12 @@ from router.store.base import Store
 from router.store.postgres import PostgresStore
 from router.store.sqlite import SqliteStore
 
-__all__ = ["Stores", "governance_path"]
+__all__ = ["Stores", "beside_ledger"]
 
 
-def governance_path(ledger_path: Path) -> Path:
-    """The embedded governance file: beside the ledger (`ledger.governance.sqlite`)."""
-    return ledger_path.with_name(ledger_path.stem + ".governance.sqlite")
+def beside_ledger(ledger_path: Path, what: str) -> Path:
+    """An embedded file beside the ledger: `ledger.<what>.sqlite`."""
+    return ledger_path.with_name(f"{ledger_path.stem}.{what}.sqlite")
 
 
 def shared_store(sc: StoreConfig) -> PostgresStore:
@@ -41,22 +41,24 @@ class Stores:
     ledger: Store
     governance: Store
     rebalancer: Store  # SRE settings, audit, decisions
+    responses: Store  # where each stored response lives (previous_response_id)
 
     @classmethod
     def from_config(cls, config: Config) -> Stores:
         if config.store.url is not None:
             shared = shared_store(config.store)
-            return cls(shared, shared, shared)
+            return cls(shared, shared, shared, shared)
         ledger_path = config.router.ledger_path
         return cls(
             SqliteStore(ledger_path),
-            SqliteStore(governance_path(ledger_path)),
+            SqliteStore(beside_ledger(ledger_path, "governance")),
             SqliteStore(config.rebalancer.decision_log_path),
+            SqliteStore(beside_ledger(ledger_path, "responses")),
         )
 
     def distinct(self) -> list[Store]:
         seen: list[Store] = []
-        for store in (self.ledger, self.governance, self.rebalancer):
+        for store in (self.ledger, self.governance, self.rebalancer, self.responses):
             if all(store is not s for s in seen):
                 seen.append(store)
         return seen

@@ -1,8 +1,8 @@
 """The features that keep state in the store, the same cases on both backends (embedded SQLite
 and a real PostgreSQL server): the ledger (durable commits, batches, malformed rows, queries,
-retention, step numbering after a restart), governance's saved state, and the rebalancer's
-SRE settings (with the JSON file of gpupool before the store imported once), audit and
-decisions."""
+retention, step numbering after a restart), governance's saved state, the rebalancer's SRE
+settings (with the JSON file of gpupool before the store imported once), audit and decisions,
+and where stored responses live."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from router.accounting.ledger import Ledger
+from router.gateway.response_placement import ResponsePlacement, StoredResponse
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.rebalancer.store import DecisionLog, SreSettings
 from router.store import Store
@@ -148,3 +149,21 @@ async def test_sre_settings_audit_and_decisions(any_store: Store, tmp_path: Path
         assert [d["reason"] for d in await log.decisions(moves_only=True)] == ["move"]
     finally:
         await log.aclose()
+
+
+async def test_response_placements_survive_a_restart_bounded(any_store: Store) -> None:
+    first = ResponsePlacement(any_store, max_entries=3)
+    await first.start()
+    for i in range(4):
+        first.remember(f"resp-{i}", StoredResponse("team-a", f"engine-{i % 2}", "resp-0", 10 * i))
+    first.remember("resp-1", StoredResponse("team-a", "engine-1", "resp-0", 99))  # again: newest
+    await first.aclose()
+    again = ResponsePlacement(any_store, max_entries=3)
+    await again.start()
+    try:
+        assert again.get("resp-0") is None  # the oldest beyond the bound
+        assert again.get("resp-1") == StoredResponse("team-a", "engine-1", "resp-0", 99)
+        assert again.get("resp-3") == StoredResponse("team-a", "engine-1", "resp-0", 30)
+        assert len(again) == 3
+    finally:
+        await again.aclose()

@@ -46,7 +46,12 @@ async def test_a_router_on_postgres_shares_its_ledger_with_the_next(
     store = PostgresStore(url, password=PASSWORD)
     store.open()
     try:
-        assert applied_versions(store) == {"ledger": 1, "governance": 1, "rebalancer": 2}
+        assert applied_versions(store) == {
+            "ledger": 1,
+            "governance": 1,
+            "rebalancer": 2,
+            "responses": 1,
+        }
         with store.connection() as conn:
             steps = conn.execute(
                 "SELECT step_index FROM requests WHERE run_id = ? ORDER BY step_index", ("shared",)

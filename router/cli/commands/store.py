@@ -19,6 +19,7 @@ import sys
 
 from router.accounting.ledger import MIGRATIONS as LEDGER
 from router.cli.commands._config import load_or_report
+from router.gateway.response_placement import MIGRATIONS as RESPONSES
 from router.governance.store import MIGRATIONS as GOVERNANCE
 from router.rebalancer.store import MIGRATIONS as REBALANCER
 from router.store import Migration, Store, StoreError, Stores, applied_versions, migrate
@@ -45,6 +46,7 @@ def _by_store(stores: Stores) -> list[tuple[Store, tuple[Migration, ...]]]:
         (stores.ledger, LEDGER),
         (stores.governance, GOVERNANCE),
         (stores.rebalancer, REBALANCER),
+        (stores.responses, RESPONSES),
     ):
         for i, (seen, held) in enumerate(pairs):
             if seen is store:
