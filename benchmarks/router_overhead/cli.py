@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -20,6 +21,7 @@ from typing import Any
 from benchmarks.router_overhead import flame, profile
 from benchmarks.router_overhead.load import chat_body
 from benchmarks.router_overhead.machine import describe, load_average, versions
+from benchmarks.router_overhead.otlp_sink import otlp_sink
 from benchmarks.router_overhead.plan import PORTS, Plan
 from benchmarks.router_overhead.procs import Proc, pin_self
 from benchmarks.router_overhead.real_vllm import run_real_vllm
@@ -54,6 +56,8 @@ ALL_TARGETS = (
     "production-stack",
     "litellm",
 )
+# not run unless named: `--targets direct,gpupool,gpupool-trace-1,gpupool-trace-0.01`
+TRACE_TARGETS = ("gpupool-trace-1", "gpupool-trace-0.01")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--targets",
         default=",".join(ALL_TARGETS),
-        help="comma-separated subset of " + ",".join(ALL_TARGETS),
+        help="comma-separated subset of " + ",".join(ALL_TARGETS + TRACE_TARGETS),
     )
     p.add_argument("--no-real-vllm", action="store_true", help="skip the real-engine phase")
     p.add_argument(
@@ -195,6 +199,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     }
     engine = await start_engine(paths, workdir, placement, plan.engine_itl_ms)
     lives: list[Live] = []
+    sink = contextlib.AsyncExitStack()
+    if any(n.startswith("gpupool-trace") for n in names):  # their collector
+        result["otlp_sink"] = await sink.enter_async_context(otlp_sink(PORTS["otlp-sink"]))
     try:
         lives = await start_targets(paths, workdir, placement, names)
         result["placement"] += "; " + pin_self(placement.loadgen, placement.loadgen_nice)
@@ -205,6 +212,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             result["profile"] = await _profile_gpupool(lives, plan, paths, workdir)
     finally:
         await close_all(lives, engine)
+        await sink.aclose()
+    if "otlp_sink" in result:
+        result["otlp_sink"] = dataclasses.asdict(result["otlp_sink"])
     if plan.real_vllm and not args.no_real_vllm:
         log.info("real vLLM phase (engine start takes a minute)")
         result["real_vllm"] = await run_real_vllm(paths, workdir, placement, plan)

@@ -16,6 +16,9 @@ PORTS: dict[str, int] = {
     "gpupool-admission-off": 8522,
     "gpupool-ledger-batched": 8523,
     "gpupool-baseline": 8524,
+    "gpupool-trace-1": 8525,  # observability on, sample_ratio 1.0
+    "gpupool-trace-0.01": 8526,  # sample_ratio 0.01
+    "otlp-sink": 8527,  # their collector (benchmarks.router_overhead.otlp_sink)
     "vllm-router": 8530,
     "vllm-router-metrics": 8531,
     "vllm-router-real": 8532,

@@ -8,6 +8,9 @@ and why it cannot run when it cannot.
   or `router.ledger_durable: false`, for an A/B in the same run;
   `gpupool-baseline`: the same config from another checkout (`--baseline PATH`, e.g. a
   `git worktree` at the commit before a change), for a before/after in one run;
+  `gpupool-trace-1` and `gpupool-trace-0.01`: the same with OpenTelemetry traces on
+  (`observability.sample_ratio` 1.0 and 0.01), exporting to an OTLP/HTTP sink in the load
+  generator (`otlp_sink.py`), for tracing's cost beside `gpupool` in the same run;
 - `vllm-router`: vllm-project's Rust router (`pip install vllm-router`), round robin;
 - `production-stack`: vLLM production-stack's Python router from a source snapshot, static
   discovery, round robin;
@@ -78,10 +81,15 @@ class TargetSpec:
 
 
 def gpupool_config(
-    engine_url: str, state_dir: Path, admission: str = "on", ledger_durable: bool = True
+    engine_url: str,
+    state_dir: Path,
+    admission: str = "on",
+    ledger_durable: bool = True,
+    observability: dict[str, object] | None = None,
 ) -> dict[str, object]:
     """One static engine shared by both pools (the single-GPU split)."""
     return {
+        **({"observability": observability} if observability is not None else {}),
         "model": {"name": MODEL, "path": "./.gpupool/models/tiny"},
         "engines": {"launcher": "static", "static": {"urls": [engine_url]}},
         "pools": {
@@ -123,6 +131,7 @@ def gpupool_target(
     admission: str = "on",
     ledger_durable: bool = True,
     checkout: Path | None = None,
+    observability: dict[str, object] | None = None,
 ) -> TargetSpec:
     """`gpupool serve` over one static engine (admission on, or off for comparison; the
     durable ledger, or the batched one for comparison), running the code of `checkout`
@@ -130,7 +139,9 @@ def gpupool_target(
     state = workdir / f"{name}-state"
     state.mkdir(parents=True, exist_ok=True)
     cfg = workdir / f"{name}.json"
-    cfg.write_text(json.dumps(gpupool_config(engine_url, state, admission, ledger_durable)))
+    cfg.write_text(
+        json.dumps(gpupool_config(engine_url, state, admission, ledger_durable, observability))
+    )
     python = paths.gpupool_venv / "bin" / "python"
     code = checkout if checkout is not None else paths.repo
     return TargetSpec(
@@ -148,6 +159,7 @@ def gpupool_target(
         install_hint="pip install -e . into .venv",
         note="gpupool serve, one static engine split between the agent and normal pools"
         f", admission {admission}, ledger {'durable' if ledger_durable else 'batched'}"
+        + (f", traces at ratio {observability['sample_ratio']}" if observability else "")
         + (f", code of {code}" if checkout is not None else ""),
     )
 
@@ -215,6 +227,20 @@ def make_targets(
             paths,
             workdir,
             ledger_durable=False,
+        ),
+        *(
+            gpupool_target(
+                name,
+                ports[name],
+                engine_url,
+                paths,
+                workdir,
+                observability={
+                    "otlp_endpoint": f"http://127.0.0.1:{ports['otlp-sink']}",
+                    "sample_ratio": ratio,
+                },
+            )
+            for name, ratio in (("gpupool-trace-1", 1.0), ("gpupool-trace-0.01", 0.01))
         ),
         *(
             [
