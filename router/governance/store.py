@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.governance.shared import SHARED_TABLES
 from router.store import Conn, Migration, SqliteStore, Store, migrate, upsert
 
 __all__ = ["MIGRATIONS", "GovernanceStore", "RunRow", "SessionRow", "TenantRow"]
@@ -84,7 +85,10 @@ def _sqlite_v1(conn: Conn) -> None:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
 
-MIGRATIONS = (Migration("governance", 1, "tenants, runs, sessions", _sqlite_v1, _POSTGRES_SCHEMA),)
+MIGRATIONS = (
+    Migration("governance", 1, "tenants, runs, sessions", _sqlite_v1, _POSTGRES_SCHEMA),
+    SHARED_TABLES,  # router/governance/shared.py
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ def test_migrate_then_status_on_postgres(
     assert "ledger at 0 of 1 (1 to apply)" in capsys.readouterr().out
     assert main(["store", "migrate", "--config", config]) == 0
     out = capsys.readouterr().out
-    assert "ledger 1:" in out and "governance 1:" in out and "rebalancer 2:" in out
+    assert "ledger 1:" in out and "governance 2:" in out and "rebalancer 2:" in out
     assert PASSWORD not in out
     assert main(["store", "migrate", "--config", config]) == 0
     assert capsys.readouterr().out.strip().endswith("up to date")

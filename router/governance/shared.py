@@ -1,0 +1,159 @@
+"""Budgets and concurrency slots kept in the store and changed atomically there, so router
+processes sharing one database (replicas) can never spend a tenant's budget twice.
+
+Not wired into the governor yet: the governor keeps its buckets in memory and saves them every
+sweep (router/governance/store.py). This is the database half of issue 25's "budgets and
+concurrency slots reserved and settled atomically": each call is one short transaction, safe
+against any number of concurrent callers on either backend (tests/unit/test_store_shared_
+budgets.py races two PostgreSQL clients); docs/replicas.md says what wiring it needs.
+
+- `reserve(tenant, bucket, amount, now_s, capacity=..., rate_per_s=...)`: one conditional
+  UPDATE: the bucket refills by the time since its last change (at `rate_per_s`, never above
+  `capacity`), and gives `amount` only if it holds it (or, for an amount above the whole
+  capacity, once it is full: the `TokenBucket` rule). True when given. A bucket not seen yet
+  starts full.
+- `settle(tenant, bucket, reserved, used)`: gives back `reserved - used` (takes more when the
+  request used more; the level may go below 0, never above capacity).
+- `acquire_slot(tenant, holder, limit, now_s, lease_s)`: one of at most `limit` slots, held
+  by `holder` until `now_s + lease_s` unless renewed (`renew_slots`) or released
+  (`release_slot`); the slots of a holder that died expire with their lease. The tenant's
+  bucket row is locked first, so concurrent acquisitions are counted one after another.
+
+Times are unix seconds (replicas share no monotonic clock); a clock that runs behind another
+replica's never refills a bucket backwards.
+"""
+
+from __future__ import annotations
+
+from router.store import Migration, Store
+
+__all__ = ["SHARED_TABLES", "SharedBudgets"]
+
+_TABLES = """
+CREATE TABLE IF NOT EXISTS budget_buckets (
+    tenant TEXT NOT NULL,
+    bucket TEXT NOT NULL,
+    level {real} NOT NULL,
+    capacity {real} NOT NULL,
+    rate_per_s {real} NOT NULL,
+    updated_at_s {real} NOT NULL,
+    PRIMARY KEY (tenant, bucket)
+);
+CREATE TABLE IF NOT EXISTS concurrency_slots (
+    tenant TEXT NOT NULL,
+    holder TEXT NOT NULL,
+    expires_at_s {real} NOT NULL,
+    PRIMARY KEY (tenant, holder)
+)
+"""
+# governance's second migration (router/governance/store.py lists them all)
+SHARED_TABLES = Migration(
+    "governance",
+    2,
+    "budget_buckets, concurrency_slots (shared budgets)",
+    _TABLES.format(real="REAL"),
+    _TABLES.format(real="DOUBLE PRECISION"),
+)
+
+# the level refilled to `now` (parameters: now, now), never above capacity, never backwards
+_REFILLED = (
+    "(CASE WHEN level + (CASE WHEN ? > updated_at_s THEN ? - updated_at_s ELSE 0 END)"
+    " * rate_per_s > capacity THEN capacity"
+    " ELSE level + (CASE WHEN ? > updated_at_s THEN ? - updated_at_s ELSE 0 END) * rate_per_s"
+    " END)"
+)
+_CREATE = (
+    "INSERT INTO budget_buckets (tenant, bucket, level, capacity, rate_per_s, updated_at_s)"
+    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, bucket) DO UPDATE SET"
+    " capacity = excluded.capacity, rate_per_s = excluded.rate_per_s"
+)
+_RESERVE = (
+    f"UPDATE budget_buckets SET level = {_REFILLED} - ?,"
+    " updated_at_s = CASE WHEN ? > updated_at_s THEN ? ELSE updated_at_s END"
+    f" WHERE tenant = ? AND bucket = ? AND ({_REFILLED} >= ? OR ({_REFILLED} >= capacity"
+    " AND ? > capacity))"
+)
+_SETTLE = (
+    "UPDATE budget_buckets SET level = CASE WHEN level + ? > capacity THEN capacity"
+    " ELSE level + ? END WHERE tenant = ? AND bucket = ?"
+)
+_SLOT_BUCKET = "__slots__"  # the row locked while a tenant's slots are counted
+
+
+class SharedBudgets:
+    """Sync, thread-safe (each call takes its own connection); call it off the event loop."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def reserve(
+        self,
+        tenant: str,
+        bucket: str,
+        amount: float,
+        now_s: float,
+        *,
+        capacity: float,
+        rate_per_s: float,
+    ) -> bool:
+        with self.store.connection() as conn, conn.transaction():
+            conn.execute(_CREATE, (tenant, bucket, capacity, capacity, rate_per_s, now_s))
+            now4 = (now_s,) * 4
+            cur = conn.execute(
+                _RESERVE,
+                (*now4, amount, now_s, now_s, tenant, bucket, *now4, amount, *now4, amount),
+            )
+            return cur.rowcount == 1
+
+    def settle(self, tenant: str, bucket: str, reserved: float, used: float) -> None:
+        back = reserved - used
+        with self.store.connection() as conn:
+            conn.execute(_SETTLE, (back, back, tenant, bucket))
+
+    def level(self, tenant: str, bucket: str) -> float | None:
+        """The stored level (as of its last change; None: never used)."""
+        with self.store.connection() as conn:
+            row = conn.execute(
+                "SELECT level FROM budget_buckets WHERE tenant = ? AND bucket = ?",
+                (tenant, bucket),
+            ).fetchone()
+        return None if row is None else float(row[0])
+
+    def acquire_slot(
+        self, tenant: str, holder: str, limit: int, now_s: float, *, lease_s: float
+    ) -> bool:
+        with self.store.connection() as conn, conn.transaction():
+            # the upsert locks the tenant's slot row: its acquisitions are counted in turn
+            conn.execute(_CREATE, (tenant, _SLOT_BUCKET, 0.0, 0.0, 0.0, now_s))
+            conn.execute(
+                "DELETE FROM concurrency_slots WHERE tenant = ? AND expires_at_s <= ?",
+                (tenant, now_s),
+            )
+            (held,) = conn.execute(
+                "SELECT COUNT(*) FROM concurrency_slots WHERE tenant = ? AND holder <> ?",
+                (tenant, holder),
+            ).fetchone()
+            if int(held) >= limit:
+                return False
+            conn.execute(
+                "INSERT INTO concurrency_slots (tenant, holder, expires_at_s) VALUES (?, ?, ?)"
+                " ON CONFLICT (tenant, holder) DO UPDATE SET expires_at_s = excluded.expires_at_s",
+                (tenant, holder, now_s + lease_s),
+            )
+            return True
+
+    def release_slot(self, tenant: str, holder: str) -> None:
+        with self.store.connection() as conn:
+            conn.execute(
+                "DELETE FROM concurrency_slots WHERE tenant = ? AND holder = ?", (tenant, holder)
+            )
+
+    def renew_slots(self, holder_prefix: str, now_s: float, lease_s: float) -> int:
+        """Extend the leases of every slot whose holder starts with `holder_prefix` (one
+        replica's, e.g. `"<replica id>:"`). Returns how many."""
+        with self.store.connection() as conn:
+            cur = conn.execute(
+                "UPDATE concurrency_slots SET expires_at_s = ? WHERE substr(holder, 1, ?) = ?",
+                (now_s + lease_s, len(holder_prefix), holder_prefix),
+            )
+            return int(cur.rowcount)

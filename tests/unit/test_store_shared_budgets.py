@@ -1,0 +1,114 @@
+"""Budgets and concurrency slots changed atomically in the store (router/governance/shared.py):
+the bucket rules on both backends, and two PostgreSQL clients (each with its own connection
+pool, as two router replicas would have) racing from several threads: the budget is spent
+exactly once, the slots never exceed their limit."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from router.governance.shared import SharedBudgets
+from router.governance.store import MIGRATIONS
+from router.store import PostgresStore, Store, migrate
+from tests.postgres import PASSWORD, PostgresServer
+
+T0 = 1_750_000_000.0
+
+
+def _budgets(store: Store) -> SharedBudgets:
+    migrate(store, MIGRATIONS)
+    return SharedBudgets(store)
+
+
+def test_a_bucket_reserves_refills_and_settles(any_store: Store) -> None:
+    b = _budgets(any_store)
+    kw = {"capacity": 100.0, "rate_per_s": 10.0}
+    assert b.reserve("t", "tokens", 60, T0, **kw)  # a new bucket starts full
+    assert not b.reserve("t", "tokens", 60, T0, **kw)  # 40 left
+    assert b.reserve("t", "tokens", 40, T0, **kw)
+    assert not b.reserve("t", "tokens", 1, T0 - 5, **kw)  # a clock behind refills nothing
+    assert b.reserve("t", "tokens", 20, T0 + 2, **kw)  # 2 s: 20 back
+    b.settle("t", "tokens", reserved=20, used=5)  # 15 given back
+    assert b.level("t", "tokens") == 15.0
+    b.settle("t", "tokens", reserved=0, used=30)  # used more than reserved: a debt
+    assert b.level("t", "tokens") == -15.0
+    b.settle("t", "tokens", reserved=500, used=0)
+    assert b.level("t", "tokens") == 100.0  # never above capacity
+    assert b.level("t", "other") is None
+
+
+def test_an_oversized_reservation_only_from_a_full_bucket(any_store: Store) -> None:
+    b = _budgets(any_store)
+    kw = {"capacity": 100.0, "rate_per_s": 1.0}
+    assert b.reserve("t", "tokens", 1, T0, **kw)
+    assert not b.reserve("t", "tokens", 150, T0, **kw)  # not full
+    assert b.reserve("t", "tokens", 150, T0 + 10, **kw)  # full again: allowed, goes below 0
+    assert b.level("t", "tokens") == -50.0
+
+
+def test_slots_limit_expire_release_and_renew(any_store: Store) -> None:
+    b = _budgets(any_store)
+    assert b.acquire_slot("t", "r1:a", 2, T0, lease_s=10)
+    assert b.acquire_slot("t", "r2:b", 2, T0, lease_s=10)
+    assert not b.acquire_slot("t", "r1:c", 2, T0, lease_s=10)
+    assert b.acquire_slot("t", "r1:a", 2, T0, lease_s=10)  # its own again: still two
+    assert b.acquire_slot("other", "r1:c", 2, T0, lease_s=10)  # per tenant
+    b.release_slot("t", "r2:b")
+    assert b.acquire_slot("t", "r1:c", 2, T0 + 1, lease_s=10)
+    assert b.renew_slots("r1:", T0 + 5, lease_s=10) == 3  # r1's slots, both tenants
+    # r2 dies holding nothing; r1's leases now end at T0 + 15: at T0 + 16 they have expired
+    assert not b.acquire_slot("t", "r3:x", 2, T0 + 14, lease_s=10)
+    assert b.acquire_slot("t", "r3:x", 2, T0 + 16, lease_s=10)
+
+
+def _race(
+    clients: list[SharedBudgets], threads_each: int, attempt: Callable[[SharedBudgets, int], bool]
+) -> int:
+    """Every thread calls `attempt` until it is refused; returns how many were granted."""
+    granted = [0]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def run(client: SharedBudgets, n: int) -> None:
+        try:
+            i = 0
+            while attempt(client, n * 1000 + i):
+                i += 1
+                with lock:
+                    granted[0] += 1
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [
+        threading.Thread(target=run, args=(c, k * threads_each + j))
+        for k, c in enumerate(clients)
+        for j in range(threads_each)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    return granted[0]
+
+
+def test_two_replicas_racing_never_overspend(postgres_server: PostgresServer) -> None:
+    url = postgres_server.create_database("race")
+    stores = [PostgresStore(url, password=PASSWORD, max_connections=3) for _ in range(2)]
+    for store in stores:
+        store.open()
+    try:
+        clients = [_budgets(store) for store in stores]
+        spent = _race(
+            clients,
+            3,
+            lambda c, _: c.reserve("t", "tokens", 1.0, T0, capacity=200.0, rate_per_s=1e-9),
+        )
+        assert spent == 200  # the whole budget, once
+        assert clients[0].level("t", "tokens") == 0.0
+        held = _race(clients, 3, lambda c, n: c.acquire_slot("t", f"holder-{n}", 7, T0, lease_s=60))
+        assert held == 7
+    finally:
+        for store in stores:
+            store.close()
