@@ -1,10 +1,10 @@
-"""The container image (Dockerfile): its CPU stage is built with the machine's image builder and
+"""The container image (Dockerfile): its cpu variant is built with the machine's image builder and
 the router started from it, against one of the session's real engines, answers `/ready`.
 
 Skipped, saying exactly why, where that cannot happen: no builder (podman, buildah, or docker
 with a daemon), a builder that cannot build here, or a base image that is neither local nor
 pullable (a machine without access to vLLM's registry). `GPUPOOL_TEST_VLLM_CPU_IMAGE` names
-another base for the CPU stage (one already loaded, e.g. from `podman load`), and
+another base for the cpu variant (one already loaded, e.g. from `podman load`), and
 `GPUPOOL_TEST_PYTHON_IMAGE` another for the wheel stage.
 
 The engines are requested only once the builder and the bases are known to be there, so a
@@ -95,8 +95,7 @@ def test_the_cpu_image_builds_and_its_router_answers_ready(
             "build",
             "--network",
             "host",
-            "--target",
-            "cpu",
+            "--build-arg=VARIANT=cpu",
             *(f"--build-arg={k}={v}" for k, v in bases.items()),
             "-t",
             TAG,
