@@ -48,9 +48,9 @@ def redact(url: str) -> str:
 
 
 def _reason(err: psycopg.Error) -> str:
-    """PostgreSQL's (or libpq's) words for a failed connection, one line."""
+    """PostgreSQL's (or libpq's) words for a failed connection, on one line."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[-1] if lines else type(err).__name__
+    return " ".join(lines) if lines else type(err).__name__
 
 
 def _alive(conn: psycopg.Connection[Any]) -> bool:
