@@ -7,6 +7,7 @@ and where stored responses live."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,45 @@ async def test_response_placements_survive_a_restart_bounded(any_store: Store) -
         assert len(again) == 3
     finally:
         await again.aclose()
+
+
+async def test_files_of_gpupool_before_the_store_are_adopted(tmp_path: Path) -> None:
+    """A ledger (user_version 1) and a governance file without the columns added later, as
+    gpupool wrote them before migrations: opened, migrated, data kept."""
+    ledger_path = tmp_path / "ledger.sqlite"
+    with sqlite3.connect(ledger_path) as raw:
+        raw.executescript(
+            "CREATE TABLE requests (request_id TEXT PRIMARY KEY, run_id TEXT, step_index INTEGER,"
+            " tenant TEXT NOT NULL, class_name TEXT NOT NULL, pool TEXT NOT NULL, instance TEXT,"
+            " model TEXT NOT NULL, started_at_s REAL NOT NULL, ended_at_s REAL NOT NULL,"
+            " queue_s REAL NOT NULL, ttft_s REAL, tpot_s REAL, prompt_tokens INTEGER NOT NULL,"
+            " completion_tokens INTEGER NOT NULL, gpu_seconds REAL NOT NULL,"
+            " outcome TEXT NOT NULL, status_code INTEGER NOT NULL);"
+            "INSERT INTO requests VALUES ('old', 'r', 0, 'team-a', 'agent', 'agent', 'i0', 'tiny',"
+            f" {T0}, {T0 + 1}, 0, NULL, NULL, 7, 3, 0.5, 'ok', 200);"
+            "PRAGMA user_version = 1;"
+        )
+    governance_path = tmp_path / "ledger.governance.sqlite"
+    with sqlite3.connect(governance_path) as raw:
+        raw.executescript(
+            "CREATE TABLE runs (tenant TEXT NOT NULL, run_id TEXT NOT NULL, started_at_s REAL"
+            " NOT NULL, last_seen_s REAL NOT NULL, limits TEXT NOT NULL, steps INTEGER NOT NULL,"
+            " tokens INTEGER NOT NULL, gpu_seconds REAL NOT NULL, stop_code TEXT,"
+            " stop_message TEXT, ended TEXT, PRIMARY KEY (tenant, run_id));"
+            f"INSERT INTO runs VALUES ('team-a', 'r', {T0}, {T0}, '{{}}', 2, 10, 1.0, NULL,"
+            " NULL, NULL);"
+        )
+    ledger = Ledger(ledger_path, clock=lambda: T0 + 10.0)
+    await ledger.start()
+    try:
+        assert (await ledger.totals())["prompt_tokens"] == 7
+        assert ledger.next_step_index("team-a", "r") == 1
+    finally:
+        await ledger.aclose()
+    governance = GovernanceStore(governance_path)
+    governance.open()
+    try:
+        (run,) = governance.load()[1]
+        assert (run.run_id, run.steps, run.active_s, run.settings) == ("r", 2, 0.0, {})
+    finally:
+        governance.close()
