@@ -13,10 +13,10 @@ router's CPU at c=64 (benchmarks/results/router_overhead.md). What the proxy nee
   head (often a pooled one the engine closed) raises `UpstreamClosed`; both are
   `ConnectionError`s, and `ConnectFailed` says the engine was never reached;
 - `total_s` bounds the whole exchange, connect to last byte (TimeoutError), not rounded;
-- `Response.read()` is the whole body; `async for data in response` yields what has arrived
-  since the last step (chunked transfer already decoded), pausing the engine's socket while
-  more than `_HIGH_WATER_BYTES` wait unread, so a slow client never makes the router buffer a
-  whole stream;
+- `Response.read()` is the whole body (however large: it never pauses the socket);
+  `async for data in response` yields what has arrived since the last step (chunked transfer
+  already decoded), pausing the engine's socket while more than `_HIGH_WATER_BYTES` wait
+  unread, so a slow client never makes the router buffer a whole stream;
 - `release()` hands a fully read connection back to the pool, `close()` drops it (an
   unfinished request: the engine sees the connection close and aborts the sequence).
 """
@@ -64,6 +64,7 @@ class Response:
         "_chunks",
         "_conn",
         "_done",
+        "_high_water",
         "_exc",
         "_size",
         "_timer",
@@ -78,6 +79,7 @@ class Response:
         self.content_type: str | None = None
         self._chunks: list[bytes] = []
         self._size = 0
+        self._high_water: float = _HIGH_WATER_BYTES  # read() lifts it: a whole body is wanted
         self._done = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -88,7 +90,7 @@ class Response:
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._size += len(data)
-        if self._size > _HIGH_WATER_BYTES:
+        if self._size > self._high_water:
             self._conn.pause()
         self._wake()
 
@@ -121,13 +123,14 @@ class Response:
         chunks = self._chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._chunks = []
-        if self._size > _HIGH_WATER_BYTES:
-            self._conn.resume()
+        self._conn.resume()  # no-op unless paused
         self._size = 0
         return data
 
     async def read(self) -> bytes:
         """The whole body (raises what ended the exchange early)."""
+        self._high_water = float("inf")
+        self._conn.resume()
         while not self._done:
             if self._exc is not None:
                 raise self._exc

@@ -172,3 +172,38 @@ async def _close_early() -> None:
 
 
 test_closing_a_response_early_aborts_it = _on_both_loops(_close_early)
+
+
+def _big_app(size: int, step: int) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for start in range(0, size, step):
+            body = b"x" * min(step, size - start)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+async def _big_body() -> None:
+    """A whole body far over the stream's high-water mark is read whole (never paused for
+    good), and one read slowly as a stream arrives whole too (paused and resumed)."""
+    size = 3 * 1024 * 1024
+    async with serve_asgi(_big_app(size, 64 * 1024)) as url:
+        client = Upstream()
+        resp = await client.post(url, "/x", b"{}", _HEADERS, total_s=20, connect_s=2)
+        assert len(await resp.read()) == size
+        resp.release()
+        resp = await client.post(url, "/x", b"{}", _HEADERS, total_s=20, connect_s=2)
+        got = 0
+        async for chunk in resp:
+            got += len(chunk)
+            await asyncio.sleep(0.01)  # a slow client: the engine's socket pauses meanwhile
+        assert got == size
+        resp.release()
+        await client.aclose()
+
+
+test_a_body_over_the_high_water_mark_arrives_whole = _on_both_loops(_big_body)
