@@ -64,8 +64,8 @@ class Response:
         "_chunks",
         "_conn",
         "_done",
-        "_high_water",
         "_exc",
+        "_high_water",
         "_size",
         "_timer",
         "_waiter",
@@ -178,6 +178,7 @@ class _Conn(asyncio.Protocol):
         self.open = False
         self.idle_since_s = 0.0
         self._paused = False
+        self._to_eof = False
 
     # -- asyncio.Protocol
 
@@ -195,13 +196,22 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
+        head = self.head
+        if exc is None and self._to_eof and head is not None and head.done():
+            # no content-length, not chunked: the body is what came before the close
+            if self.response is not None:
+                self.response._finish()
+            return
         self._fail(UpstreamClosed(f"the engine closed the connection{f': {exc}' if exc else ''}"))
 
     # -- httptools callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.response is not None and name.lower() == b"content-type":
+        name = name.lower()
+        if name == b"content-type" and self.response is not None:
             self.response.content_type = value.decode("latin-1")
+        elif name in (b"content-length", b"transfer-encoding"):
+            self._to_eof = False
 
     def on_headers_complete(self) -> None:
         response = self.response
@@ -234,6 +244,7 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None
         self.response = response
         self.head = self.loop.create_future()
+        self._to_eof = True  # until a header gives the body's length or its chunking
         self.transport.write(request)
 
     def pause(self) -> None:

@@ -207,3 +207,40 @@ async def _big_body() -> None:
 
 
 test_a_body_over_the_high_water_mark_arrives_whole = _on_both_loops(_big_body)
+
+
+async def _to_eof() -> None:
+    """An answer with neither content-length nor chunking (HTTP/1.0 style): its body is what
+    came before the close, not a failure; a close inside a content-length body is one."""
+
+    async def eof_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n" + b'{"a": 1}')
+        await writer.drain()
+        writer.close()
+
+    async def short_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n" + b'{"a": 1}')
+        await writer.drain()
+        writer.close()
+
+    client = Upstream()
+    for handler, whole in ((eof_server, True), (short_server, False)):
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        resp = await client.post(url, "/x", b"{}", _HEADERS, total_s=10, connect_s=2)
+        assert resp.status == 200
+        if whole:
+            assert await resp.read() == b'{"a": 1}'
+            resp.release()
+        else:
+            with pytest.raises(UpstreamClosed):
+                await resp.read()
+            resp.close()
+        server.close()
+        await server.wait_closed()
+    await client.aclose()
+
+
+test_a_body_to_the_close_is_whole_and_a_short_one_fails = _on_both_loops(_to_eof)
