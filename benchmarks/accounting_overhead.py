@@ -26,11 +26,14 @@ from router.accounting.accountant import Accountant, SequenceToken
 from router.accounting.ledger import Ledger, RequestRecord
 
 
-def _record(k: int, gpu_seconds: float, now_s: float) -> RequestRecord:
+def bench_record(
+    k: int, gpu_seconds: float, now_s: float, *, step_index: int | None = None
+) -> RequestRecord:
+    """The k-th record of a benchmark: request `req-k` of run `run-(k % 1000)`."""
     return RequestRecord(
         request_id=f"req-{k}",
         run_id=f"run-{k % 1000}",
-        step_index=None,
+        step_index=step_index,
         tenant="team-a",
         class_name="agent",
         pool="agent",
@@ -68,7 +71,7 @@ def hot_path_us(requests: int, instances: int, concurrency: int, ledger: Ledger)
             in_flight.append(token)
             done = in_flight.popleft()
             now_s = clock()
-            ledger.submit(_record(k, acc.end(done, now_s), now_s))
+            ledger.submit(bench_record(k, acc.end(done, now_s), now_s))
         per_request_us.append((time.perf_counter() - t0) / chunk * 1e6)
     report = acc.conservation(clock())
     assert report.rel_error < 1e-9, report
@@ -86,7 +89,7 @@ def breakdown_us(requests: int, instances: int) -> dict[str, float]:
         acc.end(acc.begin(iid, float(k)), k + 0.5)
     begin_end = time.perf_counter() - t0
     t0 = time.perf_counter()
-    records = [_record(k, 1.0, 0.0) for k in range(requests)]
+    records = [bench_record(k, 1.0, 0.0) for k in range(requests)]
     build = time.perf_counter() - t0
     ledger = Ledger(Path("unused.sqlite"), durable=False)  # submit needs no open file
     t0 = time.perf_counter()
@@ -106,7 +109,7 @@ async def lone_commits_us(ledger: Ledger, n: int) -> tuple[list[float], float]:
     latencies = []
     cpu0 = time.process_time()
     for k in range(n):
-        rec = _record(k, 1.0, 0.0)
+        rec = bench_record(k, 1.0, 0.0)
         t0 = time.perf_counter()
         await ledger.commit(rec)
         latencies.append((time.perf_counter() - t0) * 1e6)
@@ -121,7 +124,7 @@ async def concurrent_cpu_us(ledger: Ledger, n: int, concurrency: int) -> tuple[f
 
     async def task(t: int) -> None:
         for k in range(t * per_task, (t + 1) * per_task):
-            rec = _record(k, 1.0, 0.0)
+            rec = bench_record(k, 1.0, 0.0)
             if ledger.durable:
                 await ledger.commit(rec)
             else:

@@ -890,7 +890,7 @@ class StoreConfig:
     statement_timeout_s: float = Field(default=10.0, gt=0)  # PostgreSQL's statement_timeout
     # on: each commit waits for the database server's WAL fsync (survives its crash); off:
     # survives the router's kill -9 and a clean database restart, as the embedded store does
-    # (benchmarks/results/store_overhead.md: +0.18 ms p50 per request off, +0.36 ms on)
+    # (per request, benchmarks/results/store_overhead.md)
     synchronous_commit: StrictBool = False
     # read from `password_env` at load (the document may not set it)
     password: str | None = dataclasses.field(default=None, repr=False)

@@ -10,11 +10,27 @@ from pathlib import Path
 import pytest
 
 from benchmarks.faults_ledger_kill import router_config, stream_then_kill
-from benchmarks.reliability.faults import RouterProcess, ledger_rows
+from benchmarks.reliability.faults import Reply, RouterProcess, ledger_rows
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 
 MODEL = Path(__file__).resolve().parents[2] / ".gpupool" / "models" / "tiny"
+
+
+async def twenty_then_kill(config: Path, log: Path) -> list[Reply]:
+    """`gpupool serve` with `config`: 20 streams, 5 at a time, SIGKILL right after the last
+    [DONE]; the replies (each checked to have got its final bytes)."""
+    router = RouterProcess("serve", config, log)
+    try:
+        await router.wait_ready()
+        replies, _ = await stream_then_kill(
+            router, requests=20, concurrency=5, max_tokens=8, kill_after_done=20
+        )
+        assert await router.wait_exit(10) == -9
+    finally:
+        await router.stop()
+    assert [r.kind for r in replies] == ["ok"] * 20  # every client got its final bytes
+    return replies
 
 
 @pytest.mark.parametrize("durable", [True, False], ids=["durable", "batched"])
@@ -29,16 +45,7 @@ async def test_kill_9_after_the_last_done_loses_no_record(tmp_path: Path, durabl
             model_path=MODEL,
             router={"ledger_flush_interval_s": 600.0},
         )
-        router = RouterProcess("serve", config, tmp_path / "router.log")
-        try:
-            await router.wait_ready()
-            replies, _ = await stream_then_kill(
-                router, requests=20, concurrency=5, max_tokens=8, kill_after_done=20
-            )
-            assert await router.wait_exit(10) == -9
-        finally:
-            await router.stop()
-    assert [r.kind for r in replies] == ["ok"] * 20  # every client got its final bytes
+        replies = await twenty_then_kill(config, tmp_path / "router.log")
     rows = ledger_rows(tmp_path / "ledger.sqlite")  # integrity checked
     recorded = [r.request_id for r in replies if r.request_id in rows]
     if durable:

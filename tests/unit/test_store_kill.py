@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.faults_ledger_kill import router_config, stream_then_kill
-from benchmarks.reliability.faults import RouterProcess
+from benchmarks.faults_ledger_kill import router_config
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.store import PostgresStore
 from tests.postgres import PASSWORD, PostgresServer
+from tests.unit.test_ledger_kill import MODEL, twenty_then_kill
 
-MODEL = Path(__file__).resolve().parents[2] / ".gpupool" / "models" / "tiny"
 ENV = "GPUPOOL_TEST_STORE_PASSWORD"
 
 
@@ -39,16 +38,7 @@ async def test_kill_9_after_the_last_done_loses_no_record_on_postgres(
         del data["router"]["ledger_path"]
         data["store"] = {"url": url, "password_env": ENV}
         config.write_text(json.dumps(data))
-        router = RouterProcess("serve", config, tmp_path / "router.log")
-        try:
-            await router.wait_ready()
-            replies, _ = await stream_then_kill(
-                router, requests=20, concurrency=5, max_tokens=8, kill_after_done=20
-            )
-            assert await router.wait_exit(10) == -9
-        finally:
-            await router.stop()
-    assert [r.kind for r in replies] == ["ok"] * 20  # every client got its final bytes
+        replies = await twenty_then_kill(config, tmp_path / "router.log")
     store = PostgresStore(url, password=PASSWORD)
     store.open()
     try:
