@@ -5,7 +5,8 @@ without admission: count_tokens, GET and cancel of a stored response), `protocol
 per API: chat, completions, responses, messages), `classify` (tenant, class, pool, priority,
 deadline, run of a request), `wait_comments` (SSE comments while a stream waits),
 `response_placement` (which engine stored a response), `http_protocol` (uvicorn's protocol
-with the slow-client guards).
+with the slow-client guards and each request's `ClientLink`), `upstream` (the proxy's pooled
+HTTP/1.1 client to the engines).
 
 The top of the router: it may import every feature. Must not import `router.cli` (which runs
 it) nor `benchmarks`; no feature imports it (tests/unit/test_layering.py).
