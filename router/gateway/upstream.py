@@ -196,6 +196,8 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
+        if self.response is None and self in self.pool:
+            self.pool.remove(self)  # an idle one the engine closed: not kept until next use
         head = self.head
         if exc is None and self._to_eof and head is not None and head.done():
             # no content-length, not chunked: the body is what came before the close

@@ -244,3 +244,27 @@ async def _to_eof() -> None:
 
 
 test_a_body_to_the_close_is_whole_and_a_short_one_fails = _on_both_loops(_to_eof)
+
+
+async def _idle_closed() -> None:
+    """An idle pooled connection the engine closes leaves the pool at once (an engine that
+    is gone for good leaves nothing behind)."""
+    state = FakeEngineState()
+    async with serve_asgi(make_fake_engine(state), keep_alive_s=1) as url:
+        client = Upstream()
+        resp = await client.post(
+            url, "/v1/chat/completions", _body(False), _HEADERS, total_s=10, connect_s=2
+        )
+        await resp.read()
+        resp.release()
+        (pool,) = client._idle.values()
+        assert len(pool) == 1
+        for _ in range(300):  # the engine closes it after its 1 s keep-alive
+            if not pool:
+                break
+            await asyncio.sleep(0.02)
+        assert not pool
+        await client.aclose()
+
+
+test_an_idle_connection_the_engine_closes_leaves_the_pool = _on_both_loops(_idle_closed)
