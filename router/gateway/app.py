@@ -74,6 +74,8 @@ from router.settlement import Settlement
 from router.store import Stores
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from router.ops.tracing.tracer import Tracing
 
 __all__ = ["Gateway", "create_app"]
@@ -159,7 +161,7 @@ class Gateway:
             self.accountant, self.ledger, self.accounting_metrics, clock=clock
         )
         # traces (router.ops.tracing), when observability.otlp_endpoint is set
-        self.tracing = _tracing(config, self.runs, clock)
+        self.tracing = _tracing(config, self.runs, clock, self.metrics.registry)
         if self.tracing is not None:
             observers = [*(observers or []), self.tracing.observer]
         # a request's end and a run's end, after dispatch: meter, governance, ledger, learners
@@ -528,14 +530,16 @@ def _response_path(path: str) -> tuple[str | None, bool]:
     return rest, cancel
 
 
-def _tracing(config: Config, runs: RunTable, clock: Callable[[], float]) -> Tracing | None:
+def _tracing(
+    config: Config, runs: RunTable, clock: Callable[[], float], registry: CollectorRegistry
+) -> Tracing | None:
     """The router's tracer when `observability.otlp_endpoint` is set, else None (and the
     OpenTelemetry SDK is not even imported)."""
     if config.observability.otlp_endpoint is None:
         return None
     from router.ops.tracing.tracer import Tracing
 
-    return Tracing(config.observability, runs=runs, clock=clock)
+    return Tracing(config.observability, runs=runs, clock=clock, registry=registry)
 
 
 def create_app(

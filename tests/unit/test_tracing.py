@@ -194,11 +194,15 @@ async def test_a_failing_collector_drops_spans_and_never_fails_a_request(
         with caplog.at_level(logging.WARNING, logger="router.ops.tracing.export"):
             await rig.flush()
         assert processor.failures == 1 and processor.dropped == 7 and processor.exported == 0
+        metrics = (await rig.client.get("/metrics")).text
+        assert 'gpupool_trace_spans_total{result="dropped"} 7.0' in metrics
         assert "export of 7 span(s) failed" in caplog.text
         receiver.fail_next = 0
         resp = await rig.client.post("/v1/chat/completions", json=CHAT)
         await rig.flush()
         assert processor.exported == 7
+        metrics = (await rig.client.get("/metrics")).text
+        assert 'gpupool_trace_spans_total{result="exported"} 7.0' in metrics
     assert receiver.requests >= 2
 
 

@@ -3,8 +3,9 @@ processor's own sends them in batches, in a worker thread (`asyncio.to_thread`: 
 exporter's HTTP client blocks), so a slow or absent collector never holds up a request.
 
 - a batch leaves every `interval_s`, or as soon as `batch_size` spans wait;
-- past `max_queued` waiting spans, new ones are dropped and counted (`dropped`): a collector
-  that is down costs memory up to that bound, nothing more;
+- past `max_queued` waiting spans, new ones are dropped and counted (`dropped`, and
+  `on_count`: the gateway's `gpupool_trace_spans_total{result}`): a collector that is down
+  costs memory up to that bound, nothing more;
 - an export that fails is logged (once per run of failures) and its spans are dropped; the
   exporter's own retries (OTLP's backoff, within its timeout) come first;
 - `aclose` stops the loop after the batch in flight, sends what is left (at most `timeout_s`
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
@@ -44,6 +46,7 @@ class LoopBatchProcessor(SpanProcessor):
         batch_size: int = 512,
         max_queued: int = 8192,
         timeout_s: float = 10.0,
+        on_count: Callable[[str, int], None] | None = None,
     ) -> None:
         if batch_size < 1 or max_queued < batch_size:
             raise ValueError("need 1 <= batch_size <= max_queued")
@@ -60,6 +63,8 @@ class LoopBatchProcessor(SpanProcessor):
         self.exported = 0  # spans the collector accepted
         self.dropped = 0  # spans never sent: the queue was full, or their export failed
         self.failures = 0  # exports that failed
+        # told each change of `exported`/`dropped`: ("exported" | "dropped", how many)
+        self._on_count = on_count
 
     # ------------------------------------------------------------------ SpanProcessor
 
@@ -68,7 +73,7 @@ class LoopBatchProcessor(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         if len(self._queue) >= self.max_queued:
-            self.dropped += 1
+            self._count("dropped", 1)
             return
         self._queue.append(span)
         if len(self._queue) >= self.batch_size and self._wake is not None:
@@ -106,7 +111,7 @@ class LoopBatchProcessor(SpanProcessor):
             except TimeoutError:
                 log.warning("traces: %d span(s) not sent at shutdown", len(self._queue))
                 await cancel_and_wait(task)
-            self.dropped += len(self._queue)
+            self._count("dropped", len(self._queue))
             self._queue.clear()
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.exporter.shutdown)
@@ -122,13 +127,13 @@ class LoopBatchProcessor(SpanProcessor):
                 log.debug("trace export raised", exc_info=err)
                 result = SpanExportResult.FAILURE
             if result is SpanExportResult.SUCCESS:
-                self.exported += n
+                self._count("exported", n)
                 if self._failing:
                     log.info("traces: the collector accepts spans again")
                 self._failing = False
             else:
                 self.failures += 1
-                self.dropped += n
+                self._count("dropped", n)
                 if not self._failing:
                     log.warning(
                         "traces: export of %d span(s) failed; dropping them (the collector is"
@@ -136,6 +141,14 @@ class LoopBatchProcessor(SpanProcessor):
                         n,
                     )
                 self._failing = True
+
+    def _count(self, what: str, n: int) -> None:
+        if what == "exported":
+            self.exported += n
+        else:
+            self.dropped += n
+        if self._on_count is not None and n:
+            self._on_count(what, n)
 
     async def _run(self) -> None:
         assert self._wake is not None

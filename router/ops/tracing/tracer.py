@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Tracer
+from prometheus_client import CollectorRegistry, Counter
 
 from pools.config import ObservabilityConfig
 from router.ops.tracing.export import LoopBatchProcessor
@@ -41,12 +42,22 @@ class Tracing:
         clock: Callable[[], float] = time.monotonic,
         exporter: SpanExporter | None = None,
         version: str = "",
+        registry: CollectorRegistry | None = None,
     ) -> None:
         if config.otlp_endpoint is None and exporter is None:
             raise ValueError("tracing needs observability.otlp_endpoint")
         self.config = config
         self.runs = runs
         self.clock = clock
+        spans = Counter(
+            "gpupool_trace_spans_total",
+            "OpenTelemetry spans by what became of them: exported (the collector took them) or"
+            " dropped (the queue was full, or their export failed)",
+            ["result"],
+            registry=registry,
+        )
+        for result in ("exported", "dropped"):
+            spans.labels(result)
         self.processor = LoopBatchProcessor(
             exporter
             or OTLPSpanExporter(
@@ -56,6 +67,7 @@ class Tracing:
             ),
             interval_s=config.export_interval_s,
             timeout_s=EXPORT_TIMEOUT_S,
+            on_count=lambda result, n: spans.labels(result).inc(n),
         )
         attributes: dict[str, str] = {"service.name": config.service_name}
         if version:
