@@ -29,6 +29,7 @@ __all__ = [
     "RateLimited",
     "RequestTimeout",
     "RunStopped",
+    "StoreUnavailable",
     "Unauthorized",
     "anthropic_body",
     "anthropic_payload",
@@ -116,11 +117,8 @@ class PayloadTooLarge(GpupoolError):
     type = "invalid_request_error"
 
 
-class CapacityExceeded(GpupoolError):
-    """Admission refused: queue full or the deadline cannot be met. Retryable."""
-
-    status = 429
-    type = "capacity_exceeded"
+class _Retryable(GpupoolError):
+    """An error the client may retry after `retry_after_s` (`Retry-After`, whole seconds)."""
 
     def __init__(self, message: str, code: str, *, retry_after_s: float) -> None:
         super().__init__(message, code)
@@ -132,6 +130,13 @@ class CapacityExceeded(GpupoolError):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"retry-after", str(retry_after_seconds(self.retry_after_s)).encode())]
+
+
+class CapacityExceeded(_Retryable):
+    """Admission refused: queue full or the deadline cannot be met. Retryable."""
+
+    status = 429
+    type = "capacity_exceeded"
 
 
 class RateLimited(CapacityExceeded):
@@ -165,6 +170,14 @@ class EngineFailure(GpupoolError):
 
 
 class NoHealthyInstance(GpupoolError):
+    status = 503
+    type = "service_unavailable"
+
+
+class StoreUnavailable(_Retryable):
+    """The shared store holding the tenant's budgets cannot be reached and
+    `store.budgets_on_outage` is `closed`. Retryable: `Retry-After` says when to try again."""
+
     status = 503
     type = "service_unavailable"
 
@@ -217,7 +230,7 @@ def anthropic_payload(err: GpupoolError) -> dict[str, Any]:
         "message": err.message,
         "code": err.code,
     }
-    if isinstance(err, CapacityExceeded):
+    if isinstance(err, _Retryable):
         inner["retry_after_seconds"] = retry_after_seconds(err.retry_after_s)
     return {"type": "error", "error": inner}
 

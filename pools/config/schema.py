@@ -870,6 +870,10 @@ class RebalancerConfig(RebalanceSettings):
 _PG_SCHEMES = ("postgresql", "postgres")
 
 
+# the store settings that only a shared (PostgreSQL) store reads
+_SHARED_ONLY = ("budgets_on_outage", "budget_chunk_frac", "slot_lease_s")
+
+
 @dataclass(frozen=True, slots=True, config=_STRICT)
 class StoreConfig:
     """Where the state that router replicas must agree on lives: the ledger, governance
@@ -892,13 +896,33 @@ class StoreConfig:
     # survives the router's kill -9 and a clean database restart, as the embedded store does
     # (per request, benchmarks/results/store_overhead.md)
     synchronous_commit: StrictBool = False
+    # budgets while the database cannot be reached: `open`, each replica admits against its
+    # own in-memory buckets and charges what it spent to the shared ones on reconnect (the
+    # budget may be overspent up to once per replica for the outage); `closed`, a request
+    # its replica's reserved chunk does not cover is refused with 503 store_unavailable
+    budgets_on_outage: Literal["open", "closed"] = "open"
+    # what a replica takes from a tenant's shared bucket at once, as a fraction of the
+    # bucket (at least the request's own estimate); given back every governance sweep (1 s)
+    budget_chunk_frac: float = Field(default=0.05, gt=0, le=0.5)
+    # a replica's concurrency slots expire this long after its last renewal (every sweep,
+    # 1 s): a replica that dies gives its slots back after at most this
+    slot_lease_s: float = Field(default=30.0, ge=5, le=3600)
     # read from `password_env` at load (the document may not set it)
     password: str | None = dataclasses.field(default=None, repr=False)
 
     @model_validator(mode="before")
     @classmethod
     def _no_password_in_document(cls, data: Any) -> Any:
-        return _refuse_derived(data, ("password",))
+        _refuse_derived(data, ("password",))
+        if isinstance(data, Mapping) and data.get("url") is None:
+            idle = [k for k in _SHARED_ONLY if k in data]
+            if idle:
+                raise ValueError(
+                    f"{', '.join(idle)} set without store.url: the embedded store serves one"
+                    " router, whose budgets stay in memory (set a PostgreSQL url, or remove"
+                    " them)"
+                )
+        return data
 
     @field_validator("url")
     @classmethod

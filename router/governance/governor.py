@@ -24,6 +24,13 @@ ends. A request whose reservation does not fit waits (FIFO per tenant) while the
 as long as the wait ends before both its deadline and its pool's `queue.max_wait_s`; else it is
 refused at once with 429 `token_rate` (or `request_rate`) and the `Retry-After` at which the
 bucket will hold it.
+
+With `store.url` set (router replicas on one database) the limits are shared besides
+(`replica.ReplicaBudgets`): a request also takes its tokens and request from the replica's
+lease on the tenant's shared buckets, and a slot in the database for `max_concurrent_requests`
+and (a run becoming active) `max_concurrent_runs`; cost caps add the other replicas' windows.
+The local buckets still apply (they are what a store outage falls back on). Borrowing stays
+off there (a lender's bucket is shared). Without a URL nothing of this runs.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from router.governance.limits import (
 )
 from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
+from router.governance.replica import ReplicaBudgets
 from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
@@ -113,6 +121,18 @@ class _Ticket:
     run: RunState | None
     run_end: bool
     counted: bool = False  # the step was dispatched and counts toward the run's max_steps
+    shared: _SharedTake | None = None  # what it took from the shared store (store.url)
+
+
+@dataclass(slots=True)
+class _SharedTake:
+    """What a request took from the shared store: its tokens and request from the replica's
+    leases, its request slot and (a run becoming active) its run's slot."""
+
+    tokens: float = 0.0
+    request: bool = False
+    slot: str | None = None
+    run_slot: str | None = None  # `<session or run id>` whose slot was taken
 
 
 @dataclass(eq=False)
@@ -133,6 +153,9 @@ class _Tenant:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # FIFO among its rate waiters
     refilled: asyncio.Event = field(default_factory=asyncio.Event)
     alerted: bool = False
+    # the other replicas' cost windows (store.url), as of the last sweep
+    others_hour: WindowSum | None = None
+    others_day: WindowSum | None = None
 
 
 class Governor:
@@ -147,6 +170,7 @@ class Governor:
         max_runs_per_tenant: int = MAX_RUNS_PER_TENANT,
         store: GovernanceStore | None = None,
         wall_clock: Callable[[], float] = time.time,
+        replica_id: str | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -169,6 +193,19 @@ class Governor:
         self._pending_sessions: dict[str, list[SessionRow]] = {}
         self._dirty_sessions: set[tuple[str, str]] = set()
         self._saves = 0
+        # budgets, slots and cost windows shared with the other routers on the database
+        self._replica: ReplicaBudgets | None = None
+        if store is not None and config.store.url is not None:
+            sc = config.store
+            self._replica = ReplicaBudgets(
+                store.store,
+                metrics,
+                on_outage=sc.budgets_on_outage,
+                chunk_frac=sc.budget_chunk_frac,
+                slot_lease_s=sc.slot_lease_s,
+                wall_clock=wall_clock,
+                replica_id=replica_id,
+            )
         for tenant in config.tenants:
             self._state(tenant)
 
@@ -187,6 +224,9 @@ class Governor:
 
     async def aclose(self) -> None:
         await self._sweep_loop.aclose()
+        replica, self._replica = self._replica, None
+        if replica is not None:
+            await replica.aclose()
         if self._store is not None:
             await self.save()
             # closed once: a second aclose (the gateway's, after a failed start) finds nothing
@@ -196,6 +236,8 @@ class Governor:
     async def _sweep_and_save(self) -> None:
         """The sweep loop's tick, every `sweep_interval_s`."""
         self.sweep()
+        if self._replica is not None:
+            await self.sync_replicas()
         await self.save()
 
     # ------------------------------------------------------------------ durability
@@ -212,18 +254,23 @@ class Governor:
         if self._store is None:
             return
         now = self.clock()
-        tenants = [
-            TenantRow(
-                st.config.name,
-                self._unix(now),
-                None if st.tokens is None else st.tokens.level(now),
-                None if st.requests is None else st.requests.level(now),
-                None if st.allowance is None else st.allowance.level(now),
-                [(self._unix(t), a) for t, a in st.hour.slices(now)],
-                [(self._unix(t), a) for t, a in st.day.slices(now)],
-            )
-            for st in self._tenants.values()
-        ]
+        # shared: the buckets and windows live in the store's shared tables instead
+        tenants = (
+            []
+            if self._replica is not None
+            else [
+                TenantRow(
+                    st.config.name,
+                    self._unix(now),
+                    None if st.tokens is None else st.tokens.level(now),
+                    None if st.requests is None else st.requests.level(now),
+                    None if st.allowance is None else st.allowance.level(now),
+                    [(self._unix(t), a) for t, a in st.hour.slices(now)],
+                    [(self._unix(t), a) for t, a in st.day.slices(now)],
+                )
+                for st in self._tenants.values()
+            ]
+        )
         runs = [
             RunRow(
                 tenant,
@@ -264,10 +311,41 @@ class Governor:
         if self._saves % 600 == 1:  # about every 10 minutes: runs idle for a day go
             await asyncio.to_thread(self._store.forget_runs_before, self._wall_clock() - DAY_S)
 
+    async def sync_replicas(self) -> None:
+        """The shared half of the sweep (store.url): give back the leases, renew this
+        replica's slots, publish its cost windows and read the others' (see `replica`)."""
+        replica = self._replica
+        if replica is None:
+            return
+        now = self.clock()
+        windows = [
+            (
+                name,
+                [(self._unix(t), a) for t, a in st.hour.slices(now)],
+                [(self._unix(t), a) for t, a in st.day.slices(now)],
+            )
+            for name, st in self._tenants.items()
+            if st.limits.cost_cap_gpu_seconds_per_hour is not None
+            or st.limits.daily_budget_gpu_seconds is not None
+        ]
+        others = await replica.sync(windows)
+        if others is None:  # unreachable: the last windows read stay
+            return
+        for name, st in self._tenants.items():
+            hour_day = others.get(name)
+            st.others_hour = st.others_day = None
+            if hour_day is not None:
+                st.others_hour = WindowSum(HOUR_S, 60)
+                st.others_day = WindowSum(DAY_S, 96)
+                for window, slices in ((st.others_hour, hour_day[0]), (st.others_day, hour_day[1])):
+                    for start, amount in slices:
+                        window.add(amount, self._mono(start))
+
     def _restore(
         self, tenants: list[TenantRow], runs: list[RunRow], sessions: Sequence[SessionRow] = ()
     ) -> None:
-        self._pending_tenants = {t.tenant: t for t in tenants}
+        if self._replica is None:  # shared: the shared tables hold the buckets and windows
+            self._pending_tenants = {t.tenant: t for t in tenants}
         for row in runs:
             self._pending_runs.setdefault(row.tenant, []).append(row)
         for srow in sorted(sessions, key=lambda x: x.last_seen_s):
@@ -381,11 +459,20 @@ class Governor:
         self._check(st, ctx, signals, now)
         need = float(estimate.total_tokens)
         waited_s = await self._take_rate(st, ctx, need, now)
+        shared: _SharedTake | None = None
+        if self._replica is not None:
+            try:
+                shared = await self._take_shared(st, ctx, need, now)
+            except BaseException:
+                self._give_back(st, need, True, self.clock())
+                raise
         now = self.clock()
         try:  # the wait may have let another step stop the run or take the last slot
             run, new_run = self._check(st, ctx, signals, now)
         except BaseException:
             self._give_back(st, need, True, now)
+            if shared is not None:
+                self._undo_shared(st, shared)
             raise
         if run is not None:
             if new_run:
@@ -406,9 +493,91 @@ class Governor:
             st.requests is not None,
             run,
             signals.run_end,
+            shared=shared,
         )
         self._export(st, now)
         return waited_s
+
+    async def _take_shared(
+        self, st: _Tenant, ctx: RequestContext, need: float, now_s: float
+    ) -> _SharedTake:
+        """Take the request's tokens and request from the shared buckets (waiting, as the
+        local buckets do, while they refill within the deadline and the pool's max wait),
+        then its request slot and, for a run not active here, its run's slot."""
+        replica = self._replica
+        assert replica is not None
+        name = st.config.name
+        took = _SharedTake()
+        end_s = min(ctx.deadline_s, now_s + self._max_wait_s.get(ctx.pool, 0.0))
+        try:
+            for bucket, local, amount, reason in (
+                ("tokens", st.tokens, need, "token_rate"),
+                ("requests", st.requests, 1.0, "request_rate"),
+            ):
+                if local is None:
+                    continue
+                while (
+                    wait := await replica.take(
+                        name, bucket, amount, capacity=local.capacity, rate_per_s=local.rate_per_s
+                    )
+                ) > 0.0:
+                    if self.clock() + wait > end_s:
+                        per_minute = round(local.rate_per_s * 60)
+                        self._refuse(
+                            st,
+                            reason,
+                            f"tenant {name!r} is over its {per_minute} {bucket} per minute"
+                            f" across the router replicas (this request takes {amount:.0f});"
+                            f" retry after {wait:.1f} s",
+                            wait,
+                        )
+                    await asyncio.sleep(wait)
+                if bucket == "tokens":
+                    took.tokens = amount
+                else:
+                    took.request = True
+            limit = st.limits.max_concurrent_requests
+            if limit is not None:
+                admitted, took.slot = await replica.acquire(name, "requests", ctx.request_id, limit)
+                if not admitted:
+                    self._refuse(
+                        st,
+                        "tenant_concurrency",
+                        f"tenant {name!r} has {limit} requests in flight across the router"
+                        f" replicas, its tier's limit (max_concurrent_requests)",
+                        1.0,
+                    )
+            run_limit = st.limits.max_concurrent_runs
+            slot_id = ctx.session_id or ctx.run_id
+            if slot_id is not None and run_limit is not None and slot_id not in _slot_ids(st):
+                admitted, holder = await replica.acquire(name, "runs", f"run:{slot_id}", run_limit)
+                took.run_slot = slot_id if holder is not None else None
+                if not admitted:
+                    self._refuse(
+                        st,
+                        "tenant_concurrency",
+                        f"tenant {name!r} has {run_limit} agent runs active across the router"
+                        f" replicas, its limit (max_concurrent_runs): end one or wait for it"
+                        " to go idle",
+                        1.0,
+                    )
+        except BaseException:
+            self._undo_shared(st, took)
+            raise
+        return took
+
+    def _undo_shared(self, st: _Tenant, took: _SharedTake) -> None:
+        """Give back what `_take_shared` took for a request refused after all."""
+        replica = self._replica
+        if replica is None:
+            return
+        name = st.config.name
+        replica.give(name, "tokens", took.tokens)
+        replica.give(name, "requests", 1.0 if took.request else 0.0)
+        if took.slot is not None:
+            replica.release(name, "requests", took.slot)
+        if took.run_slot is not None and took.run_slot not in _slot_ids(st):
+            replica.release(name, "runs", replica.holder(f"run:{took.run_slot}"))
 
     def _check(
         self, st: _Tenant, ctx: RequestContext, signals: StepSignals, now_s: float
@@ -460,10 +629,14 @@ class Governor:
         for cap, window, what in (
             (
                 lim.cost_cap_gpu_seconds_per_hour,
-                st.hour,
+                _window(st.hour, st.others_hour, now_s),
                 "this hour (cost_cap_gpu_seconds_per_hour)",
             ),
-            (lim.daily_budget_gpu_seconds, st.day, "of the last 24 h (daily_budget_gpu_seconds)"),
+            (
+                lim.daily_budget_gpu_seconds,
+                _window(st.day, st.others_day, now_s),
+                "of the last 24 h (daily_budget_gpu_seconds)",
+            ),
         ):
             if cap is not None and (used := window.total(now_s)) >= cap:
                 self._refuse(
@@ -481,7 +654,7 @@ class Governor:
         if ctx.run_id is None or limit is None:
             return
         self._expire_idle(st, now_s)
-        slots = {r.session_id or r.run_id for r in st.active.values()}
+        slots = _slot_ids(st)
         if len(slots) < limit or (ctx.session_id is not None and ctx.session_id in slots):
             return
         idle_ends = [
@@ -562,7 +735,7 @@ class Governor:
         `borrowing`), when the tenant may borrow and its requests bucket holds one. Returns
         whether it did."""
         tokens, allowance = st.tokens, st.allowance
-        if tokens is None or allowance is None:
+        if tokens is None or allowance is None or self._replica is not None:
             return False
         if st.requests is not None and st.requests.wait_s(1, now_s) > 0.0:
             return False
@@ -647,6 +820,13 @@ class Governor:
         if st.requests is not None and ticket.reserved_request and outcome.dispatched_at_s is None:
             st.requests.settle(1, 0, now)  # never reached an engine: the request is given back
         st.inflight -= 1
+        took = ticket.shared
+        if took is not None and self._replica is not None:
+            self._replica.give(ticket.tenant, "tokens", took.tokens - used if took.tokens else 0.0)
+            if took.request and outcome.dispatched_at_s is None:
+                self._replica.give(ticket.tenant, "requests", 1.0)
+            if took.slot is not None:
+                self._replica.release(ticket.tenant, "requests", took.slot)
         gpu_s = outcome.gpu_seconds
         st.hour.add(gpu_s, now)
         st.day.add(gpu_s, now)
@@ -678,7 +858,7 @@ class Governor:
         cap = st.limits.cost_cap_gpu_seconds_per_hour
         if cap is None:
             return
-        used_frac = st.hour.total(now_s) / cap
+        used_frac = _window(st.hour, st.others_hour, now_s).total(now_s) / cap
         self.metrics.cost_used_frac.labels(st.config.name).set(used_frac)
         alert_frac = self.config.governance.cost_alert_frac
         if used_frac >= alert_frac and not st.alerted:
@@ -776,6 +956,13 @@ class Governor:
             return
         run.ended = reason
         st.active.pop(run.run_id, None)
+        slot_id = run.session_id or run.run_id
+        if (
+            self._replica is not None
+            and st.limits.max_concurrent_runs is not None
+            and slot_id not in _slot_ids(st)
+        ):
+            self._replica.release(st.config.name, "runs", self._replica.holder(f"run:{slot_id}"))
         self._dirty[(st.config.name, run.run_id)] = run
         self.metrics.runs_ended.labels(st.config.name, reason).inc()
         self.metrics.active_runs.labels(st.config.name).set(len(st.active))
@@ -840,9 +1027,10 @@ class Governor:
                 "reset_s": round(b.reset_s(now), 3),
             }
 
-        def window(total: float, cap: float | None, w: WindowSum) -> dict[str, Any] | None:
+        def window(cap: float | None, w: WindowSum) -> dict[str, Any] | None:
             if cap is None:
                 return None
+            total = w.total(now)
             return {
                 "cap_gpu_seconds": cap,
                 "used_gpu_seconds": round(total, 6),
@@ -863,8 +1051,10 @@ class Governor:
                 "run_idle_timeout_s": self._idle_timeout_s,
             },
             "cost": {
-                "hourly": window(st.hour.total(now), lim.cost_cap_gpu_seconds_per_hour, st.hour),
-                "daily": window(st.day.total(now), lim.daily_budget_gpu_seconds, st.day),
+                "hourly": window(
+                    lim.cost_cap_gpu_seconds_per_hour, _window(st.hour, st.others_hour, now)
+                ),
+                "daily": window(lim.daily_budget_gpu_seconds, _window(st.day, st.others_day, now)),
             },
             "active_runs": [
                 {
@@ -939,7 +1129,7 @@ class Governor:
         if daily is None:
             return
         floor = self.config.governance.daily_min_rate_frac
-        frac = max(floor, 1.0 - st.day.total(now_s) / daily)
+        frac = max(floor, 1.0 - _window(st.day, st.others_day, now_s).total(now_s) / daily)
         for bucket, per_minute in (
             (st.tokens, st.limits.tokens_per_minute),
             (st.requests, st.limits.requests_per_minute),
@@ -966,3 +1156,19 @@ def _rebucket(
         return TokenBucket(per_minute, per_minute / 60.0, now_s)
     bucket.set_rate(per_minute, per_minute / 60.0, now_s)
     return bucket
+
+
+def _slot_ids(st: _Tenant) -> set[str]:
+    """What holds a `max_concurrent_runs` slot: each active session (its runs share one),
+    each active run outside a session."""
+    return {r.session_id or r.run_id for r in st.active.values()}
+
+
+def _window(own: WindowSum, others: WindowSum | None, now_s: float) -> WindowSum:
+    """A tenant's cost window: its own, or with the other replicas' slices (store.url)."""
+    if others is None:
+        return own
+    merged = WindowSum(own.window_s, round(own.window_s / own.slice_s))
+    for start, amount in (*own.slices(now_s), *others.slices(now_s)):
+        merged.add(amount, start)
+    return merged

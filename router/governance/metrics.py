@@ -101,3 +101,25 @@ class GovernanceMetrics:
             ["tenant", "reason"],
             registry=r,
         )
+        # shared budgets (store.url set: router/governance/replica.py)
+        self.store_up = Gauge(
+            "gpupool_governance_store_up",
+            "1 while the shared store holding the budgets answers, 0 during an outage (only"
+            " with store.url)",
+            registry=r,
+        )
+        self.store_up.set(1)  # the embedded store is the process's own
+        self.outage_requests = Counter(
+            "gpupool_governance_outage_requests_total",
+            "Budget or slot decisions made without the unreachable shared store, by"
+            " store.budgets_on_outage (open: admitted on the replica's own buckets, closed:"
+            " refused with 503)",
+            ["tenant", "policy"],
+            registry=r,
+        )
+        self.shared_reservations = Counter(
+            "gpupool_governance_shared_reservations_total",
+            "Chunks this replica took from a tenant's shared bucket (tokens, requests)",
+            ["tenant", "bucket"],
+            registry=r,
+        )

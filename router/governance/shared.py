@@ -1,17 +1,19 @@
 """Budgets and concurrency slots kept in the store and changed atomically there, so router
 processes sharing one database (replicas) can never spend a tenant's budget twice.
 
-Not wired into the governor yet: the governor keeps its buckets in memory and saves them every
-sweep (router/governance/store.py). This is the database half of issue 25's "budgets and
-concurrency slots reserved and settled atomically": each call is one short transaction, safe
-against any number of concurrent callers on either backend (tests/unit/test_store_shared_
-budgets.py races two PostgreSQL clients); docs/replicas.md says what wiring it needs.
+The database half of issue 25's "budgets and concurrency slots reserved and settled
+atomically": each call is one short transaction, safe against any number of concurrent callers
+on either backend (tests/unit/test_store_shared_budgets.py races two PostgreSQL clients). The
+governor calls it through router/governance/replica.py when `store.url` is set (in chunks:
+docs/replicas.md).
 
 - `reserve(tenant, bucket, amount, now_s, capacity=..., rate_per_s=...)`: one conditional
   UPDATE: the bucket refills by the time since its last change (at `rate_per_s`, never above
   `capacity`), and gives `amount` only if it holds it (or, for an amount above the whole
   capacity, once it is full: the `TokenBucket` rule). True when given. A bucket not seen yet
   starts full.
+- `reserve_up_to(tenant, bucket, least, most, now_s, ...)`: the same rule for `least`, but
+  takes up to `most` when the bucket holds more (a replica's chunk): (taken, level after).
 - `settle(tenant, bucket, reserved, used)`: gives back `reserved - used` (takes more when the
   request used more; the level may go below 0, never above capacity).
 - `acquire_slot(tenant, holder, limit, now_s, lease_s)`: one of at most `limit` slots, held
@@ -19,15 +21,22 @@ budgets.py races two PostgreSQL clients); docs/replicas.md says what wiring it n
   (`release_slot`); the slots of a holder that died expire with their lease. The tenant's
   bucket row is locked first, so concurrent acquisitions are counted one after another.
 
+- `publish_windows` / cost windows: each replica's hourly and daily GPU-seconds slices, one
+  row per (tenant, replica), replaced every governance sweep; `others_windows` reads the other
+  replicas' rows (a dead replica's spending keeps counting until it leaves the window).
+
 Times are unix seconds (replicas share no monotonic clock); a clock that runs behind another
 replica's never refills a bucket backwards.
 """
 
 from __future__ import annotations
 
-from router.store import Migration, Store
+import json
+from collections.abc import Sequence
 
-__all__ = ["SHARED_TABLES", "SharedBudgets"]
+from router.store import Migration, Store, upsert
+
+__all__ = ["COST_WINDOWS", "SHARED_TABLES", "SharedBudgets"]
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS budget_buckets (
@@ -46,14 +55,36 @@ CREATE TABLE IF NOT EXISTS concurrency_slots (
     PRIMARY KEY (tenant, holder)
 )
 """
+
+
+def _migration(version: int, what: str, tables: str) -> Migration:
+    """A governance migration whose two texts differ only in the float type."""
+    return Migration(
+        "governance",
+        version,
+        what,
+        tables.format(real="REAL"),
+        tables.format(real="DOUBLE PRECISION"),
+    )
+
+
 # governance's second migration (router/governance/store.py lists them all)
-SHARED_TABLES = Migration(
-    "governance",
-    2,
-    "budget_buckets, concurrency_slots (shared budgets)",
-    _TABLES.format(real="REAL"),
-    _TABLES.format(real="DOUBLE PRECISION"),
+SHARED_TABLES = _migration(2, "budget_buckets, concurrency_slots (shared budgets)", _TABLES)
+
+_COST_WINDOWS = """
+CREATE TABLE IF NOT EXISTS cost_windows (
+    tenant TEXT NOT NULL,
+    replica TEXT NOT NULL,
+    saved_at_s {real} NOT NULL,
+    hour_slices TEXT NOT NULL,
+    day_slices TEXT NOT NULL,
+    PRIMARY KEY (tenant, replica)
 )
+"""
+# governance's third migration: each replica's cost windows (cost caps across replicas)
+COST_WINDOWS = _migration(3, "cost_windows (cost caps across replicas)", _COST_WINDOWS)
+
+Slices = list[tuple[float, float]]  # (unix start, GPU-seconds), oldest first
 
 # the level refilled to `now` (parameters: now, now), never above capacity, never backwards
 _REFILLED = (
@@ -104,6 +135,51 @@ class SharedBudgets:
                 (*now4, amount, now_s, now_s, tenant, bucket, *now4, amount, *now4, amount),
             )
             return cur.rowcount == 1
+
+    def reserve_up_to(
+        self,
+        tenant: str,
+        bucket: str,
+        least: float,
+        most: float,
+        now_s: float,
+        *,
+        capacity: float,
+        rate_per_s: float,
+    ) -> tuple[float, float]:
+        """Take at least `least` (by `reserve`'s rule) and up to `most` when the bucket holds
+        it. Returns (taken, level after): taken 0.0 when refused (the level then says how
+        far it is from `least`)."""
+        with self.store.connection() as conn, conn.transaction():
+            # the upsert locks the row: the read and the write below are one step
+            conn.execute(_CREATE, (tenant, bucket, capacity, capacity, rate_per_s, now_s))
+            level, at_s, cap, rate = conn.execute(
+                "SELECT level, updated_at_s, capacity, rate_per_s FROM budget_buckets"
+                " WHERE tenant = ? AND bucket = ?",
+                (tenant, bucket),
+            ).fetchone()
+            level, cap = float(level), float(cap)
+            if now_s > at_s:
+                level = min(cap, level + (now_s - float(at_s)) * float(rate))
+            if least > cap:
+                taken = least if level >= cap else 0.0
+            else:
+                taken = min(max(most, least), level) if level >= least else 0.0
+            if taken > 0.0:
+                level -= taken
+                conn.execute(
+                    "UPDATE budget_buckets SET level = ?, updated_at_s = ? WHERE tenant = ?"
+                    " AND bucket = ?",
+                    (level, max(now_s, float(at_s)), tenant, bucket),
+                )
+            return taken, level
+
+    def settle_many(self, amounts: Sequence[tuple[str, str, float]]) -> None:
+        """`settle` of many (tenant, bucket, given back: negative takes) in one transaction."""
+        if not amounts:
+            return
+        with self.store.connection() as conn, conn.transaction():
+            conn.executemany(_SETTLE, [(a, a, t, b) for t, b, a in amounts])
 
     def settle(self, tenant: str, bucket: str, reserved: float, used: float) -> None:
         back = reserved - used
@@ -157,3 +233,43 @@ class SharedBudgets:
                 (now_s + lease_s, len(holder_prefix), holder_prefix),
             )
             return int(cur.rowcount)
+
+    def release_slots(self, holder_prefix: str) -> None:
+        """Give back every slot whose holder starts with `holder_prefix` (a replica leaving)."""
+        with self.store.connection() as conn:
+            conn.execute(
+                "DELETE FROM concurrency_slots WHERE substr(holder, 1, ?) = ?",
+                (len(holder_prefix), holder_prefix),
+            )
+
+    def publish_windows(
+        self, replica: str, now_s: float, windows: Sequence[tuple[str, Slices, Slices]]
+    ) -> dict[str, tuple[Slices, Slices]]:
+        """Replace this replica's (tenant, hour slices, day slices) rows and return the other
+        replicas' slices per tenant (hour, day), summed per slice start. Rows not written
+        for a day are deleted."""
+        with self.store.connection() as conn:
+            with conn.transaction():
+                conn.executemany(
+                    upsert(
+                        "cost_windows",
+                        ("tenant", "replica"),
+                        ("saved_at_s", "hour_slices", "day_slices"),
+                    ),
+                    [
+                        (t, replica, now_s, json.dumps(hour), json.dumps(day))
+                        for t, hour, day in windows
+                    ],
+                )
+                conn.execute("DELETE FROM cost_windows WHERE saved_at_s < ?", (now_s - 86_400,))
+            rows = conn.execute(
+                "SELECT tenant, hour_slices, day_slices FROM cost_windows WHERE replica <> ?",
+                (replica,),
+            ).fetchall()
+        merged: dict[str, tuple[dict[float, float], dict[float, float]]] = {}
+        for tenant, hour, day in rows:
+            into = merged.setdefault(str(tenant), ({}, {}))
+            for slices, sums in ((hour, into[0]), (day, into[1])):
+                for start, amount in json.loads(slices):
+                    sums[float(start)] = sums.get(float(start), 0.0) + float(amount)
+        return {t: (sorted(h.items()), sorted(d.items())) for t, (h, d) in merged.items()}

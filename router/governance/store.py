@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.governance.shared import SHARED_TABLES
+from router.governance.shared import COST_WINDOWS, SHARED_TABLES
 from router.store import Conn, Migration, SqliteStore, Store, migrate, upsert
 
 __all__ = ["MIGRATIONS", "GovernanceStore", "RunRow", "SessionRow", "TenantRow"]
@@ -88,6 +88,7 @@ def _sqlite_v1(conn: Conn) -> None:
 MIGRATIONS = (
     Migration("governance", 1, "tenants, runs, sessions", _sqlite_v1, _POSTGRES_SCHEMA),
     SHARED_TABLES,  # router/governance/shared.py
+    COST_WINDOWS,
 )
 
 

@@ -1,0 +1,276 @@
+"""The governor's shared half, when `store.url` is set: router replicas on one database share
+each tenant's token and request budgets, concurrency slots and cost windows.
+
+- Budgets, in chunks. A request's reservation comes out of this replica's lease on the tenant's
+  bucket; when the lease does not hold it, one transaction takes at least the shortfall and up
+  to `budget_chunk_frac` of the bucket from the shared bucket (router/governance/shared.py),
+  one top-up per bucket at a time (the requests that arrive meanwhile wait for it, then take
+  from the lease it filled, so a replica never holds more than one chunk it has not used).
+  Settling (the request used less or more) goes back into the lease; the governance sweep
+  (every second) gives each lease back to the shared bucket, or charges its debt. What was
+  taken from the database is never taken twice, so replicas together never spend more than
+  the shared bucket held (plus what requests use beyond their estimates, as in one process);
+  the price is that up to one chunk per replica may sit in a lease, unused, for a second.
+- Slots: `max_concurrent_requests` and `max_concurrent_runs` are slots in the database, held
+  by `<replica>:<request or run>`, renewed every sweep, released when the request or run
+  ends; a replica that dies gives them back after `store.slot_lease_s`.
+- Cost windows: each replica publishes its hourly and daily GPU-seconds slices every sweep
+  and reads the others' (a cap is seen up to one sweep late).
+- An outage (a call fails: `StoreError` or the driver's error): logged once, loudly; the
+  metric `gpupool_governance_store_up` goes to 0 and the request path stops asking the
+  database. `budgets_on_outage: open` admits against the replica's own buckets and lets
+  leases run into debt; `closed` refuses what the lease does not cover (503). The sweep keeps
+  trying; the first sweep that gets through gives back the leases and charges the debts (the
+  reconciliation) and the request path uses the database again.
+
+Every call runs in a worker thread (`asyncio.to_thread`), bounded by the store's
+`connect_timeout_s` and `statement_timeout_s`. Lease arithmetic happens on the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeVar
+
+from router.errors import StoreUnavailable
+from router.governance.metrics import GovernanceMetrics
+from router.governance.shared import SharedBudgets, Slices
+from router.store import Store, StoreError
+
+__all__ = ["ReplicaBudgets", "new_replica_id"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+OutagePolicy = Literal["open", "closed"]
+OUTAGE_RETRY_AFTER_S = 1.0  # what a refusal under `closed` tells the client (one sweep)
+
+
+def new_replica_id() -> str:
+    """`host:pid:random`: unique per router process (a restart is a new replica; the old
+    one's slots expire with their lease, its cost rows keep counting)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+class _Down(Exception):
+    """The store did not answer (the outage has been recorded)."""
+
+
+class ReplicaBudgets:
+    def __init__(
+        self,
+        store: Store,
+        metrics: GovernanceMetrics,
+        *,
+        on_outage: OutagePolicy,
+        chunk_frac: float,
+        slot_lease_s: float,
+        wall_clock: Callable[[], float],
+        replica_id: str | None = None,
+    ) -> None:
+        self.db = SharedBudgets(store)
+        self.replica = replica_id or new_replica_id()
+        self.on_outage = on_outage
+        self.chunk_frac = chunk_frac
+        self.slot_lease_s = slot_lease_s
+        self.metrics = metrics
+        self._wall = wall_clock
+        self._errors: tuple[type[Exception], ...] = (StoreError, *store.errors)
+        self.leases: dict[tuple[str, str], float] = {}  # (tenant, bucket) -> units held
+        self.down_since_s: float | None = None  # unix time of the failure that began it
+        self._pending: set[asyncio.Task[None]] = set()  # slot releases under way
+        self._topping: dict[tuple[str, str], asyncio.Lock] = {}  # a top-up under way
+        metrics.store_up.set(1)
+
+    # ------------------------------------------------------------------ calls
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return await asyncio.to_thread(fn)
+        except self._errors as err:
+            self._down(err)
+            raise _Down from err
+
+    def _down(self, err: BaseException) -> None:
+        if self.down_since_s is not None:
+            return
+        self.down_since_s = self._wall()
+        self.metrics.store_up.set(0)
+        log.error(
+            "the governance store %s cannot be reached (%s): budgets fail %s until it answers (%s)",
+            self.db.store.name,
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+            self.on_outage.upper(),
+            "each replica admits against its own buckets and charges the shared ones on reconnect"
+            if self.on_outage == "open"
+            else "requests its reserved chunk does not cover are refused with 503",
+        )
+
+    def _outage(self, tenant: str, what: str) -> None:
+        """A decision the database cannot make now: admit (open) or refuse (closed)."""
+        self.metrics.outage_requests.labels(tenant, self.on_outage).inc()
+        if self.on_outage == "closed":
+            raise StoreUnavailable(
+                f"tenant {tenant!r}'s {what} are kept in the shared store, which cannot be"
+                " reached (store.budgets_on_outage: closed)",
+                "store_unavailable",
+                retry_after_s=OUTAGE_RETRY_AFTER_S,
+            )
+
+    # ------------------------------------------------------------------ budgets
+
+    async def take(
+        self, tenant: str, bucket: str, amount: float, *, capacity: float, rate_per_s: float
+    ) -> float:
+        """Take `amount` from the lease, topping it up from the shared bucket. Returns 0.0
+        when taken, else the seconds until the shared bucket will hold it (nothing taken).
+        During an outage: taken on debt (open) or `StoreUnavailable` (closed)."""
+        key = (tenant, bucket)
+        if self._from_lease(key, amount):
+            return 0.0
+        lock = self._topping.get(key)
+        if lock is None:
+            lock = self._topping[key] = asyncio.Lock()
+        async with lock:  # one top-up at a time: the others then find it in the lease
+            return await self._top_up(key, amount, capacity, rate_per_s)
+
+    def _from_lease(self, key: tuple[str, str], amount: float) -> bool:
+        held = self.leases.get(key, 0.0)
+        if held < amount:
+            return False
+        self.leases[key] = held - amount
+        return True
+
+    async def _top_up(
+        self, key: tuple[str, str], amount: float, capacity: float, rate_per_s: float
+    ) -> float:
+        if self._from_lease(key, amount):
+            return 0.0
+        tenant, bucket = key
+        held = self.leases.get(key, 0.0)
+        if self.down_since_s is None:
+            least = amount - held
+            try:
+                most, now_s = max(least, self.chunk_frac * capacity), self._wall()
+                taken, level = await self._call(
+                    lambda: self.db.reserve_up_to(
+                        tenant, bucket, least, most, now_s, capacity=capacity, rate_per_s=rate_per_s
+                    )
+                )
+            except _Down:
+                pass
+            else:
+                if taken <= 0.0:
+                    return max(1e-3, (min(least, capacity) - level) / rate_per_s)
+                self.metrics.shared_reservations.labels(tenant, bucket).inc()
+                self.leases[key] = self.leases.get(key, 0.0) + taken - amount
+                return 0.0
+        self._outage(tenant, f"{bucket} budget")
+        self.leases[key] = self.leases.get(key, 0.0) - amount  # a debt, charged on reconnect
+        return 0.0
+
+    def give(self, tenant: str, bucket: str, amount: float) -> None:
+        """Put `amount` back into the lease (negative: a request used more than it took)."""
+        if amount != 0.0:
+            key = (tenant, bucket)
+            self.leases[key] = self.leases.get(key, 0.0) + amount
+
+    # ------------------------------------------------------------------ slots
+
+    async def acquire(
+        self, tenant: str, kind: str, name: str, limit: int
+    ) -> tuple[bool, str | None]:
+        """One of at most `limit` `kind` slots of `tenant` (requests, runs), held as
+        `<replica>:<name>`. Returns (admitted, the holder to release): (False, None) when
+        the limit is reached; (True, None) when the store is down and budgets fail open
+        (admitted without a slot); `StoreUnavailable` when they fail closed."""
+        holder = self.holder(name)
+        if self.down_since_s is None:
+            try:
+                now_s = self._wall()
+                got = await self._call(
+                    lambda: self.db.acquire_slot(
+                        f"{tenant}/{kind}", holder, limit, now_s, lease_s=self.slot_lease_s
+                    )
+                )
+            except _Down:
+                pass
+            else:
+                return got, holder if got else None
+        self._outage(tenant, f"concurrent {kind}")
+        return True, None
+
+    def holder(self, name: str) -> str:
+        return f"{self.replica}:{name}"
+
+    def release(self, tenant: str, kind: str, holder: str) -> None:
+        """Give a slot back (in the background; if that fails, its lease ends it)."""
+        task = asyncio.get_running_loop().create_task(self._release(f"{tenant}/{kind}", holder))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _release(self, key: str, holder: str) -> None:
+        try:
+            await asyncio.to_thread(self.db.release_slot, key, holder)
+        except self._errors as err:
+            self._down(err)
+
+    # ------------------------------------------------------------------ the sweep
+
+    async def sync(
+        self, windows: Sequence[tuple[str, Slices, Slices]]
+    ) -> dict[str, tuple[Slices, Slices]] | None:
+        """The governance sweep's half: give back the leases (charge their debts), renew this
+        replica's slots, publish its cost windows (`(tenant, hour, day)`, unix starts) and
+        return the other replicas' (None when the store cannot be reached). The first sync
+        that gets through after an outage is its reconciliation."""
+        amounts = [(t, b, units) for (t, b), units in self.leases.items() if units != 0.0]
+        for t, b, _ in amounts:
+            self.leases[(t, b)] = 0.0
+        now_s = self._wall()
+
+        def work() -> dict[str, tuple[Slices, Slices]]:
+            self.db.settle_many(amounts)
+            self.db.renew_slots(f"{self.replica}:", now_s, lease_s=self.slot_lease_s)
+            return self.db.publish_windows(self.replica, now_s, windows)
+
+        try:
+            others = await asyncio.to_thread(work)
+        except self._errors as err:
+            for t, b, units in amounts:  # not given back: kept for the next sweep
+                self.give(t, b, units)
+            self._down(err)
+            return None
+        if self.down_since_s is not None:
+            debt = -sum(units for _, _, units in amounts if units < 0)
+            log.warning(
+                "the governance store %s answers again after %.1f s: budgets are shared again"
+                " (%.0f units spent during the outage charged to the shared buckets)",
+                self.db.store.name,
+                now_s - self.down_since_s,
+                debt,
+            )
+            self.down_since_s = None
+            self.metrics.store_up.set(1)
+        return others
+
+    async def aclose(self) -> None:
+        """Leave: finish the releases under way, give back the leases and every slot."""
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        amounts = [(t, b, units) for (t, b), units in self.leases.items() if units != 0.0]
+        self.leases.clear()
+
+        def work() -> None:
+            self.db.settle_many(amounts)
+            self.db.release_slots(f"{self.replica}:")
+
+        try:
+            await asyncio.to_thread(work)
+        except self._errors as err:
+            log.warning("could not give back this replica's budget leases and slots: %s", err)

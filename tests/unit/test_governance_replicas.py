@@ -1,0 +1,278 @@
+"""Two governors on one real PostgreSQL database, as two router replicas (store.url set): a
+tenant's token budget and concurrency slots are shared (router/governance/replica.py).
+
+Clocks are fake and frozen unless a test moves them (the buckets refill by the wall clock, so
+nothing refills behind a test's back); the database calls are real and race in threads."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pools.config import Config, ConfigError
+from pools.testing.config import config_for_test, one_pool
+from router.admission.estimate import Estimate
+from router.errors import RateLimited, StoreUnavailable
+from router.governance import GovernanceMetrics, Governor
+from router.governance.governor import StepSignals
+from router.governance.store import GovernanceStore
+from router.request import RequestContext, RequestOutcome
+from router.store import PostgresStore
+from tests.postgres import PASSWORD, PostgresServer, start_postgres
+
+T0 = 1_750_000_000.0
+PASSWORD_ENV = "GPUPOOL_TEST_STORE_PASSWORD"
+TOKENS_PER_MINUTE = 600
+ESTIMATE = Estimate(prompt_tokens=6, output_tokens=4, source="heuristic")  # 10 tokens
+HOLDER_PREFIX = "gpupool-test"
+REGISTRIES: dict[int, CollectorRegistry] = {}  # each governor's metrics
+
+
+class Clock:
+    def __init__(self, now_s: float) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def shared_config(url: str, **store: object) -> Config:
+    return config_for_test(
+        pools=one_pool(queue={"max_wait_s": 0}),  # a refusal is at once (no refill wait)
+        tenants=[
+            {"name": "t", "api_key_sha256": "0" * 64, "tokens_per_minute": TOKENS_PER_MINUTE},
+            {"name": "s", "api_key_sha256": "1" * 64, "tier": "free"},  # 2 requests at once
+        ],
+        store={"url": url, "password_env": PASSWORD_ENV, **store},
+    )
+
+
+@pytest.fixture(autouse=True)
+def _password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+
+
+@asynccontextmanager
+async def replica(
+    config: Config, url: str, wall: Callable[[], float], name: str
+) -> AsyncIterator[Governor]:
+    """A governor with a connection pool of its own (as a router process would have)."""
+    store = PostgresStore(url, password=PASSWORD, connect_timeout_s=0.5)
+    await asyncio.to_thread(store.open)
+    gstore = GovernanceStore(store)
+    await asyncio.to_thread(gstore.open)  # the migrations
+    registry = CollectorRegistry()
+    gov = Governor(
+        config,
+        GovernanceMetrics(registry),
+        clock=Clock(1000.0),
+        store=gstore,
+        wall_clock=wall,
+        replica_id=f"{HOLDER_PREFIX}-{name}",
+    )
+    REGISTRIES[id(gov)] = registry
+    try:
+        yield gov
+    finally:
+        await gov.aclose()
+        await asyncio.to_thread(store.close)
+
+
+_seq = iter(range(10**9))
+
+
+def ctx(tenant: str) -> RequestContext:
+    return RequestContext(
+        request_id=f"r{next(_seq)}",
+        tenant=tenant,
+        class_name="normal",
+        pool="normal",
+        priority=0,
+        deadline_s=1000.0 + 60,
+        run_id=None,
+        model="tiny",
+        stream=False,
+        client_wants_usage=False,
+        received_at_s=1000.0,
+    )
+
+
+def tenant_of(gov: Governor, name: str) -> StepSignals:
+    return StepSignals(tenant=next(t for t in gov.config.tenants if t.name == name))
+
+
+async def enter(gov: Governor, tenant: str) -> RequestOutcome:
+    c = ctx(tenant)
+    await gov.enter(c, ESTIMATE, tenant_of(gov, tenant))
+    return RequestOutcome(ctx=c, estimate=ESTIMATE)
+
+
+async def finish(gov: Governor, outcome: RequestOutcome, used: int = 10) -> None:
+    outcome.dispatched_at_s = 1000.0
+    outcome.ended_at_s = 1000.0
+    outcome.status = 200
+    outcome.prompt_tokens, outcome.completion_tokens = used, 0
+    gov.finished(outcome)
+    replica = gov._replica
+    assert replica is not None
+    await asyncio.gather(*replica._pending)  # the slot's release, in the background
+
+
+def lease(gov: Governor, tenant: str, bucket: str = "tokens") -> float:
+    assert gov._replica is not None
+    return gov._replica.leases.get((tenant, bucket), 0.0)
+
+
+async def shared_level(gov: Governor, tenant: str) -> float | None:
+    assert gov._replica is not None
+    return await asyncio.to_thread(gov._replica.db.level, tenant, "tokens")
+
+
+def sample(gov: Governor, name: str, **labels: str) -> float:
+    return REGISTRIES[id(gov)].get_sample_value(name, labels) or 0.0
+
+
+# ------------------------------------------------------------------------------ budgets
+
+
+async def test_two_replicas_racing_spend_the_budget_once(postgres_server: PostgresServer) -> None:
+    url = postgres_server.create_database("replicas_budget")
+    config = shared_config(url)
+    wall = Clock(T0)  # frozen: the shared bucket does not refill during the race
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+
+        async def attempt(gov: Governor) -> RequestOutcome | None:
+            try:
+                return await enter(gov, "t")
+            except RateLimited:
+                return None
+
+        # 2 x 40 requests of 10 tokens for a 600-token minute, all at once
+        results = await asyncio.gather(*(attempt(g) for g in (a, b) for _ in range(40)))
+        admitted = [r for r in results if r is not None]
+        granted = 10 * len(admitted)
+        held = lease(a, "t") + lease(b, "t")
+        level = await shared_level(a, "t")
+        assert level is not None
+        # nothing spent twice: granted + what the replicas hold + what is left = the bucket
+        assert granted + held + level == TOKENS_PER_MINUTE
+        # at most one chunk (5 % of 600 = 30) idle per replica
+        chunk = config.store.budget_chunk_frac * TOKENS_PER_MINUTE
+        assert granted >= TOKENS_PER_MINUTE - 2 * chunk
+        assert 0 <= held <= 2 * chunk
+        # the sweep gives the leases back; settling to less than reserved gives back the rest
+        for gov in (a, b):
+            await gov.sync_replicas()
+        assert await shared_level(a, "t") == TOKENS_PER_MINUTE - granted
+        by_a = [r for r in results[:40] if r is not None]
+        by_b = [r for r in results[40:] if r is not None]
+        for gov, outcomes in ((a, by_a[:5]), (b, by_b[:5])):
+            for outcome in outcomes:
+                await finish(gov, outcome, used=4)
+            await gov.sync_replicas()
+        given_back = 6 * (len(by_a[:5]) + len(by_b[:5]))
+        assert await shared_level(a, "t") == TOKENS_PER_MINUTE - granted + given_back
+
+
+async def test_concurrency_slots_across_replicas_and_a_dead_replicas_expire(
+    postgres_server: PostgresServer,
+) -> None:
+    url = postgres_server.create_database("replicas_slots")
+    config = shared_config(url, slot_lease_s=5)
+    wall = Clock(T0)
+    async with replica(config, url, wall, "b") as b:
+        async with replica(config, url, wall, "a") as a:
+            await enter(a, "s")
+            held_by_b = await enter(b, "s")  # the tier's two slots
+            with pytest.raises(RateLimited) as refused:
+                await enter(a, "s")
+            assert refused.value.code == "tenant_concurrency"
+            assert "across the router replicas" in refused.value.message
+            await finish(b, held_by_b)
+            await enter(a, "s")  # b's slot came back at once
+            wall.now_s = T0 + 4
+            await a.sync_replicas()  # renews a's two slots: they end at T0 + 9
+            a._replica = None  # a dies: no release, no sweep, no leaving (its pool closes)
+            wall.now_s = T0 + 8
+            with pytest.raises(RateLimited):
+                await enter(b, "s")
+        wall.now_s = T0 + 9.5  # past a's last renewal + slot_lease_s: its slots expired
+        await enter(b, "s")
+        await enter(b, "s")
+        with pytest.raises(RateLimited):
+            await enter(b, "s")
+
+
+# ------------------------------------------------------------------------------ outage
+
+
+@pytest.fixture
+def own_server() -> Iterator[PostgresServer]:
+    with start_postgres() as server:
+        yield server
+
+
+async def test_an_outage_fails_open_or_closed_and_reconciles(
+    own_server: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = own_server.create_database("replicas_outage")
+    wall = Clock(T0)
+    opened = shared_config(url, budgets_on_outage="open")
+    closed = shared_config(url, budgets_on_outage="closed")
+    async with replica(opened, url, wall, "open") as o, replica(closed, url, wall, "closed") as c:
+        for gov in (o, c):
+            await enter(gov, "t")  # each takes a chunk of 30: 20 left in its lease
+            await gov.sync_replicas()  # and gives it back (10 tokens spent each)
+        assert await shared_level(o, "t") == TOKENS_PER_MINUTE - 20
+        own_server.stop()
+        # fail closed: nothing in the lease, no decision without the database
+        with pytest.raises(StoreUnavailable) as refused:
+            await enter(c, "t")
+        assert refused.value.status == 503 and refused.value.code == "store_unavailable"
+        assert sample(c, "gpupool_governance_outage_requests_total", tenant="t", policy="closed")
+        assert sample(c, "gpupool_governance_store_up") == 0
+        # fail open: admitted on the replica's own bucket, the lease runs into debt
+        spent = [await enter(o, "t") for _ in range(5)]
+        assert lease(o, "t") == -50
+        assert sample(o, "gpupool_governance_outage_requests_total", tenant="t", policy="open")
+        assert "budgets fail OPEN" in caplog.text and "budgets fail CLOSED" in caplog.text
+        await o.sync_replicas()  # still down: the debt is kept
+        assert lease(o, "t") == -50
+        for outcome in spent:
+            await finish(o, outcome, used=8)  # 2 back each: the debt is 40
+        own_server.start()
+        await o.sync_replicas()  # reconnect: the debt is charged to the shared bucket
+        await c.sync_replicas()
+        assert await shared_level(o, "t") == TOKENS_PER_MINUTE - 20 - 40
+        assert lease(o, "t") == 0
+        assert sample(o, "gpupool_governance_store_up") == 1
+        assert sample(c, "gpupool_governance_store_up") == 1
+        assert "answers again" in caplog.text
+        await enter(c, "t")  # closed: served again once the store answers
+
+
+# ------------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize(
+    ("store", "words"),
+    [
+        ({"budgets_on_outage": "maybe"}, "budgets_on_outage"),
+        ({"slot_lease_s": 1}, "slot_lease_s"),
+        ({"budget_chunk_frac": 0.9}, "budget_chunk_frac"),
+    ],
+)
+def test_the_config_refuses_bad_shared_budget_settings(
+    store: dict[str, object], words: str
+) -> None:
+    with pytest.raises(ConfigError, match=words):
+        shared_config("postgresql://gpupool@db:5432/gpupool", **store)
+
+
+def test_the_config_refuses_shared_budget_settings_without_a_url() -> None:
+    with pytest.raises(ConfigError, match=r"budgets_on_outage set without store\.url"):
+        config_for_test(store={"budgets_on_outage": "closed"})
