@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pools.config import Config, ConfigError
+from pools.config import Config, ConfigError, contract_problems
 from pools.testing.config import config_for_test, one_pool
 from router.admission.estimate import Estimate
 from router.errors import RateLimited, StoreUnavailable
@@ -45,7 +45,9 @@ def shared_config(url: str, **store: object) -> Config:
         pools=one_pool(queue={"max_wait_s": 0}),  # a refusal is at once (no refill wait)
         tenants=[
             {"name": "t", "api_key_sha256": "0" * 64, "tokens_per_minute": TOKENS_PER_MINUTE},
-            {"name": "s", "api_key_sha256": "1" * 64, "tier": "free"},  # 2 requests at once
+            # free: 2 requests in flight, 1 run active
+            {"name": "s", "api_key_sha256": "1" * 64, "tier": "free"},
+            {"name": "c", "api_key_sha256": "2" * 64, "cost_cap_gpu_seconds_per_hour": 10},
         ],
         store={"url": url, "password_env": PASSWORD_ENV, **store},
     )
@@ -85,7 +87,7 @@ async def replica(
 _seq = iter(range(10**9))
 
 
-def ctx(tenant: str) -> RequestContext:
+def ctx(tenant: str, run_id: str | None = None) -> RequestContext:
     return RequestContext(
         request_id=f"r{next(_seq)}",
         tenant=tenant,
@@ -93,7 +95,7 @@ def ctx(tenant: str) -> RequestContext:
         pool="normal",
         priority=0,
         deadline_s=1000.0 + 60,
-        run_id=None,
+        run_id=run_id,
         model="tiny",
         stream=False,
         client_wants_usage=False,
@@ -105,8 +107,8 @@ def tenant_of(gov: Governor, name: str) -> StepSignals:
     return StepSignals(tenant=next(t for t in gov.config.tenants if t.name == name))
 
 
-async def enter(gov: Governor, tenant: str) -> RequestOutcome:
-    c = ctx(tenant)
+async def enter(gov: Governor, tenant: str, run_id: str | None = None) -> RequestOutcome:
+    c = ctx(tenant, run_id)
     await gov.enter(c, ESTIMATE, tenant_of(gov, tenant))
     return RequestOutcome(ctx=c, estimate=ESTIMATE)
 
@@ -205,6 +207,40 @@ async def test_concurrency_slots_across_replicas_and_a_dead_replicas_expire(
         await enter(b, "s")
         with pytest.raises(RateLimited):
             await enter(b, "s")
+
+
+async def test_run_slots_and_cost_caps_across_replicas(postgres_server: PostgresServer) -> None:
+    url = postgres_server.create_database("replicas_runs")
+    config = shared_config(url)
+    wall = Clock(T0)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+        await finish(a, await enter(a, "s", run_id="r1"))  # r1 stays active (not idle yet)
+        with pytest.raises(RateLimited) as refused:
+            await enter(b, "s", run_id="r2")  # the tier's one run slot is r1's, on a
+        assert "agent runs active across the router replicas" in refused.value.message
+        await finish(a, await enter(a, "s", run_id="r1"))  # r1's next step: its own slot
+        assert a.end_run("s", "r1") is not None
+        assert a._replica is not None
+        await asyncio.gather(*a._replica._pending)
+        await finish(b, await enter(b, "s", run_id="r2"))
+        # cost caps: a's request used 12 of c's 10 GPU-seconds an hour; b sees it after a
+        # sweep on each (a publishes, b reads)
+        spent = await enter(a, "c")
+        spent.gpu_seconds = 12.0
+        await finish(a, spent)
+        await enter(b, "c")
+        await a.sync_replicas()
+        await b.sync_replicas()
+        with pytest.raises(RateLimited) as capped:
+            await enter(b, "c")
+        assert capped.value.code == "cost_cap"
+        assert b.budget(tenant_of(b, "c").tenant)["cost"]["hourly"]["used_gpu_seconds"] == 12
+
+
+def test_borrowing_is_refused_with_a_shared_store() -> None:
+    tenant = {"name": "t", "tokens_per_minute": 600, "borrow_max_frac": 0.5}
+    config = config_for_test(tenants=[tenant], store={"url": "postgresql://u@db:5432/g"})
+    assert any("borrow_max_frac" in p and "store.url" in p for p in contract_problems(config))
 
 
 # ------------------------------------------------------------------------------ outage
