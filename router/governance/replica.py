@@ -5,7 +5,8 @@ each tenant's token and request budgets, concurrency slots and cost windows.
   bucket; when the lease does not hold it, one transaction takes at least the shortfall and up
   to `budget_chunk_frac` of the bucket from the shared bucket (router/governance/shared.py),
   one top-up per bucket at a time (the requests that arrive meanwhile wait for it, then take
-  from the lease it filled, so a replica never holds more than one chunk it has not used).
+  from the lease it filled: a top-up leaves less than one chunk unused; what finished requests
+  give back adds to it until the sweep).
   Settling (the request used less or more) goes back into the lease; the governance sweep
   (every second) gives each lease back to the shared bucket, or charges its debt. What was
   taken from the database is never taken twice, so replicas together never spend more than
