@@ -113,6 +113,16 @@ def run_blocking(config: Config, *, launch: bool) -> int:
     return uvloop.run(run_stack(config, launch=launch))
 
 
+async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+    """uvicorn's serve, with its startup failure (it calls `sys.exit(3)` when the app's startup
+    fails, e.g. an unreachable store) ending this task instead of unwinding the event loop: the
+    app has logged why, and `run_stack` answers exit code 1."""
+    try:
+        await server.serve(sockets=[sock])
+    except SystemExit:
+        return
+
+
 async def run_stack(config: Config, *, launch: bool) -> int:
     """Run until SIGINT/SIGTERM. Returns the exit code."""
     loop = asyncio.get_running_loop()
@@ -172,7 +182,7 @@ async def run_stack(config: Config, *, launch: bool) -> int:
                 timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
             )
         )
-        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        serving = asyncio.ensure_future(_serve(server, sock))
         # uvicorn exposes only a `started` flag, no event to wait on
         while not server.started and not serving.done():  # noqa: ASYNC110
             await asyncio.sleep(0.05)
