@@ -86,6 +86,7 @@ class ReplicaBudgets:
         self.down_since_s: float | None = None  # unix time of the failure that began it
         self._pending: set[asyncio.Task[None]] = set()  # slot releases under way
         self._topping: dict[tuple[str, str], asyncio.Lock] = {}  # a top-up under way
+        self._unreleased: list[tuple[str, str]] = []  # (slot key, holder) for the next sweep
         metrics.store_up.set(1)
 
     # ------------------------------------------------------------------ calls
@@ -210,8 +211,14 @@ class ReplicaBudgets:
         return f"{self.replica}:{name}"
 
     def release(self, tenant: str, kind: str, holder: str) -> None:
-        """Give a slot back (in the background; if that fails, its lease ends it)."""
-        task = asyncio.get_running_loop().create_task(self._release(f"{tenant}/{kind}", holder))
+        """Give a slot back (in the background; if that fails, its lease ends it). Called
+        outside the event loop, it is left to the next sweep."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._unreleased.append((f"{tenant}/{kind}", holder))
+            return
+        task = loop.create_task(self._release(f"{tenant}/{kind}", holder))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
@@ -234,17 +241,26 @@ class ReplicaBudgets:
         for t, b, _ in amounts:
             self.leases[(t, b)] = 0.0
         now_s = self._wall()
+        unreleased, self._unreleased = self._unreleased, []
+
+        settled = False
 
         def work() -> dict[str, tuple[Slices, Slices]]:
-            self.db.settle_many(amounts)
+            nonlocal settled
+            self.db.settle_many(amounts)  # one transaction: all of them or none
+            settled = True
+            for key, holder in unreleased:
+                self.db.release_slot(key, holder)
             self.db.renew_slots(f"{self.replica}:", now_s, lease_s=self.slot_lease_s)
             return self.db.publish_windows(self.replica, now_s, windows)
 
         try:
             others = await asyncio.to_thread(work)
         except self._errors as err:
-            for t, b, units in amounts:  # not given back: kept for the next sweep
-                self.give(t, b, units)
+            if not settled:  # not given back: kept for the next sweep
+                for t, b, units in amounts:
+                    self.give(t, b, units)
+            self._unreleased.extend(unreleased)  # a second release deletes nothing
             self._down(err)
             return None
         if self.down_since_s is not None:
