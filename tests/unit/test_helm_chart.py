@@ -424,3 +424,17 @@ def _router_config_text(values: dict[str, Any]) -> dict[str, Any]:
     ]
     config: dict[str, Any] = yaml.safe_load(configmap["data"]["config.yaml"])
     return config
+
+
+def test_tracing_settings_reach_the_routers_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    # `config.observability` and `config.router.log_format` pass through to the router's config
+    values = {**OPEN, "config": {"observability": {"otlp_endpoint": "http://tempo:4318"}}}
+    values["config"]["router"] = {"log_format": "json"}
+    path = _router_config(tmp_path, values)
+    config = yaml.safe_load(path.read_text())
+    assert config["observability"] == {"otlp_endpoint": "http://tempo:4318"}
+    assert config["router"]["log_format"] == "json"
+    monkeypatch.setenv("GPUPOOL_ENGINE_KEY", "engine-key-for-the-test")
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
