@@ -2,8 +2,9 @@
 
 The request path (router.gateway.proxy) calls only this after dispatch:
 
-    dispatched(outcome)        each upstream attempt: the meter starts (the run's step is
-                               numbered), governance counts the step, the rebalancer its wait
+    dispatched(outcome)        each upstream attempt: governance counts the step (with a
+                               shared store it numbers it), the meter starts (numbering the
+                               step when governance did not), the rebalancer its wait
     answered(outcome)          the engine answered: the run's home is where it went
     usage_extra(outcome)       the usage is known: the meter stops; what goes in the usage
     await settle(outcome)      right before the response's final bytes, at most once
@@ -122,9 +123,9 @@ class Settlement:
 
     def dispatched(self, outcome: RequestOutcome) -> None:
         """An upstream attempt starts (a retry after a refused connection calls it again)."""
-        self.accounting.dispatched(outcome)
-        if self.governance is not None:
+        if self.governance is not None:  # first: a shared store's step number
             self.governance.dispatched(outcome)
+        self.accounting.dispatched(outcome)
         self.signals.dispatched(outcome)
         for obs in self.observers:
             obs.dispatched(outcome)

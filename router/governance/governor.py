@@ -28,7 +28,8 @@ bucket will hold it.
 With `store.url` set (router replicas on one database) the limits are shared besides
 (`replica.ReplicaBudgets`): a request also takes its tokens and request from the replica's
 lease on the tenant's shared buckets, and a slot in the database for `max_concurrent_requests`
-and (a run becoming active) `max_concurrent_runs`; cost caps add the other replicas' windows.
+and (a run becoming active) `max_concurrent_runs`; cost caps add the other replicas' windows;
+a run's step is numbered in the store (`dispatched` hands the number to the meter).
 The local buckets still apply (they are what a store outage falls back on). Borrowing stays
 off there (a lender's bucket is shared). Without a URL nothing of this runs.
 """
@@ -133,6 +134,7 @@ class _SharedTake:
     request: bool = False
     slot: str | None = None
     run_slot: str | None = None  # `<session or run id>` whose slot was taken
+    step: int | None = None  # the run's step number, from the store
 
 
 @dataclass(eq=False)
@@ -561,6 +563,8 @@ class Governor:
                         " to go idle",
                         1.0,
                     )
+            if ctx.run_id is not None:
+                took.step = await replica.next_step(name, ctx.run_id)
         except BaseException:
             self._undo_shared(st, took)
             raise
@@ -797,6 +801,8 @@ class Governor:
         """The step reached an engine: it counts toward its run's `max_steps` (once, however
         many attempts it takes)."""
         ticket = self._tickets.get(outcome.ctx.request_id)
+        if ticket is not None and ticket.shared is not None and outcome.step_index is None:
+            outcome.step_index = ticket.shared.step  # numbered in the store (None: not)
         if ticket is None or ticket.run is None or ticket.counted:
             return
         ticket.counted = True

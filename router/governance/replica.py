@@ -15,6 +15,9 @@ each tenant's token and request budgets, concurrency slots and cost windows.
 - Slots: `max_concurrent_requests` and `max_concurrent_runs` are slots in the database, held
   by `<replica>:<request or run>`, renewed every sweep, released when the request or run
   ends; a replica that dies gives them back after `store.slot_lease_s`.
+- Step numbers: a run's steps are numbered in the store as they are admitted, so steps that
+  go to different replicas never share a number (a step refused after it was numbered leaves
+  a gap; during an outage the ledger numbers from the replica's memory).
 - Cost windows: each replica publishes its hourly and daily GPU-seconds slices every sweep
   and reads the others' (a cap is seen up to one sweep late).
 - An outage (a call fails: `StoreError` or the driver's error): logged once, loudly; the
@@ -206,6 +209,17 @@ class ReplicaBudgets:
                 return got, holder if got else None
         self._outage(tenant, f"concurrent {kind}")
         return True, None
+
+    async def next_step(self, tenant: str, run_id: str) -> int | None:
+        """The run's next step number from the store; None while it cannot be reached (the
+        ledger then numbers the step from this replica's memory)."""
+        if self.down_since_s is not None:
+            return None
+        now_s = self._wall()
+        try:
+            return await self._call(lambda: self.db.next_step(tenant, run_id, now_s))
+        except _Down:
+            return None
 
     def holder(self, name: str) -> str:
         return f"{self.replica}:{name}"

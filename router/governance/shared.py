@@ -21,6 +21,8 @@ docs/replicas.md).
   (`release_slot`); the slots of a holder that died expire with their lease. The tenant's
   bucket row is locked first, so concurrent acquisitions are counted one after another.
 
+- `next_step(tenant, run_id, now_s)`: the run's next step number (0, 1, 2, ...), one upsert;
+  two replicas never hand out the same number.
 - `publish_windows` / cost windows: each replica's hourly and daily GPU-seconds slices, one
   row per (tenant, replica), replaced every governance sweep; `others_windows` reads the other
   replicas' rows (a dead replica's spending keeps counting until it leaves the window).
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 
 from router.store import Migration, Store, upsert
 
-__all__ = ["COST_WINDOWS", "SHARED_TABLES", "SharedBudgets"]
+__all__ = ["COST_WINDOWS", "RUN_STEPS", "SHARED_TABLES", "SharedBudgets"]
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS budget_buckets (
@@ -83,6 +85,18 @@ CREATE TABLE IF NOT EXISTS cost_windows (
 """
 # governance's third migration: each replica's cost windows (cost caps across replicas)
 COST_WINDOWS = _migration(3, "cost_windows (cost caps across replicas)", _COST_WINDOWS)
+
+_RUN_STEPS = """
+CREATE TABLE IF NOT EXISTS run_steps (
+    tenant TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    next_step INTEGER NOT NULL,
+    updated_at_s {real} NOT NULL,
+    PRIMARY KEY (tenant, run_id)
+)
+"""
+# governance's fourth migration: a run's step numbers, whichever replica serves the step
+RUN_STEPS = _migration(4, "run_steps (step numbers across replicas)", _RUN_STEPS)
 
 Slices = list[tuple[float, float]]  # (unix start, GPU-seconds), oldest first
 
@@ -273,3 +287,15 @@ class SharedBudgets:
                 for start, amount in json.loads(slices):
                     sums[float(start)] = sums.get(float(start), 0.0) + float(amount)
         return {t: (sorted(h.items()), sorted(d.items())) for t, (h, d) in merged.items()}
+
+    def next_step(self, tenant: str, run_id: str, now_s: float) -> int:
+        """The run's next step number: 0 for its first, then 1, 2, ... (one statement)."""
+        with self.store.connection() as conn:
+            (after,) = conn.execute(
+                "INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s)"
+                " VALUES (?, ?, 1, ?) ON CONFLICT (tenant, run_id) DO UPDATE SET"
+                " next_step = run_steps.next_step + 1, updated_at_s = excluded.updated_at_s"
+                " RETURNING next_step",
+                (tenant, run_id, now_s),
+            ).fetchone()
+        return int(after) - 1

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.governance.shared import COST_WINDOWS, SHARED_TABLES
+from router.governance.shared import COST_WINDOWS, RUN_STEPS, SHARED_TABLES
 from router.store import Conn, Migration, SqliteStore, Store, migrate, upsert
 
 __all__ = ["MIGRATIONS", "GovernanceStore", "RunRow", "SessionRow", "TenantRow"]
@@ -89,6 +89,7 @@ MIGRATIONS = (
     Migration("governance", 1, "tenants, runs, sessions", _sqlite_v1, _POSTGRES_SCHEMA),
     SHARED_TABLES,  # router/governance/shared.py
     COST_WINDOWS,
+    RUN_STEPS,
 )
 
 
@@ -271,6 +272,7 @@ class GovernanceStore:
         with self.store.connection() as conn, conn.transaction():
             conn.execute("DELETE FROM runs WHERE last_seen_s < ?", (unix_s,))
             conn.execute("DELETE FROM sessions WHERE last_seen_s < ?", (unix_s,))
+            conn.execute("DELETE FROM run_steps WHERE updated_at_s < ?", (unix_s,))
 
 
 def _slices(raw: str) -> list[tuple[float, float]]:

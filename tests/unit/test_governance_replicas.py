@@ -237,6 +237,23 @@ async def test_run_slots_and_cost_caps_across_replicas(postgres_server: Postgres
         assert b.budget(tenant_of(b, "c").tenant)["cost"]["hourly"]["used_gpu_seconds"] == 12
 
 
+async def test_a_runs_steps_are_numbered_across_replicas(postgres_server: PostgresServer) -> None:
+    url = postgres_server.create_database("replicas_steps")
+    config = shared_config(url)
+    wall = Clock(T0)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+        numbers = []
+        for gov in (a, b, a, b, b):
+            outcome = await enter(gov, "t", run_id="run-1")
+            gov.dispatched(outcome)  # what settlement calls first at dispatch
+            numbers.append(outcome.step_index)
+            await finish(gov, outcome)
+        assert numbers == [0, 1, 2, 3, 4]
+        other = await enter(b, "t", run_id="run-2")
+        b.dispatched(other)
+        assert other.step_index == 0  # per run
+
+
 def test_borrowing_is_refused_with_a_shared_store() -> None:
     tenant = {"name": "t", "tokens_per_minute": 600, "borrow_max_frac": 0.5}
     config = config_for_test(tenants=[tenant], store={"url": "postgresql://u@db:5432/g"})

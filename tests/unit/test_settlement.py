@@ -158,7 +158,8 @@ def test_a_request_settled_before_its_final_bytes_keeps_the_order() -> None:
     settlement, affinity, _, _ = rig(calls)
     out = outcome()
     settlement.dispatched(out)
-    assert calls == ["meter.dispatched", "governance.dispatched", "signals.dispatched",
+    # governance first at dispatch: with a shared store it numbers the run's step
+    assert calls == ["governance.dispatched", "meter.dispatched", "signals.dispatched",
                      "extra.dispatched"]  # fmt: skip
     calls.clear()
     asyncio.run(settlement.settle(out))
