@@ -226,9 +226,8 @@ class Governor:
 
     async def aclose(self) -> None:
         await self._sweep_loop.aclose()
-        replica, self._replica = self._replica, None
-        if replica is not None:
-            await replica.aclose()
+        if self._replica is not None:  # its leases and slots back before the last save
+            await self._replica.aclose()
         if self._store is not None:
             await self.save()
             # closed once: a second aclose (the gateway's, after a failed start) finds nothing

@@ -90,6 +90,7 @@ class ReplicaBudgets:
         self._pending: set[asyncio.Task[None]] = set()  # slot releases under way
         self._topping: dict[tuple[str, str], asyncio.Lock] = {}  # a top-up under way
         self._unreleased: list[tuple[str, str]] = []  # (slot key, holder) for the next sweep
+        self._closed = False
         metrics.store_up.set(1)
 
     # ------------------------------------------------------------------ calls
@@ -291,7 +292,11 @@ class ReplicaBudgets:
         return others
 
     async def aclose(self) -> None:
-        """Leave: finish the releases under way, give back the leases and every slot."""
+        """Leave: finish the releases under way, give back the leases and every slot.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         amounts = [(t, b, units) for (t, b), units in self.leases.items() if units != 0.0]
