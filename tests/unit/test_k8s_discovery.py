@@ -360,7 +360,9 @@ async def test_a_leaving_engine_drains_then_leaves(rig: Rig) -> None:
     (normal,) = rig.gateway.pool_map.current.instances_for("normal")
     (other,) = rig.gateway.pool_map.current.instances_for("agent")
     slow = rig.states[normal]
-    slow.itl_s = 0.02  # 20 tokens: ~0.4 s in flight
+    # the request holds its sequence on the engine until the test lets it go (no timer: at
+    # ~0.4 s of tokens it once ended, on a loaded machine, before the engine was seen leaving)
+    slow.gate = asyncio.Event()
     in_flight = asyncio.ensure_future(_chat(rig.client, "normal", max_tokens=20))
     await _until(lambda: slow.running > 0, "the slow request started")
 
@@ -373,6 +375,8 @@ async def test_a_leaving_engine_drains_then_leaves(rig: Rig) -> None:
         assert (await _chat(rig.client, cls)).status_code == 200
     assert slow.served == served_before
 
+    assert not in_flight.done()
+    slow.gate.set()
     done = await in_flight  # the request that had started finishes, whole
     assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 20
     assert rig.gateway.fleet.get(normal) is None  # left once drained
