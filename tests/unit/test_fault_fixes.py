@@ -122,6 +122,11 @@ async def test_a_deadline_over_five_seconds_ends_on_time(
         deadline_s = 5.2
         # start where rounding the deadline up to a whole second would add ~0.8 s
         await asyncio.sleep((0.2 - (loop.time() + deadline_s)) % 1.0)
+        # fresh telemetry now (scrapes are off): the first reading, taken before the start,
+        # could be past `stale_after_s` on a loaded machine, and stale counts as full
+        gateway.fleet.record_reading(
+            "hung", parse_vllm_metrics(FakeEngineState().metrics_text(), gateway.clock())
+        )
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=gateway), base_url="http://gw", timeout=30
         ) as client:
