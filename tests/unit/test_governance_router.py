@@ -142,8 +142,8 @@ async def test_a_request_waits_while_the_bucket_refills_within_its_deadline(rig:
     t0 = loop.time()
     waited = await rig.post("mid", _body(max_tokens=max_tokens))
     waited_s = loop.time() - t0
-    assert waited.status_code == 200
-    assert 1.0 <= waited_s <= 3.5
+    assert waited.status_code == 200  # served: its wait fit the queue's 5 s (else 429)
+    assert waited_s >= 1.0  # it waited for the refill (~2 s); no upper wall-clock bound
     metrics = rig.gateway.governor.metrics
     assert metrics.waits.labels("mid", "token_rate")._value.get() == 1
 
