@@ -16,11 +16,10 @@ together (a warning, not a refusal) live in `checks.py`.
 from __future__ import annotations
 
 import dataclasses
-import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -863,6 +862,26 @@ class RebalancerConfig(RebalanceSettings):
         object.__setattr__(self, "settings", RebalanceSettings(**core))
 
 
+def _refuse_idle(data: Any, switch: str, fields: Sequence[str], why: str) -> None:
+    """Refuse a document that sets `fields` while `switch`, the field that turns them on, is
+    unset: they would do nothing. `why` finishes "<fields> set without ..."."""
+    if not isinstance(data, Mapping) or data.get(switch) is not None:
+        return
+    idle = [k for k in fields if k in data]
+    if idle:
+        raise ValueError(f"{', '.join(idle)} set without {why}")
+
+
+def _split_url(value: str) -> SplitResult:
+    """`value` split, with its port checked (urlsplit only raises on `.port`)."""
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError as err:
+        raise ValueError(f"not a URL: {err}") from None
+    return parts
+
+
 # ---------------------------------------------------------------------------------------------
 # store
 # ---------------------------------------------------------------------------------------------
@@ -914,14 +933,13 @@ class StoreConfig:
     @classmethod
     def _no_password_in_document(cls, data: Any) -> Any:
         _refuse_derived(data, ("password",))
-        if isinstance(data, Mapping) and data.get("url") is None:
-            idle = [k for k in _SHARED_ONLY if k in data]
-            if idle:
-                raise ValueError(
-                    f"{', '.join(idle)} set without store.url: the embedded store serves one"
-                    " router, whose budgets stay in memory (set a PostgreSQL url, or remove"
-                    " them)"
-                )
+        _refuse_idle(
+            data,
+            "url",
+            _SHARED_ONLY,
+            "store.url: the embedded store serves one router, whose budgets stay in memory"
+            " (set a PostgreSQL url, or remove them)",
+        )
         return data
 
     @field_validator("url")
@@ -929,11 +947,7 @@ class StoreConfig:
     def _postgres_url(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        try:
-            parts = urlsplit(value)
-            port = parts.port
-        except ValueError as err:
-            raise ValueError(f"not a URL: {err}") from None
+        parts = _split_url(value)
         if parts.scheme not in _PG_SCHEMES:
             raise ValueError(
                 "must be a PostgreSQL URL (postgresql://user@host:5432/dbname); leave it out"
@@ -950,7 +964,7 @@ class StoreConfig:
             raise ValueError(
                 "names no host (postgresql://user@host:5432/dbname, or ?host=/socket/dir)"
             )
-        if port == 0:
+        if parts.port == 0:
             raise ValueError("port 0")
         return value
 
@@ -996,13 +1010,14 @@ class ObservabilityConfig:
     @classmethod
     def _only_with_an_endpoint(cls, data: Any) -> Any:
         _refuse_derived(data, ("headers",))
-        if isinstance(data, Mapping) and data.get("otlp_endpoint") is None:
-            idle = [k for k in data if k != "otlp_endpoint"]
-            if idle:
-                raise ValueError(
-                    f"{', '.join(idle)} set without otlp_endpoint: traces are off, so"
-                    " nothing reads them (set otlp_endpoint, or remove them)"
-                )
+        if isinstance(data, Mapping):
+            _refuse_idle(
+                data,
+                "otlp_endpoint",
+                [k for k in data if k != "otlp_endpoint"],
+                "otlp_endpoint: traces are off, so nothing reads them (set otlp_endpoint, or"
+                " remove them)",
+            )
         return data
 
     @field_validator("otlp_endpoint")
@@ -1010,11 +1025,7 @@ class ObservabilityConfig:
     def _traces_url(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        try:
-            parts = urllib.parse.urlsplit(value)
-            parts.port  # noqa: B018 (raises on a bad port)
-        except ValueError as err:
-            raise ValueError(f"not a URL: {err}") from None
+        parts = _split_url(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
                 "must be the collector's OTLP/HTTP URL, e.g. http://tempo:4318 (OTLP over"
