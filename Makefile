@@ -53,7 +53,7 @@ e2e: $(STAMP) $(MODEL)
 # (exit code 5) or when a process it started outlives it (tests/conftest.py).
 test: $(STAMP) $(MODEL) lint typecheck
 	$(BIN)/pytest -q $(XDIST) tests/unit
-	$(BIN)/pytest -q tests/integration tests/e2e tests/gpu
+	$(BIN)/pytest -q --durations=20 tests/integration tests/e2e tests/gpu
 
 clean:
 	rm -rf .gpupool/run .mypy_cache .ruff_cache .pytest_cache
