@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -147,11 +146,13 @@ async def test_drain_timeout_cancels_and_records() -> None:
     state = FakeEngineState(failure="hang", fail_next=-1)
     plan = plan_for(duration_s=0.5, chat_rate=6.0, agent_rate=2.0, drain_s=0.3)
     async with serve_asgi(make_fake_engine(state)) as url:
-        started = time.perf_counter()
-        result = await Runner(
-            plan, Target("fake", url), run_id_prefix="t", progress=False, settle_s=0.0
-        ).run()
-        assert time.perf_counter() - started < 3.0
+        # the engine never answers: only the drain ends the run (a deadline, not a timing)
+        result = await asyncio.wait_for(
+            Runner(
+                plan, Target("fake", url), run_id_prefix="t", progress=False, settle_s=0.0
+            ).run(),
+            timeout=60,
+        )
     assert result.cancelled_at_drain == len(plan.chat) + len(plan.runs)
     assert all(r.error_code == "cancelled_at_drain" for r in result.requests)
     assert all(run.outcome == "cancelled" for run in result.runs)
