@@ -40,6 +40,7 @@ from pydantic_core import PydanticKnownError
 from pools.rebalance import Bounds, RebalanceSettings, ScheduleWindow
 
 __all__ = [
+    "KV_EVENTS_SOCKET_MAX_CHARS",
     "VLLM_MAX_NUM_SEQS",
     "ClassConfig",
     "ClassificationConfig",
@@ -65,6 +66,7 @@ __all__ = [
     "TenantConfig",
     "TierConfig",
     "default_of",
+    "kv_events_socket",
     "max_num_seqs",
 ]
 
@@ -234,6 +236,15 @@ def _sections_given(data: Any, names: tuple[str, ...]) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
+KV_EVENTS_SOCKET_MAX_CHARS = 100  # a unix socket path: 107 bytes on Linux, 103 on macOS
+
+
+def kv_events_socket(run_dir: Path, index: int, kind: Literal["pub", "replay"]) -> Path:
+    """The socket file where local engine `index` publishes its KV events (`pub`) or answers
+    replay requests (`replay`)."""
+    return run_dir / f"engine-{index}.kv-{kind}"
+
+
 @dataclass(frozen=True, slots=True, config=_STRICT)
 class ModelConfig:
     name: str = "tiny"  # served model name clients send as "model"
@@ -384,6 +395,11 @@ class EnginesConfig:
     static: StaticEnginesConfig = Field(default_factory=StaticEnginesConfig)
     kubernetes: KubernetesEnginesConfig = Field(default_factory=KubernetesEnginesConfig)
     ray: RayEnginesConfig = Field(default_factory=RayEnginesConfig)
+    # vLLM's KV cache events (docs/prefix_cache.md): on: every engine gpupool starts
+    # publishes the blocks it caches (ZMQ on a socket file in run_dir, block hashes by
+    # sha256_cbor) and the router keeps an index of each engine's prefix cache. null: on for
+    # the local launcher, off for the others (on is refused there: not wired yet)
+    kv_events: bool | None = None
     # derived from the launcher's section:
     # instances the config names; 0 for kubernetes (they are discovered at run time)
     instance_count: int = dataclasses.field(init=False, repr=False)
@@ -391,6 +407,7 @@ class EnginesConfig:
     # the engines' extra vLLM arguments where gpupool starts them (local, ray)
     vllm_args: tuple[str, ...] = dataclasses.field(init=False, repr=False)
     max_num_seqs: int = dataclasses.field(init=False, repr=False)  # from vllm_args
+    kv_events_on: bool = dataclasses.field(init=False, repr=False)  # kv_events, null resolved
 
     def __post_init__(self) -> None:
         count, gpus = {
@@ -406,6 +423,8 @@ class EnginesConfig:
         object.__setattr__(self, "gpus_per_instance", gpus)
         object.__setattr__(self, "vllm_args", args)
         object.__setattr__(self, "max_num_seqs", max_num_seqs(args))
+        on = self.launcher == "local" if self.kv_events is None else self.kv_events
+        object.__setattr__(self, "kv_events_on", on)
 
     @model_validator(mode="before")
     @classmethod
@@ -424,6 +443,19 @@ class EnginesConfig:
         names = [s.name for s in self.kubernetes.services]
         if len(set(names)) != len(names):
             raise ValueError("engines.kubernetes.services: a Service is listed twice")
+        if self.kv_events and self.launcher != "local":
+            raise ValueError(
+                f"engines.kv_events: on needs launcher 'local' (not {self.launcher!r}: its"
+                " engines do not publish KV events to gpupool yet)"
+            )
+        if self.kv_events_on and self.launcher == "local":
+            longest = len(str(kv_events_socket(self.local.run_dir, self.local.count - 1, "replay")))
+            if longest > KV_EVENTS_SOCKET_MAX_CHARS:
+                raise ValueError(
+                    f"engines.local.run_dir is too long for the engines' KV event sockets"
+                    f" ({longest} characters, a unix socket path holds"
+                    f" {KV_EVENTS_SOCKET_MAX_CHARS}): shorten it or set engines.kv_events: off"
+                )
         return self
 
 

@@ -37,7 +37,12 @@ class DiscoveringLauncher(Protocol):
 def make_launcher(config: Config, progress: ProgressFn | None = None) -> Launcher:
     kind = config.engines.launcher
     if kind == "local":
-        return LocalLauncher(config.engines.local, config.model, progress=progress)
+        return LocalLauncher(
+            config.engines.local,
+            config.model,
+            progress=progress,
+            kv_events=config.engines.kv_events_on,
+        )
     if kind == "static":
         return StaticLauncher(config.engines.static, progress=progress)
     if kind == "kubernetes":

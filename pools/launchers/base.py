@@ -13,13 +13,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["InstanceSpec", "Launcher", "LauncherError", "ProgressFn"]
+__all__ = ["InstanceSpec", "KvEventsSpec", "Launcher", "LauncherError", "ProgressFn"]
 
 ProgressFn = Callable[[str], None]
 
 
 class LauncherError(Exception):
     """Engines could not be started or reached; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsSpec:
+    """Where an engine publishes its KV cache events (docs/prefix_cache.md)."""
+
+    endpoint: str  # its ZMQ PUB socket, e.g. "ipc:///run/engine-0.kv-pub"
+    replay_endpoint: str | None  # its ZMQ ROUTER socket for missed batches; None: none
+    hash_seed: str | None = None  # the engine's PYTHONHASHSEED; None: unset (vLLM's fixed seed)
+    topic: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +41,7 @@ class InstanceSpec:
     gpus: int  # GPUs the engine holds (a CPU engine counts as configured, default 1)
     # the engine's own API key (VLLM_API_KEY); the router sends it; never printed
     api_key: str | None = field(default=None, repr=False)
+    kv_events: KvEventsSpec | None = None  # None: the engine publishes none gpupool knows of
 
 
 class Launcher(Protocol):

@@ -16,12 +16,18 @@ Rules:
 - closed by default: the engine's key goes in `VLLM_API_KEY` (never argv) and a guard
   middleware (`engine_guard.py`) asks for it on every path but /health and /metrics; the env
   variables holding gpupool's own keys (`secret_env`) are not inherited;
-- prompts stay out of the engine's log (`--max-log-len 0`, request logging left off).
+- prompts stay out of the engine's log (`--max-log-len 0`, request logging left off);
+- with `kv_events` (engines.kv_events): vLLM's KV cache events on a ZMQ PUB socket file in
+  run_dir plus a replay socket beside it, block hashes by `sha256_cbor`, and no
+  `PYTHONHASHSEED` inherited from this process (vLLM seeds its block hash chain from it: only
+  one set in the engine's own `env` reaches the engine, and the router hashes with that);
+  docs/prefix_cache.md.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import re
 import subprocess
@@ -31,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pools.config import LocalEnginesConfig, ModelConfig
+from pools.config.schema import kv_events_socket
+from pools.launchers.base import KvEventsSpec
 from pools.launchers.engine_guard import GUARD_MIDDLEWARE
 from pools.launchers.engine_plan import EnginePlan
 
@@ -72,6 +80,7 @@ class EngineCommand:
     env: dict[str, str] = field(repr=False)  # set over the parent's (holds VLLM_API_KEY)
     port: int
     env_remove: frozenset[str] = frozenset()  # parent variables the engine must not inherit
+    kv_events: KvEventsSpec | None = None  # where it publishes KV cache events; None: nowhere
 
 
 def engine_environ(parent: Mapping[str, str], command: EngineCommand) -> dict[str, str]:
@@ -131,12 +140,14 @@ def build_engine_command(
     base_env: dict[str, str] | None = None,
     plan: EnginePlan | None = None,
     api_key: str | None = None,
+    kv_events: bool = False,
 ) -> EngineCommand:
     """The argv and env for engine `index`. `gpu_ids` (CUDA device indices or UUIDs, as the
     child's CUDA_VISIBLE_DEVICES lists them) None means a CPU engine.
 
     `plan` (from `engine_plan.plan_engines`) gives the dtype and KV size this machine runs;
-    without one they are the config's as written. `api_key`: the key the engine requires."""
+    without one they are the config's as written. `api_key`: the key the engine requires.
+    `kv_events`: publish KV cache events (when the installed vLLM has the flags)."""
     port = local.base_port + index
     dtype = plan.dtype if plan is not None else model.dtype
     kv_cache_bytes = plan.kv_cache_bytes if plan is not None else local.kv_cache_bytes
@@ -219,7 +230,34 @@ def build_engine_command(
             log.warning(
                 "installed vLLM has no --middleware: its key guards only /v1, /v2, /inference"
             )
+    spec = _kv_events(local, index, flags) if kv_events else None
+    if spec is not None:
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": spec.endpoint,
+            "replay_endpoint": spec.replay_endpoint,
+            "topic": spec.topic,
+        }
+        argv.extend(["--kv-events-config", json.dumps(config, separators=(",", ":"))])
+        argv.extend(["--prefix-caching-hash-algo", "sha256_cbor"])
     argv.extend(user_args)
     for key, value in local.env:
         env[key] = value
-    return EngineCommand(argv=tuple(argv), env=env, port=port, env_remove=local.secret_env)
+    remove = local.secret_env | ({"PYTHONHASHSEED"} if spec is not None else set())
+    return EngineCommand(
+        argv=tuple(argv), env=env, port=port, env_remove=frozenset(remove), kv_events=spec
+    )
+
+
+def _kv_events(local: LocalEnginesConfig, index: int, flags: frozenset[str]) -> KvEventsSpec | None:
+    missing = {"--kv-events-config", "--prefix-caching-hash-algo"} - flags
+    if missing:
+        log.warning("installed vLLM has no %s: engines publish no KV events", sorted(missing))
+        return None
+    pub, replay = (kv_events_socket(local.run_dir, index, kind) for kind in ("pub", "replay"))
+    return KvEventsSpec(
+        endpoint=f"ipc://{pub}",
+        replay_endpoint=f"ipc://{replay}",
+        hash_seed=dict(local.env).get("PYTHONHASHSEED"),
+    )

@@ -262,6 +262,7 @@ class LocalLauncher:
         host: HostFacts | None = None,
         python: str = sys.executable,
         environ: Mapping[str, str] | None = None,
+        kv_events: bool = True,
     ) -> None:
         if local.cpu_affinity is not None and len(local.cpu_affinity) != local.count:
             raise LauncherError(
@@ -272,6 +273,7 @@ class LocalLauncher:
         self._model = model
         self._progress = progress
         self._gpu_count = gpu_count  # overrides the host's GPU count (tests: 0)
+        self._kv_events = kv_events  # engines.kv_events: engines publish KV cache events
         self._host = host  # None: probed at start()
         self._python = python
         self._environ = os.environ if environ is None else environ  # the engines' parent env
@@ -314,12 +316,14 @@ class LocalLauncher:
                 python=self._python,
                 plan=plan,
                 api_key=key,
+                kv_events=self._kv_events,
             )
             spec = InstanceSpec(
                 instance_id=f"engine-{i}",
                 url=f"http://{local.host}:{command.port}",
                 gpus=local.gpus_per_instance,
                 api_key=key,
+                kv_events=command.kv_events,
             )
             cpus = local.cpu_affinity[i] if local.cpu_affinity else None
             self._engines.append(

@@ -1,0 +1,95 @@
+"""engines.kv_events: which engines publish KV cache events, and the vLLM flags that do it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pools.config import ConfigError, default_config, parse_config
+from pools.devmodel import make_dev_model
+from pools.launchers.engine_args import build_engine_command, engine_environ
+
+FLAGS = frozenset({"--model", "--port", "--kv-events-config", "--prefix-caching-hash-algo"})
+
+
+def _value(argv: tuple[str, ...], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _pools() -> dict[str, object]:
+    return {
+        "agent": {"classes": ["agent"], "share": {"initial_frac": 0.25}},
+        "normal": {"classes": ["normal"], "share": {"initial_frac": 0.75}},
+    }
+
+
+def test_on_by_default_for_local_off_elsewhere() -> None:
+    assert default_config().engines.kv_events_on
+    static = {"launcher": "static", "static": {"urls": ["http://e:8000"]}}
+    config = parse_config({"engines": static, "pools": _pools()})
+    assert not config.engines.kv_events_on
+    off = parse_config({"engines": {"kv_events": False}, "pools": _pools()})
+    assert not off.engines.kv_events_on
+
+
+@pytest.mark.parametrize("launcher", ["static", "ray", "kubernetes"])
+def test_on_is_refused_where_engines_do_not_publish_yet(launcher: str) -> None:
+    engines: dict[str, object] = {"launcher": launcher, "kv_events": True}
+    engines["static"] = {"urls": ["http://e:8000"]}
+    engines["kubernetes"] = {"services": [{"name": "engines"}]}
+    with pytest.raises(ConfigError, match="kv_events"):
+        parse_config({"engines": engines, "pools": _pools()})
+
+
+def test_a_run_dir_too_long_for_a_socket_is_refused(tmp_path: Path) -> None:
+    run_dir = tmp_path / ("d" * 90)
+    local = {"run_dir": str(run_dir)}
+    with pytest.raises(ConfigError, match="too long"):
+        parse_config({"engines": {"local": local}, "pools": _pools()})
+    off = {"local": local, "kv_events": False}
+    assert parse_config({"engines": off, "pools": _pools()}).engines.local.run_dir == run_dir
+
+
+def test_engine_publishes_on_socket_files_with_sha256_cbor(tmp_path: Path) -> None:
+    config = default_config()
+    model = dataclasses.replace(config.model, path=make_dev_model(tmp_path / "tiny"))
+    local = dataclasses.replace(config.engines.local, run_dir=tmp_path / "run")
+    cmd = build_engine_command(
+        model=model, local=local, index=1, gpu_ids=None, flags=FLAGS, kv_events=True
+    )
+    events = json.loads(_value(cmd.argv, "--kv-events-config"))
+    assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
+    assert events["endpoint"] == f"ipc://{tmp_path / 'run' / 'engine-1.kv-pub'}"
+    assert events["replay_endpoint"] == f"ipc://{tmp_path / 'run' / 'engine-1.kv-replay'}"
+    assert _value(cmd.argv, "--prefix-caching-hash-algo") == "sha256_cbor"
+    assert cmd.kv_events is not None and cmd.kv_events.endpoint == events["endpoint"]
+    assert cmd.kv_events.hash_seed is None
+    # an inherited PYTHONHASHSEED would change the engine's hash chain: not passed on
+    assert "PYTHONHASHSEED" not in engine_environ({"PYTHONHASHSEED": "3", "A": "1"}, cmd)
+
+
+def test_engine_env_seed_reaches_engine_and_router(tmp_path: Path) -> None:
+    config = default_config()
+    model = dataclasses.replace(config.model, path=make_dev_model(tmp_path / "tiny"))
+    local = dataclasses.replace(config.engines.local, env=(("PYTHONHASHSEED", "11"),))
+    cmd = build_engine_command(
+        model=model, local=local, index=0, gpu_ids=None, flags=FLAGS, kv_events=True
+    )
+    assert engine_environ({"PYTHONHASHSEED": "3"}, cmd)["PYTHONHASHSEED"] == "11"
+    assert cmd.kv_events is not None and cmd.kv_events.hash_seed == "11"
+
+
+def test_off_or_unsupported_means_no_flags(tmp_path: Path) -> None:
+    config = default_config()
+    model = dataclasses.replace(config.model, path=make_dev_model(tmp_path / "tiny"))
+    local = config.engines.local
+    off = build_engine_command(model=model, local=local, index=0, gpu_ids=None, flags=FLAGS)
+    old = build_engine_command(
+        model=model, local=local, index=0, gpu_ids=None, flags=frozenset(), kv_events=True
+    )
+    for cmd in (off, old):
+        assert "--kv-events-config" not in cmd.argv and cmd.kv_events is None
+        assert "PYTHONHASHSEED" in engine_environ({"PYTHONHASHSEED": "3"}, cmd)
