@@ -1,0 +1,211 @@
+"""How much of a split instance a pool will need soon: a demand forecast per (pool, instance),
+pure (no clock, no I/O: every call takes `now_s`).
+
+`DemandForecaster` is fed the pool's own sequences on one instance: `arrived(now_s, blocks)`
+when one is placed there, `departed(now_s, blocks, arrived_at_s)` when it ends. From the last
+`window_s` of them it measures the arrival rate λ (sequences/s: the larger of the rates over
+the window and over its last `SHORT_WINDOW_S`, so a surge shows within seconds and a lull
+lowers it only slowly), the service time E[S] (the time the sequences held their leases,
+those still running counted at their age so far, over the ones that ended: the exponential
+distribution's estimate with censored samples, so sequences that grow longer raise it before
+they end) and the distribution of KV blocks per sequence, and `forecast(now_s)`
+answers what the pool's *new* sequences will hold at once during the next `horizon_s`, at the
+`quantile` (e.g. 0.99):
+
+- **Count.** Arrivals are taken as Poisson and service as general (M/G/∞): the sequences that
+  arrived after now and still run at time now + t number Poisson(λ ∫₀ᵗ P(S > u) du), whose
+  mean is at most λ · min(t, E[S]). So at every moment of the horizon the new sequences in
+  flight are at most Poisson(m), m = λ · min(horizon_s, E[S]), and the forecast count is that
+  distribution's `quantile` K (`poisson_quantile`).
+- **Blocks.** K sequences with sizes drawn from the measured distribution (mean μ, standard
+  deviation σ) hold about K·μ + z·√K·σ blocks at the quantile (z the normal quantile; the
+  sum's central limit), and at least one sequence of the sizes' own `quantile` when K ≥ 1.
+- **Slots** (batch places) are K.
+- **A floor of one sequence.** A pool that had any sequence in the window keeps at least one
+  sequence of its quantile size and one slot, so its next request is not queued behind a
+  borrower while its rate is low (at 0.5 req/s and a 0.2 s service time m = 0.1 and the p99
+  count is 1 anyway; below ~0.01, it would be 0).
+
+Before any sequence was seen the forecast is 0 (`Forecast.measured` False): the shell decides
+what an unmeasured pool gets (admission keeps its whole share for the first `window_s`).
+
+Forecast error: once per horizon, the forecast made at its start is compared with what the
+sequences that arrived after that moment held at their peak during it; `on_error(measured -
+forecast)` (blocks; positive: the forecast was short) is called when the horizon has passed,
+at the next call. This is the `gpupool_headroom_forecast_error_blocks` histogram.
+
+Limits (docs/admission.md, "Forecast reserve"): Poisson arrivals (a wave of agent runs
+starting together is burstier; the windowed rate lags a surge by up to `window_s`, which the
+owner's queue covers: a pool with requests waiting lends nothing); sequences counted when
+placed, not when they arrived (a request that waited in the queue arrives late); sizes and
+service times independent of each other and of the load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from statistics import NormalDist
+
+__all__ = ["FORECAST_WINDOW_S", "DemandForecaster", "Forecast", "poisson_quantile"]
+
+# the measurements a forecast is made from: the last minute of the pool's sequences
+FORECAST_WINDOW_S = 60.0
+
+# arrivals and service times kept (the newest), whatever the window
+_MAX_SAMPLES = 512
+# the arrival rate is also measured over this last stretch of the window (the larger wins)
+SHORT_WINDOW_S = 10.0
+# above this Poisson mean, the quantile comes from the normal approximation
+_NORMAL_ABOVE = 400.0
+
+
+def poisson_quantile(mean: float, quantile: float) -> int:
+    """The smallest k with P(N ≤ k) ≥ `quantile` for N ~ Poisson(`mean`) (0 for mean ≤ 0).
+    Summed term by term in log space up to a mean of 400; above, the normal approximation
+    with a continuity correction (within one of the exact value there)."""
+    if mean <= 0:
+        return 0
+    if mean > _NORMAL_ABOVE:
+        z = NormalDist().inv_cdf(quantile)
+        return max(0, math.ceil(mean + z * math.sqrt(mean) - 0.5))
+    log_p = -mean  # log P(N = 0)
+    cdf = math.exp(log_p)
+    k = 0
+    while cdf < quantile:
+        k += 1
+        log_p += math.log(mean) - math.log(k)
+        cdf += math.exp(log_p)
+        if k > 10 * mean + 100:  # float rounding keeps cdf under a quantile near 1
+            break
+    return k
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    """What a pool's new sequences will hold on one instance during the horizon, at the
+    quantile. `blocks` and `slots` are 0 when nothing was measured."""
+
+    blocks: int  # KV blocks
+    slots: int  # sequences in the batch
+    rate_per_s: float  # measured arrivals per second (λ)
+    service_s: float  # measured mean time a sequence holds its lease (E[S]; 0: none ended)
+    mean_in_flight: float  # m = λ · min(horizon_s, E[S])
+    measured: bool  # any sequence seen in the window
+
+
+_NONE = Forecast(0, 0, 0.0, 0.0, 0.0, False)
+
+
+class DemandForecaster:
+    """One pool's demand on one instance (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        horizon_s: float,
+        quantile: float,
+        window_s: float,
+        started_at_s: float,
+        on_error: Callable[[float], None] = lambda _error: None,
+    ) -> None:
+        if horizon_s <= 0 or window_s <= 0 or not 0.5 <= quantile < 1:
+            raise ValueError("horizon_s and window_s must be > 0, quantile in [0.5, 1)")
+        self.horizon_s = horizon_s
+        self.quantile = quantile
+        self.window_s = window_s
+        self.started_at_s = started_at_s
+        self._z = NormalDist().inv_cdf(quantile)
+        self._on_error = on_error
+        self._arrivals: deque[tuple[float, int]] = deque()  # (at_s, blocks), oldest first
+        self._services: deque[tuple[float, float]] = deque()  # (ended_at_s, held_s)
+        self._running = 0  # sequences arrived and not departed
+        self._running_since_sum_s = 0.0  # the sum of their arrival times
+        self._cached: tuple[float, Forecast] | None = None
+        # the horizon being checked: its start, its forecast, and the blocks held by sequences
+        # that arrived since (now and at their peak)
+        self._check_start_s: float | None = None
+        self._check_forecast = 0
+        self._check_blocks = 0
+        self._check_peak = 0
+
+    # ------------------------------------------------------------------ what happened
+
+    def arrived(self, now_s: float, blocks: int) -> None:
+        """One of the pool's sequences was placed on the instance, holding `blocks`."""
+        self._settle(now_s)
+        self._arrivals.append((now_s, blocks))
+        self._running += 1
+        self._running_since_sum_s += now_s
+        if len(self._arrivals) > _MAX_SAMPLES:
+            self._arrivals.popleft()
+        self._cached = None
+        if self._check_start_s is not None:
+            self._check_blocks += blocks
+            self._check_peak = max(self._check_peak, self._check_blocks)
+
+    def departed(self, now_s: float, blocks: int, arrived_at_s: float) -> None:
+        """A sequence `arrived` at `arrived_at_s` ended (its lease released)."""
+        self._settle(now_s)
+        self._services.append((now_s, max(0.0, now_s - arrived_at_s)))
+        if self._running > 0:
+            self._running -= 1
+            self._running_since_sum_s -= arrived_at_s
+        if len(self._services) > _MAX_SAMPLES:
+            self._services.popleft()
+        self._cached = None
+        if self._check_start_s is not None and arrived_at_s >= self._check_start_s:
+            self._check_blocks -= blocks
+
+    # ------------------------------------------------------------------ the forecast
+
+    def forecast(self, now_s: float) -> Forecast:
+        """The forecast for [now_s, now_s + horizon_s]. Cached until something arrives or
+        ends, or a tenth of a second passes (the rate's window slides)."""
+        self._settle(now_s)
+        cached = self._cached
+        if cached is not None and now_s - cached[0] < 0.1:
+            return cached[1]
+        result = self._compute(now_s)
+        self._cached = (now_s, result)
+        if self._check_start_s is None and result.measured:
+            self._check_start_s = now_s
+            self._check_forecast = result.blocks
+            self._check_blocks = self._check_peak = 0
+        return result
+
+    def _compute(self, now_s: float) -> Forecast:
+        since = now_s - self.window_s
+        arrivals = [(t, b) for t, b in self._arrivals if t > since]
+        if not arrivals:
+            return _NONE
+        observed_s = max(now_s - self.started_at_s, 1e-9)
+        rate = len(arrivals) / min(self.window_s, observed_s)
+        short_s = min(SHORT_WINDOW_S, self.window_s, observed_s)
+        recent = sum(1 for t, _ in arrivals if t > now_s - short_s)
+        rate = max(rate, recent / short_s)
+        services = [s for t, s in self._services if t > since]
+        # those still running have held at least their age: total time held / ends
+        running_s = max(0.0, self._running * now_s - self._running_since_sum_s)
+        service_s = (sum(services) + running_s) / max(1, len(services))
+        m = rate * min(self.horizon_s, service_s)
+        count = max(1, poisson_quantile(m, self.quantile))
+        sizes = sorted(b for _, b in arrivals)
+        mean = sum(sizes) / len(sizes)
+        var = sum((b - mean) ** 2 for b in sizes) / len(sizes)
+        one = sizes[min(len(sizes) - 1, math.ceil(self.quantile * len(sizes)) - 1)]
+        blocks = count * mean + self._z * math.sqrt(count * var)
+        blocks = min(max(blocks, float(one)), float(count * sizes[-1]))
+        return Forecast(math.ceil(blocks - 1e-9), count, rate, service_s, m, True)
+
+    # ------------------------------------------------------------------ its error
+
+    def _settle(self, now_s: float) -> None:
+        """Close the horizon being checked once it has passed: report measured − forecast."""
+        start = self._check_start_s
+        if start is None or now_s < start + self.horizon_s:
+            return
+        self._on_error(float(self._check_peak - self._check_forecast))
+        self._check_start_s = None
