@@ -139,6 +139,7 @@ class Lease:
 
     def first_token(self, now_s: float) -> None:
         self.first_token_at_s = now_s
+        self._fleet._first_token(self)
 
     def release(self) -> None:
         if self.released:
@@ -165,6 +166,7 @@ class Fleet:
         self._clock = clock
         self._health_listeners: list[Callable[[str, bool], None]] = []
         self._change_listeners: list[Callable[[str], None]] = []
+        self._lease_listeners: list[Callable[[Lease, str], None]] = []
         self._warned_unknown_kv: set[str] = set()  # instances already warned about
 
     # -- membership at run time (engines discovered in Kubernetes or placed by Ray) ------------
@@ -205,6 +207,15 @@ class Fleet:
         may fit there now (admission's dispatch is driven by this, not by polling)."""
         self._change_listeners.append(listener)
 
+    def on_lease_event(self, listener: Callable[[Lease, str], None]) -> None:
+        """`listener(lease, event)` when a lease's sequence sends its first token ("first")
+        and when it is released ("released", before the capacity-change listeners)."""
+        self._lease_listeners.append(listener)
+
+    def _first_token(self, lease: Lease) -> None:
+        for listener in self._lease_listeners:
+            listener(lease, "first")
+
     def _changed(self, instance_id: str) -> None:
         for listener in self._change_listeners:
             listener(instance_id)
@@ -237,6 +248,8 @@ class Fleet:
         state.released_since_reading += lease.blocks
         state.running_by_pool[lease.pool] -= 1
         state.reserved_by_pool[lease.pool] -= lease.blocks
+        for listener in self._lease_listeners:
+            listener(lease, "released")
         self._changed(state.spec.instance_id)
 
     def instance_ids(self) -> list[str]:

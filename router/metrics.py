@@ -17,6 +17,7 @@ _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
 _OVERHEAD_BUCKETS_S = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
 _QUEUE_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+_FORECAST_ERROR_BUCKETS = (-1024, -256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256, 1024)
 _RUN_BUCKETS_S = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 
 
@@ -142,6 +143,15 @@ class RouterMetrics:
             "gpupool_borrowed_frac",
             "Capacity a pool uses on other pools' instances (borrowed), as a share of all GPUs",
             ["pool"],
+            registry=r,
+        )
+        self.forecast_error = Histogram(
+            "gpupool_headroom_forecast_error_blocks",
+            "admission.reserve: forecast: KV blocks a pool's new sequences held at their peak"
+            " on a split instance during a headroom horizon, minus the forecast made at its"
+            " start (positive: the forecast was short)",
+            ["pool"],
+            buckets=_FORECAST_ERROR_BUCKETS,
             registry=r,
         )
         self.retries = Counter(

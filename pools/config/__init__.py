@@ -20,6 +20,7 @@ from pools.config.load import (
 )
 from pools.config.schema import (
     VLLM_MAX_NUM_SEQS,
+    AdmissionConfig,
     ClassConfig,
     ClassificationConfig,
     Config,
@@ -50,6 +51,7 @@ from pools.config.schema import (
 __all__ = [
     "DEFAULT_CPU_CONFIG",
     "VLLM_MAX_NUM_SEQS",
+    "AdmissionConfig",
     "ClassConfig",
     "ClassificationConfig",
     "Config",

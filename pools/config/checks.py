@@ -8,7 +8,7 @@ are pure functions of a `Config`; loading refuses only what `schema.py` declares
 
 from __future__ import annotations
 
-from pools.config.schema import Config, TenantConfig
+from pools.config.schema import AdmissionConfig, Config, TenantConfig
 from pools.rebalance import bounds_at
 
 __all__ = ["contract_problems", "not_yet_in_effect"]
@@ -36,6 +36,18 @@ def not_yet_in_effect(config: Config) -> list[str]:
             " goes to its own pool's instances at once)"
         )
     return notes
+
+
+def _admission_problems(config: Config) -> list[str]:
+    """The `admission` section steers nothing with `router.admission: off`."""
+    given = config.admission
+    if config.router.admission == "on" or given == AdmissionConfig():
+        return []
+    return [
+        "admission: reserve forecast and prefill_hold_min_tokens steer admission, which"
+        " router.admission: off turns off (every request goes at once): remove them or turn"
+        " admission on"
+    ]
 
 
 def _rebalancer_problems(config: Config) -> list[str]:
@@ -104,6 +116,7 @@ def contract_problems(config: Config) -> list[str]:
       when there is more than one instance;
     - a tenant's `borrow_max_frac` has a `tokens_per_minute` to be a fraction of, and no
       shared store (borrowing is off there);
+    - the `admission` section is left at its defaults when `router.admission` is off;
     - a class's run guard `max_duration_s` is not shorter than one request of it may take
       (`timeout_s`); a tenant's tier allows no more requests in flight than the engines run.
     """
@@ -151,6 +164,7 @@ def contract_problems(config: Config) -> list[str]:
                 " run"
             )
     problems.extend(_rebalancer_problems(config))
+    problems.extend(_admission_problems(config))
     affinity = config.engines.local.cpu_affinity
     if config.engines.launcher == "local" and affinity is not None and len(affinity) != n:
         problems.append(

@@ -870,6 +870,36 @@ class RouterConfig:
 
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
+class AdmissionConfig:
+    """How admission shares a split instance between its pools (docs/admission.md, "Forecast
+    reserve" and "Prefill hold"; router/admission/forecast.py)."""
+
+    # share: each pool stays within its share of the instance's KV blocks and batch;
+    # forecast: a pool may use the other pools' shares too, less what each of them is
+    # forecast to need over headroom_horizon_s (at headroom_quantile) and less everything
+    # while one has requests waiting. share until the forecast reserve is measured on the
+    # issue's benchmark (3 rounds)
+    reserve: Literal["share", "forecast"] = "share"
+    # forecast only: the forecast covers this long (about a borrowed sequence's lifetime)
+    headroom_horizon_s: float = Field(default=10.0, gt=0, le=600)
+    # forecast only: the quantile of the owner's need that is kept free
+    headroom_quantile: float = Field(default=0.99, ge=0.5, lt=1.0)
+    # on an instance shared with a pool of stricter slo.ttft_p95_ms: hold a new request whose
+    # uncached prompt is at least this many tokens while a request of that pool is in its
+    # prefill there (null: never hold)
+    prefill_hold_min_tokens: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _forecast_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("reserve", "share") != "forecast":
+            idle = [k for k in ("headroom_horizon_s", "headroom_quantile") if k in data]
+            if idle:
+                raise ValueError(f"{', '.join(idle)} set without reserve: forecast")
+        return data
+
+
+@dataclass(frozen=True, slots=True, config=_STRICT)
 class RebalancerConfig(RebalanceSettings):
     """The loop that moves the pool ratio with demand (pools/rebalance.py). Its decision
     settings (interval_s, hysteresis_frac, cooldown_s, smoothing_window_s, max_step_frac,
@@ -1098,6 +1128,7 @@ class Config:
     rebalancer: RebalancerConfig = Field(default_factory=RebalancerConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     class_names: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # pools' classes
 
     def __post_init__(self) -> None:
@@ -1120,6 +1151,7 @@ class Config:
             "governance",
             "rebalancer",
             "store",
+            "admission",
         )
         data = _sections_given(data, sections)
         rebalancer, router = data["rebalancer"], data["router"]

@@ -35,13 +35,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pools.allocation import PoolMap
 from pools.config import Config, PoolConfig
 from pools.fleet import Fleet, InstanceState, Lease
 from router.admission.decision import Grant, InstanceView, Need, Reject, Wait, decide
 from router.admission.estimate import Estimate
+from router.admission.forecast import FORECAST_WINDOW_S, DemandForecaster, Forecast
 from router.admission.picking import (
     Candidate,
     Picker,
@@ -55,7 +56,7 @@ from router.errors import CapacityExceeded, NoHealthyInstance
 from router.metrics import RouterMetrics
 from router.request import RequestContext
 
-__all__ = ["Admitter", "Waiter"]
+__all__ = ["Admitter", "Reserve", "Waiter"]
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,17 @@ class Admitter:
         self._homebound: dict[str, dict[QueueEntry, str]] = {p.name: {} for p in config.pools}
         self._awaited: dict[str, Counter[str]] = {p.name: Counter() for p in config.pools}
         self._pump_scheduled = False
+        # admission.reserve: forecast, admission.prefill_hold_min_tokens (docs/admission.md)
+        self.reserve_forecast = config.admission.reserve == "forecast"
+        self.hold_prefill_min_tokens = config.admission.prefill_hold_min_tokens
+        self._ttft_target_s = {p.name: p.slo.ttft_p95_ms / 1e3 for p in config.pools}
+        self._forecasts: dict[tuple[str, str], DemandForecaster] = {}
+        self._started_at_s = clock()
+        self._wake: asyncio.TimerHandle | None = None
+        self._wake_at_s = math.inf
         fleet.on_capacity_change(lambda _iid: self.schedule_pump())
+        if self.reserve_forecast or self.hold_prefill_min_tokens is not None:
+            fleet.on_lease_event(self._lease_event)
         pool_map.on_change(lambda _alloc: self.schedule_pump())
 
     # ------------------------------------------------------------------ the request's calls
@@ -294,7 +305,164 @@ class Admitter:
             margin_frac=self.margin_frac,
             step_s=_step_s(state),
             kv_known=state.kv_capacity != "unknown",
+            **self._sharing(pool, state, now_s),
         )
+
+    # ------------------------------------------------------------------ sharing a split instance
+
+    def _sharing(self, pool: str, state: InstanceState, now_s: float) -> dict[str, Any]:
+        """The `InstanceView` fields of `admission.reserve: forecast` and
+        `admission.prefill_hold_min_tokens` (none when both are off)."""
+        out: dict[str, Any] = {}
+        if self.reserve_forecast:
+            blocks, slots = 0.0, 0
+            for reserve in self.reserves(state, now_s).values():
+                if reserve.pool != pool:
+                    blocks += reserve.blocks
+                    slots += reserve.slots
+            out = {
+                "reserve_forecast": True,
+                "others_reserve_blocks": blocks,
+                "others_reserve_slots": slots,
+            }
+        if self.hold_prefill_min_tokens is not None and self._prefill_hold(pool, state, now_s):
+            out["hold_prefill_min_tokens"] = self.hold_prefill_min_tokens
+        return out
+
+    def forecaster(self, pool: str, instance_id: str) -> DemandForecaster:
+        """`pool`'s demand forecaster on the instance (made at first use)."""
+        key = (pool, instance_id)
+        forecaster = self._forecasts.get(key)
+        if forecaster is None:
+            adm = self.config.admission
+            forecaster = self._forecasts[key] = DemandForecaster(
+                horizon_s=adm.headroom_horizon_s,
+                quantile=adm.headroom_quantile,
+                window_s=FORECAST_WINDOW_S,
+                started_at_s=self._started_at_s,
+                on_error=self.metrics.forecast_error.labels(pool).observe,
+            )
+        return forecaster
+
+    def reserves(self, state: InstanceState, now_s: float) -> dict[str, Reserve]:
+        """What is kept free on the instance for each pool allocated there (`reserve:
+        forecast`): of its unused share (its share of the usable blocks and of the batch, less
+        what it holds), its forecast need over the horizon; all of it while the pool has
+        requests waiting, or while its forecast is unmeasured in the router's first
+        `FORECAST_WINDOW_S`."""
+        iid = state.spec.instance_id
+        usable = (state.capacity_blocks or 0) * (1.0 - self.margin_frac)
+        instance_limit = self.instance_limit(state)
+        out = {}
+        for pool, frac in self.pool_map.current.pools_of(iid).items():
+            if frac <= 0:
+                continue
+            limit = min(state.op.limit(self._tpot_target_s[pool]), instance_limit)
+            unused_blocks = max(0.0, frac * usable - state.reserved_by_pool.get(pool, 0))
+            unused_slots = max(0, max(1, int(frac * limit)) - state.running_by_pool.get(pool, 0))
+            forecast = self.forecaster(pool, iid).forecast(now_s)
+            waiting = len(self.queues[pool]) > 0
+            cold = not forecast.measured and now_s - self._started_at_s < FORECAST_WINDOW_S
+            if waiting or cold:
+                blocks, slots = unused_blocks, unused_slots
+            else:
+                blocks = min(unused_blocks, float(forecast.blocks))
+                slots = min(unused_slots, forecast.slots)
+            out[pool] = Reserve(pool, blocks, slots, forecast, waiting, cold)
+        return out
+
+    def capacity_by_pool(self, state: InstanceState, now_s: float) -> dict[str, Any]:
+        """Per pool allocated on the instance or holding sequences there: its share of the
+        usable KV blocks and of the batch, what it holds of them (owned) and past them
+        (borrowed), and with `reserve: forecast` what is kept free for it and its forecast
+        (`/admin/pools`)."""
+        iid = state.spec.instance_id
+        fracs = self.pool_map.current.pools_of(iid)
+        usable = (state.capacity_blocks or 0) * (1.0 - self.margin_frac)
+        instance_limit = self.instance_limit(state)
+        reserves = self.reserves(state, now_s) if self.reserve_forecast else {}
+        out: dict[str, Any] = {}
+        for pool in sorted(set(fracs) | set(state.running_by_pool)):
+            frac = fracs.get(pool, 0.0)
+            held = state.reserved_by_pool.get(pool, 0)
+            running = state.running_by_pool.get(pool, 0)
+            if frac <= 0 and running == 0:
+                continue
+            share_blocks = frac * usable
+            limit = min(state.op.limit(self._tpot_target_s[pool]), instance_limit)
+            share_slots = max(1, int(frac * limit)) if frac > 0 else 0
+            entry: dict[str, Any] = {
+                "frac": round(frac, 4),
+                "share_blocks": round(share_blocks, 1),
+                "owned_blocks": round(min(float(held), share_blocks), 1),
+                "borrowed_blocks": round(max(0.0, held - share_blocks), 1),
+                "share_slots": share_slots,
+                "owned_slots": min(running, share_slots),
+                "borrowed_slots": max(0, running - share_slots),
+            }
+            reserve = reserves.get(pool)
+            if reserve is not None:
+                fc = reserve.forecast
+                entry["reserve"] = {
+                    "blocks": round(reserve.blocks, 1),
+                    "slots": reserve.slots,
+                    "why": "waiting" if reserve.waiting else "cold" if reserve.cold else "forecast",
+                    "forecast": {
+                        "blocks": fc.blocks,
+                        "slots": fc.slots,
+                        "rate_per_s": round(fc.rate_per_s, 3),
+                        "service_s": round(fc.service_s, 3),
+                        "mean_in_flight": round(fc.mean_in_flight, 3),
+                    },
+                }
+            out[pool] = entry
+        return out
+
+    def _prefill_hold(self, pool: str, state: InstanceState, now_s: float) -> bool:
+        """Whether a request of a pool with a stricter TTFT target than `pool`'s is in its
+        prefill on the instance: admitted, no first token yet, and within that pool's TTFT
+        target since (a non-streaming request shows no first token; past its target it has
+        missed it anyway). Schedules a dispatch pass for when the last such hold ends."""
+        target_s = self._ttft_target_s[pool]
+        ends = [
+            lease.acquired_at_s + self._ttft_target_s[lease.pool]
+            for lease in state.leases
+            if lease.first_token_at_s is None
+            and self._ttft_target_s.get(lease.pool, math.inf) < target_s
+            and now_s < lease.acquired_at_s + self._ttft_target_s[lease.pool]
+        ]
+        if ends:
+            self._wake_at(max(ends))
+        return bool(ends)
+
+    def _wake_at(self, at_s: float) -> None:
+        """A dispatch pass at `at_s` (the admitter's clock) unless one is due sooner."""
+        if at_s >= self._wake_at_s:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # the simulator passes at every event
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake_at_s = at_s
+
+        def wake() -> None:
+            self._wake, self._wake_at_s = None, math.inf
+            self.pump()
+
+        self._wake = loop.call_later(max(0.0, at_s - self.clock()), wake)
+
+    def _lease_event(self, lease: Lease, event: str) -> None:
+        """A lease's first token (a prefill hold may end: dispatch) or its release (its pool's
+        forecaster learns the service time)."""
+        if event == "first":
+            if self.hold_prefill_min_tokens is not None:
+                self.schedule_pump()
+        elif self.reserve_forecast:
+            forecaster = self._forecasts.get((lease.pool, lease.instance_id))
+            if forecaster is not None:
+                forecaster.departed(self.clock(), lease.blocks, lease.acquired_at_s)
 
     def instance_limit(self, state: InstanceState) -> int:
         """The operating point for the strictest TPOT target among the instance's pools; on an
@@ -421,13 +589,17 @@ class Admitter:
     def _acquire(self, state: InstanceState, pool: str, need: Need) -> Lease:
         rate = uncached_prefill_tokens_per_s(state.prefill_tokens_per_s, state.prefix_hit_frac)
         prefill = need.prefill_tokens(state.spec.instance_id)
-        return self.fleet.acquire(
+        lease = self.fleet.acquire(
             state.spec.instance_id,
             pool,
             blocks=-(-need.total_tokens // self._block_size(state)),
             prompt_tokens=prefill,
             prefill_s=prefill / rate if rate else 0.0,
         )
+        if self.reserve_forecast:
+            forecaster = self.forecaster(pool, lease.instance_id)
+            forecaster.arrived(lease.acquired_at_s, lease.blocks)
+        return lease
 
     def _lease_unchecked(
         self, ctx: RequestContext, need: Need, exclude: frozenset[str]
@@ -652,11 +824,26 @@ class Admitter:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """What `reserve: forecast` keeps free for one pool on one instance (`Admitter.reserves`)."""
+
+    pool: str
+    blocks: float  # KV blocks
+    slots: int  # batch places
+    forecast: Forecast
+    waiting: bool  # the pool has requests waiting: all its unused share is kept
+    cold: bool  # unmeasured in the router's first minute: all its unused share is kept
+
+
 def _free_slots(view: InstanceView) -> int:
     """Sequences the pool may still start on the instance now by its operating points (the
     same counts `router.admission.decision.fit_reason` checks; KV may refuse sooner)."""
     limit = min(view.pool_limit, view.instance_limit)
     pool_free = max(1, int(view.frac * limit)) - view.pool_running
+    if view.reserve_forecast:  # past its share, what the others' reserves leave
+        lent = view.instance_limit - view.others_reserve_slots - view.running
+        pool_free = max(pool_free, lent)
     return max(0, min(pool_free, view.instance_limit - view.running))
 
 

@@ -28,6 +28,17 @@ prefix-cache hit's blocks out of its free queue (`BlockPool.touch`), and its usa
 `1 - free / total`, so a cached prefix occupies blocks exactly like a computed one. What a
 cache hit saves is prefill time, and that is where it counts here.
 
+With `admission.reserve: forecast` (`reserve_forecast`), a pool past its share of the KV or
+the batch may still go where the instance has room once what is kept for the other pools
+there (`others_reserve_blocks`, `others_reserve_slots`: their forecast need, computed by the
+shell from `router.admission.forecast`) is set aside: it borrows their idle share, and its new
+admissions stop first when their forecast rises. Nothing running is ever preempted.
+
+With `admission.prefill_hold_min_tokens` (`hold_prefill_min_tokens`, set by the shell while a
+pool with a stricter TTFT target has a request in its prefill on the instance), a sequence
+with that many tokens or more to prefill there waits ("prefill"), so the latency-sensitive
+request's prefill does not share engine steps with a long one.
+
 So that a large request never waits forever, a pool with nothing running on an instance may
 always place one sequence there if the instance as a whole has the blocks (a request over the
 pool's share but within the engine's `max_model_len` is served, alone).
@@ -94,6 +105,15 @@ class InstanceView:
     # False: the engine's readings lack its KV capacity (no vllm:cache_config_info); the KV
     # checks are skipped and the operating-point limits (capped by the shell) decide alone
     kv_known: bool = True
+    # admission.reserve: forecast: past its own share the pool may use the instance's free
+    # blocks and batch places less what is kept for the other pools there (their forecast
+    # need over the horizon, or all of their unused share while they have requests waiting)
+    reserve_forecast: bool = False
+    others_reserve_blocks: float = 0.0
+    others_reserve_slots: int = 0
+    # a pool with a stricter TTFT target has a request in its prefill on the instance: a
+    # sequence with at least this many tokens to prefill here waits (None: no hold)
+    hold_prefill_min_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +123,7 @@ class Grant:
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    reason: str  # why the best instance refused: kv | operating_point | ttft | stale
+    reason: str  # why the best instance refused: kv | operating_point | ttft | prefill | stale
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +142,9 @@ def fit_reason(view: InstanceView, need: Need) -> str | None:
         return "unhealthy"
     if not view.fresh or (view.kv_known and view.capacity_blocks <= 0):
         return "stale"
+    hold = view.hold_prefill_min_tokens
+    if hold is not None and need.prefill_tokens(view.instance_id) >= hold:
+        return "prefill"
     blocks = _blocks(need.total_tokens, view.block_size)
     usable = view.capacity_blocks * (1.0 - view.margin_frac)
     if view.kv_known and view.used_blocks + blocks > usable:
@@ -129,10 +152,15 @@ def fit_reason(view: InstanceView, need: Need) -> str | None:
     alone = view.pool_running == 0
     if not alone:
         if view.kv_known and view.pool_reserved_blocks + blocks > view.frac * usable:
-            return "kv"
+            # past its share: only what the other pools are not forecast to need
+            lent = usable - view.others_reserve_blocks
+            if not view.reserve_forecast or view.used_blocks + blocks > lent:
+                return "kv"
         limit = min(view.pool_limit, view.instance_limit)
         if view.pool_running >= max(1, int(view.frac * limit)):
-            return "operating_point"
+            lent_slots = view.instance_limit - view.others_reserve_slots
+            if not view.reserve_forecast or view.running + 1 > lent_slots:
+                return "operating_point"
     if view.running >= view.instance_limit:
         return "operating_point"
     if not alone and predicted_ttft_s(view, need) > view.ttft_target_s:
@@ -183,5 +211,5 @@ def decide(
             f"expected queue wait {queue_wait_s:.2f} s + predicted time to first token "
             f"{best_ttft_s:.2f} s is past the deadline",
         )
-    order = ("kv", "operating_point", "ttft", "stale", "unhealthy")
+    order = ("kv", "operating_point", "ttft", "prefill", "stale", "unhealthy")
     return Wait(min(reasons, key=order.index))

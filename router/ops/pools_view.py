@@ -82,6 +82,8 @@ class PoolsView:
                 "kv_reserved_blocks_by_pool": dict(state.reserved_by_pool),
                 "kv_used_blocks": round(state.used_blocks(), 1),
                 "running_by_pool": dict(state.running_by_pool),
+                # owned vs borrowed KV and batch per pool, the forecast reserve (admission.reserve)
+                "capacity_by_pool": self.admitter.capacity_by_pool(state, self.clock()),
                 "operating_point": {
                     "limit": self.admitter.instance_limit(state),
                     "source": state.op.source,
@@ -101,6 +103,7 @@ class PoolsView:
         return {
             "allocation_version": allocation.version,
             "admission": self.config.router.admission,
+            "admission_reserve": self.config.admission.reserve,
             "pools": pools,
             "instances": instances,
             "rebalancer": self.rebalancer.view(),
