@@ -122,6 +122,12 @@ class RouterMetrics:
             ["from_pool", "to_pool", "kind"],
             registry=r,
         )
+        self.rebalancer_leader = Gauge(
+            "gpupool_rebalancer_leader",
+            "1 while this router replica leads the rebalancer (decides the ratio the others"
+            " follow; always 1 on the embedded store), else 0",
+            registry=r,
+        )
         self.drains_in_progress = Gauge(
             "gpupool_drains_in_progress",
             "Instances moving pools, waiting for their old pool's sequences",

@@ -156,6 +156,7 @@ class Gateway:
             GovernanceMetrics(self.metrics.registry),
             clock=clock,
             store=GovernanceStore(self.stores.governance),
+            replica_id=self.rebalancer.replica,  # one name per router process
         )
         self.accounting_observer = AccountingObserver(
             self.accountant, self.ledger, self.accounting_metrics, clock=clock

@@ -35,9 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
-import socket
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeVar
 
@@ -45,6 +42,7 @@ from router.errors import StoreUnavailable
 from router.governance.metrics import GovernanceMetrics
 from router.governance.shared import SharedBudgets, Slices
 from router.store import Store, StoreError
+from router.store.leader import new_replica_id
 
 __all__ = ["ReplicaBudgets", "new_replica_id"]
 
@@ -53,12 +51,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 OutagePolicy = Literal["open", "closed"]
 OUTAGE_RETRY_AFTER_S = 1.0  # what a refusal under `closed` tells the client (one sweep)
-
-
-def new_replica_id() -> str:
-    """`host:pid:random`: unique per router process (a restart is a new replica; the old
-    one's slots expire with their lease, its cost rows keep counting)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 class _Down(Exception):

@@ -48,6 +48,7 @@ from typing import Any
 from pools.allocation import Allocation, Drain, PoolMap, plan_allocation, plan_moves
 from pools.config import Config
 from pools.fleet import Fleet
+from pools.periodic import Periodic
 from pools.rebalance import (
     Bounds,
     Decision,
@@ -63,16 +64,19 @@ from pools.tasks import cancel_and_wait
 from router.admission.queueing import PoolQueue
 from router.errors import BadRequest, CapacityExceeded, NotFound
 from router.metrics import RouterMetrics
-from router.rebalancer.store import DecisionLog, SreSettings
+from router.rebalancer.store import DecisionLog, Ratio, SreSettings
 from router.request import RequestOutcome
+from router.store.leader import CHECK_S, Leadership, leadership_for, new_replica_id
 
-__all__ = ["RECALL_CHECK_S", "Rebalancer", "SignalWindow", "recall_check_offsets_s"]
+__all__ = ["RECALL_CHECK_S", "SYNC_S", "Rebalancer", "SignalWindow", "recall_check_offsets_s"]
 
 log = logging.getLogger(__name__)
 
 _RECENT_DECISIONS = 20
 # how often the loop checks the recall rule between decisions (`check_recall`)
 RECALL_CHECK_S = 1.0
+# how often a replica on a shared store reads the SRE settings and the target ratio
+SYNC_S = 1.0
 _SHARE_TOLERANCE = 0.01  # a pinned ratio must sum to 1 within this
 
 
@@ -192,6 +196,9 @@ class Rebalancer:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         decision_log: DecisionLog | None = None,
+        replica_id: str | None = None,
+        leader_check_s: float = CHECK_S,
+        sync_s: float = SYNC_S,
     ) -> None:
         self.config = config
         self.rc = config.rebalancer
@@ -207,6 +214,18 @@ class Rebalancer:
             self.rc.decision_log_path, retention_days=self.rc.decision_log_retention_days
         )
         self.state_path = config.router.state_path
+        self.replica = replica_id or new_replica_id()
+        # one replica decides (the others follow the ratio it publishes): an advisory lock on
+        # a PostgreSQL store, the router alone on the embedded one (router/store/leader.py)
+        self.leadership: Leadership = leadership_for(
+            self.decision_log.store, self.replica, check_s=leader_check_s
+        )
+        self.leadership.on_change = self._leading_changed
+        self.shared = self.decision_log.store.dialect == "postgresql"
+        self._sync_loop = Periodic("gpupool-rebalancer-sync", self.sync, sync_s)
+        self._ratio = Ratio(0, "", {})  # the newest ratio published in the store, as seen
+        self._sre_edits = 0  # SRE changes begun here (a sync read before one is stale)
+        self._sre_saving = 0  # SRE changes being saved now
         self.sre = SreSettings()
         capacity = fleet.capacity_gpus()
         self.loop_state = LoopState(
@@ -232,18 +251,26 @@ class Rebalancer:
         await self.decision_log.start()
         self.sre = await self.decision_log.load_settings(self.state_path)
         self._restore()
+        if self.shared:  # start from the ratio the replicas follow now
+            await self.sync()
+            self._sync_loop.start()
+        await self.leadership.start()
         if self.rc.enabled:
             self._task = asyncio.create_task(self._run(), name="rebalancer")
         log.info(
-            "rebalancer %s (interval %.0f s); shares %s",
+            "rebalancer %s (interval %.0f s); shares %s; replica %s (%s)",
             "running" if self.rc.enabled else "off: SRE moves only",
             self.rc.interval_s,
             _fmt(self.loop_state.shares),
+            self.replica,
+            "leader election on the shared store" if self.shared else "the only one",
         )
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        await self._sync_loop.aclose()
+        await self.leadership.aclose()
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
@@ -258,9 +285,71 @@ class Rebalancer:
             for at_s in recall_check_offsets_s(self.rc.interval_s):
                 await asyncio.sleep(at_s - elapsed_s)
                 elapsed_s = at_s
-                self._guarded(self.check_recall)
+                if self.leadership.leading:  # the others follow its ratio (`sync`)
+                    self._guarded(self.check_recall)
             await asyncio.sleep(self.rc.interval_s - elapsed_s)
-            self._guarded(self.tick)
+            if self.leadership.leading:
+                self._guarded(self.tick)
+
+    # ------------------------------------------------------------------ replicas
+
+    def _leading_changed(self, leading: bool) -> None:
+        self.metrics.rebalancer_leader.set(1 if leading else 0)
+
+    async def sync(self) -> None:
+        """On a shared store, every `SYNC_S`: read the SRE settings and the target ratio the
+        replicas share. Settings changed through another replica take effect here; a ratio
+        published by another replica (the leader's decision, an SRE move) is placed here; the
+        leader publishes its own decisions. Skipped while an SRE change of this replica is
+        being saved (what was read may predate it)."""
+        edits = self._sre_edits
+        settings, ratio = await self.decision_log.load_shared()
+        if self._sre_saving or self._sre_edits != edits:
+            return
+        if settings is not None:
+            settings.shares = self.sre.shares
+            self.sre = settings
+        if ratio is not None and ratio.version > self._ratio.version:
+            self._adopt(ratio)
+        elif self.leadership.leading and _differs_shares(
+            self.loop_state.shares, self._ratio.shares
+        ):
+            await self._publish()
+
+    def _adopt(self, ratio: Ratio) -> None:
+        """Follow a ratio published in the store (by another replica, or this one before)."""
+        self._ratio = ratio
+        if set(ratio.shares) != set(self.pools):  # written for other pools: not ours to follow
+            return
+        if not _differs_shares(ratio.shares, self.loop_state.shares):
+            return
+        now = self.clock()
+        if self.leadership.leading and ratio.replica != self.replica:
+            # an SRE's change through another replica: the cooldown starts, as for one here
+            self.loop_state = replace(
+                self.loop_state, shares=dict(ratio.shares), history=(), last_move_at_s=now
+            )
+        else:
+            self.loop_state = replace(self.loop_state, shares=dict(ratio.shares))
+        log.info("following the pool ratio %s (from %s)", _fmt(ratio.shares), ratio.replica)
+        self._place(ratio.shares, now)
+
+    async def _publish(self, *, insist: bool = False) -> None:
+        """Publish this replica's target ratio. When another replica published first, the
+        next sync follows theirs; `insist` (an SRE's change) reads the newest version and
+        publishes over it once more."""
+        shares = dict(self.loop_state.shares)
+        for _ in range(2 if insist else 1):
+            version = await self.decision_log.publish_ratio(
+                self._ratio.version, self.replica, shares
+            )
+            if version is not None:
+                self._ratio = Ratio(version, self.replica, shares)
+                return
+            _, newest = await self.decision_log.load_shared()
+            if newest is None:
+                return
+            self._ratio = replace(newest, shares=self._ratio.shares)  # its version, to retry
 
     @staticmethod
     def _guarded(step: Callable[[], object]) -> None:
@@ -560,9 +649,17 @@ class Rebalancer:
     # ------------------------------------------------------------------ SRE controls
 
     async def _changed(self, who: str, action: str, detail: dict[str, Any]) -> None:
-        """Save the settings and audit the change (who, when, what)."""
-        self.sre.shares = dict(self.loop_state.shares)
-        await self.decision_log.save_settings(self.sre)
+        """Save the settings, publish the ratio to the other replicas (shared store) and
+        audit the change (who, when, what)."""
+        self._sre_edits += 1
+        self._sre_saving += 1
+        try:
+            self.sre.shares = dict(self.loop_state.shares)
+            await self.decision_log.save_settings(self.sre)
+            if self.shared:
+                await self._publish(insist=True)
+        finally:
+            self._sre_saving -= 1
         await self.decision_log.record_audit(self.wall_clock(), who, action, detail)
         log.info("SRE %s by %s: %s", action, who, detail)
 
@@ -835,6 +932,7 @@ class Rebalancer:
                 for i, d in current.draining.items()
             },
             "last_decisions": list(self.recent)[:5],
+            "leader": self.leadership.view(),
         }
 
     def refresh_gauges(self) -> None:
@@ -871,6 +969,10 @@ def _differs(a: Mapping[str, Mapping[str, float]], b: Mapping[str, Mapping[str, 
         if set(by_pool) != set(other) or any(abs(f - other[p]) > 1e-9 for p, f in by_pool.items()):
             return True
     return False
+
+
+def _differs_shares(a: Mapping[str, float], b: Mapping[str, float]) -> bool:
+    return set(a) != set(b) or any(abs(v - b[p]) > 1e-6 for p, v in a.items())
 
 
 def _round(values: Mapping[str, float]) -> dict[str, float]:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from router.store import Conn, Migration, SqliteStore, Store, migrate, upsert
 
-__all__ = ["MIGRATIONS", "DecisionLog", "SreSettings", "read_legacy_settings"]
+__all__ = ["MIGRATIONS", "DecisionLog", "Ratio", "SreSettings", "read_legacy_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,15 @@ CREATE TABLE IF NOT EXISTS sre_settings (
     body TEXT NOT NULL
 )
 """
+_RATIO = """
+CREATE TABLE IF NOT EXISTS pool_ratio (
+    id INTEGER PRIMARY KEY,
+    version BIGINT NOT NULL,
+    saved_at_s {real} NOT NULL,
+    replica TEXT NOT NULL,
+    shares TEXT NOT NULL
+)
+"""
 _SQLITE = {"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "real": "REAL"}
 _POSTGRES = {"id": "BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY", "real": "DOUBLE PRECISION"}
 MIGRATIONS = (
@@ -74,6 +83,13 @@ MIGRATIONS = (
         "SRE settings (were a JSON file)",
         _SETTINGS.format(**_SQLITE),
         _SETTINGS.format(**_POSTGRES),
+    ),
+    Migration(
+        "rebalancer",
+        3,
+        "the target ratio every replica follows (published by the leader and SRE changes)",
+        _RATIO.format(**_SQLITE),
+        _RATIO.format(**_POSTGRES),
     ),
 )
 _SAVE_SETTINGS = upsert("sre_settings", ("id",), ("saved_at_s", "body"))
@@ -114,6 +130,24 @@ class SreSettings:
             frozen=bool(data.get("frozen", False)),
             shares=floats(data.get("shares")),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Ratio:
+    """The target ratio as published in the store: `version` counts publications (1, 2,
+    ...), `replica` wrote it."""
+
+    version: int
+    replica: str
+    shares: dict[str, float]
+
+
+def _settings_from(body: str, store_name: str) -> SreSettings:
+    try:
+        return SreSettings.from_json(json.loads(body))
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError) as err:
+        log.warning("ignoring unreadable SRE settings in %s: %s", store_name, err)
+        return SreSettings()
 
 
 def read_legacy_settings(path: Path) -> SreSettings | None:
@@ -193,11 +227,7 @@ class DecisionLog:
             lambda c: c.execute("SELECT body FROM sre_settings WHERE id = 1").fetchone()
         )
         if row is not None:
-            try:
-                return SreSettings.from_json(json.loads(row[0]))
-            except (ValueError, TypeError, AttributeError, KeyError, IndexError) as err:
-                log.warning("ignoring unreadable SRE settings in %s: %s", self.store.name, err)
-                return SreSettings()
+            return _settings_from(row[0], self.store.name)
         legacy = None if legacy_path is None else read_legacy_settings(legacy_path)
         if legacy is None:
             return SreSettings()
@@ -208,6 +238,55 @@ class DecisionLog:
     async def save_settings(self, settings: SreSettings) -> None:
         body = json.dumps(settings.to_json(), sort_keys=True)
         await self._run(lambda c: c.execute(_SAVE_SETTINGS, (1, time.time(), body)))
+
+    async def load_shared(self) -> tuple[SreSettings | None, Ratio | None]:
+        """What the replicas share, read in one call: the SRE settings and the target ratio
+        (None where none is saved yet)."""
+
+        def read(c: Conn) -> tuple[Any, Any]:
+            settings = c.execute("SELECT body FROM sre_settings WHERE id = 1").fetchone()
+            ratio = c.execute(
+                "SELECT version, replica, shares FROM pool_ratio WHERE id = 1"
+            ).fetchone()
+            return settings, ratio
+
+        settings_row, ratio_row = await self._run(read)
+        settings = (
+            None if settings_row is None else _settings_from(settings_row[0], self.store.name)
+        )
+        ratio = None
+        if ratio_row is not None:
+            try:
+                shares = {str(k): float(v) for k, v in json.loads(ratio_row[2]).items()}
+            except (ValueError, TypeError, AttributeError) as err:
+                log.warning("ignoring an unreadable pool ratio in %s: %s", self.store.name, err)
+            else:
+                ratio = Ratio(int(ratio_row[0]), str(ratio_row[1]), shares)
+        return settings, ratio
+
+    async def publish_ratio(
+        self, seen_version: int, replica: str, shares: Mapping[str, float]
+    ) -> int | None:
+        """Publish `shares` as the target ratio if the newest version is still
+        `seen_version` (0: none yet); the new version, or None when another replica published
+        first (read it and follow it)."""
+        body = json.dumps(dict(shares), sort_keys=True)  # exact: every replica places the same
+        now = time.time()
+
+        def write(c: Conn) -> int:
+            if seen_version == 0:
+                return c.execute(
+                    "INSERT INTO pool_ratio (id, version, saved_at_s, replica, shares)"
+                    " VALUES (1, 1, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                    (now, replica, body),
+                ).rowcount
+            return c.execute(
+                "UPDATE pool_ratio SET version = version + 1, saved_at_s = ?, replica = ?,"
+                " shares = ? WHERE id = 1 AND version = ?",
+                (now, replica, body, seen_version),
+            ).rowcount
+
+        return seen_version + 1 if await self._run(write) == 1 else None
 
     async def record_decision(self, at_unix_s: float, row: Mapping[str, Any]) -> None:
         move = row.get("move") or {}

@@ -193,6 +193,29 @@ class PostgresStore(Store):
             pool.putconn(raw)
         return None
 
+    def dedicated(self, application_name: str) -> psycopg.Connection[Any]:
+        """A connection of its own, outside the pool, for a session that must outlive a unit of
+        work (the leader's advisory lock: router/store/leader.py). TCP keepalives on both ends
+        (idle 5 s, then 3 probes 2 s apart), so a peer that vanishes without closing its
+        socket is noticed in about 11 s, by the server (which then ends the session and its
+        locks) and by the client. The caller closes it. Raises `StoreError`."""
+        kwargs = {
+            **self._kwargs,
+            "application_name": application_name[:63],  # PostgreSQL keeps 63 bytes
+            "options": self._kwargs["options"]
+            + " -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3",
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+        }
+        try:
+            return psycopg.connect(self.url, **kwargs)
+        except psycopg.Error as err:
+            raise StoreError(
+                f"cannot connect to the PostgreSQL store {self.name}: {_reason(err)}"
+            ) from err
+
     @contextlib.contextmanager
     def _direct(self) -> Iterator[Conn]:
         try:
