@@ -18,6 +18,14 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    TraceFlags,
+    set_span_in_context,
+)
 
 from pools.config import ConfigError, parse_config
 from pools.launchers import InstanceSpec
@@ -26,7 +34,7 @@ from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.gateway.app import Gateway, create_app
 from router.ops.tracing.logs import JsonFormatter
-from router.ops.tracing.request_trace import CHILD_SPANS
+from router.ops.tracing.request_trace import CHILD_SPANS, PresetIds, RootSampling
 from router.request import Receive, Scope, Send
 from tests.otlp_receiver import CLIENT, SERVER, OtlpReceiver, ReceivedSpan
 
@@ -180,6 +188,43 @@ async def test_sampling_follows_the_ratio_and_the_parent(
     # the unsampled request still told the engine which trace it belongs to
     assert rig.seen[1]["traceparent"].startswith(f"00-{TRACE_ID}-")
     assert rig.seen[1]["traceparent"].endswith("-00")
+
+
+def test_a_dropped_span_is_decided_and_built_as_the_sdk_would() -> None:
+    """`RootSampling` (a dropped request never reaches the SDK) takes the SDK sampler's own
+    decision: a new trace is kept exactly when its id is under the ratio's bound, and then the
+    SDK's span gets that id; a parent's decision is followed, its trace id and flags kept."""
+    root = TraceIdRatioBased(0.5)
+    ids = PresetIds()
+    provider = TracerProvider(sampler=ParentBased(root), id_generator=ids)
+    tracer = provider.get_tracer("test")
+    sampling = RootSampling(root, ids)
+    kept = dropped = 0
+    for _ in range(200):
+        span = sampling.drop(None)
+        if span is None:  # kept: the SDK starts it on the id the decision was taken on
+            kept += 1
+            sdk = tracer.start_span("kept")
+            sc = sdk.get_span_context()
+            assert sdk.is_recording() and sc.trace_flags.sampled
+            assert sc.trace_id & root.TRACE_ID_LIMIT < root.bound
+            sdk.end()
+        else:
+            dropped += 1
+            sc = span.get_span_context()
+            assert not span.is_recording() and sc.is_valid and not sc.is_remote
+            assert sc.trace_id & root.TRACE_ID_LIMIT >= root.bound
+            assert int(sc.trace_flags) == int(TraceFlags.RANDOM_TRACE_ID)  # as the SDK's
+    assert kept and dropped  # both outcomes were exercised (p = 2**-199 otherwise)
+    trace_id, parent_id = int(TRACE_ID, 16), int(PARENT_ID, 16)
+    for flags, keeps in ((TraceFlags.SAMPLED, True), (TraceFlags.DEFAULT, False)):
+        parent_sc = SpanContext(trace_id, parent_id, is_remote=True, trace_flags=TraceFlags(flags))
+        span = sampling.drop(set_span_in_context(NonRecordingSpan(parent_sc)))
+        assert (span is None) is keeps
+        if span is not None:
+            sc = span.get_span_context()
+            assert (sc.trace_id, int(sc.trace_flags)) == (trace_id, 0)
+            assert sc.span_id != parent_id
 
 
 async def test_a_failing_collector_drops_spans_and_never_fails_a_request(

@@ -27,6 +27,11 @@ Attributes never hold a prompt, a completion, a header or a key.
 
 Times: the router's monotonic clock, turned into epoch nanoseconds by one offset taken at
 arrival, so a span's length is exactly the monotonic difference.
+
+A request the sampler drops (most of them at a low `sample_ratio`) never reaches the SDK: its
+server span is a `NonRecordingSpan` built here by the sampler's own rule (`RootSampling`), with
+the ids and flags the SDK would give it, so the engine still gets its `traceparent` and log
+lines still name its trace; only kept requests pay for attributes and SDK spans.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
@@ -42,6 +49,7 @@ from opentelemetry.trace import (
     SpanKind,
     Status,
     StatusCode,
+    TraceFlags,
     Tracer,
     get_current_span,
     set_span_in_context,
@@ -54,7 +62,7 @@ from router.runtable import RunTable
 if TYPE_CHECKING:
     from router.admission.estimate import Estimate
 
-__all__ = ["CHILD_SPANS", "RequestTrace", "TraceObserver"]
+__all__ = ["CHILD_SPANS", "PresetIds", "RequestTrace", "RootSampling", "TraceObserver"]
 
 # a served request's children, in the order they tile its server span
 CHILD_SPANS = (
@@ -67,6 +75,60 @@ CHILD_SPANS = (
 )
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class PresetIds(RandomIdGenerator):
+    """The tracer provider's id generator: random ids, except that the next trace id may be
+    drawn ahead (`preset`), so that a root span the sampler was seen to keep gets that id."""
+
+    def __init__(self) -> None:
+        self._next_trace_id: int | None = None
+
+    def preset(self, trace_id: int) -> None:
+        self._next_trace_id = trace_id
+
+    def generate_trace_id(self) -> int:
+        trace_id, self._next_trace_id = self._next_trace_id, None
+        return trace_id if trace_id is not None else super().generate_trace_id()
+
+
+class RootSampling:
+    """The provider's sampler, `ParentBased(root)`, applied before any span is built: `drop`
+    returns the `NonRecordingSpan` the SDK would return for a dropped span (same trace id rule,
+    flags and trace state), or None when the span is kept (then the SDK starts it, with the
+    trace id this decision was taken on)."""
+
+    __slots__ = ("_bound", "_ids", "_limit")
+
+    def __init__(self, root: TraceIdRatioBased, ids: PresetIds) -> None:
+        self._bound = root.bound
+        self._limit = root.TRACE_ID_LIMIT
+        self._ids = ids
+
+    def drop(self, parent: Any) -> NonRecordingSpan | None:
+        ids = self._ids
+        if parent is None:  # a new trace: kept when its id is under the ratio's bound
+            trace_id = ids.generate_trace_id()
+            if trace_id & self._limit < self._bound:
+                ids.preset(trace_id)
+                return None
+            flags = TraceFlags.RANDOM_TRACE_ID
+            state = None
+        else:  # the parent's decision
+            sc = get_current_span(parent).get_span_context()
+            if sc.trace_flags.sampled:
+                return None
+            trace_id = sc.trace_id
+            flags = TraceFlags.RANDOM_TRACE_ID if sc.trace_flags.random_trace_id else 0
+            state = sc.trace_state
+        context = SpanContext(
+            trace_id,
+            ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=TraceFlags(flags),
+            trace_state=state,
+        )
+        return NonRecordingSpan(context)
 
 
 def _traceparent(span: Span) -> str:
@@ -88,6 +150,7 @@ class RequestTrace:
         "_offset_ns",
         "_path",
         "_runs",
+        "_sampling",
         "_token",
         "_tracer",
         "cached_tokens",
@@ -111,8 +174,10 @@ class RequestTrace:
         path: str,
         traceparent: str | None = None,
         tracestate: str | None = None,
+        sampling: RootSampling | None = None,
     ) -> None:
         self._tracer = tracer
+        self._sampling = sampling  # None: every span goes through the SDK
         self._runs = runs
         self._offset_ns = offset_ns
         self._path = path
@@ -160,26 +225,28 @@ class RequestTrace:
                     parent = set_span_in_context(NonRecordingSpan(first))
                 else:
                     links.append(Link(first, {"gpupool.link": "run_first_step"}))
-        attributes: dict[str, Any] = {
-            "http.request.method": "POST",
-            "url.path": self._path,
-            "gpupool.request_id": ctx.request_id,
-            "gpupool.tenant": ctx.tenant,
-            "gpupool.class": ctx.class_name,
-            "gpupool.pool": ctx.pool,
-            "gpupool.priority": ctx.priority,
-            "gpupool.stream": ctx.stream,
-        }
-        if ctx.run_id is not None:
-            attributes["gpupool.run_id"] = ctx.run_id
-        span = self._tracer.start_span(
-            f"POST {self._path}",
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes=attributes,
-            links=links,
-            start_time=self._ns(self.received_s),
-        )
+        span: Span | None = None if self._sampling is None else self._sampling.drop(parent)
+        if span is None:
+            attributes: dict[str, Any] = {
+                "http.request.method": "POST",
+                "url.path": self._path,
+                "gpupool.request_id": ctx.request_id,
+                "gpupool.tenant": ctx.tenant,
+                "gpupool.class": ctx.class_name,
+                "gpupool.pool": ctx.pool,
+                "gpupool.priority": ctx.priority,
+                "gpupool.stream": ctx.stream,
+            }
+            if ctx.run_id is not None:
+                attributes["gpupool.run_id"] = ctx.run_id
+            span = self._tracer.start_span(
+                f"POST {self._path}",
+                context=parent,
+                kind=SpanKind.SERVER,
+                attributes=attributes,
+                links=links,
+                start_time=self._ns(self.received_s),
+            )
         if run_key is not None and first is None:
             self._runs.touch(run_key).trace_first_step = span.get_span_context()
         self.server = span

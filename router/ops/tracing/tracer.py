@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pools.config import ObservabilityConfig
 from router.ops.tracing.export import LoopBatchProcessor
-from router.ops.tracing.request_trace import RequestTrace, TraceObserver
+from router.ops.tracing.request_trace import PresetIds, RequestTrace, RootSampling, TraceObserver
 from router.runtable import RunTable
 
 __all__ = ["EXPORT_TIMEOUT_S", "Tracing"]
@@ -72,11 +72,16 @@ class Tracing:
         attributes: dict[str, str] = {"service.name": config.service_name}
         if version:
             attributes["service.version"] = version
+        root = TraceIdRatioBased(config.sample_ratio)
+        ids = PresetIds()
         self.provider = TracerProvider(
             resource=Resource.create(attributes),
-            sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+            sampler=ParentBased(root),
             shutdown_on_exit=False,
+            id_generator=ids,
         )
+        # the sampler's decision taken before a span is built: a dropped request costs no SDK
+        self._sampling = RootSampling(root, ids)
         self.provider.add_span_processor(self.processor)
         self.tracer: Tracer = self.provider.get_tracer("gpupool.router")
         self.observer = TraceObserver()  # the settlement's hook into each request's trace
@@ -98,4 +103,5 @@ class Tracing:
             path=path,
             traceparent=headers.get("traceparent"),
             tracestate=headers.get("tracestate"),
+            sampling=self._sampling,
         )
