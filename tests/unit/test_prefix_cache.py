@@ -1,14 +1,26 @@
-"""The router's block hash chain (router/prefix/hashing.py) against vLLM's own functions."""
+"""router/prefix against vLLM itself: the block hash chain against vLLM's functions, and the
+index kept from batches made of vLLM's own event classes, sent by vLLM's own ZMQ publisher
+(gaps, replays, restarts, silence, a disagreeing hash). One file: it imports vLLM once."""
 
 from __future__ import annotations
 
-import os
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pools.launchers.base import KvEventsSpec
+from router.prefix.cache import PrefixCache
 from router.prefix.hashing import DEFAULT_SEED, block_key, chain_hashes, chain_keys, none_hash
+from router.prefix.index import Accepted, BlockIndex
+from router.prefix.subscriber import EngineEvents, SubscriberSettings
+from router.prefix.wire import Batch, decode_batch
 
 kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
 hashing = pytest.importorskip("vllm.utils.hashing")
@@ -48,7 +60,6 @@ def test_partial_block_has_no_hash() -> None:
 
 def test_key_is_vllms_int_form() -> None:
     digest = chain_hashes(list(range(16)), 16)[0]
-    os.environ.setdefault("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
     as_int = int.from_bytes(digest, "big") & ((1 << 64) - 1)  # maybe_convert_block_hash
     assert block_key(digest) == as_int == block_key(as_int)
 
@@ -64,3 +75,235 @@ def test_engine_none_hash_follows_pythonhashseed(monkeypatch: pytest.MonkeyPatch
     assert none_hash("7") == kv_cache_utils.NONE_HASH
     monkeypatch.delenv("PYTHONHASHSEED")
     kv_cache_utils.init_none_hash(hashing.sha256_cbor)
+
+
+# ---------------------------------------------------------------------------------------------
+# the index from vLLM's own event classes, over real ZMQ sockets (vLLM's own publisher)
+# ---------------------------------------------------------------------------------------------
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+BLOCK = 4
+
+
+def _vllm_hashes(token_ids: list[int], seed: str = DEFAULT_SEED) -> list[int | bytes]:
+    """What an engine puts in BlockStored.block_hashes for these full blocks."""
+    return [kv_cache_utils.maybe_convert_block_hash(h) for h in _vllm_chain(token_ids, BLOCK, seed)]
+
+
+def _stored(token_ids: list[int], seed: str = DEFAULT_SEED) -> Any:
+    hashes = _vllm_hashes(token_ids, seed)
+    return kv_events.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=token_ids[: len(hashes) * BLOCK],
+        block_size=BLOCK,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+    )
+
+
+def _removed(hashes: list[int | bytes]) -> Any:
+    return kv_events.BlockRemoved(block_hashes=hashes, medium="GPU", group_idx=0)
+
+
+def _batch(*events: Any) -> Any:
+    return kv_events.KVEventBatch(ts=0.0, events=list(events))
+
+
+PROMPT = list(range(100, 124))  # 6 blocks of 4
+OTHER = list(range(500, 512))  # 3 blocks
+
+
+class Engine:
+    """vLLM's `ZmqEventPublisher` on socket files, as an engine started with
+    --kv-events-config runs it; `lose` puts a batch in its replay buffer without sending it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.spec = KvEventsSpec(
+            endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay"
+        )
+        self.pub = kv_events.ZmqEventPublisher(
+            0, endpoint=self.spec.endpoint, replay_endpoint=self.spec.replay_endpoint
+        )
+
+    def publish(self, batch: Any) -> None:
+        self.pub.publish(batch)
+
+    def lose(self, batch: Any, *, keep_for_replay: bool = True) -> None:
+        seq = next(self.pub._seq_gen)
+        if keep_for_replay:
+            self.pub._buffer.append((seq, msgspec.msgpack.encode(batch)))
+
+    def close(self) -> None:
+        self.pub.shutdown()
+
+
+@pytest.fixture
+async def cache() -> AsyncIterator[PrefixCache]:
+    settings = SubscriberSettings(connect_warn_s=0.0, replay_timeout_s=5.0, catch_up_s=0.5)
+    cache = PrefixCache(settings=settings)
+    cache.start()
+    try:
+        yield cache
+    finally:
+        await cache.aclose()
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    engine = Engine(tmp_path)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+async def _until(events: EngineEvents, cond: Callable[[EngineEvents], bool]) -> None:
+    async with asyncio.timeout(30):  # a deadline for a hung test, not a speed bound
+        await events.wait_for(cond)
+
+
+async def _follow(cache: PrefixCache, engine: Engine) -> EngineEvents:
+    cache.add("engine-0", engine.spec)
+    events = cache.engines["engine-0"]
+    await _until(events, lambda e: e.connected)
+    return events
+
+
+async def test_index_follows_stored_removed_cleared(cache: PrefixCache, engine: Engine) -> None:
+    events = await _follow(cache, engine)
+    engine.publish(_batch(_stored(PROMPT), _stored(OTHER)))
+    await _until(events, lambda e: e.index.expected_seq == 1)
+    assert cache.cached_blocks([*PROMPT, 1, 2]) == {"engine-0": 6}
+    assert cache.cached_blocks([*PROMPT[:8], 9, 9, 9, 9, *PROMPT[12:]]) == {"engine-0": 2}
+    assert cache.cached_blocks([7, *PROMPT]) == {"engine-0": 0}
+    engine.publish(_batch(_removed(_vllm_hashes(PROMPT)[3:4])))  # block 3 evicted
+    await _until(events, lambda e: e.index.expected_seq == 2)
+    assert cache.cached_blocks(PROMPT) == {"engine-0": 3}  # vLLM reuses up to the hole
+    engine.publish(_batch(kv_events.AllBlocksCleared()))
+    await _until(events, lambda e: e.index.expected_seq == 3)
+    assert cache.cached_blocks(OTHER) == {"engine-0": 0}
+    (view,) = cache.snapshot()
+    assert view.usable and view.exact and view.cached_blocks == 0 and view.block_size_tokens == 4
+    assert view.age_s is not None and view.age_s >= 0
+
+
+async def test_lost_batch_is_replayed(cache: PrefixCache, engine: Engine) -> None:
+    events = await _follow(cache, engine)
+    engine.publish(_batch(_stored(OTHER)))
+    await _until(events, lambda e: e.index.expected_seq == 1)
+    engine.lose(_batch(_stored(PROMPT)))  # seq 1: in the buffer, never received
+    engine.publish(_batch(_removed(_vllm_hashes(OTHER)[2:])))  # seq 2
+    await _until(events, lambda e: e.index.expected_seq == 3)
+    assert events.resyncs == 0 and events.index.exact  # by the gap or the catch-up
+    assert cache.cached_blocks(PROMPT) == {"engine-0": 6}
+    assert cache.cached_blocks(OTHER) == {"engine-0": 2}
+
+
+async def test_gap_past_the_replay_buffer_starts_over_inexact(
+    cache: PrefixCache, engine: Engine
+) -> None:
+    events = await _follow(cache, engine)
+    engine.publish(_batch(_stored(OTHER)))
+    await _until(events, lambda e: e.index.expected_seq == 1)
+    engine.lose(_batch(_removed(_vllm_hashes(OTHER))), keep_for_replay=False)  # seq 1: gone
+    engine.publish(_batch(_stored(PROMPT)))  # seq 2
+    await _until(events, lambda e: e.index.expected_seq == 3)
+    assert events.resyncs == 1 and not events.index.exact
+    # what is known is still right; what was before the gap is forgotten (under-reports)
+    assert cache.cached_blocks(PROMPT) == {"engine-0": 6}
+    assert cache.cached_blocks(OTHER) == {"engine-0": 0}
+    engine.publish(_batch(kv_events.AllBlocksCleared()))  # the engine's cache is empty: exact
+    await _until(events, lambda e: e.index.expected_seq == 4)
+    assert events.index.exact
+
+
+async def test_engine_restart_drops_the_index(
+    cache: PrefixCache, engine: Engine, tmp_path: Path
+) -> None:
+    events = await _follow(cache, engine)
+    engine.publish(_batch(_stored(OTHER)))
+    engine.publish(_batch(_stored(PROMPT[:8])))
+    await _until(events, lambda e: e.index.expected_seq == 2)
+    engine.close()  # the engine dies: its cache with it
+    await _until(events, lambda e: not e.connected)
+    assert cache.cached_blocks(OTHER) == {}  # not usable while it is away
+    restarted = Engine(tmp_path)  # same sockets, a new process: seq from 0 again
+    try:
+        await _until(events, lambda e: e.connected)
+        restarted.publish(_batch(_stored(PROMPT)))
+        await _until(events, lambda e: e.index.expected_seq == 1)
+        assert cache.cached_blocks(OTHER) == {"engine-0": 0}
+        assert cache.cached_blocks(PROMPT) == {"engine-0": 6}
+        assert events.restarts >= 1
+    finally:
+        restarted.close()
+
+
+async def test_router_joining_late_replays_from_the_start(
+    cache: PrefixCache, engine: Engine
+) -> None:
+    engine.lose(_batch(_stored(OTHER)))  # published before the router subscribed
+    events = await _follow(cache, engine)
+    engine.publish(_batch(_stored(PROMPT)))
+    await _until(events, lambda e: e.index.expected_seq == 2)
+    assert events.index.exact
+    assert cache.cached_blocks(OTHER) == {"engine-0": 3}
+
+
+async def test_engine_that_publishes_nothing_is_left_out(
+    cache: PrefixCache, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="router.prefix.subscriber")
+    cache.add("engine-9", KvEventsSpec(endpoint=f"ipc://{tmp_path}/nobody", replay_endpoint=None))
+    await _until(cache.engines["engine-9"], lambda e: e.silent)
+    assert "nothing at" in caplog.text
+    assert cache.cached_blocks(PROMPT) == {}
+    assert [v.usable for v in cache.snapshot()] == [False]
+
+
+async def test_engine_hashing_differently_is_left_out(
+    cache: PrefixCache, engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    events = await _follow(cache, engine)
+    engine.publish(_batch(_stored(PROMPT, seed="another-seed")))
+    await _until(events, lambda e: e.index.expected_seq == 1)
+    assert events.hash_mismatch and cache.cached_blocks(PROMPT) == {}
+    assert "hashes blocks differently" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# the pure core
+# ---------------------------------------------------------------------------------------------
+
+
+def _wire(*events: Any) -> Batch:
+    return decode_batch(msgspec.msgpack.encode(_batch(*events)))
+
+
+def test_index_sequence_rules() -> None:
+    index = BlockIndex()
+    assert index.accept_live(0, _wire(_stored(OTHER)), 1.0) is Accepted.APPLIED
+    assert index.accept_live(2, _wire(_stored(PROMPT)), 2.0) is Accepted.GAP
+    assert index.accept_replayed(1, _wire(), 2.0) is Accepted.APPLIED
+    assert index.accept_replayed(2, _wire(_stored(PROMPT)), 2.0) is Accepted.APPLIED
+    assert index.accept_live(3, _wire(), 3.0) is Accepted.APPLIED
+    assert len(index.keys) == 9 and index.updated_at_s == 3.0
+    assert index.accept_replayed(3, _wire(), 3.0) is Accepted.DUPLICATE
+    assert index.accept_live(0, _wire(_stored(PROMPT[:4])), 4.0) is Accepted.RESTARTED
+    assert len(index.keys) == 1 and index.expected_seq == 1
+
+
+def test_index_ignores_offload_tiers_and_is_bounded() -> None:
+    index = BlockIndex(max_blocks=5)
+    cpu = kv_events.BlockStored(
+        block_hashes=[1, 2], parent_block_hash=None, token_ids=[], block_size=4,
+        lora_id=None, medium="CPU", lora_name=None,
+    )  # fmt: skip
+    index.accept_live(0, _wire(cpu, _stored(OTHER)), 0.0)
+    assert len(index.keys) == 3 and index.exact
+    index.accept_live(1, _wire(_stored(PROMPT)), 0.0)  # 9 > 5: cleared, under-reports
+    assert not index.keys and not index.exact

@@ -1,0 +1,125 @@
+"""Every instance's prefix-cache index: one `EngineEvents` per engine that publishes KV events.
+
+`PrefixCache.cached_blocks(token_ids)` answers, for each instance whose index is usable, how
+many leading full blocks of a prompt with those token ids the engine holds (vLLM reuses a
+cached prefix up to its first missing block). Instances left out have no usable index
+(started without KV events, not connected, hashing differently): callers treat them as they
+did before the index existed, not as holding nothing. `snapshot(now_s)` is what the admin API
+and the status page show. One ZMQ context, owned here; `start()`/`aclose()`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import zmq.asyncio
+
+from pools.launchers.base import InstanceSpec, KvEventsSpec
+from router.prefix.hashing import DEFAULT_SEED, chain_keys
+from router.prefix.subscriber import EngineEvents, SubscriberSettings
+
+__all__ = ["IndexView", "PrefixCache"]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexView:
+    """One instance's index as the admin API shows it."""
+
+    instance_id: str
+    usable: bool
+    cached_blocks: int
+    block_size_tokens: int | None
+    exact: bool  # False: under-reports since a lost batch
+    age_s: float | None  # since the last batch applied; None: none since (re)connecting
+    replays: int
+    resyncs: int
+    restarts: int
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        settings: SubscriberSettings | None = None,
+    ) -> None:
+        self._clock = clock
+        self._settings = settings or SubscriberSettings()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._engines: dict[str, EngineEvents] = {}
+
+    @property
+    def engines(self) -> dict[str, EngineEvents]:
+        return self._engines
+
+    def start(self, instances: Iterable[InstanceSpec] = ()) -> None:
+        self._ctx = self._ctx or zmq.asyncio.Context()
+        for spec in instances:
+            if spec.kv_events is not None:
+                self.add(spec.instance_id, spec.kv_events)
+
+    def add(self, instance_id: str, spec: KvEventsSpec) -> None:
+        """Follow an instance's events (an instance that joined); no-op if followed."""
+        if self._ctx is None:
+            raise RuntimeError("PrefixCache.add before start")
+        if instance_id in self._engines:
+            return
+        engine = EngineEvents(
+            instance_id, spec, ctx=self._ctx, clock=self._clock, settings=self._settings
+        )
+        self._engines[instance_id] = engine
+        engine.start()
+
+    async def remove(self, instance_id: str) -> None:
+        """Stop following an instance (it left) and forget its index."""
+        engine = self._engines.pop(instance_id, None)
+        if engine is not None:
+            await engine.aclose()
+
+    async def aclose(self) -> None:
+        for instance_id in list(self._engines):
+            await self.remove(instance_id)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def cached_blocks(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of the prompt each usable instance holds; the chain is computed
+        once per (block size, seed) among them."""
+        chains: dict[tuple[int, str], list[int]] = {}
+        out: dict[str, int] = {}
+        for instance_id, engine in self._engines.items():
+            size = engine.index.block_size_tokens
+            if not engine.usable:
+                continue
+            if size is None:  # nothing stored since (re)connecting: nothing cached
+                out[instance_id] = 0
+                continue
+            seed = engine.spec.hash_seed or DEFAULT_SEED
+            chain = chains.get((size, seed))
+            if chain is None:
+                chain = chains[(size, seed)] = chain_keys(token_ids, size, seed)
+            out[instance_id] = engine.index.longest_prefix_blocks(chain)
+        return out
+
+    def snapshot(self) -> list[IndexView]:
+        now_s = self._clock()
+        views = []
+        for instance_id, engine in sorted(self._engines.items()):
+            index = engine.index
+            views.append(
+                IndexView(
+                    instance_id=instance_id,
+                    usable=engine.usable,
+                    cached_blocks=len(index.keys),
+                    block_size_tokens=index.block_size_tokens,
+                    exact=index.exact,
+                    age_s=None if index.updated_at_s is None else now_s - index.updated_at_s,
+                    replays=engine.replays,
+                    resyncs=engine.resyncs,
+                    restarts=engine.restarts,
+                )
+            )
+        return views
