@@ -81,6 +81,28 @@ def _rebalancer_problems(config: Config) -> list[str]:
     return problems
 
 
+def _replica_problems(config: Config) -> list[str]:
+    """Several router processes (`router.replicas`, `--replicas`) share their state through a
+    PostgreSQL store, over engines every one of them knows at start."""
+    replicas = config.router.replicas
+    if replicas == 1:
+        return []
+    problems = []
+    if config.store.url is None:
+        problems.append(
+            f"router.replicas: {replicas} router processes need a PostgreSQL store (store.url):"
+            " the embedded SQLite store serves one process, and separate ones would each spend"
+            " every tenant's whole budget and move the pool ratio on their own"
+        )
+    if config.engines.launcher in ("kubernetes", "ray"):
+        problems.append(
+            f"router.replicas: the {config.engines.launcher} launcher's engines come and go,"
+            " followed by one router process; run one router per pod or machine instead (the"
+            " Helm chart's router.replicas)"
+        )
+    return problems
+
+
 def _governance_problems(config: Config, tenant: TenantConfig) -> list[str]:
     """A tenant's limits that do not fit together, or that the engines cannot honour."""
     problems = []
@@ -116,6 +138,8 @@ def contract_problems(config: Config) -> list[str]:
       when there is more than one instance;
     - a tenant's `borrow_max_frac` has a `tokens_per_minute` to be a fraction of, and no
       shared store (borrowing is off there);
+    - `router.replicas` above 1 has a PostgreSQL store and engines known at start (not the
+      kubernetes or ray launchers);
     - the `admission` section is left at its defaults when `router.admission` is off;
     - a class's run guard `max_duration_s` is not shorter than one request of it may take
       (`timeout_s`); a tenant's tier allows no more requests in flight than the engines run.
@@ -165,6 +189,7 @@ def contract_problems(config: Config) -> list[str]:
             )
     problems.extend(_rebalancer_problems(config))
     problems.extend(_admission_problems(config))
+    problems.extend(_replica_problems(config))
     affinity = config.engines.local.cpu_affinity
     if config.engines.launcher == "local" and affinity is not None and len(affinity) != n:
         problems.append(

@@ -835,6 +835,9 @@ class RouterConfig:
     max_connections: int = Field(default=4096, ge=2)
     # on SIGTERM / Ctrl-C: new requests get 503, in-flight ones have this long to finish
     shutdown_grace_s: float = Field(default=10.0, gt=0)
+    # router processes `gpupool up` / `serve` run on router.port (SO_REUSEPORT: the kernel
+    # spreads new connections over them); more than 1 needs a PostgreSQL store (store.url)
+    replicas: int = Field(default=1, ge=1, le=64)
     # The operators' credential for /admin/* and /metrics, apart from any tenant's: the name of
     # an env var holding the key, or the key's hex SHA-256. With no admin credential (no such key
     # and no `admin: true` tenant) /admin/* answers 403, except on an open router (no keys at
@@ -986,8 +989,8 @@ class StoreConfig:
     # bucket (at least the request's own estimate); given back every governance sweep (1 s)
     budget_chunk_frac: float = Field(default=0.05, gt=0, le=0.5)
     # a replica's concurrency slots expire this long after its last renewal (every sweep,
-    # 1 s): a replica that dies gives its slots back after at most this
-    slot_lease_s: float = Field(default=30.0, ge=5, le=3600)
+    # 1 s; at least 3 sweeps): a replica that dies gives its slots back after at most this
+    slot_lease_s: float = Field(default=30.0, ge=3, le=3600)
     # read from `password_env` at load (the document may not set it)
     password: str | None = dataclasses.field(default=None, repr=False)
 

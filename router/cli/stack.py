@@ -15,17 +15,31 @@ import math
 import signal
 import socket
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import uvicorn
 
 from pools.config import Config
-from pools.launchers import DiscoveringLauncher, InstanceSpec, LauncherError, make_launcher
-from router.gateway.app import create_app
-from router.gateway.http_protocol import guarded_protocol
+from pools.launchers import (
+    DiscoveringLauncher,
+    InstanceSpec,
+    Launcher,
+    LauncherError,
+    make_launcher,
+)
 from router.ops.tracing.logs import configure_logging
 
-__all__ = ["instances_without_launching", "run_blocking", "run_stack"]
+__all__ = [
+    "Replica",
+    "instances_without_launching",
+    "run_blocking",
+    "run_router",
+    "run_stack",
+    "say",
+    "start_engines",
+    "stop_on_signals",
+]
 
 log = logging.getLogger(__name__)
 # how long an idle client connection stays open (see `run_stack`)
@@ -38,7 +52,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     print(f"gpupool: {message}", file=sys.stderr, flush=True)
 
 
@@ -62,13 +76,17 @@ def instances_without_launching(config: Config) -> list[InstanceSpec]:
     ]
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening socket; `reuse_port`: one of several router processes on the same port
+    (SO_REUSEPORT: the kernel spreads new connections over them)."""
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only for TCP
     # sockets it recognises as such; with proto 0 every keep-alive response waited ~40 ms for
     # the client's delayed ACK (Nagle), measured in benchmarks/results/router_overhead.md.
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as err:
@@ -82,7 +100,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _banner(config: Config, gateway_view: dict[str, object], host: str, port: int) -> None:
-    _say(f"OpenAI base URL: http://{host}:{port}/v1   (model {config.model.name!r})")
+    say(f"OpenAI base URL: http://{host}:{port}/v1   (model {config.model.name!r})")
     pools = gateway_view.get("pools", {})
     assert isinstance(pools, dict)
     for name, view in pools.items():
@@ -90,27 +108,39 @@ def _banner(config: Config, gateway_view: dict[str, object], host: str, port: in
         instances = ", ".join(
             f"{i} ({f:.0%})" if f < 1 else i for i, f in view["instances"].items()
         )
-        _say(
+        say(
             f"pool {name!r} (classes {', '.join(view['classes'])}): {share:.0%} of capacity on "
             f"{instances or 'no instance'}"
         )
-    _say("press Ctrl-C to stop")
+    say("press Ctrl-C to stop")
 
 
 def run_blocking(config: Config, *, launch: bool) -> int:
     """Run the stack on uvloop (as uvicorn does when it owns the loop), else asyncio's loop.
     Logs at `router.log_level` (`gpupool -v` has made it debug), uvicorn's loggers too, in
-    `router.log_format` (json: uvicorn's loggers write through the root's JSON handler)."""
+    `router.log_format` (json: uvicorn's loggers write through the root's JSON handler).
+    With `router.replicas` > 1, this process supervises that many router processes
+    (router/cli/replicas.py)."""
     configure_logging(config.router.log_format, config.router.log_level)
+    if config.router.replicas > 1:
+        from router.cli.replicas import supervise
+
+        return asyncio.run(supervise(config, launch=launch))
+    return run_router(config, launch=launch)
+
+
+def run_router(config: Config, *, launch: bool, replica: Replica | None = None) -> int:
+    """`run_stack` on uvloop where installed (logging configured by the caller)."""
     # Everything is imported by now: keep those objects (~65k) out of the cyclic GC's scans.
     # Measured: CPU per proxied request 282 -> 261 us (benchmarks/results/router_overhead.md).
     gc.collect()
     gc.freeze()
+    stack = run_stack(config, launch=launch, replica=replica)
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(run_stack(config, launch=launch))
-    return uvloop.run(run_stack(config, launch=launch))
+        return asyncio.run(stack)
+    return uvloop.run(stack)
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
@@ -123,39 +153,71 @@ async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
         return
 
 
-async def run_stack(config: Config, *, launch: bool) -> int:
-    """Run until SIGINT/SIGTERM. Returns the exit code."""
+def stop_on_signals() -> asyncio.Event:
+    """An event SIGINT or SIGTERM sets (handled on the running loop)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def start_engines(launcher: Launcher, stop: asyncio.Event) -> list[InstanceSpec] | None:
+    """The launcher's engines once started; None when `stop` was set first (the engines
+    started so far are stopped). Raises `LauncherError`."""
+    start = asyncio.ensure_future(launcher.start())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():
+        say("interrupted while engines were starting; stopping them")
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError, LauncherError):
+            await start
+        return None
+    stopper.cancel()
+    return start.result()
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """How one of several router processes runs (router/cli/replicas.py): over `instances`
+    its supervisor knows (neither launched nor followed here), on a port the others share
+    (SO_REUSEPORT); `ready` is called once it serves, instead of printing the banner."""
+
+    instances: list[InstanceSpec]
+    ready: Callable[[], None]
+
+
+async def run_stack(config: Config, *, launch: bool, replica: Replica | None = None) -> int:
+    """Run until SIGINT/SIGTERM. Returns the exit code. `replica`: one of several routers."""
+    # the router's modules, imported here: a replicas' supervisor (router/cli/replicas.py)
+    # imports this module and never runs a router itself
+    from router.gateway.app import create_app
+    from router.gateway.http_protocol import guarded_protocol
+
+    stop = stop_on_signals()
     rc = config.router
     try:
-        sock = _bind(rc.host, rc.port)
+        sock = _bind(rc.host, rc.port, reuse_port=replica is not None)
     except LauncherError as err:
-        _say(str(err))
+        say(str(err))
         return 1
     try:
         # kubernetes: `serve` too follows the engine groups (there is nothing to launch)
-        follows = config.engines.launcher == "kubernetes"
-        launcher = make_launcher(config, progress=_say) if launch or follows else None
+        follows = config.engines.launcher == "kubernetes" and replica is None
+        launcher = make_launcher(config, progress=say) if launch or follows else None
     except LauncherError as err:
-        _say(f"error: {err}")
+        say(f"error: {err}")
         sock.close()
         return 1
     try:
-        if launcher is not None:
-            start = asyncio.ensure_future(launcher.start())
-            stopper = asyncio.ensure_future(stop.wait())
-            await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            if not start.done():
-                _say("interrupted while engines were starting; stopping them")
-                start.cancel()
-                with contextlib.suppress(asyncio.CancelledError, LauncherError):
-                    await start
+        if replica is not None:
+            instances = replica.instances
+        elif launcher is not None:
+            started = await start_engines(launcher, stop)
+            if started is None:
                 return 130
-            stopper.cancel()
-            instances = start.result()
+            instances = started
         else:
             instances = instances_without_launching(config)
         source = launcher.source if isinstance(launcher, DiscoveringLauncher) else None
@@ -187,25 +249,28 @@ async def run_stack(config: Config, *, launch: bool) -> int:
         while not server.started and not serving.done():  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         if serving.done():
-            _say("the router failed to start")
+            say("the router failed to start")
             return 1
-        _banner(config, gateway.pools_view(), rc.host, rc.port)
+        if replica is not None:
+            replica.ready()
+        else:
+            _banner(config, gateway.pools_view(), rc.host, rc.port)
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
         # stop accepting before saying so: uvicorn's own close waits for its next 0.1 s tick,
         # and a connection accepted in that window was served while the router drained
         for listener in server.servers:
             listener.close()
-        _say("shutting down")
+        say("shutting down")
         server.should_exit = True
         await serving
         stopper.cancel()
         return 0
     except LauncherError as err:
-        _say(f"error: {err}")
+        say(f"error: {err}")
         return 1
     finally:
         if launcher is not None:
             await launcher.aclose()
-            _say("engines stopped")
+            say("engines stopped")
         sock.close()

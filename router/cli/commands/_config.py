@@ -21,8 +21,10 @@ __all__ = [
     "load_checked_or_report",
     "load_or_report",
     "port_number",
+    "replica_count",
     "stack_config",
     "with_port",
+    "with_replicas",
     "with_verbose",
 ]
 
@@ -71,22 +73,40 @@ def load_checked_or_report(path: str | None) -> Config | None:
     return config
 
 
-def port_number(text: str) -> int:
-    """`--port`'s type: a TCP port (1-65535), else argparse's usage error (exit 2), never a
+def _int_between(text: str, low: int, high: int, noun: str) -> int:
+    """`text` as an int in [low, high], else argparse's usage error (exit 2), never a
     traceback from the config's validation."""
     try:
-        port = int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
-    return port
+        raise argparse.ArgumentTypeError(f"not a {noun}: {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"a {noun} is {low}-{high}, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """`--port`'s type: a TCP port (1-65535)."""
+    return _int_between(text, 1, 65535, "port")
 
 
 def with_port(config: Config, port: int | None) -> Config:
     if port is None:
         return config
     return dataclasses.replace(config, router=dataclasses.replace(config.router, port=port))
+
+
+def with_replicas(config: Config, replicas: int | None) -> Config:
+    """`--replicas N` wins over `router.replicas`."""
+    if replicas is None:
+        return config
+    router = dataclasses.replace(config.router, replicas=replicas)
+    return dataclasses.replace(config, router=router)
+
+
+def replica_count(text: str) -> int:
+    """`--replicas`'s type: 1-64 router processes."""
+    return _int_between(text, 1, 64, "router process count")
 
 
 def with_verbose(config: Config, verbose: bool) -> Config:
@@ -98,16 +118,24 @@ def with_verbose(config: Config, verbose: bool) -> Config:
 
 
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--config` and `--port`, as `serve` and `up` take them."""
+    """`--config`, `--port` and `--replicas`, as `serve` and `up` take them."""
     parser.add_argument("--config", help="YAML config (default: the built-in default)")
     parser.add_argument("--port", type=port_number, help="router port (overrides router.port)")
+    parser.add_argument(
+        "--replicas",
+        type=replica_count,
+        metavar="N",
+        help="router processes on the one port (overrides router.replicas; more than 1 needs"
+        " store.url, a PostgreSQL store)",
+    )
 
 
 def stack_config(args: argparse.Namespace) -> Config | None:
     """The config `serve` and `up` run: `--config` loaded (None after printing why not), with
-    `--port` and `-v` applied. The contract checks are the caller's (`up` may make the dev
-    model first)."""
+    `--port`, `--replicas` and `-v` applied. The contract checks are the caller's (`up` may
+    make the dev model first)."""
     config = load_or_report(args.config)
     if config is None:
         return None
-    return with_verbose(with_port(config, args.port), getattr(args, "verbose", False))
+    config = with_replicas(with_port(config, args.port), getattr(args, "replicas", None))
+    return with_verbose(config, getattr(args, "verbose", False))
