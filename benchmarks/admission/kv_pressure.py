@@ -13,7 +13,12 @@ workload (`kv-pressure.yaml`: Poisson chat and waves of K=6 growing agent runs w
 - `admission-off`: `router.admission: off` (every request forwarded at once);
 - `admission-on`: admission with its defaults;
 - `admission-on-priority`: admission on, engine with `--scheduling-policy priority` and
-  `pools.normal.engine_priority: -10` (agent requests carry no priority: vLLM's default 0).
+  `pools.normal.engine_priority: -10` (agent requests carry no priority: vLLM's default 0);
+- `admission-forecast`: admission on, `admission.reserve: forecast` (issue 26: the agent pool
+  may use the normal pool's idle half, less chat's forecast need);
+- `admission-forecast-hold`: the same, and `admission.prefill_hold_min_tokens: 512` (a new
+  agent prefill of 512 tokens or more waits while a chat request is in its prefill);
+- `admission-on-hold`: the prefill hold alone (`reserve: share`).
 
 Configurations run interleaved (ABCD ABCD ...), `--rounds` times. Before each one the engine
 is drained (no request running or waiting) and its prefix cache is reset
@@ -49,7 +54,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -82,6 +87,9 @@ ROUTER_PORT = 8791
 ENGINE_KEY_ENV = "KVP_ENGINE_KEY"  # the routers read the engine's key from this env var
 ENGINE_FILES = {"fcfs": HERE / "engine-fcfs.yaml", "priority": HERE / "engine-priority.yaml"}
 CHAT_CLASS = "normal"
+# the agents' output tok/s with admission against admission off: at least this (issue 26; it
+# was 0.8 for issue 9's first run)
+AGENT_TOK_S_FRAC = 0.95
 AGENT_CLASS = "agent"
 
 # Pool SLOs as the scenario's class SLOs (admission's TTFT check and operating point read them).
@@ -102,6 +110,8 @@ class RunSpec:
     normal_engine_priority: int | None
     agents: bool
     what: str
+    # the router's `admission:` section (docs/admission.md): reserve, prefill hold
+    admission_section: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 CONFIGS: dict[str, RunSpec] = {
@@ -122,6 +132,33 @@ CONFIGS: dict[str, RunSpec] = {
             -10,
             True,
             "admission on; engine --scheduling-policy priority, pools.normal.engine_priority -10",
+        ),
+        RunSpec(
+            "admission-forecast",
+            "fcfs",
+            "on",
+            None,
+            True,
+            "admission on, admission.reserve: forecast",
+            {"reserve": "forecast"},
+        ),
+        RunSpec(
+            "admission-forecast-hold",
+            "fcfs",
+            "on",
+            None,
+            True,
+            "admission on, reserve: forecast, prefill_hold_min_tokens: 512",
+            {"reserve": "forecast", "prefill_hold_min_tokens": 512},
+        ),
+        RunSpec(
+            "admission-on-hold",
+            "fcfs",
+            "on",
+            None,
+            True,
+            "admission on (reserve: share), prefill_hold_min_tokens: 512",
+            {"prefill_hold_min_tokens": 512},
         ),
     )
 }
@@ -221,6 +258,9 @@ def admin_view(text: str) -> dict[str, Any]:
             row[f"admin.reserved_blocks.{pool}"] = blocks
         for pool, running in (inst.get("running_by_pool") or {}).items():
             row[f"admin.running.{pool}"] = running
+        for pool, cap in (inst.get("capacity_by_pool") or {}).items():
+            row[f"admin.borrowed_blocks.{pool}"] = cap.get("borrowed_blocks")
+            row[f"admin.reserve_blocks.{pool}"] = _g(cap, "reserve", "blocks")
         row["admin.kv_used_blocks"] = inst.get("kv_used_blocks")
         row["admin.num_gpu_blocks"] = inst.get("num_gpu_blocks")
         row["admin.op_limit"] = _g(inst, "operating_point", "limit")
@@ -307,7 +347,9 @@ def router_config(
             pool["engine_priority"] = spec.normal_engine_priority
         pools[name] = pool
     model = engine.model
+    extra = {"admission": dict(spec.admission_section)} if spec.admission_section else {}
     return {
+        **extra,
         "model": {
             "name": model.name,
             "path": str(model.path),
@@ -482,6 +524,8 @@ def admission_view(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "agent_reserved_blocks_peak": peak("admin.reserved_blocks.agent"),
         "normal_reserved_blocks_peak": peak("admin.reserved_blocks.normal"),
+        "agent_borrowed_blocks_peak": peak("admin.borrowed_blocks.agent"),
+        "normal_reserve_blocks_peak": peak("admin.reserve_blocks.normal"),
         "agent_running_peak": peak("admin.running.agent"),
         "normal_running_peak": peak("admin.running.normal"),
         "agent_queued_frac_of_samples": len(queued) / len(samples) if samples else None,
@@ -694,6 +738,8 @@ METRICS: list[tuple[str, tuple[str, ...], str]] = [
     ("router KV reserved blocks peak", ("router", "kv_reserved_blocks_peak"), "int"),
     ("agent pool reserved blocks peak", ("router", "agent_reserved_blocks_peak"), "int"),
     ("normal pool reserved blocks peak", ("router", "normal_reserved_blocks_peak"), "int"),
+    ("agent blocks borrowed peak", ("router", "agent_borrowed_blocks_peak"), "int"),
+    ("normal pool forecast reserve peak", ("router", "normal_reserve_blocks_peak"), "int"),
     ("time with agents queued (0.5 s samples)", ("router", "agent_queued_frac_of_samples"), "pct"),
     (
         "engine KV usage while agents queued (mean)",
@@ -762,7 +808,8 @@ def check_targets(runs: list[dict[str, Any]], rounds: int) -> list[dict[str, Any
                 return None if v is None else float(v)
         return None
 
-    for config in ("admission-on", "admission-on-priority"):
+    admitting = [c for c in CONFIGS if c.startswith("admission-") and c != "admission-off"]
+    for config in admitting:
         if not any(r["config"] == config for r in runs):
             continue
         for rnd in [*range(1, rounds + 1), 0]:
@@ -799,8 +846,8 @@ def check_targets(runs: list[dict[str, Any]], rounds: int) -> list[dict[str, Any
                     },
                     "agent_tok_s_ratio_to_admission_off": {
                         "value": (tok / off) if tok is not None and off else None,
-                        "limit": 0.8,
-                        "met": (tok >= 0.8 * off) if tok is not None and off else None,
+                        "limit": AGENT_TOK_S_FRAC,
+                        "met": (tok >= AGENT_TOK_S_FRAC * off) if tok is not None and off else None,
                     },
                 }
             )
@@ -892,7 +939,7 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "## The issue's targets", ""]
     lines.append(
         "| config | where | zero preemptions | chat TTFT p99 ≤ 1.5× chat alone (admission off) |"
-        " (vs chat alone, admission on) | agent tok/s ≥ 0.8× admission off |"
+        f" (vs chat alone, admission on) | agent tok/s ≥ {AGENT_TOK_S_FRAC}× admission off |"
     )
     lines.append("|---|---|---|---|---|---|")
     for c in report["targets"]:

@@ -279,10 +279,16 @@ class Admitter:
             lent = sum(f for q, f in by_pool.items() if f > 0 and len(self.queues[q]) == 0)
             state = self.fleet.get(instance_id)
             if lent > 0 and state is not None:
-                views.append(self._view(pool, state, self.borrow_max_frac * lent, now_s))
+                view = self._view(pool, state, self.borrow_max_frac * lent, now_s, lent=False)
+                views.append(view)
         return views
 
-    def _view(self, pool: str, state: InstanceState, frac: float, now_s: float) -> InstanceView:
+    def _view(
+        self, pool: str, state: InstanceState, frac: float, now_s: float, *, lent: bool = True
+    ) -> InstanceView:
+        """`pool`'s view of the instance with `frac` of it; `lent`: past `frac` it may use
+        what the reserves of `reserve: forecast` leave (not on another pool's instance, where
+        `frac` is `rebalancer.borrow_max_frac`'s cap)."""
         p = self.pools[pool]
         return InstanceView(
             instance_id=state.spec.instance_id,
@@ -305,16 +311,18 @@ class Admitter:
             margin_frac=self.margin_frac,
             step_s=_step_s(state),
             kv_known=state.kv_capacity != "unknown",
-            **self._sharing(pool, state, now_s),
+            **self._sharing(pool, state, now_s, lent=lent),
         )
 
     # ------------------------------------------------------------------ sharing a split instance
 
-    def _sharing(self, pool: str, state: InstanceState, now_s: float) -> dict[str, Any]:
-        """The `InstanceView` fields of `admission.reserve: forecast` and
+    def _sharing(
+        self, pool: str, state: InstanceState, now_s: float, *, lent: bool
+    ) -> dict[str, Any]:
+        """The `InstanceView` fields of `admission.reserve: forecast` (when `lent`) and
         `admission.prefill_hold_min_tokens` (none when both are off)."""
         out: dict[str, Any] = {}
-        if self.reserve_forecast:
+        if self.reserve_forecast and lent:
             blocks, slots = 0.0, 0
             for reserve in self.reserves(state, now_s).values():
                 if reserve.pool != pool:
@@ -768,7 +776,9 @@ class Admitter:
         keeps its place. A head whose deadline can no longer be met is refused.
 
         Returns True when another pass may dispatch more: something was leased and pools
-        may borrow (a queue that emptied may lend now to a pool passed over earlier)."""
+        may borrow (a queue that emptied may lend now to a pool passed over earlier: across
+        instances with `rebalancer.borrow_max_frac`, within a split one with `admission.reserve:
+        forecast`, where a pool with requests waiting lends nothing)."""
         dispatched = False
         for queue in self.queues.values():
             homebound: set[QueueEntry] = set()
@@ -803,7 +813,7 @@ class Admitter:
                     continue
                 break
             self.metrics.queue_depth(queue.pool, len(queue))
-        return dispatched and self.borrow_max_frac > 0
+        return dispatched and (self.borrow_max_frac > 0 or self.reserve_forecast)
 
     # ------------------------------------------------------------------ errors
 
