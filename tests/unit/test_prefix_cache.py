@@ -15,10 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pools.devmodel import make_dev_model
 from pools.launchers.base import KvEventsSpec
 from router.prefix.cache import PrefixCache
 from router.prefix.hashing import DEFAULT_SEED, block_key, chain_hashes, chain_keys, none_hash
 from router.prefix.index import Accepted, BlockIndex
+from router.prefix.prompt import ChatPrompt
 from router.prefix.subscriber import EngineEvents, SubscriberSettings
 from router.prefix.wire import Batch, decode_batch
 
@@ -307,3 +309,76 @@ def test_index_ignores_offload_tiers_and_is_bounded() -> None:
     assert len(index.keys) == 3 and index.exact
     index.accept_live(1, _wire(_stored(PROMPT)), 0.0)  # 9 > 5: cleared, under-reports
     assert not index.keys and not index.exact
+
+
+# ---------------------------------------------------------------------------------------------
+# a chat request's prompt token ids, as vLLM renders them (transformers' apply_chat_template)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dev_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_dev_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "grep",
+            "description": "search ünïcode",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
+MESSAGES: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a careful agent. " * 40},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "find x"}, {"type": "text", "text": "y"}],
+    },
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": '{"q": 1}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "x at line 3"},
+]
+
+
+def test_prompt_ids_are_transformers_chat_template_ids(dev_model: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(dev_model))
+    prompt = ChatPrompt.from_model_dir(dev_model)
+    assert prompt is not None
+    # what vLLM hands transformers for this template ("openai" content format: it loops over
+    # a message's content): text parts, arguments parsed from JSON
+    conversation = [
+        {**m, "content": [{"type": "text", "text": m["content"]}]}
+        if isinstance(m["content"], str)
+        else m
+        for m in MESSAGES
+    ]
+    call = conversation[2]["tool_calls"][0]
+    conversation[2] = {
+        **conversation[2],
+        "tool_calls": [{**call, "function": {"name": "grep", "arguments": {"q": 1}}}],
+    }
+    text = tokenizer.apply_chat_template(
+        conversation, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    expected = tokenizer.encode(text, add_special_tokens=False)
+    assert prompt.token_ids({"messages": MESSAGES, "tools": TOOLS}) == expected
+
+
+def test_prompts_the_router_cannot_hash_exactly(dev_model: Path) -> None:
+    prompt = ChatPrompt.from_model_dir(dev_model)
+    assert prompt is not None
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    assert prompt.token_ids({"messages": [{"role": "user", "content": [image]}]}) is None
+    salted = {"messages": MESSAGES, "cache_salt": "tenant-a"}  # vLLM hashes the salt in
+    assert prompt.token_ids(salted) is None
+    assert prompt.token_ids({"prompt": "completions are not chats"}) is None
+    assert ChatPrompt.from_model_dir(dev_model / "missing") is None
