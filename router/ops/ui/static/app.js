@@ -124,6 +124,20 @@
     }));
   }
 
+  // a split engine's blocks per pool: held within its share, borrowed past it, kept for it
+  // (admission.reserve: forecast); /admin/pools capacity_by_pool
+  function sharing(byPool) {
+    return Object.entries(byPool || {}).map(([p, c]) => `${p}: ${num(c.owned_blocks, 0)} owned` +
+      `, ${num(c.borrowed_blocks, 0)} borrowed of ${num(c.share_blocks, 0)} blk share` +
+      (c.reserve ? `, ${num(c.reserve.blocks, 0)} kept for it (${c.reserve.why})` : "")).join("\n");
+  }
+
+  function borrowed(byPool) {
+    const total = Object.values(byPool || {}).reduce((sum, c) => sum + (c.borrowed_blocks || 0), 0);
+    return total > 0 ? node("span", {field: "kv_borrowed_blocks", class: "muted"},
+      ` ${int(total)} borrowed`) : "";
+  }
+
   function renderInstances(view) {
     const body = document.querySelector("#instances tbody");
     body.replaceChildren(...Object.entries(view.instances).map(([id, i]) => {
@@ -145,9 +159,10 @@
           : node("td", {title: isNum(blocks) ? `${num(i.kv_used_blocks, 1)} of ${blocks} blocks` : ""},
               node("span", {field: "kv_usage_frac"}, pct(i.kv_usage_frac)),
               meter(i.kv_usage_frac, [0.8], i.kv_usage_frac >= 0.8)),
-        node("td", {},
+        node("td", {title: sharing(i.capacity_by_pool)},
           node("span", {field: "kv_reserved_blocks"}, int(i.kv_reserved_blocks)), " blk ",
-          node("span", {class: "muted"}, isNum(reservedFrac) ? `(${pct(reservedFrac)})` : "")),
+          node("span", {class: "muted"}, isNum(reservedFrac) ? `(${pct(reservedFrac)})` : ""),
+          borrowed(i.capacity_by_pool)),
         node("td", {field: "running"}, int(i.running)),
         node("td", {field: "waiting", class: i.waiting > 0 ? "warn" : null}, int(i.waiting)),
         node("td", {field: "inflight"}, int(i.inflight)),
