@@ -20,7 +20,10 @@ deadline on the request path (`router.body_read_timeout_s`, router/gateway/proxy
 Each request's scope also carries a `ClientLink` (`scope[CLIENT_LINK]`): the request path
 registers its task there and is cancelled when the client's connection is lost before the
 response is complete, and can ask whether the whole body has already arrived. That is what lets
-it serve a request in the server's own task, with no disconnect-watching task beside it.
+it serve a request in the server's own task, with no disconnect-watching task beside it. A
+stream's chunks may go through `ClientLink.write_more` (straight to the connection in uvicorn's
+chunked framing) whenever uvicorn's `send` would write them at once; when the client reads
+slowly (the transport paused writing) it answers False and the caller `send`s, which waits.
 """
 
 from __future__ import annotations
@@ -89,6 +92,25 @@ class ClientLink:
     @property
     def body_arrived(self) -> bool:
         return not self._cycle.more_body
+
+    def write_more(self, body: bytes) -> bool:
+        """Write `body`, not the last, to this request's started streaming (chunked) response,
+        as uvicorn's `send` of `{"type": "http.response.body", "body": body, "more_body": True}`
+        would, without its per-message work (a coroutine, the message's keys, a list): True
+        when written. False, having written nothing, when the caller must `send` it instead:
+        the client's socket is full (`send` waits for it to drain: the slow-client bound), the
+        client left, or the response is not a started chunked one."""
+        cycle = self._cycle
+        if (
+            cycle.chunked_encoding is not True
+            or cycle.flow.write_paused
+            or cycle.disconnected
+            or cycle.response_complete
+            or not body
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
 
     def _connection_lost(self) -> None:
         self.lost = True

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
@@ -213,8 +214,19 @@ class CompletionsHandler:
         if trace is not None:
             trace.begin(ctx, estimate, self.clock())
             outcome.trace = trace
+        client = link if isinstance(link, ClientLink) else None
         serving = self._serve(
-            ctx, body, body_bytes, adapter, send, outcome, read_s, signals, wait_after_s, stored
+            ctx,
+            body,
+            body_bytes,
+            adapter,
+            send,
+            outcome,
+            read_s,
+            signals,
+            wait_after_s,
+            stored,
+            client,
         )
         try:
             if isinstance(link, ClientLink):
@@ -331,6 +343,7 @@ class CompletionsHandler:
         signals: StepSignals | None = None,
         wait_after_s: float | None = None,
         stored: StoredResponse | None = None,
+        client: ClientLink | None = None,
     ) -> None:
         gp_headers = [
             (b"x-gpupool-request-id", ctx.request_id.encode()),
@@ -437,7 +450,9 @@ class CompletionsHandler:
                     continue
                 try:
                     self.settlement.answered(outcome)
-                    await self._relay(ctx, resp, send, headers, outcome, lease, adapter, stored)
+                    await self._relay(
+                        ctx, resp, send, headers, outcome, lease, adapter, stored, client
+                    )
                 except BaseException:
                     resp.close()  # drop the connection: vLLM aborts the sequence
                     raise
@@ -551,6 +566,7 @@ class CompletionsHandler:
         lease: Lease,
         adapter: ProtocolAdapter,
         stored: StoredResponse | None = None,
+        client: ClientLink | None = None,
     ) -> None:
         status = resp.status
         outcome.status = status
@@ -588,7 +604,9 @@ class CompletionsHandler:
             await send({"type": "http.response.body", "body": raw})
             return
         if ctx.stream:
-            await self._relay_stream(ctx, resp, send, headers, outcome, lease, adapter, stored)
+            await self._relay_stream(
+                ctx, resp, send, headers, outcome, lease, adapter, stored, client
+            )
         else:
             await self._relay_body(ctx, resp, send, headers, outcome, adapter, stored)
 
@@ -657,6 +675,7 @@ class CompletionsHandler:
         lease: Lease,
         adapter: ProtocolAdapter,
         stored: StoredResponse | None = None,
+        client: ClientLink | None = None,
     ) -> None:
         if outcome.wait_stream_open:  # the wait's comments sent the status line already
             outcome.wait_stream_open = False
@@ -679,6 +698,7 @@ class CompletionsHandler:
         want_id = adapter.stateful
         marker = adapter.usage_marker
         finals = adapter.final_markers
+        has_final = _final_finder(finals)
         extras = lambda: self.settlement.usage_extra(outcome)  # noqa: E731
         try:
             async for chunk in resp:
@@ -689,14 +709,17 @@ class CompletionsHandler:
                     and not want_id
                     and not tail
                     and marker not in buf
-                    and not any(final in buf for final in finals)
+                    and not has_final(buf)
                 ):
                     # no event here needs reading (no first token, id, usage or end to find):
                     # the complete ones go out as they came, one scan of the bytes per chunk
                     end = buf.rfind(_SSE_SEP) + 2
                     if end > 1:
                         body, buf = buf[:end], buf[end:]
-                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                        if client is None or not client.write_more(body):
+                            await send(
+                                {"type": "http.response.body", "body": body, "more_body": True}
+                            )
                     continue
                 out: list[bytes] = []
                 start = 0
@@ -719,9 +742,9 @@ class CompletionsHandler:
                 if start:
                     buf = buf[start:]
                 if out:
-                    await send(
-                        {"type": "http.response.body", "body": b"".join(out), "more_body": True}
-                    )
+                    body = b"".join(out)
+                    if client is None or not client.write_more(body):
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
         except OSError as err:  # UpstreamClosed, TimeoutError (the deadline)
             error: GpupoolError
             if isinstance(err, TimeoutError):
@@ -760,6 +783,19 @@ class CompletionsHandler:
                 context_tokens=outcome.prompt_tokens + outcome.completion_tokens,
             ),
         )
+
+
+_FINDERS: dict[tuple[bytes, ...], Callable[[bytes], object]] = {}
+
+
+def _final_finder(finals: tuple[bytes, ...]) -> Callable[[bytes], object]:
+    """A test for whether bytes hold any of `finals` (a protocol's final-event markers): one C
+    call per chunk (a compiled alternation), not a generator over the markers."""
+    finder = _FINDERS.get(finals)
+    if finder is None:
+        pattern = b"|".join(re.escape(f) for f in finals) if finals else b"(?!)"
+        finder = _FINDERS[finals] = re.compile(pattern).search
+    return finder
 
 
 def parse_request_body(
