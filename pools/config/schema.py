@@ -16,6 +16,7 @@ together (a warning, not a refusal) live in `checks.py`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -954,6 +955,20 @@ def _split_url(value: str) -> SplitResult:
 _PG_SCHEMES = ("postgresql", "postgres")
 
 
+def _url_from_env(data: Any) -> Any:
+    """The store section with `url` read from the variable `url_env` names (then checked as
+    a `url` given in the document is)."""
+    if not isinstance(data, Mapping) or data.get("url_env") is None:
+        return data
+    name = data["url_env"]
+    if data.get("url") is not None:
+        raise ValueError("store.url and store.url_env both set: give the URL one way")
+    value = os.environ.get(str(name), "").strip()
+    if not value:
+        raise ValueError(f"store.url_env: environment variable {name!r} is not set or empty")
+    return {**data, "url": value}
+
+
 # the store settings that only a shared (PostgreSQL) store reads
 _SHARED_ONLY = ("budgets_on_outage", "budget_chunk_frac", "slot_lease_s")
 
@@ -967,9 +982,12 @@ class StoreConfig:
     files beside it, rebalancer.decision_log_path). `postgresql://user@host:5432/dbname`: one
     PostgreSQL database (a unix socket: `postgresql://user@/dbname?host=/run/postgresql`),
     with the password read from the environment variable `password_env` names (never in the
-    URL). Schema migrations run at start (`gpupool store migrate` runs them alone)."""
+    URL). `url_env` instead of `url`: the URL is read from that environment variable when the
+    config is loaded (a Kubernetes Secret's key: the Helm chart's store.existingSecret).
+    Schema migrations run at start (`gpupool store migrate` runs them alone)."""
 
     url: str | None = None
+    url_env: str | None = None
     password_env: str | None = None
     # connections each router process keeps open at least / at most
     pool_min_connections: int = Field(default=1, ge=0)
@@ -998,6 +1016,7 @@ class StoreConfig:
     @classmethod
     def _no_password_in_document(cls, data: Any) -> Any:
         _refuse_derived(data, ("password",))
+        data = _url_from_env(data)
         _refuse_idle(
             data,
             "url",
@@ -1159,7 +1178,7 @@ class Config:
         data = _sections_given(data, sections)
         rebalancer, router = data["rebalancer"], data["router"]
         store = data["store"]
-        if isinstance(store, Mapping) and store.get("url") is not None:
+        if isinstance(store, Mapping) and (store.get("url") or store.get("url_env")) is not None:
             # with a shared store these name files nothing reads
             for section, key in (("router", "ledger_path"), ("rebalancer", "decision_log_path")):
                 given = data[section]

@@ -106,3 +106,20 @@ float32
 {{- end -}}
 {{- toJson $g -}}
 {{- end -}}
+
+{{/* Whether the router pods share a PostgreSQL store: "true" or "". */}}
+{{- define "gpupool.sharedStore" -}}
+{{- if or .Values.store.url (and .Values.store.existingSecret .Values.store.urlKey) (.Values.config.store | default dict).url -}}true{{- end -}}
+{{- end -}}
+
+{{/* Router pods: router.replicas, or (null) 2 with a shared store and 1 without. More than
+     one without a shared store fails the render. */}}
+{{- define "gpupool.routerReplicas" -}}
+{{- $shared := include "gpupool.sharedStore" . -}}
+{{- $n := .Values.router.replicas -}}
+{{- if kindIs "invalid" $n -}}{{- $n = ternary 2 1 (eq $shared "true") -}}{{- end -}}
+{{- if and (gt (int $n) 1) (ne $shared "true") -}}
+{{- fail (printf "router.replicas: %d router pods need a shared PostgreSQL store (set store.url, or store.existingSecret with the URL under store.urlKey): with the embedded SQLite store each router would keep its own budgets, ledger and rebalancer" (int $n)) -}}
+{{- end -}}
+{{- int $n -}}
+{{- end -}}
