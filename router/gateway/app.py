@@ -66,6 +66,7 @@ from router.ops import routes as ops_routes
 from router.ops.history import History, reading_from
 from router.ops.openapi import openapi_document
 from router.ops.pools_view import PoolsView
+from router.prefix import PrefixCache
 from router.rebalancer import routes as rebalancer_routes
 from router.rebalancer.store import DecisionLog
 from router.request import Message, Receive, RequestObserver, Scope, Send
@@ -206,6 +207,9 @@ class Gateway:
         # where each stored response lives (previous_response_id): in the store
         self.placement = ResponsePlacement(self.stores.responses)
         self.max_model_len_tokens: int | None = config.model.max_model_len_tokens
+        # what each engine's prefix cache holds, from its KV events (router/prefix)
+        kv_events = [s for s in instances if s.kv_events is not None]
+        self.prefix_cache = PrefixCache(kv_events, clock=clock) if kv_events else None
         # what operators read: GET /admin/pools, /ready, the gauges of GET /metrics
         self.ops_view = PoolsView(
             config,
@@ -215,6 +219,7 @@ class Gateway:
             self.rebalancer,
             self.metrics,
             clock=clock,
+            prefix_cache=self.prefix_cache,
         )
         # the last hour for the status page's plots (GET /admin/history)
         self.history = History(lambda: reading_from(self.pools_view(), self.metrics.registry))
@@ -278,6 +283,8 @@ class Gateway:
             await _start(stack, self.scraper)
         if self.discovery is not None:
             await _start(stack, self.discovery)
+        if self.prefix_cache is not None:
+            await _start(stack, self.prefix_cache)
         self.handler = CompletionsHandler(
             config=self.config,
             tenants=self.tenants,

@@ -14,6 +14,7 @@ from pools.config import Config
 from pools.fleet import Fleet
 from router.admission.admitter import Admitter
 from router.metrics import RouterMetrics
+from router.prefix import PrefixCache
 from router.rebalancer.rebalancer import Rebalancer
 
 __all__ = ["PoolsView"]
@@ -32,6 +33,7 @@ class PoolsView:
         metrics: RouterMetrics,
         *,
         clock: Callable[[], float],
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -40,6 +42,7 @@ class PoolsView:
         self.rebalancer = rebalancer
         self.metrics = metrics
         self.clock = clock
+        self.prefix_cache = prefix_cache  # None: no engine publishes KV events
 
     def view(self) -> dict[str, Any]:
         """`GET /admin/pools`: each pool's share, bounds, instances, SLO and queue, each
@@ -99,6 +102,11 @@ class PoolsView:
                 if state.prefill_tokens_per_s is None
                 else round(state.prefill_tokens_per_s, 1),
                 "preemptions_seen": state.preemptions_seen,
+                # the index of its prefix cache from its KV events (docs/prefix_cache.md):
+                # usable, cached_blocks, index_age_s, exact; None: not followed
+                "prefix_cache": None
+                if self.prefix_cache is None
+                else self.prefix_cache.view(state.spec.instance_id),
             }
         return {
             "allocation_version": allocation.version,

@@ -4,8 +4,9 @@
 many leading full blocks of a prompt with those token ids the engine holds (vLLM reuses a
 cached prefix up to its first missing block). Instances left out have no usable index
 (started without KV events, not connected, hashing differently): callers treat them as they
-did before the index existed, not as holding nothing. `snapshot(now_s)` is what the admin API
-and the status page show. One ZMQ context, owned here; `start()`/`aclose()`.
+did before the index existed, not as holding nothing. `view(instance_id)` is what
+`GET /admin/pools` shows per instance, `snapshot()` the full counters. One ZMQ context, owned
+here; `start()`/`aclose()`; `add`/`remove` follow instances that come and go.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq.asyncio
 
@@ -41,6 +43,7 @@ class IndexView:
 class PrefixCache:
     def __init__(
         self,
+        instances: Iterable[InstanceSpec] = (),
         *,
         clock: Callable[[], float] = time.monotonic,
         settings: SubscriberSettings | None = None,
@@ -49,16 +52,17 @@ class PrefixCache:
         self._settings = settings or SubscriberSettings()
         self._ctx: zmq.asyncio.Context | None = None
         self._engines: dict[str, EngineEvents] = {}
+        self._initial = [(s.instance_id, s.kv_events) for s in instances if s.kv_events]
 
     @property
     def engines(self) -> dict[str, EngineEvents]:
         return self._engines
 
-    def start(self, instances: Iterable[InstanceSpec] = ()) -> None:
+    async def start(self) -> None:
+        """Follow the instances given at construction that publish KV events."""
         self._ctx = self._ctx or zmq.asyncio.Context()
-        for spec in instances:
-            if spec.kv_events is not None:
-                self.add(spec.instance_id, spec.kv_events)
+        for instance_id, spec in self._initial:
+            self.add(instance_id, spec)
 
     def add(self, instance_id: str, spec: KvEventsSpec) -> None:
         """Follow an instance's events (an instance that joined); no-op if followed."""
@@ -103,6 +107,19 @@ class PrefixCache:
                 chain = chains[(size, seed)] = chain_keys(token_ids, size, seed)
             out[instance_id] = engine.index.longest_prefix_blocks(chain)
         return out
+
+    def view(self, instance_id: str) -> dict[str, Any] | None:
+        """`/admin/pools`' `prefix_cache` of one instance; None when it is not followed."""
+        engine = self._engines.get(instance_id)
+        if engine is None:
+            return None
+        updated_s = engine.index.updated_at_s
+        return {
+            "usable": engine.usable,
+            "cached_blocks": len(engine.index.keys),
+            "index_age_s": None if updated_s is None else round(self._clock() - updated_s, 3),
+            "exact": engine.index.exact,
+        }
 
     def snapshot(self) -> list[IndexView]:
         now_s = self._clock()

@@ -46,8 +46,8 @@ async def _check(spec: InstanceSpec) -> None:
     first, second = _body("Where is the config parsed?"), _body("Which test covers gaps?")
     first_ids, second_ids = prompt.token_ids(first), prompt.token_ids(second)
     assert first_ids is not None and second_ids is not None
-    cache = PrefixCache()
-    cache.start([spec])
+    cache = PrefixCache([spec])
+    await cache.start()
     events = cache.engines[spec.instance_id]
     try:
         async with asyncio.timeout(60), httpx.AsyncClient(timeout=60) as client:

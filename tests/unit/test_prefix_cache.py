@@ -10,13 +10,19 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pools.config import parse_config
 from pools.devmodel import make_dev_model
-from pools.launchers.base import KvEventsSpec
+from pools.launchers.base import InstanceSpec, KvEventsSpec
+from pools.testing.config import config_data, one_pool
+from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from pools.testing.serve import serve_asgi
+from router.gateway.app import create_app
 from router.prefix.cache import PrefixCache
 from router.prefix.hashing import DEFAULT_SEED, block_key, chain_hashes, chain_keys, none_hash
 from router.prefix.index import Accepted, BlockIndex
@@ -147,7 +153,7 @@ class Engine:
 async def cache() -> AsyncIterator[PrefixCache]:
     settings = SubscriberSettings(connect_warn_s=0.0, replay_timeout_s=5.0, catch_up_s=0.5)
     cache = PrefixCache(settings=settings)
-    cache.start()
+    await cache.start()
     try:
         yield cache
     finally:
@@ -191,6 +197,9 @@ async def test_index_follows_stored_removed_cleared(cache: PrefixCache, engine: 
     (view,) = cache.snapshot()
     assert view.usable and view.exact and view.cached_blocks == 0 and view.block_size_tokens == 4
     assert view.age_s is not None and view.age_s >= 0
+    shown = cache.view("engine-0")
+    assert shown is not None and shown["cached_blocks"] == 0 and shown["usable"]
+    assert cache.view("engine-1") is None
 
 
 async def test_lost_batch_is_replayed(cache: PrefixCache, engine: Engine) -> None:
@@ -382,3 +391,34 @@ def test_prompts_the_router_cannot_hash_exactly(dev_model: Path) -> None:
     assert prompt.token_ids(salted) is None
     assert prompt.token_ids({"prompt": "completions are not chats"}) is None
     assert ChatPrompt.from_model_dir(dev_model / "missing") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# GET /admin/pools
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_admin_pools_shows_each_instances_cached_blocks(
+    tmp_path: Path, engine: Engine
+) -> None:
+    data = config_data(tmp_path, pools=one_pool())
+    async with serve_asgi(make_fake_engine(FakeEngineState())) as url:
+        specs = [InstanceSpec("e0", url, 1, kv_events=engine.spec), InstanceSpec("e1", url, 1)]
+        gateway = create_app(parse_config(data), specs)
+        await gateway.start()
+        try:
+            assert gateway.prefix_cache is not None
+            events = gateway.prefix_cache.engines["e0"]
+            await _until(events, lambda e: e.connected)
+            engine.publish(_batch(_stored(PROMPT), _stored(OTHER)))
+            await _until(events, lambda e: e.index.expected_seq == 1)
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
+            ) as client:
+                instances = (await client.get("/admin/pools")).json()["instances"]
+            shown = instances["e0"]["prefix_cache"]
+            assert shown["usable"] and shown["exact"] and shown["cached_blocks"] == 9
+            assert shown["index_age_s"] >= 0
+            assert instances["e1"]["prefix_cache"] is None  # publishes nothing gpupool knows
+        finally:
+            await gateway.aclose()
