@@ -41,7 +41,6 @@ from pydantic_core import PydanticKnownError
 from pools.rebalance import Bounds, RebalanceSettings, ScheduleWindow
 
 __all__ = [
-    "KV_EVENTS_SOCKET_MAX_CHARS",
     "VLLM_MAX_NUM_SEQS",
     "ClassConfig",
     "ClassificationConfig",
@@ -67,7 +66,6 @@ __all__ = [
     "TenantConfig",
     "TierConfig",
     "default_of",
-    "kv_events_socket",
     "max_num_seqs",
 ]
 
@@ -237,15 +235,6 @@ def _sections_given(data: Any, names: tuple[str, ...]) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-KV_EVENTS_SOCKET_MAX_CHARS = 100  # a unix socket path: 107 bytes on Linux, 103 on macOS
-
-
-def kv_events_socket(run_dir: Path, index: int, kind: Literal["pub", "replay"]) -> Path:
-    """The socket file where local engine `index` publishes its KV events (`pub`) or answers
-    replay requests (`replay`)."""
-    return run_dir / f"engine-{index}.kv-{kind}"
-
-
 @dataclass(frozen=True, slots=True, config=_STRICT)
 class ModelConfig:
     name: str = "tiny"  # served model name clients send as "model"
@@ -397,7 +386,7 @@ class EnginesConfig:
     kubernetes: KubernetesEnginesConfig = Field(default_factory=KubernetesEnginesConfig)
     ray: RayEnginesConfig = Field(default_factory=RayEnginesConfig)
     # vLLM's KV cache events (docs/prefix_cache.md): on: every engine gpupool starts
-    # publishes the blocks it caches (ZMQ on a socket file in run_dir, block hashes by
+    # publishes the blocks it caches (ZMQ on socket files in run_dir, block hashes by
     # sha256_cbor) and the router keeps an index of each engine's prefix cache. null: on for
     # the local launcher, off for the others (on is refused there: not wired yet)
     kv_events: bool | None = None
@@ -449,14 +438,6 @@ class EnginesConfig:
                 f"engines.kv_events: on needs launcher 'local' (not {self.launcher!r}: its"
                 " engines do not publish KV events to gpupool yet)"
             )
-        if self.kv_events_on and self.launcher == "local":
-            longest = len(str(kv_events_socket(self.local.run_dir, self.local.count - 1, "replay")))
-            if longest > KV_EVENTS_SOCKET_MAX_CHARS:
-                raise ValueError(
-                    f"engines.local.run_dir is too long for the engines' KV event sockets"
-                    f" ({longest} characters, a unix socket path holds"
-                    f" {KV_EVENTS_SOCKET_MAX_CHARS}): shorten it or set engines.kv_events: off"
-                )
         return self
 
 

@@ -26,9 +26,11 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -37,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pools.config import LocalEnginesConfig, ModelConfig
-from pools.config.schema import kv_events_socket
 from pools.launchers.base import KvEventsSpec
 from pools.launchers.engine_guard import GUARD_MIDDLEWARE
 from pools.launchers.engine_plan import EnginePlan
@@ -48,6 +49,7 @@ __all__ = [
     "build_engine_command",
     "engine_environ",
     "installed_vllm_version",
+    "kv_events_socket",
     "supported_vllm_flags",
 ]
 
@@ -81,6 +83,29 @@ class EngineCommand:
     port: int
     env_remove: frozenset[str] = frozenset()  # parent variables the engine must not inherit
     kv_events: KvEventsSpec | None = None  # where it publishes KV cache events; None: nowhere
+
+
+KV_EVENTS_SOCKET_MAX_CHARS = 100  # a unix socket path: 107 bytes on Linux, 103 on macOS
+
+
+def kv_events_socket(run_dir: Path, index: int, kind: str) -> Path:
+    """The socket file where local engine `index` publishes its KV events (`kind` "pub") or
+    answers replay requests ("replay"): in `run_dir`, or where that path is too long for a
+    unix socket, in `/tmp/gpupool-<uid>-<hash of run_dir>/` (`private_socket_dir` makes it)."""
+    name = f"engine-{index}.kv-{kind}"
+    if len(str(run_dir / name)) <= KV_EVENTS_SOCKET_MAX_CHARS:
+        return run_dir / name
+    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+    return Path("/tmp") / f"gpupool-{os.getuid()}-{digest}" / name
+
+
+def private_socket_dir(path: Path) -> None:
+    """Make `path` a directory only this user can enter (the events carry prompt token ids);
+    `PermissionError` if it exists and is someone else's or open to others."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{path} is not private to this user (mode {info.st_mode:o})")
 
 
 def engine_environ(parent: Mapping[str, str], command: EngineCommand) -> dict[str, str]:

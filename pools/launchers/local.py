@@ -39,6 +39,8 @@ from pools.launchers.engine_args import (
     EngineCommand,
     build_engine_command,
     engine_environ,
+    kv_events_socket,
+    private_socket_dir,
     supported_vllm_flags,
 )
 from pools.launchers.engine_plan import (
@@ -349,6 +351,13 @@ class LocalLauncher:
             )
         run_dir = local.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
+        if self._kv_events:  # a run_dir too long for a socket path puts them under /tmp
+            sockets = {kv_events_socket(run_dir, i, "pub").parent for i in range(local.count)}
+            for folder in sockets - {run_dir}:
+                try:
+                    private_socket_dir(folder)
+                except OSError as err:
+                    raise LauncherError(f"KV event sockets: {err}") from err
         kill_leftover_engines(run_dir)
         host = self._host if self._host is not None else await asyncio.to_thread(probe_host)
         flags = await asyncio.to_thread(supported_vllm_flags, run_dir, self._python)

@@ -1,4 +1,4 @@
-"""engines.kv_events: which engines publish KV cache events, and the vLLM flags that do it."""
+"""engines.kv_events: which engines publish KV cache events, where, and the vLLM flags."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import pytest
 
 from pools.config import ConfigError, default_config, parse_config
 from pools.devmodel import make_dev_model
-from pools.launchers.engine_args import build_engine_command, engine_environ
+from pools.launchers.engine_args import (
+    build_engine_command,
+    engine_environ,
+    kv_events_socket,
+    private_socket_dir,
+)
 
 FLAGS = frozenset({"--model", "--port", "--kv-events-config", "--prefix-caching-hash-algo"})
 
@@ -44,13 +49,19 @@ def test_on_is_refused_where_engines_do_not_publish_yet(launcher: str) -> None:
         parse_config({"engines": engines, "pools": _pools()})
 
 
-def test_a_run_dir_too_long_for_a_socket_is_refused(tmp_path: Path) -> None:
+def test_a_run_dir_too_long_for_a_socket_puts_them_in_a_private_tmp_dir(tmp_path: Path) -> None:
     run_dir = tmp_path / ("d" * 90)
-    local = {"run_dir": str(run_dir)}
-    with pytest.raises(ConfigError, match="too long"):
-        parse_config({"engines": {"local": local}, "pools": _pools()})
-    off = {"local": local, "kv_events": False}
-    assert parse_config({"engines": off, "pools": _pools()}).engines.local.run_dir == run_dir
+    assert kv_events_socket(tmp_path, 3, "pub") == tmp_path / "engine-3.kv-pub"
+    long = kv_events_socket(run_dir, 3, "replay")
+    assert long.name == "engine-3.kv-replay" and len(str(long)) <= 100
+    assert long.parent == kv_events_socket(run_dir, 0, "pub").parent  # one per run_dir
+    assert long.parent != kv_events_socket(tmp_path / ("e" * 90), 0, "pub").parent
+    folder = tmp_path / "sockets"
+    private_socket_dir(folder)
+    assert folder.stat().st_mode & 0o777 == 0o700
+    folder.chmod(0o755)
+    with pytest.raises(PermissionError):
+        private_socket_dir(folder)
 
 
 def test_engine_publishes_on_socket_files_with_sha256_cbor(tmp_path: Path) -> None:
