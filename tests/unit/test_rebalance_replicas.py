@@ -28,12 +28,13 @@ from tests.unit.test_rebalance_shell import SHARES, SPECS, Clock, finished
 DEADLINE_S = 30.0
 
 
-def config(url: str) -> object:
+def config(url: str, loop_s: float | None = None) -> object:
+    """Ticks driven by the test, or (`loop_s`) the loop running every `loop_s`."""
     return config_for_test(
         pools=SHARES,
         rebalancer={
-            "enabled": False,  # ticks are driven by the test
-            "interval_s": 10,
+            "enabled": loop_s is not None,
+            "interval_s": loop_s or 10,
             "cooldown_s": 10,
             "smoothing_window_s": 10,
             "drain_timeout_s": 30,
@@ -48,14 +49,16 @@ def _password(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @asynccontextmanager
-async def replica(url: str, clock: Clock, name: str, check_s: float) -> AsyncIterator[Rebalancer]:
+async def replica(
+    url: str, clock: Clock, name: str, check_s: float, loop_s: float | None = None
+) -> AsyncIterator[Rebalancer]:
     """A rebalancer with a connection pool of its own, as a router process has, named `name`,
-    its leader election checking every `check_s`."""
+    its leader election checking every `check_s`; its loop every `loop_s` (None: off)."""
     store = PostgresStore(url, password=PASSWORD, connect_timeout_s=2.0)
     await asyncio.to_thread(store.open)
     try:
         core = build_core(
-            config(url),  # type: ignore[arg-type]
+            config(url, loop_s),  # type: ignore[arg-type]
             list(SPECS),
             clock,
             random.Random(0),
@@ -148,3 +151,26 @@ async def test_one_decides_the_other_follows_and_takes_over(
             await b.unpin("sre")
             await a.sync()
             assert a.sre.pinned_shares is None
+
+
+async def test_only_the_leader_decides(postgres_server: PostgresServer) -> None:
+    """Both loops run (a decision every 0.2 s); the follower's records none while the leader's
+    records several."""
+    url = postgres_server.create_database(f"loops{time.monotonic_ns()}")
+    clock = Clock()
+    async with replica(url, clock, "a", check_s=0.05, loop_s=0.2) as a:
+
+        async def a_leads() -> bool:
+            return a.leadership.leading
+
+        await until(a_leads)
+        async with replica(url, clock, "b", check_s=0.05, loop_s=0.2) as b:
+
+            async def a_decided_twice_since_b_started() -> bool:
+                clock.now_s += 0.2  # the decisions' own clock: each loop's tick is due
+                return len(a.recent) >= len(seen) + 2
+
+            seen = list(a.recent)
+            await until(a_decided_twice_since_b_started)
+            assert not b.leadership.leading
+            assert list(b.recent) == []  # b's loop ran as often, deciding nothing
