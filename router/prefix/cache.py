@@ -86,7 +86,7 @@ class PrefixCache:
         for instance_id in list(self._engines):
             await self.remove(instance_id)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # closes any socket left, never blocks
             self._ctx = None
 
     def cached_blocks(self, token_ids: Sequence[int]) -> dict[str, int]:
