@@ -22,6 +22,7 @@ FEATURES = (
     "router.governance",
     "router.rebalancer",
     "router.ops",
+    "router.prefix",
 )
 SHARED = (
     "router.errors",
@@ -43,6 +44,10 @@ PURE = (
     "router.governance.loops",
     "router.governance.runtable",
     "router.runtable",
+    "router.prefix.hashing",
+    "router.prefix.index",
+    "router.prefix.score",
+    "router.prefix.wire",
     "pools.rebalance",
 )
 IO = (
