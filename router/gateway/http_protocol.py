@@ -22,8 +22,10 @@ registers its task there and is cancelled when the client's connection is lost b
 response is complete, and can ask whether the whole body has already arrived. That is what lets
 it serve a request in the server's own task, with no disconnect-watching task beside it. A
 stream's chunks may go through `ClientLink.write_more` (straight to the connection in uvicorn's
-chunked framing) whenever uvicorn's `send` would write them at once; when the client reads
-slowly (the transport paused writing) it answers False and the caller `send`s, which waits.
+chunked framing) and a whole response through `ClientLink.respond` (status line, headers and
+body in one write, where uvicorn's two sends make two) whenever uvicorn's `send` would write
+them at once; when the client reads slowly (the transport paused writing) they answer False
+and the caller `send`s, which waits.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ import logging
 from typing import Any, cast
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+)
 
 __all__ = ["CLIENT_LINK", "ClientLink", "guarded_protocol"]
 
@@ -92,6 +99,41 @@ class ClientLink:
     @property
     def body_arrived(self) -> bool:
         return not self._cycle.more_body
+
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """The whole response in one write, as uvicorn's `send` of a start message (`headers`,
+        no content-length among them) and one body message would write it (its default
+        headers, header checks, `connection: close` when the connection ends, the cycle then
+        complete and the connection ready for the next request), with a content-length: True
+        when written. False, having written nothing, when the caller must `send` instead: the
+        response started already, the client left or reads slowly, or access logging is on."""
+        cycle = self._cycle
+        if (
+            cycle.response_started
+            or cycle.disconnected
+            or cycle.flow.write_paused
+            or cycle.access_log
+            or cycle.scope["method"] == "HEAD"
+        ):
+            return False
+        content = [STATUS_LINE[status]]
+        for name, value in (*cycle.default_headers, *headers):
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+                return False  # `send` raises for it, as for any response
+            content += (name, b": ", value, b"\r\n")
+        keep_alive = cycle.keep_alive
+        if not keep_alive:
+            content.append(b"connection: close\r\n")
+        content += (b"content-length: %d\r\n\r\n" % len(body), body)
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.transport.write(b"".join(content))
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not keep_alive:
+            cycle.transport.close()
+        cycle.on_response()
+        return True
 
     def write_more(self, body: bytes) -> bool:
         """Write `body`, not the last, to this request's started streaming (chunked) response,

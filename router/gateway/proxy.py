@@ -608,7 +608,7 @@ class CompletionsHandler:
                 ctx, resp, send, headers, outcome, lease, adapter, stored, client
             )
         else:
-            await self._relay_body(ctx, resp, send, headers, outcome, adapter, stored)
+            await self._relay_body(ctx, resp, send, headers, outcome, adapter, stored, client)
 
     async def _relay_body(
         self,
@@ -619,6 +619,7 @@ class CompletionsHandler:
         outcome: RequestOutcome,
         adapter: ProtocolAdapter,
         stored: StoredResponse | None = None,
+        client: ClientLink | None = None,
     ) -> None:
         try:
             raw = await resp.read()
@@ -656,14 +657,11 @@ class CompletionsHandler:
         self._remember_response(outcome, ctx, stored)
         await self.settlement.settle(outcome)
         outcome.response_started = True
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json"), *headers, *extra_headers],
-            }
-        )
-        await send({"type": "http.response.body", "body": raw})
+        head = [(b"content-type", b"application/json"), *headers, *extra_headers]
+        if client is None or not client.respond(200, head, raw):
+            head.append((b"content-length", b"%d" % len(raw)))
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            await send({"type": "http.response.body", "body": raw})
 
     async def _relay_stream(
         self,
