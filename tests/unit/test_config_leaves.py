@@ -40,6 +40,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "metrics_api_key_env": ("metrics_api_key_sha256",),
     "headers_env": ("headers",),  # the collector's headers, read from it
     "password_env": ("password",),  # the store's PostgreSQL password, read from it
+    "url_env": ("url",),  # the store's URL, read from it at load
     "start": ("start_min",),  # ShareWindow -> ScheduleWindow
     "end": ("end_min",),
     "floor_frac": ("floor_frac", "bounds"),
