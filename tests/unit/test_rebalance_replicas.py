@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from pools.testing.config import config_for_test
+from router.cli.commands.pools import _format_rebalancer
 from router.core import build_core
 from router.rebalancer.rebalancer import Rebalancer
 from router.rebalancer.store import DecisionLog
@@ -108,6 +109,9 @@ async def test_one_decides_the_other_follows_and_takes_over(
             }
             assert a.metrics.rebalancer_leader._value.get() == 1
             assert b.metrics.rebalancer_leader._value.get() == 0
+            # `gpupool pools show` says which replica answered and who leads
+            assert "answered by replica b: leader a" in _format_rebalancer(b.view())
+            assert "answered by replica a: it leads" in _format_rebalancer(a.view())
 
             # the leader decides (agent requests waited twice their target) and publishes
             clock.now_s += 10

@@ -223,6 +223,16 @@ def _format_rebalancer(r: dict[str, Any]) -> str:
     for pool, by_signal in (r.get("pressure") or {}).items():
         parts = ", ".join(f"{s} {v:.2f}" for s, v in by_signal.items())
         lines.append(f"  {pool} pressure by signal: {parts}")
+    leader = r.get("leader")
+    if leader is not None and leader.get("election") != "embedded":
+        lines.append(
+            f"answered by replica {leader['replica']}: "
+            + (
+                "it leads (decides the ratio)"
+                if leader["leading"]
+                else f"leader {leader['leader']}"
+            )
+        )
     if r["pinned_instances"]:
         pins = ", ".join(f"{i} -> {p}" for i, p in sorted(r["pinned_instances"].items()))
         lines.append(f"pinned instances: {pins}")
