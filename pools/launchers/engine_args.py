@@ -50,6 +50,7 @@ __all__ = [
     "engine_environ",
     "installed_vllm_version",
     "kv_events_socket",
+    "local_kv_events",
     "supported_vllm_flags",
 ]
 
@@ -280,6 +281,12 @@ def _kv_events(local: LocalEnginesConfig, index: int, flags: frozenset[str]) -> 
     if missing:
         log.warning("installed vLLM has no %s: engines publish no KV events", sorted(missing))
         return None
+    return local_kv_events(local, index)
+
+
+def local_kv_events(local: LocalEnginesConfig, index: int) -> KvEventsSpec:
+    """Where local engine `index` publishes its KV events (`build_engine_command` with
+    `kv_events`), for a router that finds the engines already running."""
     pub, replay = (kv_events_socket(local.run_dir, index, kind) for kind in ("pub", "replay"))
     return KvEventsSpec(
         endpoint=f"ipc://{pub}",

@@ -28,6 +28,7 @@ from pools.launchers import (
     LauncherError,
     make_launcher,
 )
+from pools.launchers.engine_args import local_kv_events
 from router.ops.tracing.logs import configure_logging
 
 __all__ = [
@@ -68,9 +69,15 @@ def instances_without_launching(config: Config) -> list[InstanceSpec]:
         key = local.api_key
     else:
         raise LauncherError(f"engines.launcher {engines.launcher!r} is not available")
+    # local engines publish KV events where their launcher told them to (engines.kv_events)
+    events = engines.launcher == "local" and engines.kv_events_on
     return [
         InstanceSpec(
-            instance_id=f"engine-{i}", url=url, gpus=engines.gpus_per_instance, api_key=key
+            instance_id=f"engine-{i}",
+            url=url,
+            gpus=engines.gpus_per_instance,
+            api_key=key,
+            kv_events=local_kv_events(engines.local, i) if events else None,
         )
         for i, url in enumerate(urls)
     ]

@@ -14,8 +14,10 @@ from pools.launchers.engine_args import (
     build_engine_command,
     engine_environ,
     kv_events_socket,
+    local_kv_events,
     private_socket_dir,
 )
+from router.cli.stack import instances_without_launching
 
 FLAGS = frozenset({"--model", "--port", "--kv-events-config", "--prefix-caching-hash-algo"})
 
@@ -104,3 +106,17 @@ def test_off_or_unsupported_means_no_flags(tmp_path: Path) -> None:
     for cmd in (off, old):
         assert "--kv-events-config" not in cmd.argv and cmd.kv_events is None
         assert "PYTHONHASHSEED" in engine_environ({"PYTHONHASHSEED": "3"}, cmd)
+
+
+def test_serve_without_launching_follows_local_engines_events(tmp_path: Path) -> None:
+    """`gpupool serve` finding local engines already running knows where they publish."""
+    local = {"count": 2, "run_dir": str(tmp_path / "run"), "env": {"PYTHONHASHSEED": "5"}}
+    config = parse_config({"engines": {"local": local}, "pools": _pools()})
+    specs = instances_without_launching(config)
+    assert [s.kv_events for s in specs] == [
+        local_kv_events(config.engines.local, i) for i in (0, 1)
+    ]
+    assert specs[1].kv_events is not None and specs[1].kv_events.hash_seed == "5"
+    assert specs[1].kv_events.endpoint == f"ipc://{tmp_path / 'run' / 'engine-1.kv-pub'}"
+    off = parse_config({"engines": {"local": local, "kv_events": False}, "pools": _pools()})
+    assert [s.kv_events for s in instances_without_launching(off)] == [None, None]
