@@ -469,7 +469,8 @@ class Governor:
                 raise
         now = self.clock()
         try:  # the wait may have let another step stop the run or take the last slot
-            run, new_run = self._check(st, ctx, signals, now)
+            numbered = None if shared is None else shared.step
+            run, new_run = self._check(st, ctx, signals, now, numbered)
         except BaseException:
             self._give_back(st, need, True, now)
             if shared is not None:
@@ -583,10 +584,18 @@ class Governor:
             replica.release(name, "runs", replica.holder(f"run:{took.run_slot}"))
 
     def _check(
-        self, st: _Tenant, ctx: RequestContext, signals: StepSignals, now_s: float
+        self,
+        st: _Tenant,
+        ctx: RequestContext,
+        signals: StepSignals,
+        now_s: float,
+        numbered: int | None = None,
     ) -> tuple[RunState | None, bool]:
-        """Guards, cost caps and concurrency (no state changes but a run's stop). Returns the
-        request's run (None: no run id) and whether it starts (or restarts) being active."""
+        """Guards, cost caps and concurrency (no state changes but a run's stop and its step
+        count). Returns the request's run (None: no run id) and whether it starts (or
+        restarts) being active. `numbered`: this step's number in the shared store (the
+        steps numbered before it, on every replica): the run counts at least that many toward
+        `max_steps`."""
         run: RunState | None = None
         new_run = True
         if ctx.run_id is not None:
@@ -604,6 +613,8 @@ class Governor:
                 )
             else:
                 new_run = run.ended is not None
+            if numbered is not None:  # steps other replicas served count here too
+                run.steps = max(run.steps, numbered)
             looping = None
             if signals.messages is not None:
                 looping = repeated_tool_call(signals.messages, run.limits.loop_repeats)

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from pools.config import Config, ConfigError, contract_problems
 from pools.testing.config import config_for_test, one_pool
 from router.admission.estimate import Estimate
-from router.errors import RateLimited, StoreUnavailable
+from router.errors import RateLimited, RunStopped, StoreUnavailable
 from router.governance import GovernanceMetrics, Governor
 from router.governance.governor import StepSignals
 from router.governance.store import GovernanceStore
@@ -252,6 +252,28 @@ async def test_a_runs_steps_are_numbered_across_replicas(postgres_server: Postgr
         other = await enter(b, "t", run_id="run-2")
         b.dispatched(other)
         assert other.step_index == 0  # per run
+
+
+async def test_max_steps_counts_the_steps_every_replica_served(
+    postgres_server: PostgresServer,
+) -> None:
+    url = postgres_server.create_database("replicas_max_steps")
+    config = config_for_test(
+        pools=one_pool(queue={"max_wait_s": 0}),
+        tenants=[{"name": "g", "api_key_sha256": "3" * 64, "run_guards": {"max_steps": 3}}],
+        store={"url": url, "password_env": PASSWORD_ENV},
+    )
+    wall = Clock(T0)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+        for gov in (a, b, a):  # three steps, none more than two on one replica
+            outcome = await enter(gov, "g", run_id="run-1")
+            gov.dispatched(outcome)
+            await finish(gov, outcome)
+        for gov in (b, a):  # b served one of them, a two: both refuse the fourth
+            with pytest.raises(RunStopped) as err:
+                await enter(gov, "g", run_id="run-1")
+            assert err.value.code == "run_steps"
+            assert "max_steps" in str(err.value)
 
 
 def test_borrowing_is_refused_with_a_shared_store() -> None:
