@@ -34,7 +34,12 @@ from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
 from router.gateway.app import Gateway, create_app
 from router.ops.tracing.logs import JsonFormatter
-from router.ops.tracing.request_trace import CHILD_SPANS, PresetIds, RootSampling
+from router.ops.tracing.request_trace import (
+    CHILD_SPANS,
+    PresetIds,
+    RootSampling,
+    dropped_context,
+)
 from router.request import Receive, Scope, Send
 from tests.otlp_receiver import CLIENT, SERVER, OtlpReceiver, ReceivedSpan
 
@@ -211,8 +216,8 @@ def test_a_dropped_span_is_decided_and_built_as_the_sdk_would() -> None:
             sdk.end()
         else:
             dropped += 1
-            sc = span.get_span_context()
-            assert not span.is_recording() and sc.is_valid and not sc.is_remote
+            sc = dropped_context(span)
+            assert sc.is_valid and not sc.is_remote
             assert sc.trace_id & root.TRACE_ID_LIMIT >= root.bound
             assert int(sc.trace_flags) == int(TraceFlags.RANDOM_TRACE_ID)  # as the SDK's
     assert kept and dropped  # both outcomes were exercised (p = 2**-199 otherwise)
@@ -222,7 +227,7 @@ def test_a_dropped_span_is_decided_and_built_as_the_sdk_would() -> None:
         span = sampling.drop(set_span_in_context(NonRecordingSpan(parent_sc)))
         assert (span is None) is keeps
         if span is not None:
-            sc = span.get_span_context()
+            sc = dropped_context(span)
             assert (sc.trace_id, int(sc.trace_flags)) == (trace_id, 0)
             assert sc.span_id != parent_id
 

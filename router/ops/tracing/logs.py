@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from opentelemetry.trace import get_current_span
 
-__all__ = ["JsonFormatter", "configure_logging"]
+__all__ = ["JsonFormatter", "configure_logging", "json_logs_on"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -40,6 +40,11 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(entry).decode()
+
+
+def json_logs_on() -> bool:
+    """Whether the root logger writes JSON lines (then they name the current trace)."""
+    return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
 
 
 def configure_logging(log_format: str, level: str) -> None:

@@ -28,10 +28,11 @@ Attributes never hold a prompt, a completion, a header or a key.
 Times: the router's monotonic clock, turned into epoch nanoseconds by one offset taken at
 arrival, so a span's length is exactly the monotonic difference.
 
-A request the sampler drops (most of them at a low `sample_ratio`) never reaches the SDK: its
-server span is a `NonRecordingSpan` built here by the sampler's own rule (`RootSampling`), with
-the ids and flags the SDK would give it, so the engine still gets its `traceparent` and log
-lines still name its trace; only kept requests pay for attributes and SDK spans.
+A request the sampler drops (most of them at a low `sample_ratio`) never reaches the SDK: the
+sampler's own rule is applied here (`RootSampling`) and gives the ids and flags the SDK would,
+so the engine still gets its `traceparent`; a span context is made of them only where one is
+read (an agent run's first step, which its later steps continue; JSON logs, whose lines name
+the current trace); only kept requests pay for attributes and SDK spans.
 """
 
 from __future__ import annotations
@@ -56,13 +57,22 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from router.ops.tracing.logs import json_logs_on
 from router.request import RequestContext, RequestOutcome
 from router.runtable import RunTable
 
 if TYPE_CHECKING:
     from router.admission.estimate import Estimate
 
-__all__ = ["CHILD_SPANS", "PresetIds", "RequestTrace", "RootSampling", "TraceObserver"]
+__all__ = [
+    "CHILD_SPANS",
+    "Dropped",
+    "PresetIds",
+    "RequestTrace",
+    "RootSampling",
+    "TraceObserver",
+    "dropped_context",
+]
 
 # a served request's children, in the order they tile its server span
 CHILD_SPANS = (
@@ -92,11 +102,15 @@ class PresetIds(RandomIdGenerator):
         return trace_id if trace_id is not None else super().generate_trace_id()
 
 
+# a dropped span: trace id, span id, trace flags, trace state (as the SDK would give them)
+Dropped = tuple[int, int, int, Any]
+
+
 class RootSampling:
     """The provider's sampler, `ParentBased(root)`, applied before any span is built: `drop`
-    returns the `NonRecordingSpan` the SDK would return for a dropped span (same trace id rule,
-    flags and trace state), or None when the span is kept (then the SDK starts it, with the
-    trace id this decision was taken on)."""
+    returns the ids, flags and trace state the SDK would give a span it drops (`Dropped`), or
+    None when the span is kept (then the SDK starts it, with the trace id this decision was
+    taken on)."""
 
     __slots__ = ("_bound", "_ids", "_limit")
 
@@ -105,7 +119,7 @@ class RootSampling:
         self._limit = root.TRACE_ID_LIMIT
         self._ids = ids
 
-    def drop(self, parent: Any) -> NonRecordingSpan | None:
+    def drop(self, parent: Any) -> Dropped | None:
         ids = self._ids
         if parent is None:  # a new trace: kept when its id is under the ratio's bound
             trace_id = ids.generate_trace_id()
@@ -121,14 +135,15 @@ class RootSampling:
             trace_id = sc.trace_id
             flags = TraceFlags.RANDOM_TRACE_ID if sc.trace_flags.random_trace_id else 0
             state = sc.trace_state
-        context = SpanContext(
-            trace_id,
-            ids.generate_span_id(),
-            is_remote=False,
-            trace_flags=TraceFlags(flags),
-            trace_state=state,
-        )
-        return NonRecordingSpan(context)
+        return trace_id, ids.generate_span_id(), flags, state
+
+
+def dropped_context(dropped: Dropped) -> SpanContext:
+    """The span context of a dropped span (`RootSampling.drop`)."""
+    trace_id, span_id, flags, state = dropped
+    return SpanContext(
+        trace_id, span_id, is_remote=False, trace_flags=TraceFlags(flags), trace_state=state
+    )
 
 
 def _traceparent(span: Span) -> str:
@@ -225,28 +240,41 @@ class RequestTrace:
                     parent = set_span_in_context(NonRecordingSpan(first))
                 else:
                     links.append(Link(first, {"gpupool.link": "run_first_step"}))
-        span: Span | None = None if self._sampling is None else self._sampling.drop(parent)
-        if span is None:
-            attributes: dict[str, Any] = {
-                "http.request.method": "POST",
-                "url.path": self._path,
-                "gpupool.request_id": ctx.request_id,
-                "gpupool.tenant": ctx.tenant,
-                "gpupool.class": ctx.class_name,
-                "gpupool.pool": ctx.pool,
-                "gpupool.priority": ctx.priority,
-                "gpupool.stream": ctx.stream,
-            }
-            if ctx.run_id is not None:
-                attributes["gpupool.run_id"] = ctx.run_id
-            span = self._tracer.start_span(
-                f"POST {self._path}",
-                context=parent,
-                kind=SpanKind.SERVER,
-                attributes=attributes,
-                links=links,
-                start_time=self._ns(self.received_s),
-            )
+        dropped = None if self._sampling is None else self._sampling.drop(parent)
+        if dropped is not None:  # no span to build: what is read of it, and only that
+            trace_id, span_id, flags, _ = dropped
+            self.prepared_s = now_s
+            self.traceparent = f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"
+            first_step = run_key is not None and first is None
+            logged = json_logs_on()
+            if first_step or logged:
+                context = dropped_context(dropped)
+                if run_key is not None and first_step:
+                    self._runs.touch(run_key).trace_first_step = context
+                if logged:  # the request's log lines name its trace
+                    self._ctx = set_span_in_context(NonRecordingSpan(context))
+                    self._token = otel_context.attach(self._ctx)
+            return
+        attributes: dict[str, Any] = {
+            "http.request.method": "POST",
+            "url.path": self._path,
+            "gpupool.request_id": ctx.request_id,
+            "gpupool.tenant": ctx.tenant,
+            "gpupool.class": ctx.class_name,
+            "gpupool.pool": ctx.pool,
+            "gpupool.priority": ctx.priority,
+            "gpupool.stream": ctx.stream,
+        }
+        if ctx.run_id is not None:
+            attributes["gpupool.run_id"] = ctx.run_id
+        span = self._tracer.start_span(
+            f"POST {self._path}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            links=links,
+            start_time=self._ns(self.received_s),
+        )
         if run_key is not None and first is None:
             self._runs.touch(run_key).trace_first_step = span.get_span_context()
         self.server = span
