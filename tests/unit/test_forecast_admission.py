@@ -217,3 +217,20 @@ def test_forecast_fields_need_reserve_forecast(tmp_path: Path) -> None:
         tmp_path, router={"admission": "off"}, admission={"reserve": "forecast"}
     )
     assert any(p.startswith("admission:") for p in contract_problems(config))
+
+
+def test_admin_pools_shows_owned_borrowed_and_the_reserve(tmp_path: Path) -> None:
+    clock, core, _agents = _lent(tmp_path)
+    state = core.fleet.get(SPEC.instance_id)
+    assert state is not None
+    by_pool = core.admitter.capacity_by_pool(state, clock.now)
+    agent, normal = by_pool["agent"], by_pool["normal"]
+    # 900 blocks held by the agents: their half (474.5) owned, the rest borrowed
+    assert (agent["share_blocks"], agent["owned_blocks"]) == (474.5, 474.5)
+    assert agent["borrowed_blocks"] == 425.5
+    assert agent["owned_slots"] + agent["borrowed_slots"] == 9
+    # chat holds nothing now; what is kept for it is its forecast: 4 sequences of 2 blocks
+    assert (normal["owned_blocks"], normal["borrowed_blocks"]) == (0.0, 0.0)
+    assert normal["reserve"]["blocks"] == 8.0 and normal["reserve"]["slots"] == 4
+    assert normal["reserve"]["why"] == "forecast"
+    assert normal["reserve"]["forecast"]["rate_per_s"] == pytest.approx(2.0, abs=0.05)
