@@ -398,6 +398,16 @@ class LocalLauncher:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(e.stop() for e in self._engines), return_exceptions=True)
+        await asyncio.to_thread(_remove_kv_event_sockets, [e.spec for e in self._engines])
+
+
+def _remove_kv_event_sockets(specs: list[InstanceSpec]) -> None:
+    """The socket files a stopped engine leaves (vLLM does not close its publisher on exit)."""
+    for spec in specs:
+        events = spec.kv_events
+        for endpoint in () if events is None else (events.endpoint, events.replay_endpoint):
+            if endpoint is not None and endpoint.startswith("ipc://"):
+                Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

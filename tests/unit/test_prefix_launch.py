@@ -17,6 +17,8 @@ from pools.launchers.engine_args import (
     local_kv_events,
     private_socket_dir,
 )
+from pools.launchers.engine_plan import HostFacts
+from pools.launchers.local import LocalLauncher
 from router.cli.stack import instances_without_launching
 
 FLAGS = frozenset({"--model", "--port", "--kv-events-config", "--prefix-caching-hash-algo"})
@@ -120,3 +122,23 @@ def test_serve_without_launching_follows_local_engines_events(tmp_path: Path) ->
     assert specs[1].kv_events.endpoint == f"ipc://{tmp_path / 'run' / 'engine-1.kv-pub'}"
     off = parse_config({"engines": {"local": local, "kv_events": False}, "pools": _pools()})
     assert [s.kv_events for s in instances_without_launching(off)] == [None, None]
+
+
+async def test_closing_the_launcher_removes_the_socket_files(tmp_path: Path) -> None:
+    config = default_config()
+    model = dataclasses.replace(config.model, path=make_dev_model(tmp_path / "tiny"))
+    local = dataclasses.replace(config.engines.local, count=2, run_dir=tmp_path / "run")
+    launcher = LocalLauncher(local, model, gpu_count=0)
+    host = HostFacts(
+        gpu_count=0,
+        cpu_flags=frozenset({"avx2"}),
+        cpu_ids=frozenset(range(4)),
+        available_memory_bytes=16 * 1024**3,
+    )
+    launcher.prepare(host, FLAGS | {"--dtype", "--kv-cache-memory-bytes"})
+    files = [kv_events_socket(local.run_dir, i, k) for i in (0, 1) for k in ("pub", "replay")]
+    local.run_dir.mkdir()
+    for path in files:  # what engines stopped by SIGTERM leave behind
+        path.touch()
+    await launcher.aclose()
+    assert not any(path.exists() for path in files)
