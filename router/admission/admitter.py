@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from pools.allocation import PoolMap
 from pools.config import Config, PoolConfig
 from pools.fleet import Fleet, InstanceState, Lease
-from router.admission.decision import Grant, InstanceView, Need, Reject, Wait, decide
+from router.admission.decision import Grant, InstanceView, Need, Reject, Wait, decide, fill_frac
 from router.admission.estimate import Estimate
 from router.admission.forecast import FORECAST_WINDOW_S, DemandForecaster, Forecast
 from router.admission.picking import (
@@ -252,6 +252,7 @@ class Admitter:
             ctx.deadline_s,
             cached_on=cached_on,
             cached_tokens=cached,
+            prefix=estimate.prefix,
         )
 
     def _views(self, pool: str, now_s: float) -> list[InstanceView]:
@@ -514,8 +515,17 @@ class Admitter:
             # its response, a retry's tried instances): it keeps its place, the rest may go
             return WAITS_FOR_HOME
         free = {v.instance_id: _free_slots(v) for v in views}
+        fill = _fills(views) if need.prefix is not None else None
         lease = self._lease(
-            ctx, need, allowed, exclude, now_s=now_s, waited_s=waited_s, free=free, queued=queued
+            ctx,
+            need,
+            allowed,
+            exclude,
+            now_s=now_s,
+            waited_s=waited_s,
+            free=free,
+            fill=fill,
+            queued=queued,
         )
         return WAITS_FOR_HOME if lease is None else lease
 
@@ -533,7 +543,14 @@ class Admitter:
             for v in views
             if v.instance_id in allowed and (state := self.fleet.get(v.instance_id)) is not None
         ]
-        req = PickRequest(ctx.pool, ctx.home_key, exclude=exclude, allowed=allowed)
+        req = PickRequest(
+            ctx.pool,
+            ctx.home_key,
+            exclude=exclude,
+            allowed=allowed,
+            prefix=need.prefix,
+            fill_frac=_fills(views) if need.prefix is not None else None,
+        )
         chosen = self.picker.pick(req, cands)
         if chosen is None:
             return None
@@ -567,9 +584,14 @@ class Admitter:
         now_s: float | None = None,
         waited_s: float = 0.0,
         free: dict[str, int] | None = None,
+        fill: dict[str, float] | None = None,
         queued: bool = False,
     ) -> Lease | None:
+        """`fill`: each instance's `fill_frac` for the cached-prefix score (None with a
+        prefix lookup: computed here, as for admission off)."""
         cands = self.picker.candidates(self.pool_map.current, ctx.pool)
+        if need.prefix is not None and fill is None:
+            fill = _fills(self._views(ctx.pool, self.clock() if now_s is None else now_s))
         awaited = self._awaited[ctx.pool]
         if queued and need.cached_on is not None:  # the others, not this request
             awaited = awaited - Counter({need.cached_on: 1})
@@ -588,6 +610,8 @@ class Admitter:
             now_s=now_s,
             free_slots=free,
             awaited=awaited,
+            prefix=need.prefix,
+            fill_frac=fill,
         )
         chosen = self.picker.pick(req, cands)
         if chosen is None:
@@ -855,6 +879,10 @@ def _free_slots(view: InstanceView) -> int:
         lent = view.instance_limit - view.others_reserve_slots - view.running
         pool_free = max(pool_free, lent)
     return max(0, min(pool_free, view.instance_limit - view.running))
+
+
+def _fills(views: list[InstanceView]) -> dict[str, float]:
+    return {v.instance_id: fill_frac(v) for v in views}
 
 
 def _step_s(state: InstanceState) -> float:

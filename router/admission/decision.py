@@ -46,19 +46,32 @@ pool's share but within the engine's `max_model_len` is served, alone).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "CachedPrefix",
     "Grant",
     "InstanceView",
     "Need",
     "Reject",
     "Wait",
     "decide",
+    "fill_frac",
     "fit_reason",
     "predicted_ttft_s",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """What the engines' prefix-cache indexes (router/prefix) hold of one prompt: its exact
+    token count and, per instance whose index is usable, the leading prompt tokens cached
+    there (whole blocks: blocks × block size). An instance not in `tokens` has no usable
+    index: unknown, not "nothing cached"."""
+
+    prompt_tokens: int
+    tokens: Mapping[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +83,8 @@ class Need:
     deadline_s: float  # absolute
     cached_on: str | None = None  # the instance holding the run's prefix, if any
     cached_tokens: int = 0  # prompt tokens expected to be found in its prefix cache there
+    # the prompt's cached prefix per instance by the KV-event indexes (None: no lookup)
+    prefix: CachedPrefix | None = None
 
     def prefill_tokens(self, instance_id: str) -> int:
         """Prompt tokens the instance must compute (a cached prefix is not recomputed; it
@@ -134,6 +149,19 @@ class Reject:
 
 def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // max(1, block_size))
+
+
+def fill_frac(view: InstanceView) -> float:
+    """How full the instance is for the pool, in [0, 1]: the largest of its KV use (when
+    known), its batch over the operating-point limit, and the pool's batch over its part of
+    that limit; 1 when stale or unhealthy (stale telemetry counts as full)."""
+    if not (view.healthy and view.fresh):
+        return 1.0
+    kv = view.used_blocks / view.capacity_blocks if view.kv_known and view.capacity_blocks else 0.0
+    batch = view.running / view.instance_limit if view.instance_limit > 0 else 1.0
+    pool_limit = view.frac * min(view.pool_limit, view.instance_limit)
+    pool = view.pool_running / pool_limit if pool_limit > 0 else 1.0
+    return min(1.0, max(0.0, kv, batch, pool))
 
 
 def fit_reason(view: InstanceView, need: Need) -> str | None:

@@ -56,6 +56,7 @@ import numpy as np
 
 from kvcache_model import blocks_for_tokens
 from pools.config import Config
+from router.admission.decision import CachedPrefix
 
 __all__ = [
     "ASYNC_TEXT_CHARS",
@@ -119,6 +120,9 @@ class Estimate:
     features: tuple[float, ...] = field(default=(), repr=False, compare=False)
     # the output limit the request names, per sequence, uncapped (None: it names none)
     requested_output_tokens: int | None = None
+    # what each instance's prefix cache holds of the prompt, by the KV-event indexes (set on
+    # the request path, router/prefix; None: no lookup)
+    prefix: CachedPrefix | None = field(default=None, compare=False)
 
     @property
     def total_tokens(self) -> int:

@@ -29,10 +29,13 @@ from dataclasses import dataclass, field
 from pools.allocation import Allocation
 from pools.config import Config
 from pools.fleet import Fleet, InstanceState
+from router.admission.decision import CachedPrefix
+from router.prefix.score import cached_prefix_scores
 from router.runtable import RunTable
 
 __all__ = [
     "ALWAYS_AFFINITY_PATIENCE_FRAC",
+    "CACHED_PREFIX_WEIGHT",
     "PLACEMENTS",
     "Candidate",
     "PickRequest",
@@ -44,6 +47,7 @@ __all__ = [
     "move_cost_s",
     "move_is_faster",
     "placement_patience_s",
+    "score_cached_prefix",
     "score_kv_headroom",
     "score_load",
     "score_run_affinity",
@@ -69,6 +73,10 @@ class PickRequest:
     free_slots: Mapping[str, int] | None = None
     # queued steps waiting for each instance as their run's home (this request not counted)
     awaited: Mapping[str, int] = field(default_factory=dict)
+    # the prompt's cached prefix per instance (router/prefix; None: no lookup) and each
+    # candidate's fill in [0, 1] (`decision.fill_frac`), for `score_cached_prefix`
+    prefix: CachedPrefix | None = None
+    fill_frac: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +90,8 @@ class Candidate:
 
 
 Filter = Callable[[PickRequest, list[Candidate]], list[Candidate]]
-Scorer = Callable[[PickRequest, Sequence[Candidate]], list[float]]
+# one score per candidate, in order; None: no opinion on this request (skipped, costs nothing)
+Scorer = Callable[[PickRequest, Sequence[Candidate]], Sequence[float] | None]
 
 
 class RunAffinity:
@@ -302,6 +311,27 @@ def score_run_affinity(affinity: RunAffinity) -> Scorer:
     return score
 
 
+def score_cached_prefix(affinity: RunAffinity) -> Scorer:
+    """For a request without a home (no run, or its first step): the share of the prompt
+    cached on each candidate, cooled as it fills (`router.prefix.score`: 1 up to 80 % fill,
+    0 when full), in [0, 1]. No opinion (None) without a lookup (no instance publishes KV
+    events, or the prompt cannot be hashed) and for a run's later steps, which run affinity
+    keeps on their home as before."""
+
+    def score(req: PickRequest, cands: Sequence[Candidate]) -> list[float] | None:
+        prefix = req.prefix
+        if prefix is None or affinity.get(req.run_key) is not None:
+            return None
+        return cached_prefix_scores(
+            [c.instance_id for c in cands],
+            prefix.tokens,
+            prefix.prompt_tokens,
+            req.fill_frac or {},
+        )
+
+    return score
+
+
 class Picker:
     def __init__(
         self,
@@ -332,7 +362,10 @@ class Picker:
             return cands[0]
         totals = [0.0] * len(cands)
         for weight, scorer in self._scorers:
-            for i, s in enumerate(scorer(req, cands)):
+            scores = scorer(req, cands)
+            if scores is None:
+                continue
+            for i, s in enumerate(scores):
                 totals[i] += weight * min(1.0, max(0.0, s))
         best = max(totals)
         tied = [c for c, t in zip(cands, totals, strict=True) if best - t <= 1e-9]
@@ -340,6 +373,10 @@ class Picker:
 
 
 PLACEMENTS = ("affinity_or_move", "always_affinity", "least_loaded")
+# the cached-prefix score's weight: a request whose whole prompt is cached on a busy instance
+# (load and headroom scores near 0) still goes there over an idle one (headroom + load = 2),
+# until that instance passes 80 % fill and the cooling takes the pull away
+CACHED_PREFIX_WEIGHT = 2.0
 # `always_affinity` waits for a full home this fraction of the queue's `max_wait_s`, then
 # takes any instance with room (`filter_always_affinity`)
 ALWAYS_AFFINITY_PATIENCE_FRAC = 0.5
@@ -358,15 +395,17 @@ def default_picker(
     placement: str | Mapping[str, str] = "always_affinity",
     patience_s: Mapping[str, float] | None = None,
 ) -> Picker:
-    """Healthy, granted and untried instances of the pool; scored by run affinity (weight 2), KV
-    headroom (1) and load (1).
+    """Healthy, granted and untried instances of the pool; scored by run affinity (weight 2), the
+    cached prefix of a request without a home (2: `score_cached_prefix`), KV headroom (1) and
+    load (1).
 
     `placement`, one rule for every pool or one per pool (`pools.<pool>.placement`; a pool not
     named gets `always_affinity`, the config's default): `always_affinity` waits for a full
     home instance (while it is healthy) until the step has waited the pool's `patience_s`
     (none given: for ever), then takes any instance with room; `affinity_or_move` leaves it
     only for an instance with spare room and when the wait costs more than the move
-    (`move_is_faster`); `least_loaded` ignores affinity (no filter, no affinity score).
+    (`move_is_faster`); `least_loaded` ignores affinity (no filter, no affinity score, no
+    cached-prefix score).
     """
     default = placement if isinstance(placement, str) else "always_affinity"
     by_pool = {} if isinstance(placement, str) else dict(placement)
@@ -378,20 +417,31 @@ def default_picker(
         "always_affinity": filter_always_affinity(affinity, patience_s or {}),
     }
     run_affinity = score_run_affinity(affinity)
+    cached_prefix = score_cached_prefix(affinity)
 
     def placed(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
         rule = filters.get(by_pool.get(req.pool, default))
         return cands if rule is None else rule(req, cands)
 
-    def affinity_score(req: PickRequest, cands: Sequence[Candidate]) -> list[float]:
+    def affinity_score(req: PickRequest, cands: Sequence[Candidate]) -> Sequence[float] | None:
         if by_pool.get(req.pool, default) == "least_loaded":
             return [0.0] * len(cands)
         return run_affinity(req, cands)
 
+    def prefix_score(req: PickRequest, cands: Sequence[Candidate]) -> Sequence[float] | None:
+        if by_pool.get(req.pool, default) == "least_loaded":
+            return None
+        return cached_prefix(req, cands)
+
     return Picker(
         fleet,
         filters=[filter_healthy, placed, filter_granted, filter_not_tried],
-        scorers=[(2.0, affinity_score), (1.0, score_kv_headroom(fleet)), (1.0, score_load)],
+        scorers=[
+            (2.0, affinity_score),
+            (CACHED_PREFIX_WEIGHT, prefix_score),
+            (1.0, score_kv_headroom(fleet)),
+            (1.0, score_load),
+        ],
         rng=rng,
     )
 

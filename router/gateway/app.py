@@ -66,7 +66,8 @@ from router.ops import routes as ops_routes
 from router.ops.history import History, reading_from
 from router.ops.openapi import openapi_document
 from router.ops.pools_view import PoolsView
-from router.prefix import PrefixCache
+from router.prefix import ChatPrompt, PrefixCache
+from router.prefix.lookup import PrefixLookup
 from router.rebalancer import routes as rebalancer_routes
 from router.rebalancer.store import DecisionLog
 from router.request import Message, Receive, RequestObserver, Scope, Send
@@ -113,7 +114,11 @@ class Gateway:
         scrape: bool = True,
         nvml: NvmlApi | None = None,
         source: EngineSource | None = None,
+        prefix_lookup: PrefixLookup | None = None,
     ) -> None:
+        """`prefix_lookup`: how a chat prompt's cached prefix is found per instance (default:
+        from the engines' KV events and the model's chat template; tests pass one over a
+        fake index)."""
         self.config = config
         self.clock = clock
         self.tenants = Tenants.from_config(config.tenants)
@@ -210,6 +215,15 @@ class Gateway:
         # what each engine's prefix cache holds, from its KV events (router/prefix)
         kv_events = [s for s in instances if s.kv_events is not None]
         self.prefix_cache = PrefixCache(kv_events, clock=clock) if kv_events else None
+        # a chat prompt's token ids as vLLM renders them, to look it up there (placement)
+        chat_prompt = (
+            ChatPrompt.from_model_dir(config.model.path) if self.prefix_cache is not None else None
+        )
+        self.prefix_lookup = prefix_lookup or (
+            PrefixLookup(self.prefix_cache, chat_prompt)
+            if self.prefix_cache is not None and chat_prompt is not None
+            else None
+        )
         # what operators read: GET /admin/pools, /ready, the gauges of GET /metrics
         self.ops_view = PoolsView(
             config,
@@ -298,6 +312,7 @@ class Gateway:
             governor=self.governor,
             placement=self.placement,
             tracing=self.tracing,
+            prefix_lookup=self.prefix_lookup,
         )
         self.engine_calls = EngineCalls(
             config=self.config,

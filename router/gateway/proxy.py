@@ -71,6 +71,7 @@ from router.gateway.wait_comments import WaitComments, wait_comments_after_s
 from router.governance import Governor, StepSignals
 from router.identity import Tenants
 from router.metrics import RouterMetrics
+from router.prefix.lookup import PrefixLookup
 from router.request import (
     Message,
     Receive,
@@ -115,8 +116,11 @@ class CompletionsHandler:
         governor: Governor | None = None,
         placement: ResponsePlacement | None = None,
         tracing: Tracing | None = None,
+        prefix_lookup: PrefixLookup | None = None,
     ) -> None:
         self.config = config
+        # a chat prompt's cached prefix per instance (router/prefix); None: no engine publishes
+        self.prefix_lookup = prefix_lookup
         self.governor = governor
         self.tracing = tracing  # None: traces are off (router.ops.tracing)
         self.placement = placement if placement is not None else ResponsePlacement(None)
@@ -185,6 +189,10 @@ class CompletionsHandler:
                 )
             except RecursionError:  # it re-encodes JSON it reads (tools): a body nested too deep
                 raise _too_deep() from None
+            if self.prefix_lookup is not None and adapter.name == "chat":
+                prefix = await self.prefix_lookup.lookup(body, len(body_bytes))
+                if prefix is not None:
+                    estimate = replace(estimate, prefix=prefix)
             if stored is not None:  # the engine renders the stored conversation before it
                 estimate = replace(
                     estimate,
@@ -404,6 +412,10 @@ class CompletionsHandler:
                 tried.add(instance_id)
                 attempts += 1
                 headers = [*gp_headers, (b"x-gpupool-instance", instance_id.encode())]
+                if estimate.prefix is not None and instance_id in estimate.prefix.tokens:
+                    # prompt tokens the index says this instance holds (whole blocks)
+                    cached = str(estimate.prefix.tokens[instance_id]).encode()
+                    headers.append((b"x-gpupool-cached-tokens", cached))
                 remaining_s = ctx.deadline_s - self.clock()
                 if remaining_s <= 0:
                     raise DeadlineExceeded(

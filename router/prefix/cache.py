@@ -89,6 +89,21 @@ class PrefixCache:
             self._ctx.destroy(linger=0)  # closes any socket left, never blocks
             self._ctx = None
 
+    @property
+    def usable(self) -> bool:
+        """Some instance's index is usable now (else a lookup would find nothing to ask)."""
+        return any(engine.usable for engine in self._engines.values())
+
+    def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """Leading prompt tokens each usable instance holds: `cached_blocks` × its block size
+        (0 before it stored anything since (re)connecting)."""
+        blocks = self.cached_blocks(token_ids)
+        out = {}
+        for instance_id, n in blocks.items():
+            size = self._engines[instance_id].index.block_size_tokens
+            out[instance_id] = n * size if size else 0
+        return out
+
     def cached_blocks(self, token_ids: Sequence[int]) -> dict[str, int]:
         """Leading blocks of the prompt each usable instance holds; the chain is computed
         once per (block size, seed) among them."""

@@ -1,6 +1,7 @@
-"""The cached-prefix score of each candidate instance for one request (pure; not yet wired into
-`router/admission/picking.py`'s picker, which it is shaped for: one score in [0, 1] per
-candidate, summed with the other scorers' by weight).
+"""The cached-prefix score of each candidate instance for one request (pure; used by
+`router/admission/picking.py`'s `score_cached_prefix`: one score in [0, 1] per candidate,
+summed with the other scorers' by weight). The picker passes tokens for "blocks" (cached
+prompt tokens, whole blocks × block size, over the prompt's tokens): only the ratio counts.
 
     score_i = hit_i * cool_i
     hit_i   = min(1, cached_blocks_i / prompt_blocks)             in [0, 1]

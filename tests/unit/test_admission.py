@@ -8,6 +8,7 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router.admission import decision
 from router.admission.decision import Grant, InstanceView, Need, Reject, Wait, decide, fit_reason
 
 BASE = InstanceView(
@@ -165,3 +166,17 @@ def test_a_deadline_shorter_than_one_engine_step_is_unmeetable() -> None:
     # unmeasured step: only the prefill counts (1 ms fits 5 ms)
     unmeasured = replace(fast, step_s=0.0)
     assert decide([unmeasured], replace(NEED, deadline_s=0.005), 0.0) == Grant(("engine-0",))
+
+
+def test_fill_is_the_fullest_of_kv_batch_and_the_pools_part() -> None:
+    """The cached-prefix score's cooling input (router/prefix/score.py)."""
+    assert decision.fill_frac(BASE) == 0.0
+    assert decision.fill_frac(replace(BASE, used_blocks=30.0, running=4, pool_running=4)) == 0.5
+    assert decision.fill_frac(replace(BASE, used_blocks=90.0, running=1, pool_running=1)) == 0.9
+    assert (
+        decision.fill_frac(replace(BASE, frac=0.5, running=3, pool_running=3)) == 0.75
+    )  # of 4 slots
+    assert decision.fill_frac(replace(BASE, used_blocks=90.0, kv_known=False)) == 0.0
+    assert decision.fill_frac(replace(BASE, fresh=False)) == 1.0  # stale telemetry counts as full
+    assert decision.fill_frac(replace(BASE, healthy=False)) == 1.0
+    assert decision.fill_frac(replace(BASE, running=20, pool_running=20)) == 1.0
