@@ -72,6 +72,9 @@ class CachedPrefix:
 
     prompt_tokens: int
     tokens: Mapping[str, int]
+    # the instances whose index is exact (no batch lost since it started over): there the
+    # cached count is what the engine holds, not a lower bound
+    exact: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +91,12 @@ class Need:
 
     def prefill_tokens(self, instance_id: str) -> int:
         """Prompt tokens the instance must compute (a cached prefix is not recomputed; it
-        still occupies KV blocks, so it is not subtracted from the blocks)."""
+        still occupies KV blocks, so it is not subtracted from the blocks): by the instance's
+        prefix-cache index where it is exact (the prompt's tokens less those cached there),
+        else the run's home's expected hit (`cached_tokens`), else all of them."""
+        prefix = self.prefix
+        if prefix is not None and instance_id in prefix.exact:
+            return max(0, prefix.prompt_tokens - prefix.tokens.get(instance_id, 0))
         if instance_id == self.cached_on:
             return max(0, self.prompt_tokens - self.cached_tokens)
         return self.prompt_tokens

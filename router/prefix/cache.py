@@ -104,6 +104,10 @@ class PrefixCache:
             out[instance_id] = n * size if size else 0
         return out
 
+    def exact_ids(self) -> frozenset[str]:
+        """The usable instances whose index is exact (no batch lost since it started over)."""
+        return frozenset(i for i, e in self._engines.items() if e.usable and e.index.exact)
+
     def cached_blocks(self, token_ids: Sequence[int]) -> dict[str, int]:
         """Leading blocks of the prompt each usable instance holds; the chain is computed
         once per (block size, seed) among them."""

@@ -48,4 +48,4 @@ class PrefixLookup:
             return None
         if ids is None:
             return None
-        return CachedPrefix(prompt_tokens=len(ids), tokens=self.cache.cached_tokens(ids))
+        return CachedPrefix(len(ids), self.cache.cached_tokens(ids), self.cache.exact_ids())

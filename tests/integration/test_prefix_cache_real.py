@@ -5,26 +5,35 @@ After a chat request, the router's index of that engine holds every full block o
 prompt, keyed by hashes the router computed itself from the chat template and tokenizer
 (so the hash chains and the token ids agree with vLLM's); a second request sharing the
 system prompt looks up exactly the blocks the two prompts share.
+
+Through the router (an in-process gateway over the session's engines): a second
+conversation sharing a new system prompt is placed on the engine that cached it, and its
+response says how many prompt tokens were expected cached there (the shared full blocks).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from pools.config import load_config
 from pools.launchers import InstanceSpec
+from router.gateway.app import create_app
 from router.prefix import PrefixCache
 from router.prefix.prompt import ChatPrompt
-from tests.integration.conftest import MODEL_DIR
+from tests.integration.conftest import MODEL_DIR, write_router_config
 
 pytestmark = pytest.mark.integration
 
 
-def _body(user: str) -> dict[str, Any]:
-    system = " ".join(f"Rule {i}: keep the tool output short and cite the file." for i in range(60))
+def _body(user: str, tag: str = "") -> dict[str, Any]:
+    rules = (f"Rule {i}: keep the tool output short and cite the file." for i in range(60))
+    system = tag + " ".join(rules)
     return {
         "model": "tiny",
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -82,3 +91,51 @@ def test_index_holds_the_prompts_blocks_as_the_router_hashes_them(
     real_engines: list[InstanceSpec],
 ) -> None:
     asyncio.run(_check(real_engines[0]))
+
+
+async def _placed(tmp_path: Path, specs: list[InstanceSpec]) -> None:
+    # the default pools: chat requests go to the normal pool's two engines
+    config = load_config(write_router_config(tmp_path / "gpupool.yaml", [s.url for s in specs]))
+    tag = f"Project {os.urandom(4).hex()}. "  # a system prompt no engine holds yet
+    first, second = _body("Where is the config parsed?", tag), _body("Which test covers it?", tag)
+    prompt = ChatPrompt.from_model_dir(MODEL_DIR)
+    assert prompt is not None
+    first_ids, second_ids = prompt.token_ids(first), prompt.token_ids(second)
+    assert first_ids is not None and second_ids is not None
+    shared = next(i for i, (a, b) in enumerate(zip(first_ids, second_ids, strict=False)) if a != b)
+    gateway = create_app(config, specs)
+    cache = gateway.prefix_cache
+    assert cache is not None
+    try:
+        await gateway.start()
+        transport = httpx.ASGITransport(app=gateway)
+        async with (
+            asyncio.timeout(60),
+            httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=60) as client,
+        ):
+            for events in cache.engines.values():
+                await events.wait_for(lambda e: e.usable)
+            for _ in range(1200):  # a first scrape of every engine (stale counts as full)
+                if all(gateway.fleet.is_fresh(s) for s in gateway.fleet):
+                    break
+                await asyncio.sleep(0.05)
+            reply = await client.post("/v1/chat/completions", json=first)
+            assert reply.status_code == 200, reply.text
+            home = reply.headers["x-gpupool-instance"]
+            assert reply.headers["x-gpupool-cached-tokens"] == "0"
+            block = 128
+            await cache.engines[home].wait_for(
+                lambda e: cache.cached_blocks(first_ids)[home] == len(first_ids) // block
+            )
+            reply = await client.post("/v1/chat/completions", json=second)
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-gpupool-instance"] == home
+            assert reply.headers["x-gpupool-cached-tokens"] == str(shared // block * block)
+    finally:
+        await gateway.aclose()
+
+
+def test_a_shared_system_prompt_is_placed_where_it_is_cached(
+    tmp_path: Path, real_engines: list[InstanceSpec]
+) -> None:
+    asyncio.run(_placed(tmp_path, real_engines))

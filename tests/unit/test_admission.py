@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -180,3 +181,18 @@ def test_fill_is_the_fullest_of_kv_batch_and_the_pools_part() -> None:
     assert decision.fill_frac(replace(BASE, fresh=False)) == 1.0  # stale telemetry counts as full
     assert decision.fill_frac(replace(BASE, healthy=False)) == 1.0
     assert decision.fill_frac(replace(BASE, running=20, pool_running=20)) == 1.0
+
+
+def test_prefill_is_the_indexs_uncached_tokens_where_the_index_is_exact() -> None:
+    """Issue 27 item 4: where the instance's KV-event index is exact, predicted prefill is the
+    prompt's exact tokens less those cached there; elsewhere the run's hit estimate or all."""
+    prefix = decision.CachedPrefix(1000, {"a": 768, "b": 512, "c": 256}, frozenset({"a", "c"}))
+    need = Need(990, 1100, 1e9, cached_on="b", cached_tokens=300, prefix=prefix)
+    assert need.prefill_tokens("a") == 232  # exact: 1000 - 768
+    assert need.prefill_tokens("b") == 690  # inexact index: the run's home estimate, 990 - 300
+    assert need.prefill_tokens("c") == 744
+    assert need.prefill_tokens("d") == 990  # no index, not home: all of it
+    assert replace(need, prefix=None).prefill_tokens("a") == 990
+    view = replace(BASE, instance_id="a", prefill_tokens_per_s=100.0)
+    assert decision.predicted_ttft_s(view, need) == pytest.approx(2.32)
+    assert decision.predicted_ttft_s(replace(view, instance_id="d"), need) == pytest.approx(9.9)

@@ -95,6 +95,9 @@ class FakeIndex:
         self.looked_up.append(len(token_ids))
         return dict(self.tokens)
 
+    def exact_ids(self) -> frozenset[str]:
+        return frozenset(self.tokens)
+
 
 class FakePrompt:
     """`ChatPrompt.token_ids`: one id per character of the messages' text."""
@@ -116,10 +119,10 @@ async def test_lookup_costs_one_check_without_a_usable_index() -> None:
     assert await lookup.lookup(BODY, 100) is None
     assert prompt.rendered == 0 and index.looked_up == []
     index.usable = True
-    assert await lookup.lookup(BODY, 100) == CachedPrefix(5, {"e0": 128})
+    assert await lookup.lookup(BODY, 100) == CachedPrefix(5, {"e0": 128}, frozenset({"e0"}))
     long = {"messages": [{"role": "user", "content": "x" * 2000}]}
     found = await lookup.lookup(long, 2 * ASYNC_CHARS)  # rendered in a worker thread
-    assert found == CachedPrefix(2000, {"e0": 128})
+    assert found == CachedPrefix(2000, {"e0": 128}, frozenset({"e0"}))
     assert await lookup.lookup({"prompt": "no messages"}, 100) is None
 
 
