@@ -15,7 +15,10 @@ wait to another run, and moves cascade), and the expected wait at home, or the t
 has already waited, exceeds the whole cost of the move (`move_cost_s`): the destination's
 pending prefill, plus recomputing the run's context there at the uncached prefill rate, paid
 once by the step and once by every sequence decoding there meanwhile. A moved run's affinity
-follows it (the proxy records where each step ran). See docs/run_scheduling.md.
+follows it (the proxy records where each step ran). See docs/run_scheduling.md. With a
+prefix-cache lookup (router/prefix), a step whose home is full may also go at once to an
+instance whose index holds much more of its prompt (`richer_than_home`), and a request
+without a home is scored by its cached prefix (`score_cached_prefix`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from router.runtable import RunTable
 __all__ = [
     "ALWAYS_AFFINITY_PATIENCE_FRAC",
     "CACHED_PREFIX_WEIGHT",
+    "MUCH_MORE_CACHED_FRAC",
     "PLACEMENTS",
     "Candidate",
     "PickRequest",
@@ -47,6 +51,7 @@ __all__ = [
     "move_cost_s",
     "move_is_faster",
     "placement_patience_s",
+    "richer_than_home",
     "score_cached_prefix",
     "score_kv_headroom",
     "score_load",
@@ -214,12 +219,37 @@ def move_is_faster(
     return waited_s >= cost_s or (home_wait_s is not None and home_wait_s > cost_s)
 
 
+def richer_than_home(req: PickRequest, home: str, cands: Sequence[Candidate]) -> list[Candidate]:
+    """For a run's step whose home is full (not in admission's grant): the granted candidates
+    whose prefix-cache index holds much more of its prompt than home's does (at least
+    `MUCH_MORE_CACHED_FRAC` of the prompt's tokens more) and that have spare room (a free slot
+    beyond this step and the steps queued for them as their home, as `move_is_faster`
+    asks). Empty without a lookup, without a usable index at home (unknown is not "less"), or
+    while home has room."""
+    prefix = req.prefix
+    if prefix is None or req.allowed is None or home in req.allowed or home not in prefix.tokens:
+        return []
+    more = max(1.0, MUCH_MORE_CACHED_FRAC * prefix.prompt_tokens)
+    at_home = prefix.tokens[home]
+    out = []
+    for c in cands:
+        iid = c.instance_id
+        if iid not in req.allowed or prefix.tokens.get(iid, 0) - at_home < more:
+            continue
+        free = None if req.free_slots is None else req.free_slots.get(iid)
+        if free is not None and free <= 1 + req.awaited.get(iid, 0):
+            continue
+        out.append(c)
+    return out
+
+
 def filter_affinity_or_move(affinity: RunAffinity) -> Filter:
     """Before `filter_granted`: keep the candidates, unless the run's home instance is among
     them (healthy, in the pool) but admission granted it no room now: then only the granted
     others a move to is worth it (`move_is_faster`, with each one's uncached prefill rate,
-    running sequences, pending prefill and free slots); none, so the step waits, when no
-    move is."""
+    running sequences, pending prefill and free slots), and those whose prefix-cache index
+    holds much more of its prompt with spare room (`richer_than_home`); none, so the step
+    waits, when no move is."""
 
     def keep(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
         home = affinity.get(req.run_key)
@@ -252,6 +282,8 @@ def filter_affinity_or_move(affinity: RunAffinity) -> Filter:
                 dest_awaited=req.awaited.get(c.instance_id, 0),
             ):
                 moves.append(c)
+        moved = {c.instance_id for c in moves}
+        moves += [c for c in richer_than_home(req, home, cands) if c.instance_id not in moved]
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "home %s full: %s (home wait %s s, waited %.2f s, context %d tokens)",
@@ -377,6 +409,9 @@ PLACEMENTS = ("affinity_or_move", "always_affinity", "least_loaded")
 # (load and headroom scores near 0) still goes there over an idle one (headroom + load = 2),
 # until that instance passes 80 % fill and the cooling takes the pull away
 CACHED_PREFIX_WEIGHT = 2.0
+# a run's step leaves its full home for an instance whose index holds at least this share of
+# its prompt more than home's (`richer_than_home`)
+MUCH_MORE_CACHED_FRAC = 0.5
 # `always_affinity` waits for a full home this fraction of the queue's `max_wait_s`, then
 # takes any instance with room (`filter_always_affinity`)
 ALWAYS_AFFINITY_PATIENCE_FRAC = 0.5
@@ -450,7 +485,9 @@ def filter_always_affinity(affinity: RunAffinity, patience_s: Mapping[str, float
     """Before `filter_granted`: only the run's home instance while it is healthy, in the pool
     and untried, until the step has waited its pool's `patience_s` (a pool not named: for
     ever); after that any candidate, so a step whose home stays full is served elsewhere
-    rather than refused at its queue's `max_wait_s` while other instances idle."""
+    rather than refused at its queue's `max_wait_s` while other instances idle. A step whose
+    home is full goes at once to the instances whose prefix-cache index holds much more of its
+    prompt (`richer_than_home`), when there are any."""
 
     def keep(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:
         home = affinity.get(req.run_key)
@@ -458,6 +495,9 @@ def filter_always_affinity(affinity: RunAffinity, patience_s: Mapping[str, float
             return cands
         if req.waited_s >= patience_s.get(req.pool, math.inf):
             return cands
+        richer = richer_than_home(req, home, cands)
+        if richer:  # home is full and they hold much more of the prompt: go now
+            return richer
         return [c for c in cands if c.instance_id == home] or cands
 
     return keep

@@ -157,3 +157,29 @@ async def test_the_response_says_how_many_prompt_tokens_were_expected_cached(
         resp = await r.client.post("/v1/chat/completions", json=body)
         assert "x-gpupool-cached-tokens" not in resp.headers
         assert len(index.looked_up) == looked
+
+
+@pytest.mark.parametrize("placement", ["always_affinity", "affinity_or_move"])
+def test_a_full_home_gives_way_only_to_an_instance_holding_much_more(placement: str) -> None:
+    """Home e1 is full (not granted): the step goes at once to e2 when e2's index holds at
+    least half the prompt more than e1's and e2 has spare room; else as before (always_affinity
+    waits for home: no candidate; affinity_or_move, with no prefill rate measured, waits)."""
+    picker, cands, affinity = _picker(placement=placement)
+    affinity.record("run", "e1", context_tokens=1000)
+    granted = frozenset({"e0", "e2"})
+    richer = CachedPrefix(1000, {"e0": 0, "e1": 128, "e2": 896})
+
+    def pick(prefix: CachedPrefix | None, **fields: Any) -> str | None:
+        req = PickRequest("normal", "run", allowed=granted, prefix=prefix, **fields)
+        chosen = picker.pick(req, cands)
+        return None if chosen is None else str(chosen.instance_id)
+
+    assert pick(None) is None  # waits for home, as without the index
+    assert pick(richer) == "e2"
+    assert pick(CachedPrefix(1000, {"e0": 0, "e1": 512, "e2": 896})) is None  # not much more
+    assert pick(CachedPrefix(1000, {"e0": 0, "e2": 896})) is None  # home's index unknown
+    assert pick(richer, free_slots={"e0": 4, "e2": 1}) is None  # no spare room there
+    assert pick(richer, free_slots={"e2": 3}, awaited={"e2": 2}) is None  # others wait for e2
+    # home with room: kept, however much another instance holds
+    req = PickRequest("normal", "run", allowed=frozenset({"e0", "e1", "e2"}), prefix=richer)
+    assert picker.pick(req, cands).instance_id == "e1"  # type: ignore[union-attr]
