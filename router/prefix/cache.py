@@ -12,7 +12,7 @@ here; `start()`/`aclose()`; `add`/`remove` follow instances that come and go.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,10 +94,24 @@ class PrefixCache:
         """Some instance's index is usable now (else a lookup would find nothing to ask)."""
         return any(engine.usable for engine in self._engines.values())
 
-    def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+    def chain_params(self) -> set[tuple[int, str]]:
+        """The (block size, seed) pairs of the usable instances' chains: what
+        `chain_keys(token_ids, size, seed)` must be computed for (off the event loop for a long
+        prompt: ~0.1 ms a 128-token block) before `cached_tokens(token_ids, chains)`."""
+        return {
+            (size, engine.spec.hash_seed or DEFAULT_SEED)
+            for engine in self._engines.values()
+            if engine.usable and (size := engine.index.block_size_tokens) is not None
+        }
+
+    def cached_tokens(
+        self,
+        token_ids: Sequence[int],
+        chains: Mapping[tuple[int, str], Sequence[int]] | None = None,
+    ) -> dict[str, int]:
         """Leading prompt tokens each usable instance holds: `cached_blocks` × its block size
         (0 before it stored anything since (re)connecting)."""
-        blocks = self.cached_blocks(token_ids)
+        blocks = self.cached_blocks(token_ids, chains)
         out = {}
         for instance_id, n in blocks.items():
             size = self._engines[instance_id].index.block_size_tokens
@@ -108,10 +122,14 @@ class PrefixCache:
         """The usable instances whose index is exact (no batch lost since it started over)."""
         return frozenset(i for i, e in self._engines.items() if e.usable and e.index.exact)
 
-    def cached_blocks(self, token_ids: Sequence[int]) -> dict[str, int]:
+    def cached_blocks(
+        self,
+        token_ids: Sequence[int],
+        chains: Mapping[tuple[int, str], Sequence[int]] | None = None,
+    ) -> dict[str, int]:
         """Leading blocks of the prompt each usable instance holds; the chain is computed
-        once per (block size, seed) among them."""
-        chains: dict[tuple[int, str], list[int]] = {}
+        once per (block size, seed) among them, unless given in `chains`."""
+        chains = dict(chains or {})
         out: dict[str, int] = {}
         for instance_id, engine in self._engines.items():
             size = engine.index.block_size_tokens

@@ -21,6 +21,7 @@ from pools.testing.fake_engine import FakeEngineState
 from pools.testing.gateway import gateway_over_fakes
 from router.admission.decision import CachedPrefix
 from router.admission.picking import PickRequest, RunAffinity, default_picker
+from router.prefix.hashing import DEFAULT_SEED, chain_keys
 from router.prefix.lookup import ASYNC_CHARS, PrefixLookup
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
@@ -91,7 +92,14 @@ class FakeIndex:
         self.usable = usable
         self.looked_up: list[int] = []
 
-    def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+    def chain_params(self) -> set[tuple[int, str]]:
+        return {(4, DEFAULT_SEED)}
+
+    def cached_tokens(
+        self, token_ids: Sequence[int], chains: Mapping[tuple[int, str], Sequence[int]]
+    ) -> dict[str, int]:
+        # the chain came computed with the ids (in the worker thread for a long prompt)
+        assert chains == {(4, DEFAULT_SEED): chain_keys(token_ids, 4, DEFAULT_SEED)}
         self.looked_up.append(len(token_ids))
         return dict(self.tokens)
 
