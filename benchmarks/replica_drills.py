@@ -1,8 +1,8 @@
 """Benchmark: issue 25's failure drills for `gpupool serve --replicas N` on one PostgreSQL store,
 over fake engines that stream slowly (so requests are in flight when something breaks).
 
-    .venv/bin/python -m benchmarks.replica_drills [--drills kill,outage] [--replicas 3] [--rounds 1]
-        [--requests 300] [--outage-s 30] [--json FILE]
+    .venv/bin/python -m benchmarks.replica_drills [--drills kill,outage,hang] [--replicas 3]
+        [--rounds 1] [--requests 300] [--outage-s 30] [--json FILE]
 
 It starts its own PostgreSQL (tests/postgres.py's server: initdb + postgres from the binaries
 in /usr/local/bin or Debian's, a unix socket in a temporary folder, run as `nobody` when this
@@ -28,6 +28,8 @@ tier of 10 requests at once, `gamma` with a requests-per-minute budget.
   anything else; every router's `gpupool_ledger_*` and `gpupool_governance_store_up` during
   the outage and after; the seconds from the restart until the ledger holds every answered
   request (rows = 200s, tokens = the clients' usage) and until the last 503.
+- **hang** (only when asked): the outage with `open`, but PostgreSQL's processes SIGSTOPped
+  instead of stopped (a hung server: connections accepted, never answered), then SIGCONT.
 
 Progress goes to stderr, the summary to stdout (and `--json`). Nothing it starts outlives it.
 """
@@ -494,6 +496,18 @@ async def kill_drill(
     return result
 
 
+def _server_processes(postmaster: int) -> list[int]:
+    """The postmaster and its children (backends, WAL writer, ...): SIGSTOP them all and the
+    server hangs: connections are accepted by the kernel and never answered."""
+    found = [postmaster]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                    found.append(int(entry.name))
+    return found
+
+
 def _p50(values: list[float]) -> float | None:
     return round(sorted(values)[len(values) // 2], 3) if values else None
 
@@ -502,9 +516,15 @@ def _p50(values: list[float]) -> float | None:
 
 
 async def outage_drill(
-    args: argparse.Namespace, pg: Any, engines: list[str], folder: Path, policy: str
+    args: argparse.Namespace,
+    pg: Any,
+    engines: list[str],
+    folder: Path,
+    policy: str,
+    hang: bool = False,
 ) -> dict[str, Any]:
-    name, store = f"drill_outage_{policy}", {"budgets_on_outage": policy}
+    kind = "hang" if hang else "stop"
+    name, store = f"drill_outage_{policy}_{kind}", {"budgets_on_outage": policy}
     db, mark, router = _routers(args, pg, engines, folder, name, store)
     recovered: dict[str, float | None] = {"ledger_complete_after_s": None}
     try:
@@ -514,14 +534,23 @@ async def outage_drill(
         task = asyncio.ensure_future(load.run())
         await asyncio.sleep(10)
         down_s = load.now()
-        await asyncio.to_thread(pg.stop)
-        _log(f"outage drill ({policy}): PostgreSQL stopped at {down_s:.1f} s")
+        if hang:
+            server = _server_processes(pg.process.pid)
+            for pid in server:
+                os.kill(pid, signal.SIGSTOP)
+        else:
+            await asyncio.to_thread(pg.stop)
+        _log(f"outage drill ({policy}, {kind}): PostgreSQL down at {down_s:.1f} s")
         await asyncio.sleep(args.outage_s * 0.8)
         during = await _scrape_all(router.url, args.replicas)
         await asyncio.sleep(args.outage_s * 0.2)
-        await asyncio.to_thread(pg.start)
+        if hang:
+            for pid in server:
+                os.kill(pid, signal.SIGCONT)
+        else:
+            await asyncio.to_thread(pg.start)
         up_s = load.now()
-        _log(f"outage drill ({policy}): PostgreSQL started at {up_s:.1f} s")
+        _log(f"outage drill ({policy}, {kind}): PostgreSQL back at {up_s:.1f} s")
         # the records of every response answered before the restart, in the database?
         owed = [r.request_id for r in load.replies if r.complete and r.request_id]
         while load.now() - up_s < 15:
@@ -557,6 +586,7 @@ async def outage_drill(
     last_503_s = max((r.ended_s for r in refused), default=None)
     result = {
         "policy": policy,
+        "kind": kind,
         "outage_s": round(up_s - down_s, 1),
         "phases": phases,
         "refused_503_by_tenant": {t: sum(1 for r in refused if r.tenant == t) for t in TENANTS},
@@ -575,7 +605,7 @@ async def outage_drill(
         "metrics_during": list(during.values()),
         "metrics_after": list(after.values()),
     }
-    _log(f"outage drill ({policy}): {json.dumps(result)}")
+    _log(f"outage drill ({policy}, {kind}): {json.dumps(result)}")
     return result
 
 
@@ -598,6 +628,10 @@ async def _drills(args: argparse.Namespace, pg: Any, folder: Path) -> dict[str, 
             for policy in ("open", "closed"):
                 results[f"outage_{policy}"] = await outage_drill(args, pg, engines, folder, policy)
                 results[f"load_after_outage_{policy}"] = os.getloadavg()
+        if "hang" in args.drills:
+            results["outage_open_hang"] = await outage_drill(
+                args, pg, engines, folder, "open", hang=True
+            )
     return results
 
 
@@ -623,11 +657,12 @@ def _summary(results: dict[str, Any]) -> None:
             f" {kill['served_200']} served, {kill['ledger_missing']} missing,"
             f" tokens {kill['ledger_tokens']} vs clients' {kill['client_tokens']}"
         )
-    for policy in ("open", "closed"):
-        out = results.get(f"outage_{policy}")
+    for key in ("outage_open", "outage_closed", "outage_open_hang"):
+        out = results.get(key)
         if out:
             print(
-                f"outage {policy} ({out['outage_s']} s): {json.dumps(out['phases'])};"
+                f"outage {out['policy']}, {out['kind']} ({out['outage_s']} s):"
+                f" {json.dumps(out['phases'])};"
                 f" 503 by tenant {out['refused_503_by_tenant']}; ledger"
                 f" {out['ledger_rows_for_served']} rows for {out['served_200']} served"
                 f" ({out['ledger_missing']} missing), tokens {out['ledger_tokens']} vs"
@@ -643,7 +678,11 @@ def main(argv: list[str] | None = None) -> None:
         epilog="Needs PostgreSQL's binaries (scripts/install.sh) and the tiny model"
         " (.gpupool/models/tiny).",
     )
-    parser.add_argument("--drills", default="kill,outage", help="kill, outage, or both")
+    parser.add_argument(
+        "--drills",
+        default="kill,outage",
+        help="kill, outage (stopped server), hang (SIGSTOPped server, policy open): any of them",
+    )
     parser.add_argument("--replicas", type=int, default=3, help="router processes")
     parser.add_argument("--requests", type=int, default=300, help="requests of the kill drill")
     parser.add_argument("--rounds", type=int, default=1, help="kill drill rounds")
