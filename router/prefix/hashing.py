@@ -17,6 +17,7 @@ meet, and a key costs one int.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -49,6 +50,9 @@ def _head(major: int, n: int) -> bytes:
     raise ValueError("integer out of CBOR's 64-bit range")
 
 
+# a token id's CBOR bytes, memoised: building them is most of a block's hash (4,096 tokens:
+# 2.75 -> 0.47 ms); bounded (at most 2^16 ids, a few MiB), as vocabularies reach 256k
+@functools.lru_cache(maxsize=1 << 16)
 def _int(value: int) -> bytes:
     return _head(0, value) if value >= 0 else _head(1, -1 - value)
 
