@@ -56,8 +56,8 @@ ALL_TARGETS = (
     "production-stack",
     "litellm",
 )
-# not run unless named: `--targets direct,gpupool,gpupool-trace-1,gpupool-trace-0.01`
-TRACE_TARGETS = ("gpupool-trace-1", "gpupool-trace-0.01")
+# not run unless named: `--targets direct,gpupool,gpupool-trace-0,gpupool-trace-0.01,...`
+TRACE_TARGETS = ("gpupool-trace-1", "gpupool-trace-0.01", "gpupool-trace-0")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -201,7 +201,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     lives: list[Live] = []
     sink = contextlib.AsyncExitStack()
     if any(n.startswith("gpupool-trace") for n in names):  # their collector
-        result["otlp_sink"] = await sink.enter_async_context(otlp_sink(PORTS["otlp-sink"]))
+        result["otlp_sink"] = await sink.enter_async_context(
+            otlp_sink(PORTS["otlp-sink"], cpus=placement.loadgen, nice=placement.served_nice)
+        )
     try:
         lives = await start_targets(paths, workdir, placement, names)
         result["placement"] += "; " + pin_self(placement.loadgen, placement.loadgen_nice)

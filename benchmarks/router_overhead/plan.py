@@ -19,6 +19,7 @@ PORTS: dict[str, int] = {
     "gpupool-trace-1": 8525,  # observability on, sample_ratio 1.0
     "gpupool-trace-0.01": 8526,  # sample_ratio 0.01
     "otlp-sink": 8527,  # their collector (benchmarks.router_overhead.otlp_sink)
+    "gpupool-trace-0": 8528,  # observability on, sample_ratio 0: every request dropped
     "vllm-router": 8530,
     "vllm-router-metrics": 8531,
     "vllm-router-real": 8532,

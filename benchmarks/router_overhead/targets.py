@@ -8,9 +8,10 @@ and why it cannot run when it cannot.
   or `router.ledger_durable: false`, for an A/B in the same run;
   `gpupool-baseline`: the same config from another checkout (`--baseline PATH`, e.g. a
   `git worktree` at the commit before a change), for a before/after in one run;
-  `gpupool-trace-1` and `gpupool-trace-0.01`: the same with OpenTelemetry traces on
-  (`observability.sample_ratio` 1.0 and 0.01), exporting to an OTLP/HTTP sink in the load
-  generator (`otlp_sink.py`), for tracing's cost beside `gpupool` in the same run;
+  `gpupool-trace-1`, `gpupool-trace-0.01` and `gpupool-trace-0`: the same with OpenTelemetry
+  traces on (`observability.sample_ratio` 1.0, 0.01 and 0: tracing's hooks with nothing
+  sampled, nothing exported), exporting to an OTLP/HTTP sink (`otlp_sink.py`, a process of
+  its own on the load generator's CPU), for tracing's cost beside `gpupool` in the same run;
 - `vllm-router`: vllm-project's Rust router (`pip install vllm-router`), round robin;
 - `production-stack`: vLLM production-stack's Python router from a source snapshot, static
   discovery, round robin;
@@ -240,7 +241,11 @@ def make_targets(
                     "sample_ratio": ratio,
                 },
             )
-            for name, ratio in (("gpupool-trace-1", 1.0), ("gpupool-trace-0.01", 0.01))
+            for name, ratio in (
+                ("gpupool-trace-1", 1.0),
+                ("gpupool-trace-0.01", 0.01),
+                ("gpupool-trace-0", 0.0),
+            )
         ),
         *(
             [
