@@ -11,13 +11,22 @@ embedded SQLite files of one machine (router.ledger_path, the governance and res
 beside it, rebalancer.decision_log_path: existing files keep working, adopted by the
 migrations); with a
 PostgreSQL URL, one database (one connection pool) for all of them. See docs/replicas.md.
+
+`PostgresStore` is imported on first use (`router.store.PostgresStore`), so a router on the
+embedded store never imports psycopg (~0.1 s of every start).
 """
 
-from router.store.base import Conn, Dialect, Rows, Store, StoreError, savepoint, upsert
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from router.store.base import Conn, Dialect, Rows, Store, StoreError, redact, savepoint, upsert
 from router.store.migrations import Migration, applied_versions, migrate
-from router.store.postgres import PostgresStore, redact
 from router.store.sqlite import SqliteStore
 from router.store.stores import Stores
+
+if TYPE_CHECKING:
+    from router.store.postgres import PostgresStore
 
 __all__ = [
     "Conn",
@@ -35,3 +44,11 @@ __all__ = [
     "savepoint",
     "upsert",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PostgresStore":
+        from router.store.postgres import PostgresStore
+
+        return PostgresStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 __all__ = [
     "Conn",
@@ -24,6 +25,7 @@ __all__ = [
     "Rows",
     "Store",
     "StoreError",
+    "redact",
     "savepoint",
     "split_statements",
     "upsert",
@@ -98,6 +100,16 @@ class Store(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+def redact(url: str) -> str:
+    """The URL without a password (for messages and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = (parts.username or "") + ":***"
+    return urlunsplit(parts._replace(netloc=f"{user}@{netloc[-1]}"))
 
 
 def split_statements(script: str) -> list[str]:

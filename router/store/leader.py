@@ -31,13 +31,13 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
-
-import psycopg
+from typing import TYPE_CHECKING, Any
 
 from pools.periodic import Periodic
 from router.store.base import Store, StoreError
-from router.store.postgres import PostgresStore
+
+if TYPE_CHECKING:  # psycopg is imported only when a PostgreSQL store elects a leader
+    import psycopg
 
 __all__ = [
     "REBALANCER_LOCK_KEY",
@@ -155,6 +155,9 @@ class AdvisoryLockLeader(Leadership):
         check_s: float = CHECK_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        import psycopg
+
+        self._pg_error: type[Exception] = psycopg.Error
         self.replica = replica
         self.key = key
         self.check_s = check_s
@@ -211,7 +214,7 @@ class AdvisoryLockLeader(Leadership):
     async def _check_once(self) -> None:
         try:
             held, leader = await asyncio.to_thread(self._check)
-        except (StoreError, psycopg.Error) as err:
+        except (StoreError, self._pg_error) as err:
             if not self._failing:
                 log.warning(
                     "leader election on %s: no answer (%s)%s",
@@ -255,7 +258,7 @@ class AdvisoryLockLeader(Leadership):
                 if not self._held:
                     conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,))
                 row = conn.execute(_HOLDER, (self.key >> 32, self.key & 0xFFFF_FFFF)).fetchone()
-            except psycopg.Error:
+            except self._pg_error:
                 self._drop()  # the session (and any lock it held) is gone or going
                 if fresh:
                     raise
@@ -271,7 +274,7 @@ class AdvisoryLockLeader(Leadership):
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            with contextlib.suppress(psycopg.Error):
+            with contextlib.suppress(self._pg_error):
                 conn.close()
 
 
@@ -279,7 +282,10 @@ def leadership_for(
     store: Store, replica: str, *, check_s: float = CHECK_S, key: int = REBALANCER_LOCK_KEY
 ) -> Leadership:
     """A PostgreSQL store's advisory lock; any other store's router leads alone."""
-    if isinstance(store, PostgresStore):
+    if store.dialect == "postgresql":
+        from router.store.postgres import PostgresStore
+
+        assert isinstance(store, PostgresStore)
         return AdvisoryLockLeader(
             store.dedicated, replica=replica, store_name=store.name, key=key, check_s=check_s
         )

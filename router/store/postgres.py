@@ -27,24 +27,13 @@ import select
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import psycopg_pool
 
-from router.store.base import Conn, Rows, Store, StoreError
+from router.store.base import Conn, Rows, Store, StoreError, redact
 
 __all__ = ["PostgresStore", "redact"]
-
-
-def redact(url: str) -> str:
-    """The URL without a password (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = (parts.username or "") + ":***"
-    return urlunsplit(parts._replace(netloc=f"{user}@{netloc[-1]}"))
 
 
 def _reason(err: psycopg.Error) -> str:

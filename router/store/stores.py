@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pools.config import Config, StoreConfig
 from router.store.base import Store
-from router.store.postgres import PostgresStore
 from router.store.sqlite import SqliteStore
+
+if TYPE_CHECKING:
+    from router.store.postgres import PostgresStore
 
 __all__ = ["Stores", "beside_ledger"]
 
@@ -24,6 +27,8 @@ def beside_ledger(ledger_path: Path, what: str) -> Path:
 
 
 def shared_store(sc: StoreConfig) -> PostgresStore:
+    from router.store.postgres import PostgresStore  # psycopg only for a shared store
+
     assert sc.url is not None
     return PostgresStore(
         sc.url,
