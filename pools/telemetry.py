@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import time
 from collections.abc import Callable
@@ -68,6 +69,9 @@ class InstanceReading:
     itl_count: float
     prompt_tokens_sum: float = 0.0  # prompt tokens of finished requests
     prefill_time_sum_s: float = 0.0  # their prefill time (scheduled -> first token)
+    # the scraper's clock when it sent the request: the engine's values are no older (None:
+    # unknown, e.g. a reading built elsewhere)
+    requested_at_s: float | None = None
 
 
 def parse_vllm_metrics(text: str, taken_at_s: float) -> InstanceReading:
@@ -183,6 +187,7 @@ class TelemetryScraper:
         state = self._fleet.get(instance_id)
         if state is None:
             return
+        requested_at_s = self._clock()
         try:
             async with self._session.get(
                 f"{state.spec.url}/metrics", timeout=self._timeout
@@ -191,6 +196,7 @@ class TelemetryScraper:
                     raise ValueError(f"/metrics answered {resp.status}")
                 text = await resp.text()
             reading = parse_vllm_metrics(text, self._clock())
+            reading = dataclasses.replace(reading, requested_at_s=requested_at_s)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as err:
             self._fleet.record_failure(instance_id, str(err) or type(err).__name__)
             return
