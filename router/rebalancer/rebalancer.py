@@ -43,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from pools.allocation import Allocation, Drain, PoolMap, plan_allocation, plan_moves
@@ -311,8 +312,10 @@ class Rebalancer:
             self.sre = settings
         if ratio is not None and ratio.version > self._ratio.version:
             self._adopt(ratio)
-        elif self.leadership.leading and _differs_shares(
-            self.loop_state.shares, self._ratio.shares
+        elif self.leadership.leading and (
+            _differs_shares(self.loop_state.shares, self._ratio.shares)
+            or self._ratio.placement is None
+            or _differs(self.pool_map.current.fracs, self._ratio.placement)
         ):
             await self._publish()
 
@@ -321,7 +324,12 @@ class Rebalancer:
         self._ratio = ratio
         if set(ratio.shares) != set(self.pools):  # written for other pools: not ours to follow
             return
-        if not _differs_shares(ratio.shares, self.loop_state.shares):
+        placement = ratio.placement
+        if placement is not None and not self._same_instances(placement):
+            placement = None  # placed over another fleet (one joining or leaving): the ratio
+        if not _differs_shares(ratio.shares, self.loop_state.shares) and (
+            placement is None or not _differs(placement, self.pool_map.current.fracs)
+        ):
             return
         now = self.clock()
         if self.leadership.leading and ratio.replica != self.replica:
@@ -332,7 +340,53 @@ class Rebalancer:
         else:
             self.loop_state = replace(self.loop_state, shares=dict(ratio.shares))
         log.info("following the pool ratio %s (from %s)", _fmt(ratio.shares), ratio.replica)
-        self._place(ratio.shares, now)
+        if placement is None:
+            self._place(ratio.shares, now)
+        else:
+            self._place_exactly(placement, now)
+
+    def _same_instances(self, placement: Mapping[str, Mapping[str, float]]) -> bool:
+        return set(placement) == set(self.fleet.capacity_gpus())
+
+    def _place_exactly(self, placement: Mapping[str, Mapping[str, float]], now_s: float) -> None:
+        """Take the allocation another replica published, instance by instance: an instance
+        it moved to another pool whole drains from its old pool here too (this replica's own
+        sequences there finish first), a split instance is resized in place, and a drain
+        still under way here is kept."""
+        current = self.pool_map.current
+        draining = dict(current.draining)
+        fracs = {}
+        for instance_id, by_pool in placement.items():
+            new = {p: f for p, f in by_pool.items() if f > 1e-9}
+            old = dict(current.pools_of(instance_id))
+            fracs[instance_id] = MappingProxyType(new)
+            if not _differs({instance_id: new}, {instance_id: old}):
+                continue  # unchanged: a drain of it goes on
+            left = [p for p in old if p not in new]
+            if len(new) == 1 and left:
+                (to_pool,) = new
+                from_pool = max(left, key=lambda p: old[p])
+                draining[instance_id] = Drain(
+                    from_pool, to_pool, now_s, now_s + self.rc.drain_timeout_s
+                )
+            else:
+                draining.pop(instance_id, None)
+        placed = Allocation(MappingProxyType(fracs), current.version, MappingProxyType(draining))
+        if not _differs(placed.fracs, current.fracs) and placed.draining == current.draining:
+            return
+        self.pool_map.replace(placed)
+        for instance_id in set(draining) - set(current.draining):
+            drain = draining[instance_id]
+            log.info(
+                "%s drains from pool %s to pool %s, as replica %s placed it (at most %.0f s)",
+                instance_id,
+                drain.from_pool,
+                drain.to_pool,
+                self._ratio.replica,
+                drain.deadline_s - now_s,
+            )
+            self._schedule_drain_check(drain.deadline_s - now_s)
+        self.check_drains()
 
     async def _publish(self, *, insist: bool = False) -> None:
         """Publish this replica's target ratio. When another replica published first, the
@@ -340,11 +394,12 @@ class Rebalancer:
         publishes over it once more."""
         shares = dict(self.loop_state.shares)
         for _ in range(2 if insist else 1):
+            placement = {i: dict(f) for i, f in self.pool_map.current.fracs.items()}
             version = await self.decision_log.publish_ratio(
-                self._ratio.version, self.replica, shares
+                self._ratio.version, self.replica, shares, placement
             )
             if version is not None:
-                self._ratio = Ratio(version, self.replica, shares)
+                self._ratio = Ratio(version, self.replica, shares, placement)
                 return
             _, newest = await self.decision_log.load_shared()
             if newest is None:
@@ -537,6 +592,14 @@ class Rebalancer:
             self._schedule_drain_check(drain.deadline_s - now_s)
         self.check_drains()
 
+    def _places_itself(self) -> bool:
+        """Whether this replica plans its own moves: alone, or leading; a follower takes the
+        placement the leader published (while there is one for this fleet)."""
+        if not self.shared or self.leadership.leading:
+            return True
+        placement = self._ratio.placement
+        return placement is None or not self._same_instances(placement)
+
     def placed_shares(self) -> dict[str, float]:
         capacity = self.fleet.capacity_gpus()
         return {p: self.pool_map.current.share_of(p, capacity) for p in self.pools}
@@ -589,8 +652,8 @@ class Rebalancer:
                     "shares": _round(self.placed_shares()),
                 }
             )
-        if not self.pool_map.current.draining:  # place what the last decision still owes
-            self._place(self.loop_state.shares, now)
+        if not self.pool_map.current.draining and self._places_itself():
+            self._place(self.loop_state.shares, now)  # what the last decision still owes
 
     # ------------------------------------------------------------------ logging
 

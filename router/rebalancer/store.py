@@ -91,6 +91,13 @@ MIGRATIONS = (
         _RATIO.format(**_SQLITE),
         _RATIO.format(**_POSTGRES),
     ),
+    Migration(
+        "rebalancer",
+        4,
+        "the placement published with the ratio (which instance serves which pool)",
+        "ALTER TABLE pool_ratio ADD COLUMN placement TEXT",
+        "ALTER TABLE pool_ratio ADD COLUMN placement TEXT",
+    ),
 )
 _SAVE_SETTINGS = upsert("sre_settings", ("id",), ("saved_at_s", "body"))
 _DAY_S = 86_400.0
@@ -135,11 +142,15 @@ class SreSettings:
 @dataclass(frozen=True, slots=True)
 class Ratio:
     """The target ratio as published in the store: `version` counts publications (1, 2,
-    ...), `replica` wrote it."""
+    ...), `replica` wrote it. `placement` is the allocation it placed the ratio with
+    (instance -> pool -> fraction), so that every replica moves the same instances (the same
+    shares can be placed by moving any of a pool's instances, and an SRE's `move_instance`
+    names one); None where it was published without one."""
 
     version: int
     replica: str
     shares: dict[str, float]
+    placement: dict[str, dict[str, float]] | None = None
 
 
 def _settings_from(body: str, store_name: str) -> SreSettings:
@@ -246,7 +257,7 @@ class DecisionLog:
         def read(c: Conn) -> tuple[Any, Any]:
             settings = c.execute("SELECT body FROM sre_settings WHERE id = 1").fetchone()
             ratio = c.execute(
-                "SELECT version, replica, shares FROM pool_ratio WHERE id = 1"
+                "SELECT version, replica, shares, placement FROM pool_ratio WHERE id = 1"
             ).fetchone()
             return settings, ratio
 
@@ -258,32 +269,47 @@ class DecisionLog:
         if ratio_row is not None:
             try:
                 shares = {str(k): float(v) for k, v in json.loads(ratio_row[2]).items()}
+                placement = None
+                if ratio_row[3] is not None:
+                    placement = {
+                        str(i): {str(p): float(f) for p, f in by_pool.items()}
+                        for i, by_pool in json.loads(ratio_row[3]).items()
+                    }
             except (ValueError, TypeError, AttributeError) as err:
                 log.warning("ignoring an unreadable pool ratio in %s: %s", self.store.name, err)
             else:
-                ratio = Ratio(int(ratio_row[0]), str(ratio_row[1]), shares)
+                ratio = Ratio(int(ratio_row[0]), str(ratio_row[1]), shares, placement)
         return settings, ratio
 
     async def publish_ratio(
-        self, seen_version: int, replica: str, shares: Mapping[str, float]
+        self,
+        seen_version: int,
+        replica: str,
+        shares: Mapping[str, float],
+        placement: Mapping[str, Mapping[str, float]] | None = None,
     ) -> int | None:
-        """Publish `shares` as the target ratio if the newest version is still
-        `seen_version` (0: none yet); the new version, or None when another replica published
-        first (read it and follow it)."""
-        body = json.dumps(dict(shares), sort_keys=True)  # exact: every replica places the same
+        """Publish `shares` (and the `placement` they were placed with) as the target ratio if
+        the newest version is still `seen_version` (0: none yet); the new version, or None
+        when another replica published first (read it and follow it)."""
+        body = json.dumps(dict(shares), sort_keys=True)
+        placed = (
+            None
+            if placement is None
+            else json.dumps({i: dict(f) for i, f in placement.items()}, sort_keys=True)
+        )
         now = time.time()
 
         def write(c: Conn) -> int:
             if seen_version == 0:
                 return c.execute(
-                    "INSERT INTO pool_ratio (id, version, saved_at_s, replica, shares)"
-                    " VALUES (1, 1, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                    (now, replica, body),
+                    "INSERT INTO pool_ratio (id, version, saved_at_s, replica, shares, placement)"
+                    " VALUES (1, 1, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                    (now, replica, body, placed),
                 ).rowcount
             return c.execute(
                 "UPDATE pool_ratio SET version = version + 1, saved_at_s = ?, replica = ?,"
-                " shares = ? WHERE id = 1 AND version = ?",
-                (now, replica, body, seen_version),
+                " shares = ?, placement = ? WHERE id = 1 AND version = ?",
+                (now, replica, body, placed, seen_version),
             ).rowcount
 
         return seen_version + 1 if await self._run(write) == 1 else None

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 import psycopg
 import pytest
 
+from pools.allocation import plan_moves
 from pools.testing.config import config_for_test
 from router.cli.commands.pools import _format_rebalancer
 from router.core import build_core
@@ -178,3 +179,49 @@ async def test_only_the_leader_decides(postgres_server: PostgresServer) -> None:
             await until(a_decided_twice_since_b_started)
             assert not b.leadership.leading
             assert list(b.recent) == []  # b's loop ran as often, deciding nothing
+
+
+async def test_an_instance_moved_through_either_replica_is_the_one_every_replica_moves(
+    postgres_server: PostgresServer,
+) -> None:
+    """`move_instance` names the instance. The ratio alone would let each replica choose its own
+    instance to move (the same shares are reached by moving any of the giver's instances), so
+    the ratio is published with its placement and every replica drains that same instance,
+    each from its own sequences on it."""
+    url = postgres_server.create_database(f"moveinst{time.monotonic_ns()}")
+    clock = Clock()
+    async with replica(url, clock, "a", check_s=3600) as a:
+
+        async def a_leads() -> bool:
+            return a.leadership.leading
+
+        await until(a_leads)
+        async with replica(url, clock, "b", check_s=3600) as b:
+            await b.sync()
+            start = a.pool_map.current
+            assert b.pool_map.current.fracs == start.fracs
+            capacity = a.fleet.capacity_gpus()
+            normal = [i for i, f in start.fracs.items() if dict(f) == {"normal": 1.0}]
+            agent = [i for i, f in start.fracs.items() if dict(f) == {"agent": 1.0}]
+            assert len(normal) == 2 and len(agent) == 1
+            # the normal instance a plan from the shares alone would not move
+            planned = plan_moves(start, capacity, {"agent": 2 / 3, "normal": 1 / 3})
+            (planned_move,) = planned.draining
+            (moved,) = [i for i in normal if i != planned_move]
+            for who, by, to_pool in (("follower", b, "agent"), ("leader", a, "normal")):
+                from_pool = "normal" if to_pool == "agent" else "agent"
+                for r in (a, b):  # a sequence of the old pool runs there on each replica
+                    r.fleet.get(moved).running_by_pool[from_pool] = 1  # type: ignore[union-attr]
+                await by.move_instance("sre", moved, to_pool)
+                for r in (a, b):
+                    await r.sync()
+                    current = r.pool_map.current
+                    assert current.fracs == by.pool_map.current.fracs, (who, r.replica)
+                    assert dict(current.fracs[moved]) == {to_pool: 1.0}, (who, r.replica)
+                    drain = current.draining[moved]
+                    assert (drain.from_pool, drain.to_pool) == (from_pool, to_pool)
+                for r in (a, b):  # each replica's own sequence ends: its drain ends
+                    r.fleet.get(moved).running_by_pool[from_pool] = 0  # type: ignore[union-attr]
+                    r.check_drains()
+                    assert r.pool_map.current.draining == {}
+                    assert dict(r.pool_map.current.fracs[moved]) == {to_pool: 1.0}

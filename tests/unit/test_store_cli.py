@@ -43,12 +43,12 @@ def test_migrate_then_status_on_postgres(
     assert "ledger at 0 of 1 (1 to apply)" in capsys.readouterr().out
     assert main(["store", "migrate", "--config", config]) == 0
     out = capsys.readouterr().out
-    assert "ledger 1:" in out and "governance 2:" in out and "rebalancer 3:" in out
+    assert "ledger 1:" in out and "governance 2:" in out and "rebalancer 4:" in out
     assert PASSWORD not in out
     assert main(["store", "migrate", "--config", config]) == 0
     assert capsys.readouterr().out.strip().endswith("up to date")
     assert main(["store", "status", "--config", config]) == 0
-    assert "rebalancer at 3 of 3 (up to date)" in capsys.readouterr().out
+    assert "rebalancer at 4 of 4 (up to date)" in capsys.readouterr().out
 
 
 def test_an_unset_password_env_is_a_config_error(

@@ -49,7 +49,7 @@ async def test_a_router_on_postgres_shares_its_ledger_with_the_next(
         assert applied_versions(store) == {
             "ledger": 1,
             "governance": 4,
-            "rebalancer": 3,
+            "rebalancer": 4,
             "responses": 1,
         }
         with store.connection() as conn:
