@@ -52,6 +52,7 @@ from router.admission.picking import (
     uncached_prefill_tokens_per_s,
 )
 from router.admission.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
+from router.admission.shared_reservations import SharedReservations
 from router.errors import CapacityExceeded, NoHealthyInstance
 from router.metrics import RouterMetrics
 from router.request import RequestContext
@@ -141,6 +142,7 @@ class Admitter:
         self.margin_frac = config.router.kv_margin_frac
         self.unknown_kv_max_concurrency = config.router.unknown_kv_max_concurrency
         self.borrow_max_frac = config.rebalancer.borrow_max_frac
+        self.peers: SharedReservations | None = None  # set by the gateway on a shared store
         self.pools: dict[str, PoolConfig] = {p.name: p for p in config.pools}
         runs = affinity.runs
         self.queues = {
@@ -291,7 +293,7 @@ class Admitter:
         what the reserves of `reserve: forecast` leave (not on another pool's instance, where
         `frac` is `rebalancer.borrow_max_frac`'s cap)."""
         p = self.pools[pool]
-        return InstanceView(
+        view = InstanceView(
             instance_id=state.spec.instance_id,
             frac=frac,
             healthy=state.healthy,
@@ -314,6 +316,8 @@ class Admitter:
             kv_known=state.kv_capacity != "unknown",
             **self._sharing(pool, state, now_s, lent=lent),
         )
+        # other router replicas' reservations there (router/admission/shared_reservations.py)
+        return view if self.peers is None else self.peers.adjust(pool, state, view)
 
     # ------------------------------------------------------------------ sharing a split instance
 

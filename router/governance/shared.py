@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 from router.store import Migration, Store, upsert
 
-__all__ = ["COST_WINDOWS", "RUN_STEPS", "SHARED_TABLES", "SharedBudgets"]
+__all__ = ["ADMISSION_RESERVATIONS", "COST_WINDOWS", "RUN_STEPS", "SHARED_TABLES", "SharedBudgets"]
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS budget_buckets (
@@ -97,6 +97,19 @@ CREATE TABLE IF NOT EXISTS run_steps (
 """
 # governance's fourth migration: a run's step numbers, whichever replica serves the step
 RUN_STEPS = _migration(4, "run_steps (step numbers across replicas)", _RUN_STEPS)
+
+_ADMISSION_RESERVATIONS = """
+CREATE TABLE IF NOT EXISTS admission_reservations (
+    replica TEXT PRIMARY KEY,
+    reservations TEXT NOT NULL,
+    updated_at_s {real} NOT NULL
+)
+"""
+# governance's fifth migration: each replica's KV and batch reservations per engine, which the
+# other replicas' admission subtracts (router/admission/shared_reservations.py)
+ADMISSION_RESERVATIONS = _migration(
+    5, "admission_reservations (KV and batch reservations across replicas)", _ADMISSION_RESERVATIONS
+)
 
 Slices = list[tuple[float, float]]  # (unix start, GPU-seconds), oldest first
 

@@ -22,7 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.governance.shared import COST_WINDOWS, RUN_STEPS, SHARED_TABLES
+from router.governance.shared import (
+    ADMISSION_RESERVATIONS,
+    COST_WINDOWS,
+    RUN_STEPS,
+    SHARED_TABLES,
+)
 from router.store import Conn, Migration, SqliteStore, Store, migrate, upsert
 
 __all__ = ["MIGRATIONS", "GovernanceStore", "RunRow", "SessionRow", "TenantRow"]
@@ -90,6 +95,7 @@ MIGRATIONS = (
     SHARED_TABLES,  # router/governance/shared.py
     COST_WINDOWS,
     RUN_STEPS,
+    ADMISSION_RESERVATIONS,  # router/admission/shared_reservations.py
 )
 
 

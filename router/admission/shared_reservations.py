@@ -1,0 +1,259 @@
+"""Admission across router replicas: each replica's KV and batch reservations on each engine,
+published in the shared store and subtracted from the engine's headroom by the others.
+
+Only with a PostgreSQL store (several routers); the embedded store's one router never builds
+this, and its admission is unchanged. docs/replicas.md, "Admission across replicas".
+
+- **Publish and read, one exchange per tick** (`interval_s`, 0.1 s): the replica writes one
+  row (`admission_reservations`: its id, `{instance: {pool: [blocks, sequences]}}` as JSON,
+  the database's clock) and reads the other replicas' rows written within `lease_s` (3 s) of
+  the database's clock, in the same round trip's connection. An unchanged snapshot is
+  rewritten only every `refresh_s` (1 s), so an idle replica writes once a second.
+- **What admission sees** (`adjust`, the admitter's hook in `Admitter._view`): on each engine,
+  the other replicas' sequences join this replica's (`running`, and the pool's
+  `pool_running`), their blocks join the pool's reserved blocks, and the engine's used blocks
+  are at least every replica's reservations together (the larger of that and the measured use,
+  which already holds the others' sequences as far as they have grown by the last scrape).
+- **A dead replica** (its row not rewritten within `lease_s`) counts for nothing: its
+  connections closed with it, so vLLM aborted its sequences. Rows older than an hour are
+  deleted by whichever replica sees them.
+- **The store does not answer**: the last rows read count until `lease_s` after they were read,
+  then admission goes by this replica's own reservations and the measured use alone (one
+  warning; one info line when the store answers again).
+
+Over-admission bound: another replica's reservation is seen by this one at most `interval_s`
+(its next publish) + `interval_s` (this one's next read) + two round trips after it was made.
+In that window each of the N replicas admits against headroom the others may already have
+taken, so an engine may be promised up to what the other N - 1 replicas admitted there in
+the last ~2 x `interval_s` beyond its blocks, and no more (until the next scrape shows it, the
+measured use does not catch it either). Nothing is preempted by the router; vLLM preempts
+only if the sequences actually grow into the excess.
+
+Every database call runs in a worker thread, one exchange at a time; the snapshot and the
+adjustment run on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import orjson
+
+from pools.fleet import Fleet, InstanceState
+from pools.periodic import Periodic
+from router.admission.decision import InstanceView
+from router.store import Store, StoreError
+
+__all__ = ["PeerLoad", "ReservationsTable", "SharedReservations", "snapshot"]
+
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 0.1  # publish + read, per replica
+LEASE_S = 3.0  # a replica's row counts while it was rewritten this recently
+REFRESH_S = 1.0  # an unchanged snapshot is rewritten this often
+FORGET_S = 3600.0  # rows this old are deleted
+
+# {instance: {pool: (blocks, sequences)}}
+Snapshot = dict[str, dict[str, tuple[int, int]]]
+
+_NOW = {
+    "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+    "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
+}
+
+
+class ReservationsTable:
+    """The `admission_reservations` rows (governance migration 5, router/governance/shared.py).
+    Sync, thread-safe (each call takes its own connection); call it off the event loop. Ages
+    are the database's clock, so replicas' clocks need not agree."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        now = _NOW[store.dialect]
+        self._publish = (
+            "INSERT INTO admission_reservations (replica, reservations, updated_at_s)"
+            f" VALUES (?, ?, {now}) ON CONFLICT (replica) DO UPDATE SET"
+            " reservations = excluded.reservations, updated_at_s = excluded.updated_at_s"
+        )
+        self._read = (
+            "SELECT replica, reservations FROM admission_reservations"
+            f" WHERE replica <> ? AND updated_at_s > {now} - ?"
+        )
+        self._forget = f"DELETE FROM admission_reservations WHERE updated_at_s < {now} - ?"
+        self._withdraw = "DELETE FROM admission_reservations WHERE replica = ?"
+
+    def exchange(self, replica: str, mine: Snapshot | None, lease_s: float) -> dict[str, Snapshot]:
+        """Write this replica's snapshot (None: write nothing), then read every other replica's
+        written within `lease_s`: {replica: snapshot}."""
+        with self.store.connection() as conn:
+            if mine is not None:
+                conn.execute(self._publish, (replica, orjson.dumps(mine).decode()))
+            rows = conn.execute(self._read, (replica, lease_s)).fetchall()
+        return {str(r): _parse(text) for r, text in rows}
+
+    def forget(self, older_than_s: float) -> int:
+        """Delete the rows not rewritten for `older_than_s`; how many."""
+        with self.store.connection() as conn:
+            return conn.execute(self._forget, (older_than_s,)).rowcount
+
+    def withdraw(self, replica: str) -> None:
+        """Delete the replica's row (it stops: its reservations end with it)."""
+        with self.store.connection() as conn:
+            conn.execute(self._withdraw, (replica,))
+
+
+def _parse(text: Any) -> Snapshot:
+    raw = orjson.loads(text)
+    return {
+        str(iid): {str(pool): (int(v[0]), int(v[1])) for pool, v in by_pool.items()}
+        for iid, by_pool in raw.items()
+    }
+
+
+def snapshot(fleet: Fleet) -> Snapshot:
+    """This replica's reservations: per instance and pool, (KV blocks, sequences) held."""
+    out: Snapshot = {}
+    for state in fleet:
+        pools = {
+            pool: (state.reserved_by_pool.get(pool, 0), running)
+            for pool, running in state.running_by_pool.items()
+            if running > 0
+        }
+        if pools:
+            out[state.spec.instance_id] = pools
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLoad:
+    """The other replicas' reservations on one instance."""
+
+    blocks: int = 0
+    sequences: int = 0
+    blocks_by_pool: Mapping[str, int] = field(default_factory=dict)
+    sequences_by_pool: Mapping[str, int] = field(default_factory=dict)
+
+
+def combine(snapshots: Mapping[str, Snapshot]) -> dict[str, PeerLoad]:
+    """The replicas' snapshots summed per instance."""
+    blocks: dict[str, dict[str, int]] = {}
+    seqs: dict[str, dict[str, int]] = {}
+    for snap in snapshots.values():
+        for iid, by_pool in snap.items():
+            b, s = blocks.setdefault(iid, {}), seqs.setdefault(iid, {})
+            for pool, (n_blocks, n_seqs) in by_pool.items():
+                b[pool] = b.get(pool, 0) + n_blocks
+                s[pool] = s.get(pool, 0) + n_seqs
+    return {
+        iid: PeerLoad(sum(blocks[iid].values()), sum(seqs[iid].values()), blocks[iid], seqs[iid])
+        for iid in blocks
+    }
+
+
+class SharedReservations:
+    """This replica's side: publish its reservations, read the others', adjust the admitter's
+    views. `start()` / `aclose()`; `on_change()` (the admitter's `schedule_pump`) is called on
+    the event loop when the others' reservations changed (a release elsewhere may let a queued
+    request in here). `clock`: monotonic seconds."""
+
+    def __init__(
+        self,
+        store: Store,
+        fleet: Fleet,
+        replica: str,
+        *,
+        interval_s: float = INTERVAL_S,
+        lease_s: float = LEASE_S,
+        refresh_s: float = REFRESH_S,
+        on_change: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.table = ReservationsTable(store)
+        self.fleet = fleet
+        self.replica = replica
+        self.interval_s, self.lease_s, self.refresh_s = interval_s, lease_s, refresh_s
+        self.on_change = on_change
+        self._clock = clock
+        self._errors: tuple[type[Exception], ...] = (StoreError, *store.errors)
+        self.peers: dict[str, PeerLoad] = {}  # instance -> the others' reservations
+        self.replicas_seen = 0
+        self._read_at_s: float | None = None
+        self._published: Snapshot | None = None
+        self._published_at_s = -float("inf")
+        self._forgot_at_s = -float("inf")
+        self._failing = False
+        self._loop = Periodic(
+            "gpupool-shared-reservations", self.tick, interval_s, clock=clock, first_delay_s=0
+        )
+
+    async def start(self) -> None:
+        self._loop.start()
+
+    async def aclose(self) -> None:
+        await self._loop.aclose()
+        try:  # the others stop counting this replica's sequences at once, not after the lease
+            await asyncio.to_thread(self.table.withdraw, self.replica)
+        except self._errors as err:
+            log.info("admission reservations of %s left in the store (%s)", self.replica, err)
+
+    async def tick(self) -> None:
+        """One exchange: publish this replica's reservations (when changed, or every
+        `refresh_s`), read the others'."""
+        now = self._clock()
+        mine: Snapshot | None = snapshot(self.fleet)
+        if mine == self._published and now - self._published_at_s < self.refresh_s:
+            mine = None
+        try:
+            others = await asyncio.to_thread(self.table.exchange, self.replica, mine, self.lease_s)
+            if now - self._forgot_at_s >= FORGET_S / 60:
+                self._forgot_at_s = now
+                await asyncio.to_thread(self.table.forget, FORGET_S)
+        except self._errors as err:
+            self._failed(now, err)
+            return
+        if self._failing:
+            log.info("admission reservations: the store answers again; other replicas count")
+            self._failing = False
+        if mine is not None:
+            self._published, self._published_at_s = mine, now
+        self._read_at_s = now
+        self.replicas_seen = len(others)
+        self._set(combine(others))
+
+    def _failed(self, now_s: float, err: Exception) -> None:
+        if not self._failing:
+            log.warning(
+                "admission reservations: the store does not answer (%s); the other replicas'"
+                " last reservations count for %g s, then admission sees this replica's alone",
+                str(err).splitlines()[0] if str(err) else type(err).__name__,
+                self.lease_s,
+            )
+            self._failing = True
+        if self._read_at_s is not None and now_s - self._read_at_s >= self.lease_s:
+            self._read_at_s = None
+            self.replicas_seen = 0
+            self._set({})
+
+    def _set(self, peers: dict[str, PeerLoad]) -> None:
+        changed = peers != self.peers
+        self.peers = peers
+        if changed and self.on_change is not None:
+            self.on_change()
+
+    def adjust(self, pool: str, state: InstanceState, view: InstanceView) -> InstanceView:
+        """`view` (this replica's, for `pool`) with the other replicas' reservations there."""
+        peer = self.peers.get(view.instance_id)
+        if peer is None:
+            return view
+        return replace(
+            view,
+            used_blocks=max(view.used_blocks, float(state.reserved_blocks + peer.blocks)),
+            pool_reserved_blocks=view.pool_reserved_blocks + peer.blocks_by_pool.get(pool, 0),
+            pool_running=view.pool_running + peer.sequences_by_pool.get(pool, 0),
+            running=view.running + peer.sequences,
+        )
