@@ -122,3 +122,25 @@ def test_a_file_setting_nothing_reads_with_a_shared_store_is_refused(tmp_path: P
     )
     with pytest.raises(ConfigError, match="ledger_path names a file of the embedded store"):
         load_config(str(path))
+
+
+def test_status_on_the_embedded_store_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`status` reads; the files appear with `migrate` (or the router's first start)."""
+    config = tmp_path / "gpupool.yaml"
+    config.write_text(
+        POOLS
+        + f"router: {{ledger_path: {json.dumps(str(tmp_path / 'db' / 'ledger.sqlite'))}}}\n"
+        + f"rebalancer: {{decision_log_path: {json.dumps(str(tmp_path / 'db' / 'rb.sqlite'))}}}\n"
+    )
+    assert main(["store", "status", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("not created yet") == 4, out
+    assert not (tmp_path / "db").exists()
+    assert main(["store", "migrate", "--config", str(config)]) == 0
+    assert len(list((tmp_path / "db").glob("*.sqlite"))) == 4
+    capsys.readouterr()
+    assert main(["store", "status", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "not created yet" not in out and "rebalancer at 4 of 4 (up to date)" in out, out

@@ -22,7 +22,15 @@ from router.cli.commands._config import load_or_report
 from router.gateway.response_placement import MIGRATIONS as RESPONSES
 from router.governance.store import MIGRATIONS as GOVERNANCE
 from router.rebalancer.store import MIGRATIONS as REBALANCER
-from router.store import Migration, Store, StoreError, Stores, applied_versions, migrate
+from router.store import (
+    Migration,
+    SqliteStore,
+    Store,
+    StoreError,
+    Stores,
+    applied_versions,
+    migrate,
+)
 
 __all__ = ["register", "run"]
 
@@ -63,25 +71,46 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stores = Stores.from_config(config)
     try:
-        stores.open()
-        try:
-            for store, migrations in _by_store(stores):
-                if args.store_command == "migrate":
-                    done = migrate(store, migrations)
-                    for m in done:
-                        print(f"{store.name}: {m.component} {m.version}: {m.description}")
-                    if not done:
-                        print(f"{store.name}: up to date")
-                else:
-                    have = applied_versions(store)
-                    for component in sorted({m.component for m in migrations}):
-                        latest = max(m.version for m in migrations if m.component == component)
-                        at = have.get(component, 0)
-                        state = "up to date" if at == latest else f"{latest - at} to apply"
-                        print(f"{store.name}: {component} at {at} of {latest} ({state})")
-        finally:
-            stores.close()
+        if args.store_command == "migrate":
+            _migrate(stores)
+        else:
+            _status(stores)
     except StoreError as err:
         print(f"gpupool store: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def _migrate(stores: Stores) -> None:
+    stores.open()
+    try:
+        for store, migrations in _by_store(stores):
+            done = migrate(store, migrations)
+            for m in done:
+                print(f"{store.name}: {m.component} {m.version}: {m.description}")
+            if not done:
+                print(f"{store.name}: up to date")
+    finally:
+        stores.close()
+
+
+def _status(stores: Stores) -> None:
+    """Each store's schema versions, read without changing anything: an embedded file that
+    does not exist yet is said to be missing, not created."""
+    for store, migrations in _by_store(stores):
+        if isinstance(store, SqliteStore) and not store.path.exists():
+            print(
+                f"{store.name}: not created yet (the router creates it at its first start,"
+                " `gpupool store migrate` now)"
+            )
+            continue
+        store.open()
+        try:
+            have = applied_versions(store)
+        finally:
+            store.close()
+        for component in sorted({m.component for m in migrations}):
+            latest = max(m.version for m in migrations if m.component == component)
+            at = have.get(component, 0)
+            state = "up to date" if at == latest else f"{latest - at} to apply"
+            print(f"{store.name}: {component} at {at} of {latest} ({state})")
