@@ -20,7 +20,7 @@ from typing import Any
 
 from router.admission.decision import CachedPrefix
 from router.prefix.cache import PrefixCache
-from router.prefix.hashing import chain_keys
+from router.prefix.hashing import ChainMemo
 from router.prefix.prompt import ChatPrompt
 
 __all__ = ["ASYNC_CHARS", "PrefixLookup"]
@@ -34,6 +34,7 @@ class PrefixLookup:
     def __init__(self, cache: PrefixCache, prompt: ChatPrompt) -> None:
         self.cache = cache
         self.prompt = prompt
+        self._chains_memo = ChainMemo()
 
     async def lookup(self, body: Mapping[str, Any], body_chars: int) -> CachedPrefix | None:
         """The chat request's cached prefix per usable instance; None without a usable index
@@ -63,4 +64,4 @@ class PrefixLookup:
         ids = self.prompt.token_ids(body)
         if ids is None:
             return None
-        return ids, {(size, seed): chain_keys(ids, size, seed) for size, seed in params}
+        return ids, {(size, seed): self._chains_memo.keys(ids, size, seed) for size, seed in params}
