@@ -191,6 +191,16 @@ class SharedReservations:
             "gpupool-shared-reservations", self.tick, interval_s, clock=clock, first_delay_s=0
         )
 
+    @classmethod
+    def for_store(
+        cls, store: Store, fleet: Fleet, replica: str, on_change: Callable[[], None]
+    ) -> SharedReservations | None:
+        """A PostgreSQL store's (several routers may share it); None on the embedded store,
+        whose one router has no other replicas: nothing runs, admission is unchanged."""
+        if store.dialect != "postgresql":
+            return None
+        return cls(store, fleet, replica, on_change=on_change)
+
     async def start(self) -> None:
         self._loop.start()
 

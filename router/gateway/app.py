@@ -43,6 +43,7 @@ from router.admission.estimate import TokenEstimator
 from router.admission.membership import Membership
 from router.admission.picking import RunAffinity
 from router.admission.queueing import RunUsage
+from router.admission.shared_reservations import SharedReservations
 from router.core import build_core
 from router.errors import (
     BadRequest,
@@ -164,6 +165,10 @@ class Gateway:
             store=GovernanceStore(self.stores.governance),
             replica_id=self.rebalancer.replica,  # one name per router process
         )
+        # other router replicas' KV and batch reservations on each engine (shared store only)
+        self.admitter.peers = SharedReservations.for_store(
+            self.stores.governance, self.fleet, self.rebalancer.replica, self.admitter.schedule_pump
+        )
         self.accounting_observer = AccountingObserver(
             self.accountant, self.ledger, self.accounting_metrics, clock=clock
         )
@@ -276,6 +281,8 @@ class Gateway:
             self.placement,
         ):
             await _start(stack, component)
+        if self.admitter.peers is not None:  # after the governor: its migrations hold the table
+            await _start(stack, self.admitter.peers)
         if self.tracing is not None:
             await _start(stack, self.tracing)
         self._seed_operating_points()
