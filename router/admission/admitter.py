@@ -41,6 +41,7 @@ from pools.allocation import PoolMap
 from pools.config import Config, PoolConfig
 from pools.fleet import Fleet, InstanceState, Lease
 from router.admission.decision import Grant, InstanceView, Need, Reject, Wait, decide, fill_frac
+from router.admission.engine_kv import EngineKV
 from router.admission.estimate import Estimate
 from router.admission.forecast import FORECAST_WINDOW_S, DemandForecaster, Forecast
 from router.admission.picking import (
@@ -178,8 +179,9 @@ class Admitter:
         self._wake: asyncio.TimerHandle | None = None
         self._wake_at_s = math.inf
         fleet.on_capacity_change(lambda _iid: self.schedule_pump())
-        if self.reserve_forecast or self.hold_prefill_min_tokens is not None:
-            fleet.on_lease_event(self._lease_event)
+        # KV use by what the engine allocates (router/admission/engine_kv.py)
+        self.engine_kv = EngineKV()
+        fleet.on_lease_event(self._lease_event)
         pool_map.on_change(lambda _alloc: self.schedule_pump())
 
     # ------------------------------------------------------------------ the request's calls
@@ -300,7 +302,7 @@ class Admitter:
             fresh=self.fleet.is_fresh(state),
             capacity_blocks=state.capacity_blocks or 0,
             block_size=self._block_size(state),
-            used_blocks=state.used_blocks(),
+            used_blocks=self.engine_kv.used_blocks(state),
             pool_reserved_blocks=state.reserved_by_pool.get(pool, 0),
             pool_running=state.running_by_pool.get(pool, 0),
             running=state.inflight,
@@ -347,6 +349,8 @@ class Admitter:
         key = (pool, instance_id)
         forecaster = self._forecasts.get(key)
         if forecaster is None:
+            for gone in [k for k in self._forecasts if self.fleet.get(k[1]) is None]:
+                del self._forecasts[gone]  # engines that left the fleet
             adm = self.config.admission
             forecaster = self._forecasts[key] = DemandForecaster(
                 horizon_s=adm.headroom_horizon_s,
@@ -472,7 +476,13 @@ class Admitter:
         if event == "first":
             if self.hold_prefill_min_tokens is not None:
                 self.schedule_pump()
-        elif self.reserve_forecast:
+            return
+        self.engine_kv.released(lease)
+        if self.fleet.get(lease.instance_id) is None:  # its engine left: forget its forecasts
+            for gone in [k for k in self._forecasts if k[1] == lease.instance_id]:
+                del self._forecasts[gone]
+            return
+        if self.reserve_forecast:
             forecaster = self._forecasts.get((lease.pool, lease.instance_id))
             if forecaster is not None:
                 forecaster.departed(self.clock(), lease.blocks, lease.acquired_at_s)
@@ -631,6 +641,9 @@ class Admitter:
             blocks=-(-need.total_tokens // self._block_size(state)),
             prompt_tokens=prefill,
             prefill_s=prefill / rate if rate else 0.0,
+        )
+        self.engine_kv.acquired(
+            lease, need.total_tokens - need.prompt_tokens, self._block_size(state)
         )
         if self.reserve_forecast:
             forecaster = self.forecaster(pool, lease.instance_id)

@@ -9,14 +9,19 @@ lowers it only slowly), the service time E[S] (the time the sequences held their
 those still running counted at their age so far, over the ones that ended: the exponential
 distribution's estimate with censored samples, so sequences that grow longer raise it before
 they end) and the distribution of KV blocks per sequence, and `forecast(now_s)`
-answers what the pool's *new* sequences will hold at once during the next `horizon_s`, at the
-`quantile` (e.g. 0.99):
+answers how much the pool will hold *beyond what it holds now* at any moment of the next
+`horizon_s`, at the `quantile` (e.g. 0.99):
 
-- **Count.** Arrivals are taken as Poisson and service as general (M/G/∞): the sequences that
-  arrived after now and still run at time now + t number Poisson(λ ∫₀ᵗ P(S > u) du), whose
-  mean is at most λ · min(t, E[S]). So at every moment of the horizon the new sequences in
-  flight are at most Poisson(m), m = λ · min(horizon_s, E[S]), and the forecast count is that
-  distribution's `quantile` K (`poisson_quantile`).
+- **Count.** Arrivals are taken as Poisson and service as exponential with the measured mean
+  (M/M/∞; the mean is what matters for the new sequences, M/G/∞). At time now + t the new
+  sequences in flight number Poisson(m(t)), m(t) = λ·E[S]·(1 − e^(−t/E[S])), and of the n
+  sequences the pool runs now at least D(t) have ended, D(t) the (1 − `quantile`) quantile of
+  Binomial(n, 1 − e^(−t/E[S])) (normal approximation, floored). What the pool needs *beyond
+  what it holds now* is then at most Q(m(t)) − D(t), Q the Poisson `quantile`
+  (`poisson_quantile`); the forecast count K is its largest value over the horizon (checked at
+  `_GRID` points of [0, `horizon_s`]). The sequences running now are in the instance's used
+  blocks already, so only K is kept free: a pool that holds as much as it will need keeps
+  only its floor (below).
 - **Blocks.** K sequences with sizes drawn from the measured distribution (mean μ, standard
   deviation σ) hold about K·μ + z·√K·σ blocks at the quantile (z the normal quantile; the
   sum's central limit), and at least one sequence of the sizes' own `quantile` when K ≥ 1.
@@ -29,10 +34,13 @@ answers what the pool's *new* sequences will hold at once during the next `horiz
 Before any sequence was seen the forecast is 0 (`Forecast.measured` False): the shell decides
 what an unmeasured pool gets (admission keeps its whole share for the first `window_s`).
 
-Forecast error: once per horizon, the forecast made at its start is compared with what the
-sequences that arrived after that moment held at their peak during it; `on_error(measured -
-forecast)` (blocks; positive: the forecast was short) is called when the horizon has passed,
-at the next call. This is the `gpupool_headroom_forecast_error_blocks` histogram.
+Forecast error: once per horizon, the forecast made at its start is compared with the peak,
+during it, of the blocks the pool's sequences on the instance held beyond what they held at its
+start (its need beyond its holding, what the forecast is of); `on_error(measured - forecast)`
+(blocks; positive: the forecast was short) is called when the horizon has passed, at the next
+call. This is the `gpupool_headroom_forecast_error_blocks` histogram. The forecast is the
+largest over the horizon of a per-moment quantile, not the quantile of the horizon's peak, so
+it is short somewhat more often than 1 − `quantile` of the horizons.
 
 Limits (docs/admission.md, "Forecast reserve"): Poisson arrivals (a wave of agent runs
 starting together is burstier; the windowed rate lags a surge by up to `window_s`, which the
@@ -60,6 +68,8 @@ _MAX_SAMPLES = 512
 SHORT_WINDOW_S = 10.0
 # above this Poisson mean, the quantile comes from the normal approximation
 _NORMAL_ABOVE = 400.0
+# moments of the horizon at which the need beyond the present holding is checked
+_GRID = 16
 
 
 def poisson_quantile(mean: float, quantile: float) -> int:
@@ -92,8 +102,9 @@ class Forecast:
     slots: int  # sequences in the batch
     rate_per_s: float  # measured arrivals per second (λ)
     service_s: float  # measured mean time a sequence holds its lease (E[S]; 0: none ended)
-    mean_in_flight: float  # m = λ · min(horizon_s, E[S])
+    mean_in_flight: float  # m = λ · E[S]: the pool's mean sequences in flight
     measured: bool  # any sequence seen in the window
+    running: int = 0  # the pool's sequences on the instance when it was made (n)
 
 
 _NONE = Forecast(0, 0, 0.0, 0.0, 0.0, False)
@@ -128,7 +139,8 @@ class DemandForecaster:
         # that arrived since (now and at their peak)
         self._check_start_s: float | None = None
         self._check_forecast = 0
-        self._check_blocks = 0
+        self._held_blocks = 0  # what the pool's running sequences hold (their leases)
+        self._check_base = 0  # _held_blocks at the checked horizon's start
         self._check_peak = 0
 
     # ------------------------------------------------------------------ what happened
@@ -142,9 +154,9 @@ class DemandForecaster:
         if len(self._arrivals) > _MAX_SAMPLES:
             self._arrivals.popleft()
         self._cached = None
+        self._held_blocks += blocks
         if self._check_start_s is not None:
-            self._check_blocks += blocks
-            self._check_peak = max(self._check_peak, self._check_blocks)
+            self._check_peak = max(self._check_peak, self._held_blocks - self._check_base)
 
     def departed(self, now_s: float, blocks: int, arrived_at_s: float) -> None:
         """A sequence `arrived` at `arrived_at_s` ended (its lease released)."""
@@ -156,8 +168,7 @@ class DemandForecaster:
         if len(self._services) > _MAX_SAMPLES:
             self._services.popleft()
         self._cached = None
-        if self._check_start_s is not None and arrived_at_s >= self._check_start_s:
-            self._check_blocks -= blocks
+        self._held_blocks = max(0, self._held_blocks - blocks)
 
     # ------------------------------------------------------------------ the forecast
 
@@ -173,7 +184,8 @@ class DemandForecaster:
         if self._check_start_s is None and result.measured:
             self._check_start_s = now_s
             self._check_forecast = result.blocks
-            self._check_blocks = self._check_peak = 0
+            self._check_base = self._held_blocks
+            self._check_peak = 0
         return result
 
     def _compute(self, now_s: float) -> Forecast:
@@ -190,15 +202,30 @@ class DemandForecaster:
         # those still running have held at least their age: total time held / ends
         running_s = max(0.0, self._running * now_s - self._running_since_sum_s)
         service_s = (sum(services) + running_s) / max(1, len(services))
-        m = rate * min(self.horizon_s, service_s)
-        count = max(1, poisson_quantile(m, self.quantile))
+        count = max(1, self._beyond_holding(rate, service_s))
         sizes = sorted(b for _, b in arrivals)
         mean = sum(sizes) / len(sizes)
         var = sum((b - mean) ** 2 for b in sizes) / len(sizes)
         one = sizes[min(len(sizes) - 1, math.ceil(self.quantile * len(sizes)) - 1)]
         blocks = count * mean + self._z * math.sqrt(count * var)
         blocks = min(max(blocks, float(one)), float(count * sizes[-1]))
-        return Forecast(math.ceil(blocks - 1e-9), count, rate, service_s, m, True)
+        m = rate * service_s
+        return Forecast(math.ceil(blocks - 1e-9), count, rate, service_s, m, True, self._running)
+
+    def _beyond_holding(self, rate: float, service_s: float) -> int:
+        """K: the most sequences the pool will run beyond the n it runs now at any moment of
+        the horizon, at the quantile (the module docstring's Count)."""
+        n = self._running
+        if service_s <= 0:  # nothing ended yet: new arrivals only, none ending
+            return poisson_quantile(rate * self.horizon_s, self.quantile)
+        best = 0
+        for i in range(1, _GRID + 1):
+            ended = 1.0 - math.exp(-(self.horizon_s * i / _GRID) / service_s)
+            new = poisson_quantile(rate * service_s * ended, self.quantile)
+            spread = math.sqrt(n * ended * (1.0 - ended))
+            gone = max(0, math.floor(n * ended - self._z * spread))
+            best = max(best, new - gone)
+        return best
 
     # ------------------------------------------------------------------ its error
 

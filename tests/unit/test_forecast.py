@@ -1,9 +1,12 @@
 """The demand forecaster (router/admission/forecast.py), against numbers worked out by hand:
-Poisson quantiles from the distribution's terms, the M/G/inf mean lambda * min(horizon, E[S]),
-the blocks of K sequences as K * mean + z * sqrt(K) * sd, and the forecast error once a
-horizon has passed. Time is the `now_s` each call is given."""
+Poisson quantiles from the distribution's terms, the need beyond what the pool holds (new
+sequences in flight Poisson(lambda E[S] (1 - e^-t/E[S])) less the running ones surely ended by
+then), the blocks of K sequences as K * mean + z * sqrt(K) * sd, and the forecast error once
+a horizon has passed. Time is the `now_s` each call is given."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -57,18 +60,53 @@ def test_steady_chat_of_one_size() -> None:
     assert fc.measured
 
 
+def _beyond(rate: float, service_s: float, running: int, horizon_s: float) -> int:
+    """The documented count, worked term by term here (not through the module): the largest
+    over 16 moments of the horizon of the Poisson p99 of the new sequences in flight less
+    the running ones ended by then at the 1 % quantile (normal approximation, floored)."""
+    z = 2.3263478740408408  # the normal 0.99 quantile
+    best = 0
+    for i in range(1, 17):
+        ended = 1 - math.exp(-(horizon_s * i / 16) / service_s)
+        mean = rate * service_s * ended
+        k, term, cdf = 0, math.exp(-mean), math.exp(-mean)
+        while cdf < 0.99:
+            k += 1
+            term *= mean / k
+            cdf += term
+        sd = math.sqrt(running * ended * (1 - ended))
+        best = max(best, k - max(0, math.floor(running * ended - z * sd)))
+    return best
+
+
 def test_sizes_that_vary_add_z_sqrt_k_sd() -> None:
     f = DemandForecaster(horizon_s=10.0, quantile=0.99, window_s=60.0, started_at_s=0.0)
     _steady(f, sizes=[2, 4], until_s=60.0, hold_s=5.0)
     fc = f.forecast(60.0)
     # 110 ended after 5 s; the 10 arrived at 55.5 .. 60 still run, aged 4.5 .. 0 (22.5 s):
-    # E[S] = (550 + 22.5) / 110 = 5.2045 s, m = 2 * 5.2045 = 10.409;
-    # Poisson(10.409): P(N<=18) = 0.9894, P(N<=19) = 0.9947
+    # E[S] = (550 + 22.5) / 110 = 5.2045 s, m = 2 * 5.2045 = 10.409
     assert fc.service_s == pytest.approx(572.5 / 110)
     assert fc.mean_in_flight == pytest.approx(10.409, abs=1e-3)
-    assert fc.slots == 19
-    # mean 3, sd 1: 19 * 3 + 2.3263 * sqrt(19) * 1 = 57 + 10.14 = 67.14 -> 68 blocks
-    assert fc.blocks == 68
+    assert fc.running == 10
+    # at t = 10 s: 85.4 % of the running ones ended, D = floor(8.54 - 2.33 * 1.12) = 5; new
+    # in flight Poisson(8.885), p99 17: 12 beyond the 10 held (the largest of the 16 moments)
+    assert fc.slots == _beyond(2.0, 572.5 / 110, 10, 10.0) == 12
+    # mean 3, sd 1: 12 * 3 + 2.3263 * sqrt(12) * 1 = 36 + 8.06 = 44.06 -> 45 blocks
+    assert fc.blocks == 45
+
+
+def test_a_pool_holding_what_it_will_need_keeps_its_floor() -> None:
+    f = DemandForecaster(horizon_s=10.0, quantile=0.99, window_s=60.0, started_at_s=0.0)
+    _steady(f, sizes=[3], until_s=60.0, hold_s=20.0)
+    # 2/s held 20 s: 40 running (the last 20 s of arrivals); E[S] is over-read at 24.875 s
+    # by the censored estimate (the running ones' ages added to the ended ones'), m = 49.75.
+    # Beyond the 40 held, the p99 need over 10 s (t = 10: 33 % of them
+    # ended at the exponential rate, floor(13.3 - 2.33 * 2.98) = 6 surely; new ones
+    # Poisson(16.5), p99 27) is 21, not m's p99 (67) as when the held ones were counted again
+    fc = f.forecast(60.0)
+    assert fc.running == 40
+    assert fc.service_s == pytest.approx(24.875)
+    assert fc.slots == _beyond(2.0, 24.875, 40, 10.0) == 21
 
 
 def test_k_sequences_hold_at_most_k_of_the_largest() -> None:
@@ -82,11 +120,12 @@ def test_k_sequences_hold_at_most_k_of_the_largest() -> None:
 def test_a_short_horizon_bounds_the_mean() -> None:
     f = DemandForecaster(horizon_s=0.25, quantile=0.99, window_s=60.0, started_at_s=0.0)
     _steady(f, sizes=[3], until_s=60.0)
-    # m = 2 * min(0.25, 0.5) = 0.5; Poisson(0.5): P(N<=2) = e^-.5 (1 + .5 + .125) = 0.9856,
-    # P(N<=3) = 0.9982: K = 3
+    # at t = 0.25: 39.3 % of E[S] = 0.5 s ended, new in flight Poisson(0.393):
+    # P(N<=2) = e^-.393 (1 + .393 + .0774) = 0.9924: 2; the one running (arrived at 60)
+    # surely ended? no: floor(0.393 - 2.33 * 0.489) < 0. K = 2
     fc = f.forecast(60.0)
-    assert fc.mean_in_flight == pytest.approx(0.5)
-    assert (fc.slots, fc.blocks) == (3, 9)
+    assert fc.mean_in_flight == pytest.approx(1.0)
+    assert (fc.slots, fc.blocks) == (2, 6)
 
 
 def test_the_rate_counts_only_the_window_and_the_time_observed() -> None:
@@ -98,8 +137,10 @@ def test_the_rate_counts_only_the_window_and_the_time_observed() -> None:
     fc = f.forecast(4.0)
     assert fc.rate_per_s == pytest.approx(0.5)
     assert fc.service_s == pytest.approx(5.0)
-    # m = 0.5 * 5 = 2.5: P(N<=6) = 0.9858, P(N<=7) = 0.9958: K = 7; one size: 35 blocks
-    assert (fc.slots, fc.blocks) == (7, 35)
+    # at t = 10: 86.5 % of E[S] = 5 s ended, new in flight Poisson(2.16): P(N<=5) = 0.977,
+    # P(N<=6) = 0.993: 6; of the 2 running, floor(1.73 - 2.33 * 0.48) = 0 surely ended.
+    # K = 6; one size: 30 blocks
+    assert (fc.slots, fc.blocks) == (6, 30)
     # 70 s later both are out of the window: nothing measured
     assert not f.forecast(74.0).measured
     assert f.forecast(74.0).blocks == 0
