@@ -132,15 +132,17 @@ async def _profile_gpupool(
     if gp is None or gp.proc is None or gp.client is None:
         return {}
     if (skipped := profile.missing(pyspy)) is not None:
-        return {"hi": skipped, "stream": skipped}
+        return {"c1": skipped, "hi": skipped, "stream": skipped}
     with solo(lives, gp):
         return await _profile_one(gp, plan, pyspy, workdir)
 
 
 async def _profile_one(gp: Live, plan: Plan, pyspy: Path, workdir: Path) -> dict[str, Any]:
-    """py-spy over one non-streaming and one streaming window of `gp`."""
+    """py-spy over a non-streaming window at c=1, one at c=64 and a streaming one of `gp`."""
     assert gp.proc is not None and gp.client is not None
     name, pid, window_s = gp.spec.name, _python_pid(gp.proc), plan.profile_window_s
+    c1 = gp.client.closed_loop(chat_body(plan.max_tokens, stream=False), 1, window_s)
+    prof_c1 = await profile.record(pyspy, pid, window_s, workdir / f"pyspy-{name}-c1.txt", c1)
     hi = gp.client.closed_loop(
         chat_body(plan.max_tokens, stream=False), plan.hi_concurrency, window_s
     )
@@ -149,7 +151,7 @@ async def _profile_one(gp: Live, plan: Plan, pyspy: Path, workdir: Path) -> dict
         chat_body(plan.stream_tokens, stream=True), plan.stream_concurrency, window_s
     )
     prof_st = await profile.record(pyspy, pid, window_s, workdir / f"pyspy-{name}-st.txt", st)
-    return {"hi": prof_hi, "stream": prof_st}
+    return {"c1": prof_c1, "hi": prof_hi, "stream": prof_st}
 
 
 def _python_pid(proc: Proc) -> int:
@@ -256,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _flame_graphs(workdir: Path, out: Path) -> None:
     """gpupool's py-spy samples as small SVG flame graphs beside the report."""
-    for phase, title in (("hi", "non-streaming, c=64"), ("st", "streaming, c=16")):
+    for phase, title in (
+        ("c1", "non-streaming, c=1"),
+        ("hi", "non-streaming, c=64"),
+        ("st", "streaming, c=16"),
+    ):
         raw = workdir / f"pyspy-gpupool-{phase}.txt"
         if raw.exists():
             svg = flame.render_svg(raw.read_text(), f"gpupool, {title}")

@@ -337,6 +337,7 @@ def render(res: dict[str, Any]) -> str:
         "",
     ]
     prof = res.get("profile") or {}
+    out += _profile(prof.get("c1", {}), "non-streaming, c=1")
     out += _profile(prof.get("hi", {}), f"non-streaming, c={plan['hi_concurrency']}")
     out += _profile(prof.get("stream", {}), f"streaming, c={plan['stream_concurrency']}")
     out += ["## gpupool in front of a real CPU vLLM engine", "", *_real(res.get("real_vllm", {}))]
