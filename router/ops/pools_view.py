@@ -83,7 +83,10 @@ class PoolsView:
                 "block_size": None if r is None else r.block_size,
                 "kv_reserved_blocks": state.reserved_blocks,
                 "kv_reserved_blocks_by_pool": dict(state.reserved_by_pool),
-                "kv_used_blocks": round(state.used_blocks(), 1),
+                # what admission counts in use: the smaller of the reservations' bound and
+                # the engine-tracked one (router/admission/engine_kv.py)
+                "kv_used_blocks": round(self.admitter.engine_kv.used_blocks(state), 1),
+                "kv_used_blocks_by_reservations": round(state.used_blocks(), 1),
                 "running_by_pool": dict(state.running_by_pool),
                 # owned vs borrowed KV and batch per pool, the forecast reserve (admission.reserve)
                 "capacity_by_pool": self.admitter.capacity_by_pool(state, self.clock()),
