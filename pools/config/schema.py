@@ -951,7 +951,7 @@ def _url_from_env(data: Any) -> Any:
 
 
 # the store settings that only a shared (PostgreSQL) store reads
-_SHARED_ONLY = ("budgets_on_outage", "budget_chunk_frac", "slot_lease_s")
+_SHARED_ONLY = ("budgets_on_outage", "budget_chunk_frac", "slot_lease_s", "admission_interval_s")
 
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
@@ -990,6 +990,10 @@ class StoreConfig:
     # a replica's concurrency slots expire this long after its last renewal (every sweep,
     # 1 s; at least 3 sweeps): a replica that dies gives its slots back after at most this
     slot_lease_s: float = Field(default=30.0, ge=3, le=3600)
+    # each replica publishes its KV and batch reservations per engine and reads the others'
+    # this often; their admission subtracts them (router/admission/shared_reservations.py). 0:
+    # not shared, each replica admits by its own reservations and the engines' measured use
+    admission_interval_s: float = Field(default=0.1, ge=0, le=1)
     # read from `password_env` at load (the document may not set it)
     password: str | None = dataclasses.field(default=None, repr=False)
 

@@ -53,7 +53,7 @@ __all__ = ["PeerLoad", "ReservationsTable", "SharedReservations", "snapshot"]
 
 log = logging.getLogger(__name__)
 
-INTERVAL_S = 0.1  # publish + read, per replica
+INTERVAL_S = 0.1  # publish + read, per replica (store.admission_interval_s)
 LEASE_S = 3.0  # a replica's row counts while it was rewritten this recently
 REFRESH_S = 1.0  # an unchanged snapshot is rewritten this often
 FORGET_S = 3600.0  # rows this old are deleted
@@ -193,13 +193,21 @@ class SharedReservations:
 
     @classmethod
     def for_store(
-        cls, store: Store, fleet: Fleet, replica: str, on_change: Callable[[], None]
+        cls,
+        store: Store,
+        fleet: Fleet,
+        replica: str,
+        on_change: Callable[[], None],
+        *,
+        interval_s: float = INTERVAL_S,
     ) -> SharedReservations | None:
-        """A PostgreSQL store's (several routers may share it); None on the embedded store,
-        whose one router has no other replicas: nothing runs, admission is unchanged."""
-        if store.dialect != "postgresql":
+        """A PostgreSQL store's (several routers may share it), exchanging every `interval_s`
+        (`store.admission_interval_s`); None on the embedded store, whose one router has no
+        other replicas, or with `interval_s` 0 (not shared): nothing runs, admission is
+        unchanged."""
+        if store.dialect != "postgresql" or interval_s <= 0:
             return None
-        return cls(store, fleet, replica, on_change=on_change)
+        return cls(store, fleet, replica, interval_s=interval_s, on_change=on_change)
 
     async def start(self) -> None:
         self._loop.start()

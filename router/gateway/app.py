@@ -167,7 +167,11 @@ class Gateway:
         )
         # other router replicas' KV and batch reservations on each engine (shared store only)
         self.admitter.peers = SharedReservations.for_store(
-            self.stores.governance, self.fleet, self.rebalancer.replica, self.admitter.schedule_pump
+            self.stores.governance,
+            self.fleet,
+            self.rebalancer.replica,
+            self.admitter.schedule_pump,
+            interval_s=config.store.admission_interval_s,
         )
         self.accounting_observer = AccountingObserver(
             self.accountant, self.ledger, self.accounting_metrics, clock=clock

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pools.config import ConfigError
 from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
 from pools.operating_point import OperatingPoint
@@ -233,3 +234,17 @@ def test_the_snapshot_is_what_the_replica_holds(tmp_path: Path) -> None:
     first.release()
     second.release()
     assert snapshot(core.fleet) == {}
+
+
+def test_only_a_shared_store_with_an_interval_shares_reservations(
+    tmp_path: Path, any_store: Store
+) -> None:
+    core = _core(tmp_path, Clock())
+    shared = SharedReservations.for_store(any_store, core.fleet, "a", core.admitter.schedule_pump)
+    assert (shared is not None) == (any_store.dialect == "postgresql")
+    off = SharedReservations.for_store(
+        any_store, core.fleet, "a", core.admitter.schedule_pump, interval_s=0
+    )
+    assert off is None
+    with pytest.raises(ConfigError, match="admission_interval_s"):  # embedded: one router
+        config_for_test(tmp_path, store={"admission_interval_s": 0.2})
