@@ -710,8 +710,11 @@ class CompletionsHandler:
         finals = adapter.final_markers
         has_final = _final_finder(finals)
         extras = lambda: self.settlement.usage_extra(outcome)  # noqa: E731
+        splice = None if client is None else _Splice(client, marker, has_final)
         try:
             async for chunk in resp:
+                if splice is not None and splice.pending:  # what it held when it declined
+                    buf, splice.pending = splice.pending + buf, b""
                 buf += chunk
                 if (
                     first_token_seen
@@ -730,6 +733,9 @@ class CompletionsHandler:
                             await send(
                                 {"type": "http.response.body", "body": body, "more_body": True}
                             )
+                    if splice is not None:  # the next chunks, while the same holds, without us
+                        splice.pending, buf = buf, b""
+                        resp.splice(splice)
                     continue
                 out: list[bytes] = []
                 start = 0
@@ -771,6 +777,8 @@ class CompletionsHandler:
             outcome.status = error.status
             await send(_error_event(error, adapter))
             return
+        if splice is not None and splice.pending:  # the body ended while it held these
+            buf, splice.pending = splice.pending + buf, b""
         outcome.ended_at_s = self.clock()
         self._remember_response(outcome, ctx, stored)
         await self.settlement.settle(outcome)
@@ -793,6 +801,41 @@ class CompletionsHandler:
                 context_tokens=outcome.prompt_tokens + outcome.completion_tokens,
             ),
         )
+
+
+class _Splice:
+    """A stream's relay while no event needs reading, run in the engine connection's callback
+    (`Response.splice`): each chunk's complete events go straight to the client as they came
+    (`ClientLink.write_more`), the incomplete rest is held in `pending`. It declines (False,
+    having written nothing) a chunk that may hold the usage or the last event, or one the
+    client cannot take now (it reads slowly, it left): the relay's task then takes `pending`
+    and that chunk and goes on as without it."""
+
+    __slots__ = ("_client", "_has_final", "_marker", "pending")
+
+    def __init__(
+        self, client: ClientLink, marker: bytes, has_final: Callable[[bytes], object]
+    ) -> None:
+        self._client = client
+        self._marker = marker
+        self._has_final = has_final
+        self.pending = b""
+
+    def __call__(self, data: bytes) -> bool:
+        buf = self.pending + data if self.pending else data
+        if self._marker in buf or self._has_final(buf):
+            return False
+        end = buf.rfind(_SSE_SEP) + 2
+        if end > 1:
+            try:
+                if not self._client.write_more(buf[:end]):
+                    return False
+            except Exception:  # never into the engine's parser callback; the task will see it
+                return False
+            self.pending = buf[end:]
+        else:
+            self.pending = buf
+        return True
 
 
 _FINDERS: dict[tuple[bytes, ...], Callable[[bytes], object]] = {}

@@ -17,6 +17,9 @@ router's CPU at c=64 (benchmarks/results/router_overhead.md). What the proxy nee
   `async for data in response` yields what has arrived since the last step (chunked transfer
   already decoded), pausing the engine's socket while more than `_HIGH_WATER_BYTES` wait
   unread, so a slow client never makes the router buffer a whole stream;
+- `Response.splice(sink)` hands what arrives next to `sink(data)` in the connection's own
+  callback, with no task woken per chunk, for as long as the sink takes it (True); the first
+  chunk it declines (False) and everything after go to the iterator as before;
 - `release()` hands a fully read connection back to the pool, `close()` drops it (an
   unfinished request: the engine sees the connection close and aborts the sequence).
 """
@@ -27,7 +30,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -66,6 +69,7 @@ class Response:
         "_done",
         "_exc",
         "_high_water",
+        "_sink",
         "_size",
         "_timer",
         "_waiter",
@@ -84,10 +88,16 @@ class Response:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._sink: Callable[[bytes], bool] | None = None
 
     # -- fed by the connection
 
     def _feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            if not self._chunks and sink(data):
+                return
+            self._sink = None  # declined: this chunk and the rest go to the iterator
         self._chunks.append(data)
         self._size += len(data)
         if self._size > self._high_water:
@@ -148,6 +158,13 @@ class Response:
                 raise self._exc
             await self._wait()
         return self._take()
+
+    def splice(self, sink: Callable[[bytes], bool]) -> None:
+        """Give the body's next chunks to `sink` as they arrive (in the connection's callback,
+        where it must not raise) until it answers False for one: that chunk and every later one
+        are then read through the iterator, which also sees the body's end or failure as
+        always."""
+        self._sink = sink
 
     def release(self) -> None:
         """Done with it: a complete response's connection goes back to the pool."""

@@ -6,10 +6,13 @@ connection; the requests after it are served as usual."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import orjson
+import pytest
 
+from router.gateway.proxy import _final_finder, _Splice
 from tests.unit.test_hostile_rig import CHAT, TENANT_KEY, LiveRouter, hostile_config, live_router
 
 
@@ -71,3 +74,104 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(tmp_path: Path) -> N
             orjson.dumps(CHAT),
         )
         assert status == 200, body
+
+
+def _dechunk(raw: bytes) -> tuple[bytes, bytes]:
+    """An HTTP/1.1 chunked response: its head and its body."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    body = b""
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        body, rest = body + rest[:size], rest[size + 2 :]
+    return head, body
+
+
+async def _whole_stream(live: LiveRouter, body: dict[str, object], pause_s: float) -> bytes:
+    """A stream read to its end; with `pause_s`, nothing is read for that long first (with a
+    small receive buffer, so the router's writes to this client pause meanwhile)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((live.host, live.port))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 24)
+    writer.write(_request(live, body))
+    await writer.drain()
+    if pause_s:
+        await asyncio.sleep(pause_s)
+    raw = await reader.readuntil(b"\r\n0\r\n\r\n")
+    writer.close()
+    await writer.wait_closed()
+    return raw
+
+
+def _events(body: bytes) -> list[dict[str, object] | str]:
+    out: list[dict[str, object] | str] = []
+    for event in body.split(b"\n\n"):
+        if event.startswith(b"data: [DONE]"):
+            out.append("[DONE]")
+        elif event.startswith(b"data: "):
+            out.append(orjson.loads(event[6:]))
+    return out
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 0.5])
+@pytest.mark.parametrize("usage", [False, True])
+def test_a_stream_reaches_its_client_whole(tmp_path: Path, usage: bool, pause_s: float) -> None:
+    """Every event of a stream, in order, once, through the server's connection (its events
+    after the first token go out from the engine connection's callback while nothing in them
+    needs reading; a client that reads nothing for a while gets the same, later); the usage
+    event only when asked for, before [DONE]."""
+    body: dict[str, object] = {**CHAT, "stream": True, "max_tokens": 1500}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    with live_router(hostile_config(tmp_path)) as live:
+        raw = live.run(_whole_stream(live, body, pause_s))
+    head, data = _dechunk(raw)
+    assert head.startswith(b"HTTP/1.1 200")
+    events = _events(data)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if isinstance(e, dict) and e.get("choices")]
+    assert "".join(str(c["choices"][0]["delta"].get("content", "")) for c in chunks) == (  # type: ignore[index]
+        " tok" * 1500
+    )
+    usages = [e for e in events[:-1] if isinstance(e, dict) and not e.get("choices")]
+    if usage:
+        assert len(usages) == 1 and usages[0]["usage"]["completion_tokens"] == 1500  # type: ignore[index]
+        assert events[-2] is usages[0]
+    else:
+        assert usages == []
+
+
+class _Client:
+    """What `_Splice` needs of a ClientLink: `write_more`, here answering `accept`."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.accept = True
+
+    def write_more(self, body: bytes) -> bool:
+        if self.accept:
+            self.written.append(body)
+        return self.accept
+
+
+def test_a_splice_writes_whole_events_and_declines_what_needs_reading() -> None:
+    client = _Client()
+    splice = _Splice(client, b'"usage"', _final_finder((b"data: [DONE]",)))  # type: ignore[arg-type]
+    assert splice(b"data: a\n\ndata: b")  # the whole event goes, the half is held
+    assert splice(b"b\n\n")
+    assert splice(b"data: c")  # no whole event: nothing written
+    assert client.written == [b"data: a\n\n", b"data: bb\n\n"]
+    assert splice.pending == b"data: c"
+    client.accept = False  # the client reads slowly: declined, nothing written or taken
+    assert not splice(b"\n\n")
+    assert splice.pending == b"data: c" and len(client.written) == 2
+    client.accept = True
+    assert not splice(b'\n\ndata: {"usage": 1}\n\n')  # the usage event is read by the relay
+    assert splice(b"\n\ndata: [DO")  # a final marker split across chunks: held, then seen
+    assert client.written[-1] == b"data: c\n\n" and splice.pending == b"data: [DO"
+    assert not splice(b"NE]\n\n")
+    assert splice.pending == b"data: [DO" and len(client.written) == 3

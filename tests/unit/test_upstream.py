@@ -93,6 +93,39 @@ async def _stream() -> None:
 test_a_stream_arrives_as_it_is_sent = _on_both_loops(_stream)
 
 
+async def _splice() -> None:
+    """A sink given the chunks in the connection's callback takes them until it declines one;
+    that chunk and the rest come through the iterator, which sees the end; nothing is lost,
+    doubled or reordered."""
+    state = FakeEngineState(itl_s=0.001)
+    async with serve_asgi(make_fake_engine(state)) as url:
+        client = Upstream()
+        resp = await client.post(
+            url, "/v1/chat/completions", _body(True, 40), _HEADERS, total_s=10, connect_s=2
+        )
+        data = await resp.__anext__()
+        taken: list[bytes] = []
+
+        def sink(chunk: bytes) -> bool:
+            if len(taken) == 5:
+                return False
+            taken.append(chunk)
+            return True
+
+        resp.splice(sink)
+        rest = b"".join([chunk async for chunk in resp])
+        resp.release()
+        await client.aclose()
+    assert len(taken) == 5  # each a chunk as it arrived, none through the iterator
+    whole = data + b"".join(taken) + rest
+    assert whole.endswith(b"data: [DONE]\n\n")
+    assert whole.count(b"data: ") == 40 + 1  # 40 tokens (no usage asked for), [DONE]
+    assert rest.startswith(b"data: ")  # the declined chunk came first, whole
+
+
+test_a_splice_takes_chunks_until_it_declines_one = _on_both_loops(_splice)
+
+
 async def _refused() -> None:
     """Nothing listening: ConnectFailed (the proxy retries elsewhere)."""
     with socket.socket() as s:
