@@ -5,15 +5,19 @@ Only with a PostgreSQL store (several routers); the embedded store's one router 
 this, and its admission is unchanged. docs/replicas.md, "Admission across replicas".
 
 - **Publish and read, one exchange per tick** (`interval_s`, 0.1 s): the replica writes one
-  row (`admission_reservations`: its id, `{instance: {pool: [blocks, sequences]}}` as JSON,
-  the database's clock) and reads the other replicas' rows written within `lease_s` (3 s) of
-  the database's clock, in the same round trip's connection. An unchanged snapshot is
+  row (`admission_reservations`: its id, `{instance: {pool: [blocks, sequences, pending]}}`
+  as JSON, the database's clock) and reads the other replicas' rows written within `lease_s`
+  (3 s) of the database's clock, on the same connection. An unchanged snapshot is
   rewritten only every `refresh_s` (1 s), so an idle replica writes once a second.
 - **What admission sees** (`adjust`, the admitter's hook in `Admitter._view`): on each engine,
   the other replicas' sequences join this replica's (`running`, and the pool's
-  `pool_running`), their blocks join the pool's reserved blocks, and the engine's used blocks
-  are at least every replica's reservations together (the larger of that and the measured use,
-  which already holds the others' sequences as far as they have grown by the last scrape).
+  `pool_running`), their reserved blocks join the pool's (the pool's share is checked against
+  every replica's reservations), and the engine's used blocks grow by the others' **pending**
+  blocks: what their sequences may still add beyond the engine's last scrape, counted as the
+  engine-tracked bound counts this replica's own (router/admission/engine_kv.py): a sequence
+  whose first token came before its replica's last scrape request, its blocks past the
+  prompt's whole blocks (its output still to grow); any other, its whole reservation. What
+  the others hold already is in the measured use every replica scrapes.
 - **A dead replica** (its row not rewritten within `lease_s`) counts for nothing: its
   connections closed with it, so vLLM aborted its sequences. Rows older than an hour are
   deleted by whichever replica sees them.
@@ -25,9 +29,13 @@ Over-admission bound: another replica's reservation is seen by this one at most 
 (its next publish) + `interval_s` (this one's next read) + two round trips after it was made.
 In that window each of the N replicas admits against headroom the others may already have
 taken, so an engine may be promised up to what the other N - 1 replicas admitted there in
-the last ~2 x `interval_s` beyond its blocks, and no more (until the next scrape shows it, the
-measured use does not catch it either). Nothing is preempted by the router; vLLM preempts
-only if the sequences actually grow into the excess.
+the last ~2 x `interval_s` beyond its blocks (until the next scrape shows it, the measured use
+does not catch it either). Second, the replicas scrape the engine at different moments: a
+sequence of another replica whose first token came between this replica's last scrape and
+its own is counted by its output alone while this replica's older scrape lacks its prompt
+blocks: at most the prompts of the sequences another replica started within one
+`router.scrape_interval_s`, until this replica's next scrape. Nothing is preempted by the
+router; vLLM preempts only if the sequences actually grow into the excess.
 
 Every database call runs in a worker thread, one exchange at a time; the snapshot and the
 adjustment run on the event loop.
@@ -44,7 +52,7 @@ from typing import Any
 
 import orjson
 
-from pools.fleet import Fleet, InstanceState
+from pools.fleet import Fleet, InstanceState, Lease
 from pools.periodic import Periodic
 from router.admission.decision import InstanceView
 from router.store import Store, StoreError
@@ -58,8 +66,8 @@ LEASE_S = 3.0  # a replica's row counts while it was rewritten this recently
 REFRESH_S = 1.0  # an unchanged snapshot is rewritten this often
 FORGET_S = 3600.0  # rows this old are deleted
 
-# {instance: {pool: (blocks, sequences)}}
-Snapshot = dict[str, dict[str, tuple[int, int]]]
+# {instance: {pool: (reserved blocks, sequences, pending blocks)}}
+Snapshot = dict[str, dict[str, tuple[int, int, int]]]
 
 _NOW = {
     "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
@@ -110,23 +118,42 @@ class ReservationsTable:
 def _parse(text: Any) -> Snapshot:
     raw = orjson.loads(text)
     return {
-        str(iid): {str(pool): (int(v[0]), int(v[1])) for pool, v in by_pool.items()}
+        str(iid): {str(pool): (int(v[0]), int(v[1]), int(v[2])) for pool, v in by_pool.items()}
         for iid, by_pool in raw.items()
     }
 
 
 def snapshot(fleet: Fleet) -> Snapshot:
-    """This replica's reservations: per instance and pool, (KV blocks, sequences) held."""
+    """This replica's reservations: per instance and pool, (KV blocks reserved, sequences,
+    pending blocks: what they may still add beyond the engine's last scrape, as
+    `_pending_blocks` counts)."""
     out: Snapshot = {}
     for state in fleet:
-        pools = {
-            pool: (state.reserved_by_pool.get(pool, 0), running)
+        if not state.leases:
+            continue
+        pending: dict[str, int] = {}
+        for lease in state.leases:
+            pending[lease.pool] = pending.get(lease.pool, 0) + _pending_blocks(state, lease)
+        out[state.spec.instance_id] = {
+            pool: (state.reserved_by_pool.get(pool, 0), running, pending.get(pool, 0))
             for pool, running in state.running_by_pool.items()
             if running > 0
         }
-        if pools:
-            out[state.spec.instance_id] = pools
     return out
+
+
+def _pending_blocks(state: InstanceState, lease: Lease) -> int:
+    """Blocks the lease's sequence may add to the engine's count after the last scrape: its
+    blocks past the prompt's whole blocks (what its output may still fill, and the prompt's
+    partial block) when its first token came before that scrape was requested (its prompt is
+    in the count); else its whole reservation."""
+    reading = state.reading
+    asked = reading.requested_at_s if reading is not None else None
+    first = lease.first_token_at_s
+    if asked is None or first is None or first > asked or reading is None:
+        return lease.blocks
+    block_size = reading.block_size or 1
+    return max(0, lease.blocks - lease.prompt_tokens // block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +162,7 @@ class PeerLoad:
 
     blocks: int = 0
     sequences: int = 0
+    pending_blocks: int = 0
     blocks_by_pool: Mapping[str, int] = field(default_factory=dict)
     sequences_by_pool: Mapping[str, int] = field(default_factory=dict)
 
@@ -143,14 +171,22 @@ def combine(snapshots: Mapping[str, Snapshot]) -> dict[str, PeerLoad]:
     """The replicas' snapshots summed per instance."""
     blocks: dict[str, dict[str, int]] = {}
     seqs: dict[str, dict[str, int]] = {}
+    pending: dict[str, int] = {}
     for snap in snapshots.values():
         for iid, by_pool in snap.items():
             b, s = blocks.setdefault(iid, {}), seqs.setdefault(iid, {})
-            for pool, (n_blocks, n_seqs) in by_pool.items():
+            for pool, (n_blocks, n_seqs, n_pending) in by_pool.items():
                 b[pool] = b.get(pool, 0) + n_blocks
                 s[pool] = s.get(pool, 0) + n_seqs
+                pending[iid] = pending.get(iid, 0) + n_pending
     return {
-        iid: PeerLoad(sum(blocks[iid].values()), sum(seqs[iid].values()), blocks[iid], seqs[iid])
+        iid: PeerLoad(
+            sum(blocks[iid].values()),
+            sum(seqs[iid].values()),
+            pending.get(iid, 0),
+            blocks[iid],
+            seqs[iid],
+        )
         for iid in blocks
     }
 
@@ -270,7 +306,7 @@ class SharedReservations:
             return view
         return replace(
             view,
-            used_blocks=max(view.used_blocks, float(state.reserved_blocks + peer.blocks)),
+            used_blocks=view.used_blocks + peer.pending_blocks,
             pool_reserved_blocks=view.pool_reserved_blocks + peer.blocks_by_pool.get(pool, 0),
             pool_running=view.pool_running + peer.sequences_by_pool.get(pool, 0),
             running=view.running + peer.sequences,

@@ -87,12 +87,12 @@ def store(any_store: Store) -> Store:
 
 def test_the_table_publishes_reads_the_others_and_ages_by_the_database(store: Store) -> None:
     table = ReservationsTable(store)
-    a = {"engine-0": {"normal": (100, 2)}}
+    a = {"engine-0": {"normal": (100, 2, 60)}}
     assert table.exchange("a", a, 3.0) == {}  # nobody else yet; never itself
-    b = {"engine-0": {"normal": (7, 1), "agent": (3, 1)}, "engine-1": {"agent": (1, 1)}}
+    b = {"engine-0": {"normal": (7, 1, 7), "agent": (3, 1, 0)}, "engine-1": {"agent": (1, 1, 1)}}
     assert table.exchange("b", b, 3.0) == {"a": a}
     assert table.exchange("a", None, 3.0) == {"b": b}  # None: read only
-    a2 = {"engine-1": {"normal": (5, 1)}}
+    a2 = {"engine-1": {"normal": (5, 1, 5)}}
     assert table.exchange("a", a2, 3.0) == {"b": b}
     assert table.exchange("c", None, 3.0) == {"a": a2, "b": b}  # replaced, not added
     with store.connection() as conn:  # b last wrote 10 s ago by the database's clock
@@ -230,7 +230,16 @@ def test_the_snapshot_is_what_the_replica_holds(tmp_path: Path) -> None:
     assert snapshot(core.fleet) == {}
     first, second = _admit(core, BIG), _admit(core, SMALL)
     assert first is not None and second is not None
-    assert snapshot(core.fleet) == {SPEC.instance_id: {"normal": (101, 2)}}
+    # no first token yet: each may still add its whole reservation to the engine's count
+    assert snapshot(core.fleet) == {SPEC.instance_id: {"normal": (101, 2, 101)}}
+    first.first_token(1.0)  # before the next scrape is requested: its prompt is counted there
+    core.fleet.record_reading(
+        SPEC.instance_id,
+        InstanceReading(2.0, 0.2, 1, 0, 1000, 16, 0, 0, 0, 0, 0, 0, 0, requested_at_s=1.5),
+    )
+    # 1600 tokens in 100 blocks, 1500 of them the prompt's: 93 whole prompt blocks are in the
+    # engine's count, 7 may still be filled
+    assert snapshot(core.fleet) == {SPEC.instance_id: {"normal": (101, 2, 8)}}
     first.release()
     second.release()
     assert snapshot(core.fleet) == {}
