@@ -41,6 +41,7 @@ async def test_a_router_on_postgres_shares_its_ledger_with_the_next(
             resp = await rig.client.post("/v1/chat/completions", json=BODY, headers=headers)
             assert resp.status_code == 200
         await rig.gateway.rebalancer.freeze("sre", True)
+        assert rig.gateway.admitter.peers is not None  # reservations shared with replicas
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".sqlite")]  # no embedded file
 
     store = PostgresStore(url, password=PASSWORD)
@@ -58,6 +59,8 @@ async def test_a_router_on_postgres_shares_its_ledger_with_the_next(
             ).fetchall()
             assert [s[0] for s in steps] == [0, 1, 2]
             assert conn.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 1
+            # the router withdrew its reservations when it stopped
+            assert conn.execute("SELECT COUNT(*) FROM admission_reservations").fetchone()[0] == 0
     finally:
         store.close()
 
