@@ -1,5 +1,6 @@
-"""Stopping a component's background task: one helper for every start/aclose pair (history,
-discovery, telemetry, governance, the rebalancer)."""
+"""Stopping a component's background task: the one helper every start/aclose pair uses,
+through `pools.periodic.Periodic` (the loops that run every N seconds) or directly (the
+rebalancer's decision loop, the trace exporter)."""
 
 from __future__ import annotations
 
