@@ -18,7 +18,10 @@ workload (`kv-pressure.yaml`: Poisson chat and waves of K=6 growing agent runs w
   may use the normal pool's idle half, less chat's forecast need);
 - `admission-forecast-hold`: the same, and `admission.prefill_hold_min_tokens: 512` (a new
   agent prefill of 512 tokens or more waits while a chat request is in its prefill);
-- `admission-on-hold`: the prefill hold alone (`reserve: share`).
+- `admission-on-hold`: the prefill hold alone (`reserve: share`);
+- `chat-alone-chunk512`, `admission-forecast-chunk512`: `chat-alone` and `admission-forecast`
+  on an engine from `engine-chunk512.yaml`, which differs only by `--max-num-batched-tokens
+  512` (vLLM's step budget; 2,048 otherwise): issue 26's chunk-size lever.
 
 Configurations run interleaved in alternating order (ABCD DCBA ABCD ...), `--rounds` times.
 Before each one the engine is drained (no request running or waiting) and its prefix cache is
@@ -85,7 +88,11 @@ HERE = Path(__file__).resolve().parent
 SAMPLE_INTERVAL_S = 0.5
 ROUTER_PORT = 8791
 ENGINE_KEY_ENV = "KVP_ENGINE_KEY"  # the routers read the engine's key from this env var
-ENGINE_FILES = {"fcfs": HERE / "engine-fcfs.yaml", "priority": HERE / "engine-priority.yaml"}
+ENGINE_FILES = {
+    "fcfs": HERE / "engine-fcfs.yaml",
+    "priority": HERE / "engine-priority.yaml",
+    "chunk512": HERE / "engine-chunk512.yaml",  # --max-num-batched-tokens 512
+}
 CHAT_CLASS = "normal"
 # the agents' output tok/s with admission against admission off: at least this (issue 26; it
 # was 0.8 for issue 9's first run)
@@ -150,6 +157,23 @@ CONFIGS: dict[str, RunSpec] = {
             True,
             "admission on, reserve: forecast, prefill_hold_min_tokens: 512",
             {"reserve": "forecast", "prefill_hold_min_tokens": 512},
+        ),
+        RunSpec(
+            "chat-alone-chunk512",
+            "chunk512",
+            "off",
+            None,
+            False,
+            "chat only (no agent runs), admission off; engine --max-num-batched-tokens 512",
+        ),
+        RunSpec(
+            "admission-forecast-chunk512",
+            "chunk512",
+            "on",
+            None,
+            True,
+            "admission on, reserve: forecast; engine --max-num-batched-tokens 512",
+            {"reserve": "forecast"},
         ),
         RunSpec(
             "admission-on-hold",
