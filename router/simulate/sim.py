@@ -397,6 +397,10 @@ class _Sim:
                 iid,
                 InstanceReading(
                     taken_at_s=self.now,
+                    # asked and answered at once: admission's engine-tracked KV bound applies
+                    # (the model allocates a sequence's blocks whole at its start, so the
+                    # reservations' bound is never above it here)
+                    requested_at_s=self.now,
                     kv_usage_frac=min(1.0, used / max(1, self.capacity_blocks)),
                     running=engine.running,
                     waiting=0,
