@@ -846,7 +846,7 @@ class Governor:
         gpu_s = outcome.gpu_seconds
         st.hour.add(gpu_s, now)
         st.day.add(gpu_s, now)
-        self.metrics.tokens_settled.labels(st.config.name).inc(used)
+        self.metrics.tenant(st.config.name).tokens_settled.inc(used)
         run = ticket.run
         if run is not None:
             touch(run, now, self._idle_timeout_s)
@@ -1154,12 +1154,12 @@ class Governor:
                 bucket.set_rate(per_minute * frac, per_minute * frac / 60.0, now_s)
 
     def _export(self, st: _Tenant, now_s: float) -> None:
-        name = st.config.name
+        series = self.metrics.tenant(st.config.name)
         if st.tokens is not None:
-            self.metrics.tokens_remaining.labels(name).set(max(0.0, st.tokens.level(now_s)))
-            self.metrics.tokens_reserved.labels(name).set(st.reserved_tokens)
-        self.metrics.inflight.labels(name).set(st.inflight)
-        self.metrics.active_runs.labels(name).set(len(st.active))
+            series.tokens_remaining.set(max(0.0, st.tokens.level(now_s)))
+            series.tokens_reserved.set(st.reserved_tokens)
+        series.inflight.set(st.inflight)
+        series.active_runs.set(len(st.active))
 
 
 def _rebucket(
