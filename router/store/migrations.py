@@ -45,10 +45,23 @@ class Migration:
     postgresql: Step
 
 
+def _schema_table(store: Store, conn: Conn) -> None:
+    """`gpupool_schema`, created if missing. PostgreSQL's `CREATE TABLE IF NOT EXISTS` is not
+    safe against a concurrent one (both may pass the check, the second then fails on the
+    catalog's unique index), so there it runs under the migrations' lock: routers starting
+    at once on a fresh database."""
+    if store.dialect != "postgresql":
+        conn.execute(_SCHEMA_TABLE)
+        return
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(?)", (_LOCK_KEY,))
+        conn.execute(_SCHEMA_TABLE)
+
+
 def applied_versions(store: Store) -> dict[str, int]:
     """component -> the version its tables are at in `store` (none: not created yet)."""
     with store.connection() as conn:
-        conn.execute(_SCHEMA_TABLE)
+        _schema_table(store, conn)
         return {
             str(c): int(v) for c, v in conn.execute("SELECT component, version FROM gpupool_schema")
         }
@@ -61,7 +74,7 @@ def migrate(store: Store, migrations: Iterable[Migration]) -> list[Migration]:
     ordered = sorted(migrations, key=lambda m: (m.component, m.version))
     applied: list[Migration] = []
     with store.connection() as conn:
-        conn.execute(_SCHEMA_TABLE)
+        _schema_table(store, conn)
         for component, group in groupby(ordered, key=lambda m: m.component):
             steps = list(group)
             _check_numbering(component, steps)

@@ -144,6 +144,39 @@ def _conn_kind(conn: Conn) -> str:
     return type(conn).__name__
 
 
+def test_routers_starting_at_once_on_a_fresh_database_migrate_once(any_store: Store) -> None:
+    """Four stores (four routers' pools) migrate one fresh database at the same moment: none
+    fails (PostgreSQL's CREATE TABLE IF NOT EXISTS races without the lock) and each
+    migration is applied once."""
+    if isinstance(any_store, PostgresStore):
+        stores: list[Store] = [PostgresStore(any_store.url, password=PASSWORD) for _ in range(4)]
+    else:
+        assert isinstance(any_store, SqliteStore)
+        stores = [SqliteStore(any_store.path) for _ in range(4)]
+    barrier = threading.Barrier(len(stores))
+    applied: list[int] = []
+    errors: list[BaseException] = []
+
+    def start(store: Store) -> None:
+        try:
+            store.open()
+            barrier.wait()
+            applied.extend(m.version for m in migrate(store, _ITEMS))
+        except BaseException as err:  # reported below
+            errors.append(err)
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=start, args=(store,)) for store in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(applied) == [1, 2]
+    assert applied_versions(any_store) == {"items": 2}
+
+
 def test_a_closed_store_refuses_connections(any_store: Store) -> None:
     any_store.close()
     with pytest.raises(StoreError, match="not open"), any_store.connection() as conn:
