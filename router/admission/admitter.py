@@ -430,6 +430,7 @@ class Admitter:
                         "rate_per_s": round(fc.rate_per_s, 3),
                         "service_s": round(fc.service_s, 3),
                         "mean_in_flight": round(fc.mean_in_flight, 3),
+                        "running": fc.running,  # the count its need is beyond
                     },
                 }
             out[pool] = entry
