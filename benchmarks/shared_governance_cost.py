@@ -4,7 +4,10 @@ a time on one connection pool (router/governance/shared.py).
 On a request's path: a lease top-up (`reserve_up_to`, about one request in
 `chunk / estimate`), a request slot (`acquire_slot` then `release_slot`, for a tenant with a
 tier), a run step's number (`next_step`, per agent step). In the background: one sweep's
-writes (`settle_many`, `renew_slots`, `publish_windows`, every second per replica).
+writes (`settle_many`, `renew_slots`, `publish_windows`, every second per replica), and
+admission's exchange of KV and batch reservations (router/admission/shared_reservations.py,
+every `store.admission_interval_s` per replica: publish this replica's and read two other
+replicas' rows over four engines, or only read when unchanged).
 
     .venv/bin/python -m benchmarks.shared_governance_cost --postgres-url URL
         [--password-env VAR] [--calls 2000]
@@ -19,6 +22,7 @@ import os
 import time
 from collections.abc import Callable
 
+from router.admission.shared_reservations import ReservationsTable
 from router.governance.shared import SharedBudgets
 from router.governance.store import MIGRATIONS
 from router.store import PostgresStore, migrate, redact
@@ -36,6 +40,10 @@ def _timed(call: Callable[[int], object], calls: int) -> str:
 
 def run(db: SharedBudgets, calls: int) -> list[tuple[str, str]]:
     now_s = time.time()
+    table = ReservationsTable(db.store)
+    mine = {f"engine-{i}": {"agent": (40, 6, 12), "normal": (20, 8, 9)} for i in range(4)}
+    for other in ("other-1", "other-2"):
+        table.exchange(other, mine, 3.0)
 
     def slot(i: int) -> None:
         db.acquire_slot("t/requests", f"r:{i}", 1000, now_s, lease_s=30)
@@ -62,6 +70,14 @@ def run(db: SharedBudgets, calls: int) -> list[tuple[str, str]]:
             _timed(lambda i: db.next_step("t", f"run{i % 50}", now_s), calls),
         ),
         ("sweep (settle_many + renew_slots + publish_windows)", _timed(sweep, max(1, calls // 4))),
+        (
+            "admission exchange, publish + read (ReservationsTable.exchange)",
+            _timed(lambda _: table.exchange("me", mine, 3.0), calls),
+        ),
+        (
+            "admission exchange, read only (unchanged)",
+            _timed(lambda _: table.exchange("me", None, 3.0), calls),
+        ),
     ]
 
 
