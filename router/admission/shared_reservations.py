@@ -44,6 +44,7 @@ adjustment run on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
+from prometheus_client import CollectorRegistry, Gauge
 
 from pools.fleet import Fleet, InstanceState, Lease
 from pools.periodic import Periodic
@@ -208,7 +210,9 @@ class SharedReservations:
         refresh_s: float = REFRESH_S,
         on_change: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
     ) -> None:
+        """`registry`: where the `gpupool_admission_peer_*` gauges go (none: no gauges)."""
         self.table = ReservationsTable(store)
         self.fleet = fleet
         self.replica = replica
@@ -223,6 +227,7 @@ class SharedReservations:
         self._published_at_s = -float("inf")
         self._forgot_at_s = -float("inf")
         self._failing = False
+        self._gauges = _PeerGauges(registry) if registry is not None else None
         self._loop = Periodic(
             "gpupool-shared-reservations", self.tick, interval_s, clock=clock, first_delay_s=0
         )
@@ -236,6 +241,7 @@ class SharedReservations:
         on_change: Callable[[], None],
         *,
         interval_s: float = INTERVAL_S,
+        registry: CollectorRegistry | None = None,
     ) -> SharedReservations | None:
         """A PostgreSQL store's (several routers may share it), exchanging every `interval_s`
         (`store.admission_interval_s`); None on the embedded store, whose one router has no
@@ -243,7 +249,9 @@ class SharedReservations:
         unchanged."""
         if store.dialect != "postgresql" or interval_s <= 0:
             return None
-        return cls(store, fleet, replica, interval_s=interval_s, on_change=on_change)
+        return cls(
+            store, fleet, replica, interval_s=interval_s, on_change=on_change, registry=registry
+        )
 
     async def start(self) -> None:
         self._loop.start()
@@ -295,6 +303,8 @@ class SharedReservations:
 
     def _set(self, peers: dict[str, PeerLoad]) -> None:
         changed = peers != self.peers
+        if self._gauges is not None:
+            self._gauges.show(self.replicas_seen, peers, gone=set(self.peers) - set(peers))
         self.peers = peers
         if changed and self.on_change is not None:
             self.on_change()
@@ -311,3 +321,45 @@ class SharedReservations:
             pool_running=view.pool_running + peer.sequences_by_pool.get(pool, 0),
             running=view.running + peer.sequences,
         )
+
+
+class _PeerGauges:
+    """What admission counts of the other replicas, on GET /metrics."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.replicas = Gauge(
+            "gpupool_admission_peer_replicas",
+            "Other router replicas whose KV and batch reservations admission counts now",
+            registry=r,
+        )
+        self.blocks = Gauge(
+            "gpupool_admission_peer_reserved_blocks",
+            "KV blocks the other router replicas reserve on the instance",
+            ["instance"],
+            registry=r,
+        )
+        self.pending = Gauge(
+            "gpupool_admission_peer_pending_blocks",
+            "Of those, the blocks they may still add beyond the engine's last scrape (what"
+            " admission adds to the used blocks)",
+            ["instance"],
+            registry=r,
+        )
+        self.running = Gauge(
+            "gpupool_admission_peer_running_requests",
+            "Sequences the other router replicas run on the instance",
+            ["instance"],
+            registry=r,
+        )
+
+    def show(self, replicas: int, peers: Mapping[str, PeerLoad], gone: set[str]) -> None:
+        self.replicas.set(replicas)
+        for iid, peer in peers.items():
+            self.blocks.labels(iid).set(peer.blocks)
+            self.pending.labels(iid).set(peer.pending_blocks)
+            self.running.labels(iid).set(peer.sequences)
+        for iid in gone:
+            for gauge in (self.blocks, self.pending, self.running):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(iid)

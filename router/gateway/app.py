@@ -172,6 +172,7 @@ class Gateway:
             self.rebalancer.replica,
             self.admitter.schedule_pump,
             interval_s=config.store.admission_interval_s,
+            registry=self.metrics.registry,
         )
         self.accounting_observer = AccountingObserver(
             self.accountant, self.ledger, self.accounting_metrics, clock=clock

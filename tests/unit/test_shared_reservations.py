@@ -15,6 +15,7 @@ import random
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from pools.config import ConfigError
 from pools.fleet import Lease
@@ -187,14 +188,23 @@ async def test_a_replica_that_stops_refreshing_stops_counting(tmp_path: Path, st
 async def test_a_stopped_replica_withdraws_its_reservations(tmp_path: Path, store: Store) -> None:
     clock = Clock()
     cores = [_core(tmp_path, clock), _core(tmp_path, clock)]
-    a, b = (_replica(store, c, name, clock) for c, name in zip(cores, "ab", strict=True))
+    a = _replica(store, cores[0], "a", clock)
+    registry = CollectorRegistry()
+    b = SharedReservations(store, cores[1].fleet, "b", clock=clock, registry=registry)
     assert _admit(cores[0], BIG) is not None
     await a.tick()
     await b.tick()
     assert b.peers[SPEC.instance_id].blocks == 100
+    labels = {"instance": SPEC.instance_id}
+    assert registry.get_sample_value("gpupool_admission_peer_replicas") == 1
+    assert registry.get_sample_value("gpupool_admission_peer_reserved_blocks", labels) == 100
+    assert registry.get_sample_value("gpupool_admission_peer_pending_blocks", labels) == 100
+    assert registry.get_sample_value("gpupool_admission_peer_running_requests", labels) == 1
     await a.aclose()
     await b.tick()
     assert b.peers == {}
+    assert registry.get_sample_value("gpupool_admission_peer_replicas") == 0
+    assert registry.get_sample_value("gpupool_admission_peer_reserved_blocks", labels) is None
 
 
 async def test_a_store_that_does_not_answer_keeps_the_last_reservations_for_the_lease(
