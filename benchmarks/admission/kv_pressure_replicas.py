@@ -55,6 +55,9 @@ from benchmarks.admission.kv_pressure import (
     ENGINE_KEY_ENV,
     HERE,
     Sampler,
+    _dict_cell,
+    _fmt,
+    _g,
     agent_numbers,
     engine_counters,
     get_text,
@@ -320,23 +323,13 @@ async def _wait_capacity(session: aiohttp.ClientSession, url: str, timeout_s: fl
     raise RuntimeError(f"{url}: no KV capacity known after {timeout_s:.0f} s")
 
 
-def _fmt(value: Any, kind: str = "f1") -> str:
-    if value is None:
-        return "–"
-    if kind == "pct":
-        return f"{100 * float(value):.1f} %"
-    if kind == "int":
-        return f"{float(value):.0f}"
-    return f"{float(value):.1f}" if kind == "f1" else f"{float(value):.2f}"
-
-
 ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("engine preemptions (Δ vllm:num_preemptions_total)", ("preemptions",), "int"),
     ("engine KV usage peak (0.5 s samples)", ("kv_usage_peak_frac",), "pct"),
     ("engine running peak", ("engine_running_peak",), "int"),
     ("engine waiting peak", ("engine_waiting_peak",), "int"),
     ("routers' reserved blocks together, peak", ("routers_reserved_blocks_peak",), "int"),
-    ("  / engine blocks", ("routers_reserved_over_engine_blocks_peak",), "f2"),
+    ("  as a share of the engine's blocks", ("routers_reserved_over_engine_blocks_peak",), "pct"),
     ("routers' sequences together, peak", ("routers_sequences_peak",), "int"),
     ("chat TTFT p50 (ms)", ("chat", "ttft_ms", "p50"), "int"),
     ("chat TTFT p99 (ms)", ("chat", "ttft_ms", "p99"), "int"),
@@ -345,14 +338,6 @@ ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("agent steps ok", ("agent", "steps_ok"), "int"),
     ("agent steps sent", ("agent", "steps_sent"), "int"),
 ]
-
-
-def _get(d: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(key)
-    return d
 
 
 def render(report: dict[str, Any]) -> str:
@@ -374,10 +359,10 @@ def render(report: dict[str, Any]) -> str:
         "|---|" + "---|" * len(runs),
     ]
     for label, path, kind in ROWS:
-        lines.append(f"| {label} | " + " | ".join(_fmt(_get(r, path), kind) for r in runs) + " |")
+        lines.append(f"| {label} | " + " | ".join(_fmt(_g(r, *path), kind) for r in runs) + " |")
     extra: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-        ("refusals / failures (harness)", lambda r: _dict(r["http_failures"])),
-        ("agent run outcomes", lambda r: _dict(r["agent_runs"])),
+        ("refusals / failures (harness)", lambda r: _dict_cell(r["http_failures"])),
+        ("agent run outcomes", lambda r: _dict_cell(r["agent_runs"])),
         (
             "requests per router",
             lambda r: ", ".join(f"{v:.0f}" for v in sorted(r["requests_by_router"].values())),
@@ -393,12 +378,6 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"| {label} | " + " | ".join(fn(r) for r in runs) + " |")
     lines.append("")
     return "\n".join(lines)
-
-
-def _dict(d: Any) -> str:
-    if not d:
-        return "none"
-    return ", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}" for k, v in d.items())
 
 
 async def amain(args: argparse.Namespace, pg: Any) -> int:
