@@ -411,6 +411,9 @@ async def amain(args: argparse.Namespace, pg: Any) -> int:
             for rnd in range(1, args.rounds + 1):
                 for mode in modes if rnd % 2 else modes[::-1]:
                     name = f"r{rnd}-{mode}"
+                    if _past(args.end_by, args.run_s):
+                        log.warning("%s: not started, it would end after %s UTC", name, args.end_by)
+                        return 0
                     log.info("%s: starting", name)
                     nums = await run_one(
                         mode=mode,
@@ -471,6 +474,16 @@ def _write(
     (out / "report.md").write_text(render(report))
 
 
+def _past(end_by: str | None, ahead_s: float) -> bool:
+    """Whether now + `ahead_s` is past `end_by` (HH:MM UTC, today)."""
+    if end_by is None:
+        return False
+    hour, minute = (int(x) for x in end_by.split(":"))
+    now = datetime.now(UTC)
+    end = now.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    return now.timestamp() + ahead_s > end.timestamp()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.admission.kv_pressure_replicas",
@@ -486,12 +499,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pause-s", type=float, default=3.0)
     p.add_argument("--nice", type=int, default=-5, help="niceness increment (0: none)")
     p.add_argument("--work-dir", default=f".gpupool/bench-kvpr-{secrets.token_hex(3)}")
+    p.add_argument(
+        "--end-by",
+        default=None,
+        help="HH:MM UTC: start no run that would end after it (a shared machine's time box)",
+    )
+    p.add_argument("--run-s", type=float, default=180.0, help="one run's expected seconds")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if _past(args.end_by, args.run_s * 2):
+        print(f"not started: it would end after {args.end_by} UTC", file=sys.stderr)
+        return 0
     Path(args.out).mkdir(parents=True, exist_ok=True)
     for sub in ("configs", "logs", "state", "samples"):
         (Path(args.work_dir) / sub).mkdir(parents=True, exist_ok=True)
