@@ -17,6 +17,9 @@ Proxy rules:
 - bytes pass through; the router parses the request body once, the first generated token's
   event (for TTFT: text, a tool call or reasoning) and the usage event (tokens); nothing else
   of the stream;
+- once a stream's first token has been seen and nothing else needs reading, its chunks go to
+  the client from the engine connection's own callback (`_Splice`: no task step per chunk) until
+  one may hold the usage or the last event, or the client cannot take it now;
 - a streaming chat or completions request always asks vLLM for `stream_options.include_usage`;
   the usage event is stripped again when the client did not ask for it;
 - a request that can never be served answers 400 before admission: its prompt alone over the
