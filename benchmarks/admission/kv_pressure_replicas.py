@@ -350,7 +350,12 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"- command: `{report['command']}`",
         f"- machine: {report['machine'].get('cpu_model')}, {report['machine'].get('cpu_cores')}"
-        f" cores; git {report['git']}",
+        f" cores; git {report['git']}"
+        + (
+            f" (modified at the start: {', '.join(report['git_modified_at_start'])})"
+            if report["git_modified_at_start"]
+            else ""
+        ),
         f"- engine: {report['engine_blocks']} KV blocks (one is vLLM's null block); workload"
         f" {report['scenario']}: {report['chat_requests']} chat requests, {report['agent_runs']}"
         " agent runs",
@@ -461,6 +466,7 @@ def _write(
         "created_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "command": " ".join(["python -m benchmarks.admission.kv_pressure_replicas", *sys.argv[1:]]),
         "git": git,
+        "git_modified_at_start": args.git_modified,
         "machine": describe_machine(),
         "replicas": args.replicas,
         "rounds": args.rounds,
@@ -514,6 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     if _past(args.end_by, args.run_s * 2):
         print(f"not started: it would end after {args.end_by} UTC", file=sys.stderr)
         return 0
+    # the routers run the working tree: which product files differ from HEAD at the start
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--", "router", "pools", "kvcache_model", "gpu_probe"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    args.git_modified = [line[3:] for line in status.stdout.splitlines() if line.strip()]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     for sub in ("configs", "logs", "state", "samples"):
         (Path(args.work_dir) / sub).mkdir(parents=True, exist_ok=True)
