@@ -221,6 +221,24 @@ def test_a_dropped_span_is_decided_and_built_as_the_sdk_would() -> None:
             assert sc.trace_id & root.TRACE_ID_LIMIT >= root.bound
             assert int(sc.trace_flags) == int(TraceFlags.RANDOM_TRACE_ID)  # as the SDK's
     assert kept and dropped  # both outcomes were exercised (p = 2**-199 otherwise)
+    # the short path of a new trace: the same rule, the dropped one's header as drop's would be
+    kept = dropped = 0
+    for _ in range(200):
+        header = sampling.new_trace()
+        if header is None:
+            kept += 1
+            sdk = tracer.start_span("kept")
+            sc = sdk.get_span_context()
+            assert sdk.is_recording() and sc.trace_id & root.TRACE_ID_LIMIT < root.bound
+            sdk.end()
+        else:
+            dropped += 1
+            version, trace_hex, span_hex, flags_hex = header.split("-")
+            assert (version, len(trace_hex), len(span_hex)) == ("00", 32, 16)
+            assert int(trace_hex, 16) & root.TRACE_ID_LIMIT >= root.bound
+            assert int(span_hex, 16) != 0
+            assert int(flags_hex, 16) == int(TraceFlags.RANDOM_TRACE_ID)
+    assert kept and dropped
     trace_id, parent_id = int(TRACE_ID, 16), int(PARENT_ID, 16)
     for flags, keeps in ((TraceFlags.SAMPLED, True), (TraceFlags.DEFAULT, False)):
         parent_sc = SpanContext(trace_id, parent_id, is_remote=True, trace_flags=TraceFlags(flags))

@@ -25,18 +25,25 @@ continues its run's first step's trace (kept in the run's `RunRecord`), so a run
 trace; a step that has its own incoming trace links to its run's first step instead.
 Attributes never hold a prompt, a completion, a header or a key.
 
-Times: the router's monotonic clock, turned into epoch nanoseconds by one offset taken at
-arrival, so a span's length is exactly the monotonic difference.
+Times: the router's monotonic clock, turned into epoch nanoseconds by one offset taken when
+its first span is built, so a span's length is exactly the monotonic difference.
 
 A request the sampler drops (most of them at a low `sample_ratio`) never reaches the SDK: the
 sampler's own rule is applied here (`RootSampling`) and gives the ids and flags the SDK would,
 so the engine still gets its `traceparent`; a span context is made of them only where one is
 read (an agent run's first step, which its later steps continue; JSON logs, whose lines name
-the current trace); only kept requests pay for attributes and SDK spans.
+the current trace); only kept requests pay for attributes and SDK spans. The commonest request
+(a new trace, no agent run, text logs) costs one random draw and one formatted string
+(`RootSampling.new_trace`): inside the router, among everything else a request does, the
+hooks' few microseconds in a tight loop were ~30 us a request, so the path is kept short, not
+only cheap (benchmarks/tracing_paired.py measures it end to end).
 """
 
 from __future__ import annotations
 
+import random
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
@@ -71,6 +78,7 @@ __all__ = [
     "RequestTrace",
     "RootSampling",
     "TraceObserver",
+    "TraceSetup",
     "dropped_context",
 ]
 
@@ -85,6 +93,8 @@ CHILD_SPANS = (
 )
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# a dropped new trace's `traceparent`: trace id, span id, the flags the SDK gives it
+_NEW_DROPPED = f"00-%032x-%016x-{int(TraceFlags.RANDOM_TRACE_ID):02x}"
 
 
 class PresetIds(RandomIdGenerator):
@@ -112,12 +122,23 @@ class RootSampling:
     None when the span is kept (then the SDK starts it, with the trace id this decision was
     taken on)."""
 
-    __slots__ = ("_bound", "_ids", "_limit")
+    __slots__ = ("_bits", "_bound", "_ids", "_limit")
 
     def __init__(self, root: TraceIdRatioBased, ids: PresetIds) -> None:
         self._bound = root.bound
         self._limit = root.TRACE_ID_LIMIT
         self._ids = ids
+        self._bits = random.getrandbits  # the SDK's RandomIdGenerator draws from it too
+
+    def new_trace(self) -> str | None:
+        """`drop(None)` as the engine's `traceparent`, with nothing else built: a new trace's
+        id is drawn and kept when under the ratio's bound (None: the SDK's next span gets that
+        id), else its `traceparent` (a fresh span id, the SDK's flags) is returned."""
+        trace_id = self._bits(128) or 1
+        if trace_id & self._limit < self._bound:
+            self._ids.preset(trace_id)
+            return None
+        return _NEW_DROPPED % (trace_id, self._bits(64) or 1)
 
     def drop(self, parent: Any) -> Dropped | None:
         ids = self._ids
@@ -155,73 +176,75 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)
 
 
-class RequestTrace:
-    """One request's spans; see the module's docstring for the tree and who calls what."""
+class TraceSetup:
+    """What every request's trace shares: the tracer, the run table (an agent run's first
+    step), the sampling decision taken before the SDK, the clock the request path's times are
+    on, and whether log lines name the current trace (JSON logs, read once when built)."""
 
-    __slots__ = (
-        "_ctx",
-        "_engine",
-        "_first_dispatch_s",
-        "_offset_ns",
-        "_path",
-        "_runs",
-        "_sampling",
-        "_token",
-        "_tracer",
-        "cached_tokens",
-        "carrier",
-        "prepared_s",
-        "received_s",
-        "recording",
-        "server",
-        "settle_ended_s",
-        "settle_started_s",
-        "traceparent",
-    )
+    __slots__ = ("clock", "json_logs", "runs", "sampling", "tracer")
 
     def __init__(
         self,
         tracer: Tracer,
         runs: RunTable,
         *,
+        sampling: RootSampling | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        json_logs: bool | None = None,
+    ) -> None:
+        self.tracer = tracer
+        self.runs = runs
+        self.sampling = sampling  # None: every span goes through the SDK
+        self.clock = clock
+        self.json_logs = json_logs_on() if json_logs is None else json_logs
+
+
+class RequestTrace:
+    """One request's spans; see the module's docstring for the tree and who calls what.
+
+    A dropped request sets three attributes; the rest keep these class-level defaults."""
+
+    server: Span | None = None
+    recording = False
+    traceparent: str | None = None  # sent upstream with the engine call
+    cached_tokens = 0
+    settle_started_s: float | None = None
+    settle_ended_s: float | None = None
+    _offset_ns = 0  # epoch ns minus the clock's ns, taken when spans are first built
+    _ctx: Any = None  # the server span's context: every child's parent
+    _token: Any = None  # the attached context, detached when the request ends
+    _engine: Span | None = None
+    _first_dispatch_s: float | None = None
+
+    def __init__(
+        self,
+        setup: TraceSetup,
         received_s: float,
-        offset_ns: int,
         path: str,
         traceparent: str | None = None,
         tracestate: str | None = None,
-        sampling: RootSampling | None = None,
     ) -> None:
-        self._tracer = tracer
-        self._sampling = sampling  # None: every span goes through the SDK
-        self._runs = runs
-        self._offset_ns = offset_ns
+        self._setup = setup
+        self.received_s = self.prepared_s = received_s
         self._path = path
-        self.received_s = received_s
-        self.carrier: dict[str, str] = {}
-        if traceparent:
-            self.carrier["traceparent"] = traceparent
-            if tracestate:
-                self.carrier["tracestate"] = tracestate
-        self.server: Span | None = None
-        self.recording = False
-        self.traceparent: str | None = None  # sent upstream with the engine call
-        self.prepared_s = received_s
-        self.cached_tokens = 0
-        self.settle_started_s: float | None = None
-        self.settle_ended_s: float | None = None
-        self._ctx: Any = None  # the server span's context: every child's parent
-        self._token: Any = None  # the attached context, detached when the request ends
-        self._engine: Span | None = None
-        self._first_dispatch_s: float | None = None
+        self._incoming_tp = traceparent  # the client's, never recorded
+        self._incoming_ts = tracestate
 
     def _ns(self, t_s: float) -> int:
         return self._offset_ns + int(t_s * 1e9)
 
+    def _take_offset(self) -> None:
+        """The epoch offset of the request path's clock, before this request's first span."""
+        self._offset_ns = time.time_ns() - int(self._setup.clock() * 1e9)
+
     def _incoming(self) -> Any:
         """The incoming trace's context, None without a valid `traceparent`."""
-        if not self.carrier:
+        if not self._incoming_tp:
             return None
-        parent = _PROPAGATOR.extract(self.carrier)
+        carrier = {"traceparent": self._incoming_tp}
+        if self._incoming_ts:
+            carrier["tracestate"] = self._incoming_ts
+        parent = _PROPAGATOR.extract(carrier)
         return parent if get_current_span(parent).get_span_context().is_valid else None
 
     # ------------------------------------------------------------------ the request path
@@ -229,32 +252,47 @@ class RequestTrace:
     def begin(self, ctx: RequestContext, estimate: Estimate, now_s: float) -> None:
         """The request is classified and estimated: its server span starts (at its arrival),
         under the incoming trace, else its run's first step; it becomes the current span."""
-        parent = self._incoming()
+        self.prepared_s = now_s
+        setup = self._setup
+        run_key = ctx.run_key
+        parent: Any = None
         links: list[Link] = []
         first: SpanContext | None = None
-        if (run_key := ctx.run_key) is not None:
-            record = self._runs.get(run_key)
-            first = record.trace_first_step if record is not None else None
-            if first is not None:
-                if parent is None:
-                    parent = set_span_in_context(NonRecordingSpan(first))
-                else:
-                    links.append(Link(first, {"gpupool.link": "run_first_step"}))
-        dropped = None if self._sampling is None else self._sampling.drop(parent)
-        if dropped is not None:  # no span to build: what is read of it, and only that
-            trace_id, span_id, flags, _ = dropped
-            self.prepared_s = now_s
-            self.traceparent = f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"
-            first_step = run_key is not None and first is None
-            logged = json_logs_on()
-            if first_step or logged:
-                context = dropped_context(dropped)
-                if run_key is not None and first_step:
-                    self._runs.touch(run_key).trace_first_step = context
-                if logged:  # the request's log lines name its trace
-                    self._ctx = set_span_in_context(NonRecordingSpan(context))
-                    self._token = otel_context.attach(self._ctx)
-            return
+        sampling = setup.sampling
+        if (
+            sampling is not None
+            and run_key is None
+            and not self._incoming_tp
+            and not setup.json_logs
+        ):
+            # the commonest request: a new trace whose span context nothing reads
+            self.traceparent = sampling.new_trace()
+            if self.traceparent is not None:
+                return
+        else:
+            parent = self._incoming()
+            if run_key is not None:
+                record = setup.runs.get(run_key)
+                first = record.trace_first_step if record is not None else None
+                if first is not None:
+                    if parent is None:
+                        parent = set_span_in_context(NonRecordingSpan(first))
+                    else:
+                        links.append(Link(first, {"gpupool.link": "run_first_step"}))
+            dropped = None if sampling is None else sampling.drop(parent)
+            if dropped is not None:  # no span to build: what is read of it, and only that
+                trace_id, span_id, flags, _ = dropped
+                self.traceparent = f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"
+                first_step = run_key is not None and first is None
+                if first_step or setup.json_logs:
+                    context = dropped_context(dropped)
+                    if run_key is not None and first_step:
+                        setup.runs.touch(run_key).trace_first_step = context
+                    if setup.json_logs:  # the request's log lines name its trace
+                        self._ctx = set_span_in_context(NonRecordingSpan(context))
+                        self._token = otel_context.attach(self._ctx)
+                return
+        self._take_offset()
         attributes: dict[str, Any] = {
             "http.request.method": "POST",
             "url.path": self._path,
@@ -267,7 +305,7 @@ class RequestTrace:
         }
         if ctx.run_id is not None:
             attributes["gpupool.run_id"] = ctx.run_id
-        span = self._tracer.start_span(
+        span = self._setup.tracer.start_span(
             f"POST {self._path}",
             context=parent,
             kind=SpanKind.SERVER,
@@ -276,10 +314,9 @@ class RequestTrace:
             start_time=self._ns(self.received_s),
         )
         if run_key is not None and first is None:
-            self._runs.touch(run_key).trace_first_step = span.get_span_context()
+            self._setup.runs.touch(run_key).trace_first_step = span.get_span_context()
         self.server = span
         self.recording = span.is_recording()
-        self.prepared_s = now_s
         self.traceparent = _traceparent(span)
         self._ctx = set_span_in_context(span)
         self._token = otel_context.attach(self._ctx)  # the request's log lines name it
@@ -299,7 +336,8 @@ class RequestTrace:
         }
         if tenant is not None:
             attributes["gpupool.tenant"] = tenant
-        span = self._tracer.start_span(
+        self._take_offset()
+        span = self._setup.tracer.start_span(
             f"POST {self._path}",
             context=self._incoming(),
             kind=SpanKind.SERVER,
@@ -335,13 +373,13 @@ class RequestTrace:
         else:
             self._first_dispatch_s = now_s
             home_key = outcome.ctx.home_key
-            record = self._runs.get(home_key) if home_key is not None else None
+            record = self._setup.runs.get(home_key) if home_key is not None else None
             if record is not None and record.home == outcome.instance_id:
                 self.cached_tokens = record.context_tokens
         attributes: dict[str, Any] = {"gpupool.instance": outcome.instance_id or ""}
         if outcome.step_index is not None:
             attributes["gpupool.run_step"] = outcome.step_index
-        self._engine = self._tracer.start_span(
+        self._engine = self._setup.tracer.start_span(
             "gpupool.engine",
             context=self._ctx,
             kind=SpanKind.CLIENT,
@@ -436,7 +474,7 @@ class RequestTrace:
         attributes: dict[str, Any],
         error: str | None = None,
     ) -> None:
-        span = self._tracer.start_span(
+        span = self._setup.tracer.start_span(
             name, context=self._ctx, attributes=attributes, start_time=self._ns(start_s)
         )
         if error is not None:

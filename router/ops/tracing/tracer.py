@@ -23,7 +23,13 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pools.config import ObservabilityConfig
 from router.ops.tracing.export import LoopBatchProcessor
-from router.ops.tracing.request_trace import PresetIds, RequestTrace, RootSampling, TraceObserver
+from router.ops.tracing.request_trace import (
+    PresetIds,
+    RequestTrace,
+    RootSampling,
+    TraceObserver,
+    TraceSetup,
+)
 from router.runtable import RunTable
 
 __all__ = ["EXPORT_TIMEOUT_S", "Tracing"]
@@ -80,10 +86,13 @@ class Tracing:
             shutdown_on_exit=False,
             id_generator=ids,
         )
-        # the sampler's decision taken before a span is built: a dropped request costs no SDK
-        self._sampling = RootSampling(root, ids)
         self.provider.add_span_processor(self.processor)
         self.tracer: Tracer = self.provider.get_tracer("gpupool.router")
+        # the sampler's decision taken before a span is built: a dropped request costs no SDK;
+        # whether logs are JSON lines (that name the trace) is read now, once
+        self._setup = TraceSetup(
+            self.tracer, runs, sampling=RootSampling(root, ids), clock=clock, json_logs=None
+        )
         self.observer = TraceObserver()  # the settlement's hook into each request's trace
 
     async def start(self) -> None:
@@ -96,12 +105,5 @@ class Tracing:
         """A request's trace, from its arrival (`now_s`, on `clock`), its path and its headers
         (an incoming `traceparent`/`tracestate`; nothing else of them is read or recorded)."""
         return RequestTrace(
-            self.tracer,
-            self.runs,
-            received_s=now_s,
-            offset_ns=time.time_ns() - int(self.clock() * 1e9),
-            path=path,
-            traceparent=headers.get("traceparent"),
-            tracestate=headers.get("tracestate"),
-            sampling=self._sampling,
+            self._setup, now_s, path, headers.get("traceparent"), headers.get("tracestate")
         )
