@@ -153,9 +153,9 @@ class RouterMetrics:
         )
         self.forecast_error = Histogram(
             "gpupool_headroom_forecast_error_blocks",
-            "admission.reserve: forecast: KV blocks a pool's new sequences held at their peak"
-            " on a split instance during a headroom horizon, minus the forecast made at its"
-            " start (positive: the forecast was short)",
+            "admission.reserve: forecast: the peak KV blocks a pool held on a split instance"
+            " during a headroom horizon beyond what it held at its start, minus the forecast"
+            " made then (positive: the forecast was short)",
             ["pool"],
             buckets=_FORECAST_ERROR_BUCKETS,
             registry=r,
