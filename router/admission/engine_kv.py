@@ -55,6 +55,12 @@ class EngineKV:
         reading, cap = state.reading, state.capacity_blocks
         if reading is None or cap is None or reading.requested_at_s is None:
             return fleet
+        measured = reading.kv_usage_frac * cap
+        # the sequences admitted since the reading arrived and still running count whole in
+        # both bounds (added - released since is at most their blocks): when that reaches the
+        # fleet's bound (its measured term decides it), the loop below cannot come out lower
+        if measured + state.added_since_reading - state.released_since_reading >= fleet:
+            return fleet
         asked = reading.requested_at_s
         pending = 0
         for lease in state.leases:
@@ -64,4 +70,4 @@ class EngineKV:
                 pending += growth
             else:
                 pending += lease.blocks
-        return min(fleet, reading.kv_usage_frac * cap + pending)
+        return min(fleet, measured + pending)
