@@ -151,8 +151,11 @@ def test_a_queued_step_a_refused_one_and_a_cancelled_stream(
     assert server.attributes["gen_ai.usage.output_tokens"] == 8
     assert queue.duration_s > 0 and queue.attributes["gpupool.queue.wait_ms"] > 0
     # every millisecond the client waited is in a span: the children tile the server span;
-    # what no span covers is the HTTP exchange with the client and the final send (README,
-    # "Tracing", has its size on a quiet machine; here only a bound a loaded machine keeps)
+    # what no span covers is the HTTP exchange with the client and the final send. The issue's
+    # bar, queue wait + engine time within 5 ms of what the client measured, does not hold
+    # robustly on the shared 2-core machine with three CPU engines (README, "Tracing": 3.3 to
+    # 9.5 ms there, classify/governance/settle and the HTTP exchange slowed by the engines'
+    # CPU); here, a bound such a machine keeps, and the figures printed
     children = sorted((s for s in step.values() if s is not server), key=lambda s: s.start_ns)
     assert children[0].start_ns == server.start_ns
     assert all(a.end_ns == b.start_ns for a, b in itertools.pairwise(children))
@@ -160,12 +163,13 @@ def test_a_queued_step_a_refused_one_and_a_cancelled_stream(
     spanned_s = sum(s.duration_s for s in children)
     print(
         f"queued step: client {client_s * 1e3:.3f} ms, server span {server.duration_s * 1e3:.3f}"
-        f" ms, children {spanned_s * 1e3:.3f} ms, queue + engine"
-        f" {(queue.duration_s + engine.duration_s) * 1e3:.3f} ms;"
+        f" ms, children {spanned_s * 1e3:.3f} ms, client - (queue + engine)"
+        f" {(client_s - queue.duration_s - engine.duration_s) * 1e3:.3f} ms;"
         f" { ({s.name: round(s.duration_s * 1e3, 3) for s in children}) }"
     )
     assert 0 <= server.duration_s - spanned_s < 0.05
     assert 0 <= client_s - server.duration_s < 0.05
+    assert client_s - (queue.duration_s + engine.duration_s) < 0.05
 
     # the cancelled stream: aborted by its client, its engine call marked so
     gone = _tree(receiver, cancelled, {ROUTE, "gpupool.engine"})
@@ -228,12 +232,14 @@ def test_an_agent_run_of_five_steps_reads_as_one_trace(
             for s in spans
             if s.parent_span_id == server.span_id and s.kind != SERVER
         }
+        waited_s = kids["gpupool.admission.queue"] + kids["gpupool.engine"]
+        ms = {name: round(took * 1e3, 3) for name, took in kids.items()}
         print(
             f"step {server.attributes['gpupool.run_step']}: client {took_s * 1e3:.3f} ms,"
-            f" server {server.duration_s * 1e3:.3f} ms, queue + engine"
-            f" {(kids['gpupool.admission.queue'] + kids['gpupool.engine']) * 1e3:.3f} ms,"
-            f" all children {sum(kids.values()) * 1e3:.3f} ms"
+            f" server {server.duration_s * 1e3:.3f} ms, client - (queue + engine)"
+            f" {(took_s - waited_s) * 1e3:.3f} ms; {ms}"
         )
+        assert 0 <= took_s - waited_s < 0.05  # a loose bound, as for the queued step
 
     # the router's log is JSON lines; its lines inside these requests name the run's trace
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
