@@ -3,33 +3,52 @@ the real-engine phase) and `--quick` (a ~1-minute smoke, most of it LiteLLM's st
 
 from __future__ import annotations
 
+import socket
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 __all__ = ["PORTS", "Plan"]
 
-# Every port this benchmark listens on, all within 8500-8599.
-PORTS: dict[str, int] = {
-    "real-vllm": 8500,
-    "engine": 8510,
-    "gpupool": 8520,
-    "gpupool-real": 8521,
-    "gpupool-admission-off": 8522,
-    "gpupool-ledger-batched": 8523,
-    "gpupool-baseline": 8524,
-    "gpupool-trace-1": 8525,  # observability on, sample_ratio 1.0
-    "gpupool-trace-0.01": 8526,  # sample_ratio 0.01
-    "otlp-sink": 8527,  # their collector (benchmarks.router_overhead.otlp_sink)
-    "gpupool-trace-0": 8528,  # observability on, sample_ratio 0: every request dropped
-    "vllm-router": 8530,
-    "vllm-router-metrics": 8531,
-    "vllm-router-real": 8532,
-    "vllm-router-real-metrics": 8533,
-    "production-stack": 8540,
-    "litellm": 8550,
+# Every port this benchmark listens on: free ones, chosen when the benchmark is imported (all
+# bound at once, so no two are the same), so that two runs on one machine do not answer each
+# other's requests (the ports were fixed, 8500-8599, before).
+_NAMES = (
+    "real-vllm",
+    "engine",
+    "gpupool",
+    "gpupool-real",
+    "gpupool-admission-off",
+    "gpupool-ledger-batched",
+    "gpupool-baseline",
+    "gpupool-trace-1",  # observability on, sample_ratio 1.0
+    "gpupool-trace-0.01",  # sample_ratio 0.01
+    "otlp-sink",  # their collector (benchmarks.router_overhead.otlp_sink)
+    "gpupool-trace-0",  # observability on, sample_ratio 0: every request dropped
+    "vllm-router",
+    "vllm-router-metrics",
+    "vllm-router-real",
+    "vllm-router-real-metrics",
+    "production-stack",
+    "litellm",
     # benchmarks.router_overhead.protocols: its own engine and router, apart from the above
-    "protocols-engine": 8560,
-    "protocols-gpupool": 8561,
-}
+    "protocols-engine",
+    "protocols-gpupool",
+)
+
+
+def _free_ports(names: tuple[str, ...]) -> dict[str, int]:
+    """A distinct port free on 127.0.0.1 for each name (another process may take one before
+    the benchmark binds it: its start then fails, naming the port)."""
+    with ExitStack() as held:
+        ports = {}
+        for name in names:
+            s = held.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports[name] = int(s.getsockname()[1])
+        return ports
+
+
+PORTS: dict[str, int] = _free_ports(_NAMES)
 
 
 @dataclass(frozen=True)
