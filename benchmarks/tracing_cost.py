@@ -4,9 +4,11 @@ sampled (ratio 0) and sampled (ratio 1), so the span work is measured without th
 
     python -m benchmarks.tracing_cost [--requests 20000]
 
-The export (protobuf encoding and the HTTP post, in the exporter's worker thread) comes on top
-for sampled requests; `python -m benchmarks.router_overhead --targets
-direct,gpupool,gpupool-trace-1,gpupool-trace-0.01` measures the whole router with it.
+Not sampled, two kinds: a request that is an agent run's step (its run's first step keeps a
+span context) and a plain one (a new trace: the shortest path). The export (protobuf encoding
+and the HTTP post, in the exporter's worker thread) comes on top for sampled requests. Inside
+the router the same hooks cost several times more than in this loop;
+`python -m benchmarks.tracing_paired` measures the whole router, request by request.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class _Null(SpanExporter):
         return None
 
 
-def per_request_us(ratio: float, requests: int) -> float:
-    """Mean µs of one request's tracing hooks at `ratio`, spans built and queued, not sent."""
+def per_request_us(ratio: float, requests: int, *, runs: bool = True) -> float:
+    """Mean µs of one request's tracing hooks at `ratio`, spans built and queued, not sent;
+    `runs`: each request a step of one of 100 agent runs, else a plain request."""
     tracing = Tracing(
         ObservabilityConfig(otlp_endpoint="http://127.0.0.1:4318", sample_ratio=ratio),
         runs=RunTable(),
@@ -51,7 +54,7 @@ def per_request_us(ratio: float, requests: int) -> float:
             pool="agent",
             priority=0,
             deadline_s=now + 60,
-            run_id=f"run-{i % 100}",
+            run_id=f"run-{i % 100}" if runs else None,
             model="tiny",
             stream=True,
             client_wants_usage=False,
@@ -76,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tracing_cost")
     parser.add_argument("--requests", type=int, default=20_000)
     args = parser.parse_args(argv)
-    for ratio in (0.0, 1.0):
-        us = per_request_us(ratio, args.requests)
-        print(f"sample_ratio {ratio:g}: {us:.1f} µs per request ({args.requests} requests)")
+    for ratio, runs in ((0.0, False), (0.0, True), (1.0, True)):
+        us = per_request_us(ratio, args.requests, runs=runs)
+        kind = "agent run steps" if runs else "plain requests"
+        print(f"sample_ratio {ratio:g}, {kind}: {us:.1f} µs per request ({args.requests})")
     return 0
 
 
