@@ -51,6 +51,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.admission.kv_pressure import reset_prefix_cache
+from benchmarks.outputs import bulk_path
 from benchmarks.placement import hit_rate, prefix_counters
 from pools.config import Config, parse_config
 from pools.launchers import InstanceSpec, LocalLauncher
@@ -565,7 +566,7 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
             row["load_avg_1m"] = [load_before, os.getloadavg()[0]]
             _say(json.dumps(row))
             rows.append(row)
-            (out / f"{name}.requests.json").write_text(
+            bulk_path(out, f"{name}.requests.json").write_text(
                 json.dumps(
                     [
                         {k: v for k, v in dataclasses.asdict(r).items() if k != "messages"}
