@@ -9,23 +9,32 @@ system prompt looks up exactly the blocks the two prompts share.
 Through the router (an in-process gateway over the session's engines): a second
 conversation sharing a new system prompt is placed on the engine that cached it, and its
 response says how many prompt tokens were expected cached there (the shared full blocks).
+
+A dropped event: between the engine and the router's subscriber, a forwarder drops one batch
+(the blocks of one request); the next batch shows the gap, the subscriber asks the engine's
+own replay socket, and the index holds the dropped request's blocks, still exact.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import zmq
+import zmq.asyncio
 
 from pools.config import load_config
 from pools.launchers import InstanceSpec
+from pools.launchers.base import KvEventsSpec
 from router.gateway.app import create_app
 from router.prefix import PrefixCache
 from router.prefix.prompt import ChatPrompt
+from router.prefix.subscriber import SubscriberSettings
 from tests.integration.conftest import MODEL_DIR, write_router_config
 
 pytestmark = pytest.mark.integration
@@ -139,3 +148,87 @@ def test_a_shared_system_prompt_is_placed_where_it_is_cached(
     tmp_path: Path, real_engines: list[InstanceSpec]
 ) -> None:
     asyncio.run(_placed(tmp_path, real_engines))
+
+
+class _Forwarder:
+    """The engine's KV event batches, passed on from a PUB socket of its own, but for the
+    first one after `drop_next()`: the router's subscriber follows this one."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, source: str, endpoint: str) -> None:
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(source)
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(endpoint)
+        self.dropped: list[int] = []
+        self._drop = False
+        self._task = asyncio.create_task(self._run())
+
+    def drop_next(self) -> None:
+        self._drop = True
+
+    async def _run(self) -> None:
+        while True:
+            frames = await self.sub.recv_multipart()
+            if self._drop:
+                self._drop = False
+                self.dropped.append(int.from_bytes(frames[1], "big"))
+                continue
+            await self.pub.send_multipart(frames)
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.sub.close(linger=0)
+        self.pub.close(linger=0)
+
+
+async def _dropped(tmp_path: Path, spec: InstanceSpec) -> None:
+    prompt = ChatPrompt.from_model_dir(MODEL_DIR)
+    assert prompt is not None and spec.kv_events is not None
+    bodies = [_body("Where?", f"Project {os.urandom(4).hex()}. ") for _ in range(3)]
+    ids = [prompt.token_ids(b) for b in bodies]
+    ctx = zmq.asyncio.Context()
+    forwarder = _Forwarder(ctx, spec.kv_events.endpoint, f"ipc://{tmp_path}/fwd-pub")
+    followed = dataclasses.replace(
+        spec,
+        kv_events=KvEventsSpec(f"ipc://{tmp_path}/fwd-pub", spec.kv_events.replay_endpoint),
+    )
+    # no catch-up replay after a quiet spell (5 s by default) before the third batch: the
+    # gap it shows is what this checks
+    cache = PrefixCache([followed], settings=SubscriberSettings(catch_up_s=300))
+    await cache.start()
+    events = cache.engines[spec.instance_id]
+    block = 128
+
+    def holds(i: int) -> bool:
+        full = ids[i]
+        assert full is not None
+        return cache.cached_blocks(full).get(spec.instance_id) == len(full) // block
+
+    try:
+        async with asyncio.timeout(60), httpx.AsyncClient(timeout=60) as client:
+            await events.wait_for(lambda e: e.connected)
+            await _chat(client, spec, bodies[0])
+            await events.wait_for(lambda e: holds(0))
+            replays = events.replays
+            forwarder.drop_next()  # the batch storing the second prompt's blocks
+            await _chat(client, spec, bodies[1])
+            await _chat(client, spec, bodies[2])  # its batch shows the gap
+            await events.wait_for(lambda e: holds(2))
+            assert len(forwarder.dropped) == 1
+            assert holds(1), "the dropped batch's blocks were not replayed"
+            assert events.replays == replays + 1 and events.resyncs == 0
+            assert events.index.exact and events.usable
+    finally:
+        await cache.aclose()
+        await forwarder.aclose()
+        ctx.term()
+
+
+def test_a_dropped_event_is_replayed_from_the_engine(
+    tmp_path: Path, real_engines: list[InstanceSpec]
+) -> None:
+    asyncio.run(_dropped(tmp_path, real_engines[0]))
