@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from router.prefix import ChatPrompt, PrefixCache
-from router.prefix.hashing import DEFAULT_SEED, ChainMemo
+from router.prefix.chain_memo import ChainMemo
+from router.prefix.hashing import DEFAULT_SEED
 from router.prefix.lookup import PrefixLookup
 
 _RULE = "Rule 7: keep the tool output short and cite the file. "

@@ -20,7 +20,7 @@ from typing import Any
 
 from router.admission.decision import CachedPrefix
 from router.prefix.cache import PrefixCache
-from router.prefix.hashing import ChainMemo
+from router.prefix.chain_memo import ChainMemo
 from router.prefix.prompt import ChatPrompt
 
 __all__ = ["ASYNC_CHARS", "PrefixLookup"]

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
 from pools.devmodel import make_dev_model
-from router.prefix.hashing import ChainMemo, chain_keys
+from router.prefix.chain_memo import ChainMemo
+from router.prefix.hashing import chain_keys
 from router.prefix.prompt import MEMO_PIECE_CHARS, Pieces, _cut_tokens
 
 
