@@ -438,3 +438,41 @@ def test_tracing_settings_reach_the_routers_config(
     assert config["router"]["log_format"] == "json"
     monkeypatch.setenv("GPUPOOL_ENGINE_KEY", "engine-key-for-the-test")
     assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_the_collectors_headers_come_from_a_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """`observability.headersSecret`: the collector's headers (a token) reach the router as an
+    env var from that Secret, never through the ConfigMap; without a collector it is refused."""
+    values: dict[str, Any] = {
+        **OPEN,
+        "observability": {"headersSecret": "tempo-auth"},
+        "config": {"observability": {"otlp_endpoint": "http://tempo:4318"}},
+    }
+    docs = list(_documents(_render(values)))
+    (container,) = _named(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("valueFrom") for e in container["env"]}
+    assert env["GPUPOOL_OTLP_HEADERS"] == {"secretKeyRef": {"name": "tempo-auth", "key": "headers"}}
+    assert _router_config_text(values)["observability"] == {
+        "otlp_endpoint": "http://tempo:4318",
+        "headers_env": "GPUPOOL_OTLP_HEADERS",
+    }
+    path = _router_config(tmp_path, values)
+    monkeypatch.setenv("GPUPOOL_ENGINE_KEY", "engine-key-for-the-test")
+    monkeypatch.setenv("GPUPOOL_OTLP_HEADERS", "authorization=Bearer t0ken")
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+    assert "t0ken" not in capsys.readouterr().out
+    for version in KUBE_VERSIONS:
+        report = helm.lint(CHART, values, strict=True, kube_version=f"v{version}")
+        assert [m for m in report["messages"] if m["severity"] >= 2] + report["errors"] == []
+    # a Secret of headers and no collector to send them to
+    with pytest.raises(helm.HelmError) as err:
+        _render({**OPEN, "observability": {"headersSecret": "tempo-auth"}})
+    assert "set config.observability.otlp_endpoint" in str(err.value)
+    # both the chart's Secret and the user's own env var
+    both = {**values, "config": {"observability": {"otlp_endpoint": "http://t:4318"}}}
+    both["config"]["observability"]["headers_env"] = "MY_HEADERS"
+    with pytest.raises(helm.HelmError) as err:
+        _render(both)
+    assert "set one of the two" in str(err.value)
