@@ -9,7 +9,11 @@ promises, each checked by its own test on the record the module fixture keeps:
   previous_response_not_found while the engine is dead, and still 400 (never 500) once the
   launcher has it back under the same id, holding nothing;
 - the router: new requests while the engine is dead are all served by the other engine of its
-  pool, and once restarted (new pid) the router marks it healthy and sends it traffic again.
+  pool, and once restarted (new pid) the router marks it healthy and sends it traffic again;
+- the prefix-cache index (router/prefix, on the fleet's event loop, following the victim's KV
+  events from before the kill to after the restart): it holds a prompt's blocks before, holds
+  none of them once the engine came back empty (the index of the dead process is dropped, never
+  carried over), and follows the new process: the same prompt sent again is indexed again.
 
 The victim is the engine `engine_kill` kills: the first engine of the normal pool of a router
 with the scenario's own config, read from such a router before the kill (the record checks
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -45,6 +50,9 @@ import yaml
 
 from benchmarks.reliability import faults
 from pools.launchers import InstanceSpec, LocalLauncher
+from router.prefix import PrefixCache
+from router.prefix.prompt import ChatPrompt
+from router.prefix.subscriber import EngineEvents
 from tests.integration.conftest import (
     ENGINE_KEY_ENV,
     MODEL_DIR,
@@ -89,6 +97,60 @@ class KillRecord:
     router_saw_it_healthy_again: bool = False
     instances_after_restart: list[str] = field(default_factory=list)
     statuses_after_restart: list[int] = field(default_factory=list)
+    # the prefix-cache index following the victim: the prompt's full blocks it held before the
+    # kill, once the engine was back (before the prompt was sent again), and after it was
+    prefix_blocks: int = 0
+    prefix_held_before: int = -1
+    prefix_held_after_restart: int = -1
+    prefix_held_after_resend: int = -1
+    prefix_index_restarts: tuple[int, int] = (0, 0)  # the subscriber's count, before / after
+    prefix_usable_after: bool = False
+
+
+class _IndexWatch:
+    """A `PrefixCache` following one engine on the fleet's event loop (it outlives the
+    scenario's own `asyncio.run`), and the one prompt it is checked with."""
+
+    def __init__(self, spec: InstanceSpec) -> None:
+        prompt = ChatPrompt.from_model_dir(MODEL_DIR)
+        assert prompt is not None and spec.kv_events is not None
+        rules = " ".join(f"Rule {i}: a killed engine keeps nothing it cached." for i in range(60))
+        self.body = {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": f"Kill {os.urandom(4).hex()}. {rules}"},
+                {"role": "user", "content": "What survives a restart?"},
+            ],
+            "max_tokens": 1,
+        }
+        ids = prompt.token_ids(self.body)
+        assert ids is not None
+        self.ids = ids
+        self.spec = spec
+        self.cache = PrefixCache([spec])
+
+    @property
+    def events(self) -> EngineEvents:
+        return self.cache.engines[self.spec.instance_id]
+
+    def held(self) -> int:
+        return self.cache.cached_blocks(self.ids).get(self.spec.instance_id, 0)
+
+    async def send_and_wait(self, blocks: int) -> int:
+        """Send the prompt to the engine itself; its blocks once the index holds `blocks`."""
+        async with asyncio.timeout(60), httpx.AsyncClient(timeout=60) as client:
+            await self.events.wait_for(lambda e: e.connected)
+            headers = {"Authorization": f"Bearer {self.spec.api_key}"}
+            url = f"{self.spec.url}/v1/chat/completions"
+            (await client.post(url, json=self.body, headers=headers)).raise_for_status()
+            await self.events.wait_for(lambda e: self.held() == blocks)
+        return self.held()
+
+    async def after_restart(self) -> int:
+        """Once reconnected to the restarted engine: the prompt's blocks the index holds."""
+        async with asyncio.timeout(60):
+            await self.events.wait_for(lambda e: e.connected)
+        return self.held()
 
 
 class _KillWatch:
@@ -253,6 +315,7 @@ def kill_record(
         work / "responses" / "router.log",
     )
     router = None
+    watch: _IndexWatch | None = None
     try:
         router = RouterProcess(
             _pools(
@@ -265,6 +328,11 @@ def kill_record(
         )
         record = KillRecord(victim=victim)
         record.restarts_before = engine_fleet.launcher.engines[index].restarts
+        watch = _IndexWatch(engine_fleet.instances[index])
+        engine_fleet.run(watch.cache.start())
+        record.prefix_blocks = len(watch.ids) // 128  # vLLM's CPU block size
+        record.prefix_held_before = engine_fleet.run(watch.send_and_wait(record.prefix_blocks))
+        restarts_before = watch.events.restarts
         first = httpx.post(
             f"{responses.url}/v1/responses",
             json=RESPONSES,
@@ -314,9 +382,17 @@ def kill_record(
             timeout=120,
         )
         record.follow_up_after_restart = (resp.status_code, _json(resp))
+        record.prefix_held_after_restart = engine_fleet.run(watch.after_restart())
+        record.prefix_held_after_resend = engine_fleet.run(
+            watch.send_and_wait(record.prefix_blocks)
+        )
+        record.prefix_index_restarts = (restarts_before, watch.events.restarts)
+        record.prefix_usable_after = watch.events.usable
         print(record)
         yield record
     finally:
+        if watch is not None:
+            engine_fleet.run(watch.cache.aclose())
         if router is not None:
             router.stop()
         responses.stop()
@@ -383,3 +459,19 @@ def test_dead_engine_does_not_fail_new_requests_and_comes_back(kill_record: Kill
     assert kill_record.router_saw_it_healthy_again
     assert kill_record.statuses_after_restart == [200] * BACK_REQUESTS
     assert victim in kill_record.instances_after_restart, "the restarted engine got no traffic back"
+
+
+def test_the_prefix_index_drops_a_killed_engines_blocks_and_follows_its_restart(
+    kill_record: KillRecord,
+) -> None:
+    r = kill_record
+    assert r.prefix_blocks >= 3  # the system prompt spans several blocks
+    assert r.prefix_held_before == r.prefix_blocks
+    # the restarted engine holds nothing, and neither does the index: it never claims a block
+    # the new process lacks
+    assert r.prefix_held_after_restart == 0
+    before, after = r.prefix_index_restarts
+    assert after > before, "the subscriber saw no lost connection or new publisher"
+    # it follows the new process: the prompt sent again is indexed again, and usable
+    assert r.prefix_held_after_resend == r.prefix_blocks
+    assert r.prefix_usable_after

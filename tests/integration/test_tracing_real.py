@@ -189,6 +189,41 @@ def test_a_queued_step_a_refused_one_and_a_cancelled_stream(
     assert "gpupool.engine" not in no
 
 
+def test_plain_chat_requests_with_a_traceparent(
+    traced: tuple[RouterProcess, OtlpReceiver, Path],
+) -> None:
+    """The issue's first bar as its users send it: a chat request (no run, the normal pool)
+    with a `traceparent` has its span tree under that trace id; the figures are printed."""
+    router, receiver, _ = traced
+    with httpx.Client(timeout=120) as client:
+        assert client.get(f"{router.url}/health").status_code == 200  # its connection open
+        for i in range(3):
+            trace_id = os.urandom(16).hex()
+            traceparent = _tp(trace_id)
+            body = {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}]}
+            started = time.perf_counter()
+            reply = client.post(
+                f"{router.url}/v1/chat/completions",
+                json={**body, "max_tokens": 8},
+                headers={"traceparent": traceparent},
+            )
+            took_s = time.perf_counter() - started
+            assert reply.status_code == 200, reply.text
+            tree = _tree(receiver, trace_id, {*CHILD_SPANS, ROUTE})
+            server = tree[ROUTE]
+            assert len(tree) >= 5 and server.attributes["gpupool.pool"] == "normal"
+            assert server.parent_span_id == traceparent.split("-")[2]  # the client's span
+            waited_s = (
+                tree["gpupool.admission.queue"].duration_s + tree["gpupool.engine"].duration_s
+            )
+            ms = {n: round(s.duration_s * 1e3, 3) for n, s in tree.items() if s is not server}
+            print(
+                f"chat {i}: client {took_s * 1e3:.3f} ms, server {server.duration_s * 1e3:.3f}"
+                f" ms, client - (queue + engine) {(took_s - waited_s) * 1e3:.3f} ms; {ms}"
+            )
+            assert 0 <= took_s - waited_s < 0.05  # a loose bound, as for the agent steps
+
+
 def test_an_agent_run_of_five_steps_reads_as_one_trace(
     traced: tuple[RouterProcess, OtlpReceiver, Path],
 ) -> None:
