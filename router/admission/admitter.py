@@ -383,8 +383,8 @@ class Admitter:
             if waiting or cold:
                 blocks, slots = unused_blocks, unused_slots
             else:
-                blocks = min(unused_blocks, float(forecast.blocks))
-                slots = min(unused_slots, forecast.slots)
+                blocks = min(unused_blocks, float(forecast.need_blocks))
+                slots = min(unused_slots, forecast.need_slots)
             out[pool] = Reserve(pool, blocks, slots, forecast, waiting, cold)
         return out
 
@@ -431,6 +431,9 @@ class Admitter:
                         "service_s": round(fc.service_s, 3),
                         "mean_in_flight": round(fc.mean_in_flight, 3),
                         "running": fc.running,  # the count its need is beyond
+                        # the cap by the window's measured peak (None: the model alone)
+                        "measured_blocks": fc.measured_blocks,
+                        "measured_slots": fc.measured_slots,
                     },
                 }
             out[pool] = entry

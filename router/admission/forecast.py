@@ -31,12 +31,24 @@ answers how much the pool will hold *beyond what it holds now* at any moment of 
   borrower while its rate is low (at 0.5 req/s and a 0.2 s service time m = 0.1 and the p99
   count is 1 anyway; below ~0.01, it would be 0).
 
+- **Capped by the measured peak.** The model above is for a pool whose traffic it fits; for
+  one whose measured need is far below it (chat: its p99 over a 10 s horizon took its whole
+  half of a split engine while it never held a quarter of it) the reserve is also capped by
+  what the pool was *seen* to need: the peak of the blocks (slots) it held on the instance
+  over the window, plus one sequence of its quantile size (one slot), less what it holds now,
+  and at least that one sequence. `Forecast.need_blocks` / `need_slots` are the smaller of
+  the model and the cap, what admission keeps free. The cap counts once the pool has been
+  seen on the instance for one horizon (before, the model alone: a peak over a few arrivals
+  says little). A surge the window has not seen is covered by the owner's queue: a pool with
+  requests waiting lends nothing (the shell keeps its whole unused share).
+
 Before any sequence was seen the forecast is 0 (`Forecast.measured` False): the shell decides
 what an unmeasured pool gets (admission keeps its whole share for the first `window_s`).
 
-Forecast error: once per horizon, the forecast made at its start is compared with the peak,
-during it, of the blocks the pool's sequences on the instance held beyond what they held at its
-start (its need beyond its holding, what the forecast is of); `on_error(measured - forecast)`
+Forecast error: once per horizon, the forecast made at its start (`need_blocks`, what is kept)
+is compared with the peak, during it, of the blocks the pool's sequences on the instance held
+beyond what they held at its start (its need beyond its holding, what the forecast is of);
+`on_error(measured - forecast)`
 (blocks; positive: the forecast was short) is called when the horizon has passed, at the next
 call. This is the `gpupool_headroom_forecast_error_blocks` histogram. The forecast is the
 largest over the horizon of a per-moment quantile, not the quantile of the horizon's peak, so
@@ -105,6 +117,21 @@ class Forecast:
     mean_in_flight: float  # m = λ · E[S]: the pool's mean sequences in flight
     measured: bool  # any sequence seen in the window
     running: int = 0  # the pool's sequences on the instance when it was made (n)
+    # the measured cap: the window's peak held plus one sequence (slot), less the holding now
+    # (None: not seen for a horizon yet, the model alone)
+    measured_blocks: int | None = None
+    measured_slots: int | None = None
+
+    @property
+    def need_blocks(self) -> int:
+        """What is kept free: the model's blocks, capped by the measured need."""
+        cap = self.measured_blocks
+        return self.blocks if cap is None else min(self.blocks, cap)
+
+    @property
+    def need_slots(self) -> int:
+        cap = self.measured_slots
+        return self.slots if cap is None else min(self.slots, cap)
 
 
 _NONE = Forecast(0, 0, 0.0, 0.0, 0.0, False)
@@ -142,6 +169,10 @@ class DemandForecaster:
         self._held_blocks = 0  # what the pool's running sequences hold (their leases)
         self._check_base = 0  # _held_blocks at the checked horizon's start
         self._check_peak = 0
+        # (at_s, blocks held, sequences running) after each change, oldest first; the entry
+        # in effect at the window's start is kept
+        self._history: deque[tuple[float, int, int]] = deque()
+        self._first_seen_s: float | None = None
 
     # ------------------------------------------------------------------ what happened
 
@@ -157,6 +188,9 @@ class DemandForecaster:
         self._held_blocks += blocks
         if self._check_start_s is not None:
             self._check_peak = max(self._check_peak, self._held_blocks - self._check_base)
+        if self._first_seen_s is None:
+            self._first_seen_s = now_s
+        self._record(now_s)
 
     def departed(self, now_s: float, blocks: int, arrived_at_s: float) -> None:
         """A sequence `arrived` at `arrived_at_s` ended (its lease released)."""
@@ -169,6 +203,14 @@ class DemandForecaster:
             self._services.popleft()
         self._cached = None
         self._held_blocks = max(0, self._held_blocks - blocks)
+        self._record(now_s)
+
+    def _record(self, now_s: float) -> None:
+        history = self._history
+        history.append((now_s, self._held_blocks, self._running))
+        since = now_s - self.window_s
+        while len(history) > 1 and (history[1][0] <= since or len(history) > 4 * _MAX_SAMPLES):
+            history.popleft()  # the next entry was in effect at the window's start already
 
     # ------------------------------------------------------------------ the forecast
 
@@ -183,7 +225,7 @@ class DemandForecaster:
         self._cached = (now_s, result)
         if self._check_start_s is None and result.measured:
             self._check_start_s = now_s
-            self._check_forecast = result.blocks
+            self._check_forecast = result.need_blocks
             self._check_base = self._held_blocks
             self._check_peak = 0
         return result
@@ -210,7 +252,33 @@ class DemandForecaster:
         blocks = count * mean + self._z * math.sqrt(count * var)
         blocks = min(max(blocks, float(one)), float(count * sizes[-1]))
         m = rate * service_s
-        return Forecast(math.ceil(blocks - 1e-9), count, rate, service_s, m, True, self._running)
+        measured_blocks = measured_slots = None
+        first = self._first_seen_s
+        if first is not None and now_s - first >= self.horizon_s:
+            peak_blocks, peak_running = self._peaks(since)
+            measured_blocks = max(one, peak_blocks + one - self._held_blocks)
+            measured_slots = max(1, peak_running + 1 - self._running)
+        return Forecast(
+            math.ceil(blocks - 1e-9),
+            count,
+            rate,
+            service_s,
+            m,
+            True,
+            self._running,
+            measured_blocks,
+            measured_slots,
+        )
+
+    def _peaks(self, since: float) -> tuple[int, int]:
+        """The most blocks and sequences the pool held at any moment after `since`."""
+        entries = list(self._history)
+        peak_blocks = peak_running = 0
+        for i, (_, blocks, running) in enumerate(entries):
+            if i + 1 < len(entries) and entries[i + 1][0] <= since:
+                continue  # replaced before the window began
+            peak_blocks, peak_running = max(peak_blocks, blocks), max(peak_running, running)
+        return peak_blocks, peak_running
 
     def _beyond_holding(self, rate: float, service_s: float) -> int:
         """K: the most sequences the pool will run beyond the n it runs now at any moment of

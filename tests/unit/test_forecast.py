@@ -174,15 +174,18 @@ def test_the_error_is_the_new_sequences_peak_less_the_forecast() -> None:
         horizon_s=10.0, quantile=0.99, window_s=60.0, started_at_s=0.0, on_error=errors.append
     )
     _steady(f, sizes=[3], until_s=60.0)
-    assert f.forecast(60.0).blocks == 12  # the horizon [60, 70] is checked against 12
+    fc = f.forecast(60.0)
+    # the model's 12, capped by the measured need: one sequence ever held (3), plus one, less
+    # the one held now: 3. The horizon [60, 70] is checked against what is kept, 3
+    assert (fc.blocks, fc.need_blocks) == (12, 3)
     # during it: a burst of 5 sequences of 3 at once (15 blocks), then they end
     for i in range(5):
         f.arrived(61.0 + i * 0.01, 3)
     f.departed(63.0, 3, 61.0)
     f.arrived(64.0, 3)  # 5 held again, below the peak
     assert errors == []  # not yet past the horizon
-    f.forecast(70.0)  # the horizon has passed: 15 - 12
-    assert errors == [3.0]
+    f.forecast(70.0)  # the horizon has passed: 15 - 3
+    assert errors == [12.0]
 
 
 def test_sequences_held_from_before_the_horizon_do_not_count() -> None:
@@ -203,3 +206,43 @@ def test_bad_parameters_are_refused() -> None:
         DemandForecaster(horizon_s=0.0, quantile=0.99, window_s=60.0, started_at_s=0.0)
     with pytest.raises(ValueError):
         DemandForecaster(horizon_s=1.0, quantile=1.0, window_s=60.0, started_at_s=0.0)
+
+
+def test_the_measured_peak_caps_what_is_kept() -> None:
+    f = DemandForecaster(horizon_s=10.0, quantile=0.99, window_s=60.0, started_at_s=0.0)
+    _steady(f, sizes=[3], until_s=60.0)
+    fc = f.forecast(60.0)
+    # the model keeps 4 sequences (12 blocks); the pool never held more than one at a time
+    # (3 blocks): the peak 3 + one sequence 3 - the 3 it holds now = 3 blocks, 1 slot
+    assert (fc.blocks, fc.slots) == (12, 4)
+    assert (fc.measured_blocks, fc.measured_slots) == (3, 1)
+    assert (fc.need_blocks, fc.need_slots) == (3, 1)
+
+
+def test_a_higher_peak_in_the_window_is_kept_until_it_leaves_the_window() -> None:
+    f = DemandForecaster(horizon_s=10.0, quantile=0.99, window_s=60.0, started_at_s=0.0)
+    f.arrived(0.0, 2)
+    for _ in range(6):  # a burst: 7 sequences of 2 blocks at 5 s, all ended by 6 s
+        f.arrived(5.0, 2)
+    for _ in range(6):
+        f.departed(6.0, 2, 5.0)
+    # 14 held at the peak, 2 now: 14 + 2 - 2 = 14 blocks, 7 + 1 - 1 = 7 slots (the model
+    # asks more: 7 arrivals in 20 s)
+    fc = f.forecast(20.0)
+    assert (fc.measured_blocks, fc.measured_slots) == (14, 7)
+    assert fc.need_blocks == min(fc.blocks, 14)
+    # at 66.5 s the burst (5-6 s) is out of the window; the one at 0 s still runs (arrival
+    # out of the window: the model has nothing, so nothing is measured)
+    f.arrived(66.0, 2)
+    fc = f.forecast(66.5)
+    # peak since 6.5 s: 2 held, then 4 at 66 s: 4 + 2 - 4 = 2 (one sequence), 2 + 1 - 2 = 1
+    assert (fc.measured_blocks, fc.measured_slots) == (2, 1)
+
+
+def test_the_peak_counts_only_after_one_horizon() -> None:
+    f = DemandForecaster(horizon_s=10.0, quantile=0.99, window_s=60.0, started_at_s=0.0)
+    f.arrived(1.0, 5)
+    fc = f.forecast(4.0)  # seen for 3 s: the model alone
+    assert fc.measured_blocks is None and fc.need_blocks == fc.blocks > 5
+    fc = f.forecast(11.0)  # seen for 10 s: peak 5 + 5 - 5 held = 5
+    assert fc.measured_blocks == 5 and fc.need_blocks == 5

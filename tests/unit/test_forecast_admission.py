@@ -120,10 +120,13 @@ def test_forecast_lends_the_idle_half_less_the_owners_forecast(tmp_path: Path) -
     for lease in list(core.fleet.get(SPEC.instance_id).leases):  # type: ignore[union-attr]
         lease.release()
     _chat_minute(core, clock)
-    # chat measured: 2/s x 0.5 s = 1 in flight on average, p99 4 sequences of 2 blocks
+    # chat measured: 2/s x 0.5 s = 1 in flight on average, the model's p99 4 sequences of 2
+    # blocks; it was never seen holding more than one: the peak (2) + one sequence (2) - the
+    # none it holds now = 4 blocks and 1 + 1 - 0 = 2 slots are kept
     reserves = a.reserves(core.fleet.get(SPEC.instance_id), clock.now)  # type: ignore[arg-type]
-    assert (reserves["normal"].blocks, reserves["normal"].slots) == (8.0, 4)
-    # the agent pool may use 949.05 - 8 = 941 blocks: 9 sequences of 100
+    assert (reserves["normal"].forecast.blocks, reserves["normal"].forecast.slots) == (8, 4)
+    assert (reserves["normal"].blocks, reserves["normal"].slots) == (4.0, 2)
+    # the agent pool may use 949.05 - 4 = 945 blocks: 9 sequences of 100
     agents = _fill(a, "agent", AGENT, clock.now)
     assert len(agents) == 9
     # chat still fits at once beside them (900 + 2 <= 949.05)
@@ -232,8 +235,10 @@ def test_admin_pools_shows_owned_borrowed_and_the_reserve(tmp_path: Path) -> Non
     assert (agent["share_blocks"], agent["owned_blocks"]) == (474.5, 474.5)
     assert agent["borrowed_blocks"] == 425.5
     assert agent["owned_slots"] + agent["borrowed_slots"] == 9
-    # chat holds nothing now; what is kept for it is its forecast: 4 sequences of 2 blocks
+    # chat holds nothing now; what is kept for it is its forecast (the model's 4 sequences
+    # of 2 blocks) capped by its measured peak: one sequence, plus one
     assert (normal["owned_blocks"], normal["borrowed_blocks"]) == (0.0, 0.0)
-    assert normal["reserve"]["blocks"] == 8.0 and normal["reserve"]["slots"] == 4
+    assert normal["reserve"]["blocks"] == 4.0 and normal["reserve"]["slots"] == 2
+    assert normal["reserve"]["forecast"]["measured_blocks"] == 4
     assert normal["reserve"]["why"] == "forecast"
     assert normal["reserve"]["forecast"]["rate_per_s"] == pytest.approx(2.0, abs=0.05)
