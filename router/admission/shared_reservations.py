@@ -221,6 +221,7 @@ class SharedReservations:
         self._clock = clock
         self._errors: tuple[type[Exception], ...] = (StoreError, *store.errors)
         self.peers: dict[str, PeerLoad] = {}  # instance -> the others' reservations
+        self.by_replica: dict[str, Snapshot] = {}  # what `peers` sums: {replica: snapshot}
         self.replicas_seen = 0
         self._read_at_s: float | None = None
         self._published: Snapshot | None = None
@@ -284,8 +285,7 @@ class SharedReservations:
         if mine is not None:
             self._published, self._published_at_s = mine, now
         self._read_at_s = now
-        self.replicas_seen = len(others)
-        self._set(combine(others))
+        self._set(others)
 
     def _failed(self, now_s: float, err: Exception) -> None:
         if not self._failing:
@@ -298,16 +298,52 @@ class SharedReservations:
             self._failing = True
         if self._read_at_s is not None and now_s - self._read_at_s >= self.lease_s:
             self._read_at_s = None
-            self.replicas_seen = 0
             self._set({})
 
-    def _set(self, peers: dict[str, PeerLoad]) -> None:
+    def _set(self, others: dict[str, Snapshot]) -> None:
+        peers = combine(others)
         changed = peers != self.peers
+        self.by_replica, self.replicas_seen = others, len(others)
         if self._gauges is not None:
             self._gauges.show(self.replicas_seen, peers, gone=set(self.peers) - set(peers))
         self.peers = peers
         if changed and self.on_change is not None:
             self.on_change()
+
+    def view(self) -> dict[str, Any]:
+        """This replica on `GET /admin/pools`: its id, how many other replicas admission counts,
+        how long ago their rows were read (monotonic seconds; None: not read, or the last read
+        is older than the lease), and whether the store answers."""
+        return {
+            "id": self.replica,
+            "shared_admission": True,
+            "interval_s": self.interval_s,
+            "peers_counted": self.replicas_seen,
+            "peers_read_age_s": None
+            if self._read_at_s is None
+            else round(max(0.0, self._clock() - self._read_at_s), 3),
+            "store_answers": not self._failing,
+        }
+
+    def instance_view(self, instance_id: str) -> dict[str, Any]:
+        """What admission counts of the other replicas on one instance (`adjust`): their
+        reserved blocks, pending blocks and sequences, in all, per pool and per replica."""
+        peer = self.peers.get(instance_id, PeerLoad())
+        return {
+            "kv_reserved_blocks": peer.blocks,
+            "kv_pending_blocks": peer.pending_blocks,
+            "running": peer.sequences,
+            "kv_reserved_blocks_by_pool": dict(peer.blocks_by_pool),
+            "running_by_pool": dict(peer.sequences_by_pool),
+            "by_replica": {
+                replica: {
+                    pool: {"kv_reserved_blocks": b, "running": s, "kv_pending_blocks": p}
+                    for pool, (b, s, p) in snap[instance_id].items()
+                }
+                for replica, snap in sorted(self.by_replica.items())
+                if instance_id in snap
+            },
+        }
 
     def adjust(self, pool: str, state: InstanceState, view: InstanceView) -> InstanceView:
         """`view` (this replica's, for `pool`) with the other replicas' reservations there."""

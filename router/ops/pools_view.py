@@ -45,10 +45,12 @@ class PoolsView:
         self.prefix_cache = prefix_cache  # None: no engine publishes KV events
 
     def view(self) -> dict[str, Any]:
-        """`GET /admin/pools`: each pool's share, bounds, instances, SLO and queue, each
-        instance's telemetry, reservations and operating point, and the rebalancer's view."""
+        """`GET /admin/pools`: the answering replica, each pool's share, bounds, instances, SLO
+        and queue, each instance's telemetry, reservations (this replica's and the other
+        replicas') and operating point, and the rebalancer's view."""
         allocation = self.pool_map.current
         capacity = self.fleet.capacity_gpus()
+        peers = self.admitter.peers  # the other replicas' reservations; None: not shared
         pools = {}
         for pool in self.config.pools:
             ids = allocation.instances_for(pool.name)
@@ -105,6 +107,12 @@ class PoolsView:
                 if state.prefill_tokens_per_s is None
                 else round(state.prefill_tokens_per_s, 1),
                 "preemptions_seen": state.preemptions_seen,
+                # the other router replicas' reservations here, as admission counts them beside
+                # this replica's own above (kv_reserved_blocks, running_by_pool); None: not
+                # shared (router/admission/shared_reservations.py)
+                "peer_reservations": None
+                if peers is None
+                else peers.instance_view(state.spec.instance_id),
                 # the index of its prefix cache from its KV events (docs/prefix_cache.md):
                 # usable, cached_blocks, index_age_s, exact; None: not followed
                 "prefix_cache": None
@@ -112,6 +120,10 @@ class PoolsView:
                 else self.prefix_cache.view(state.spec.instance_id),
             }
         return {
+            # which router replica answers, and what it counts of the others
+            "replica": {"id": self.rebalancer.replica, "shared_admission": False}
+            if peers is None
+            else peers.view(),
             "allocation_version": allocation.version,
             "admission": self.config.router.admission,
             "admission_reserve": self.config.admission.reserve,

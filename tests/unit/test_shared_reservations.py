@@ -13,11 +13,12 @@ import itertools
 import logging
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pools.config import ConfigError
+from pools.config import Config, ConfigError
 from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
 from pools.operating_point import OperatingPoint
@@ -27,6 +28,7 @@ from router.admission.decision import Need
 from router.admission.shared_reservations import ReservationsTable, SharedReservations, snapshot
 from router.core import Core, build_core
 from router.governance.store import MIGRATIONS
+from router.ops.pools_view import PoolsView
 from router.store import Store, migrate
 from tests.unit.test_rebalance_borrow import ctx
 
@@ -47,14 +49,17 @@ class Clock:
         return self.now
 
 
-def _core(tmp_path: Path, clock: Clock, max_num_seqs: int = 64) -> Core:
-    config = config_for_test(
+def _config(tmp_path: Path) -> Config:
+    return config_for_test(
         tmp_path,
         urls=[SPEC.url],
         pools=one_pool(),
         rebalancer={"decision_log_path": str(tmp_path / f"d{next(_ids)}.sqlite")},
     )
-    core = build_core(config, [SPEC], clock, random.Random(0), wall_clock=clock)
+
+
+def _core(tmp_path: Path, clock: Clock, max_num_seqs: int = 64) -> Core:
+    core = build_core(_config(tmp_path), [SPEC], clock, random.Random(0), wall_clock=clock)
     state = core.fleet.get(SPEC.instance_id)
     assert state is not None
     state.op = OperatingPoint(max_num_seqs=max_num_seqs)  # the engine's --max-num-seqs
@@ -62,6 +67,15 @@ def _core(tmp_path: Path, clock: Clock, max_num_seqs: int = 64) -> Core:
         SPEC.instance_id, InstanceReading(0.0, 0.0, 0, 0, 1000, 16, 0, 0, 0, 0, 0, 0, 0)
     )
     return core
+
+
+def _pools_view(tmp_path: Path, core: Core, clock: Clock) -> dict[str, Any]:
+    """`GET /admin/pools` of the replica `core` is."""
+    c = core
+    view = PoolsView(
+        _config(tmp_path), c.fleet, c.pool_map, c.admitter, c.rebalancer, c.metrics, clock=clock
+    )
+    return view.view()
 
 
 def _replica(store: Store, core: Core, name: str, clock: Clock) -> SharedReservations:
@@ -233,6 +247,67 @@ async def test_a_store_that_does_not_answer_keeps_the_last_reservations_for_the_
     await b.tick()
     assert b.peers[SPEC.instance_id].blocks == 100 and pumps == [1, 1, 1]
     assert "answers again" in caplog.text
+
+
+async def test_admin_pools_shows_the_other_replicas_reservations_beside_its_own(
+    tmp_path: Path, store: Store
+) -> None:
+    clock = Clock()
+    cores = [_core(tmp_path, clock) for _ in range(3)]
+    a, b, c = (_replica(store, co, name, clock) for co, name in zip(cores, "abc", strict=True))
+
+    def view() -> dict[str, Any]:
+        return _pools_view(tmp_path, cores[2], clock)
+
+    assert _admit(cores[0], BIG) is not None and _admit(cores[0], SMALL) is not None
+    assert _admit(cores[1], SMALL) is not None
+    assert _admit(cores[2], SMALL) is not None  # c's own
+    await a.tick()
+    await b.tick()
+    clock.now += 0.25
+    await c.tick()
+    clock.now += 0.05
+    answer = view()
+    assert answer["replica"] == {
+        "id": "c",
+        "shared_admission": True,
+        "interval_s": 0.1,
+        "peers_counted": 2,
+        "peers_read_age_s": 0.05,
+        "store_answers": True,
+    }
+    engine = answer["instances"][SPEC.instance_id]
+    assert (engine["kv_reserved_blocks"], engine["running_by_pool"]) == (1, {"normal": 1})
+    assert engine["peer_reservations"] == {
+        "kv_reserved_blocks": 102,
+        "kv_pending_blocks": 102,
+        "running": 3,
+        "kv_reserved_blocks_by_pool": {"normal": 102},
+        "running_by_pool": {"normal": 3},
+        "by_replica": {
+            "a": {"normal": {"kv_reserved_blocks": 101, "running": 2, "kv_pending_blocks": 101}},
+            "b": {"normal": {"kv_reserved_blocks": 1, "running": 1, "kv_pending_blocks": 1}},
+        },
+    }
+    peer = c.peers[SPEC.instance_id]  # what admission adds to c's own (`adjust`)
+    assert (peer.blocks, peer.pending_blocks, peer.sequences) == (102, 102, 3)
+    await b.aclose()
+    await c.tick()
+    assert view()["instances"][SPEC.instance_id]["peer_reservations"]["by_replica"].keys() == {"a"}
+    store.close()  # past the lease without an answer: nothing of the others counts
+    clock.now += c.lease_s
+    await c.tick()
+    answer = view()
+    assert answer["replica"]["peers_counted"] == 0
+    assert answer["replica"]["peers_read_age_s"] is None
+    assert answer["replica"]["store_answers"] is False
+    assert answer["instances"][SPEC.instance_id]["peer_reservations"]["running"] == 0
+    store.open()
+    # without a shared store: the replica's id alone, no peers
+    alone = _core(tmp_path, clock)
+    lone = _pools_view(tmp_path, alone, clock)
+    assert lone["replica"] == {"id": alone.rebalancer.replica, "shared_admission": False}
+    assert lone["instances"][SPEC.instance_id]["peer_reservations"] is None
 
 
 def test_the_snapshot_is_what_the_replica_holds(tmp_path: Path) -> None:

@@ -138,6 +138,31 @@
       ` ${int(total)} borrowed`) : "";
   }
 
+  // the other router replicas' reservations admission counts beside this replica's own
+  // (/admin/pools peer_reservations; null: not shared)
+  function peerBlocks(peers) {
+    return peers ? node("span", {field: "peer_kv_reserved_blocks", class: "muted"},
+      ` + ${int(peers.kv_reserved_blocks)} other replicas`) : "";
+  }
+
+  function peerRunning(peers) {
+    return peers ? node("span", {field: "peer_running", class: "muted"},
+      ` + ${int(peers.running)}`) : "";
+  }
+
+  function peersByReplica(peers) {
+    return peers ? Object.entries(peers.by_replica || {}).map(([r, byPool]) => `${r}: ` +
+      Object.entries(byPool).map(([p, c]) =>
+        `${p} ${int(c.kv_reserved_blocks)} blk, ${int(c.running)} running`).join(", "))
+      .join("\n") : null;
+  }
+
+  function replicaSummary(replica) {
+    if (!replica) return "";
+    return ` · replica ${replica.id}` + (replica.shared_admission ?
+      ` (${int(replica.peers_counted)} others counted)` : "");
+  }
+
   function renderInstances(view) {
     const body = document.querySelector("#instances tbody");
     body.replaceChildren(...Object.entries(view.instances).map(([id, i]) => {
@@ -162,17 +187,40 @@
         node("td", {title: sharing(i.capacity_by_pool)},
           node("span", {field: "kv_reserved_blocks"}, int(i.kv_reserved_blocks)), " blk ",
           node("span", {class: "muted"}, isNum(reservedFrac) ? `(${pct(reservedFrac)})` : ""),
-          borrowed(i.capacity_by_pool)),
+          borrowed(i.capacity_by_pool), peerBlocks(i.peer_reservations)),
         node("td", {field: "running"}, int(i.running)),
         node("td", {field: "waiting", class: i.waiting > 0 ? "warn" : null}, int(i.waiting)),
-        node("td", {field: "inflight"}, int(i.inflight)),
+        node("td", {title: peersByReplica(i.peer_reservations)},
+          node("span", {field: "inflight"}, int(i.inflight)), peerRunning(i.peer_reservations)),
         node("td", {},
           node("span", {field: "op_limit"}, int(op.limit)), " ",
           node("span", {class: "muted"}, op.source || "")),
         node("td", {field: "telemetry_age_s"}, isNum(i.telemetry_age_s) ?
           i.telemetry_age_s.toFixed(1) + " s" : DASH),
-        node("td", {field: "preemptions_seen"}, int(i.preemptions_seen)));
+        node("td", {field: "preemptions_seen"}, int(i.preemptions_seen)),
+        prefixCell(i.prefix_cache));
     }));
+  }
+
+  // The router's index of the engine's prefix cache (/admin/pools "prefix_cache"; null: the
+  // engine publishes no KV events gpupool follows): blocks indexed and the last batch's age;
+  // the counters in the title. Unusable (not connected, hashing differently): "bad"; inexact
+  // (a batch lost, under-reports until the engine clears its cache): "warn".
+  function prefixCell(pc) {
+    if (!pc) return node("td", {field: "prefix_cached_blocks", title: "no KV events followed"}, DASH);
+    const title = [
+      pc.usable ? "usable" : pc.connected ? "not usable (hashes differently)" : "not connected",
+      pc.exact ? "exact" : "inexact: a batch was lost, under-reports",
+      `block size ${int(pc.block_size_tokens)} tokens`,
+      `batches received ${int(pc.batches_received)}`,
+      `replays ${int(pc.replays)}, resyncs ${int(pc.resyncs)}, restarts ${int(pc.restarts)}`,
+    ].join("\n");
+    return node("td", {title, class: !pc.usable ? "bad" : !pc.exact ? "warn" : null},
+      node("span", {field: "prefix_cached_blocks"}, int(pc.cached_blocks)), " blk ",
+      node("span", {field: "prefix_index_age_s", class: "muted"},
+        isNum(pc.index_age_s) ? secs(pc.index_age_s) : DASH),
+      pc.restarts + pc.resyncs > 0 ? node("span", {field: "prefix_restarts", class: "muted"},
+        ` ${int(pc.restarts)} restarts, ${int(pc.resyncs)} resyncs`) : "");
   }
 
   function renderCost(acc) {
@@ -313,7 +361,7 @@
           .map(([n, p]) => `${n} ${pct(p.share_frac)}`).join(" · ");
         document.getElementById("summary").textContent =
           `${ratio} · admission ${pools.body.admission} · allocation v${pools.body.allocation_version}`
-          + rebalancerSummary(pools.body.rebalancer);
+          + rebalancerSummary(pools.body.rebalancer) + replicaSummary(pools.body.replica);
       }
       document.getElementById("updated").textContent =
         "updated " + new Date().toLocaleTimeString();
