@@ -51,6 +51,13 @@ from typing import Any, TypeVar
 from pools.config import RouterConfig, default_of
 from pools.periodic import Periodic
 from router.accounting.accountant import ConservationReport
+from router.accounting.ledger_loop import (
+    CHECKPOINT_EVERY,
+    LOOP_COMMIT_PAUSE_S,
+    LOOP_COMMIT_SLOW_S,
+    LoopCommit,
+    checkpoint,
+)
 from router.accounting.ledger_queries import (
     HOUR_S,
     JsonDict,
@@ -356,6 +363,7 @@ class _Job:
 
 
 _STOP = object()
+_NO_WAITER: list[asyncio.Future[bool] | None] = [None]
 
 
 def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -495,11 +503,18 @@ class Ledger:
         durable: bool = True,
         commit_wait_s: float = COMMIT_WAIT_S,
         runs: RunTable | None = None,
+        loop_commit_slow_s: float = LOOP_COMMIT_SLOW_S,
+        loop_commit_pause_s: float = LOOP_COMMIT_PAUSE_S,
+        checkpoint_every: int = CHECKPOINT_EVERY,
     ) -> None:
         if flush_interval_s <= 0 or retention_days <= 0:
             raise ValueError("flush_interval_s and retention_days must be > 0")
         if max_tracked_runs < 1:
             raise ValueError("max_tracked_runs must be >= 1")
+        if checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be >= 1")
+        self._checkpoint_every = checkpoint_every
+        self.checkpoints = 0  # WAL checkpoints after commits on the loop
         self._owned = isinstance(store, Path)
         self.store: Store = SqliteStore(store) if isinstance(store, Path) else store
         self._flush_interval_s = flush_interval_s
@@ -528,7 +543,16 @@ class Ledger:
         self._last_idle_gpu_s: dict[str, float] = {}
         self._last_capacity_gpu_s = 0.0
         self._started = False
-        self._writer: _Writer | None = None  # every write
+        self._writer: _Writer | None = None  # every write but lone durable commits
+        # lone durable commits on the loop (ledger_loop.py): the embedded store, durable only
+        self._loop_commit: LoopCommit | None = None
+        if durable and isinstance(self.store, SqliteStore):
+            self._loop_commit = LoopCommit(
+                self.store.path,
+                _INSERT,
+                slow_s=loop_commit_slow_s,
+                pause_s=loop_commit_pause_s,
+            )
         self._queued = 0  # rows put to the writer and not yet committed (or failed)
         # durable commits' waiters, oldest first, with their deadlines (loop time); one timer
         # answers those past `commit_wait_s` (cheaper than a timeout per request)
@@ -594,10 +618,14 @@ class Ledger:
             recent = await self._in_db(
                 _recent_steps, now_s - self._step_memory_s, self._max_tracked_runs
             )
+            if self._loop_commit is not None:
+                await asyncio.to_thread(self._loop_commit.open)
         except BaseException:
             self._started = False
             writer, self._writer = self._writer, None
             await writer.aclose()
+            if self._loop_commit is not None:
+                self._loop_commit.close()
             if self._owned:
                 await asyncio.to_thread(self.store.close)
             raise
@@ -625,6 +653,8 @@ class Ledger:
             self._started = False
             writer, self._writer = self._writer, None
             async with self._db_lock:
+                if self._loop_commit is not None:
+                    self._loop_commit.close()
                 if writer is not None:
                     await writer.aclose()  # what is queued is written first
                 if self._owned:
@@ -708,6 +738,13 @@ class Ledger:
         row = self._row(record, queued=writer is not None)
         if row is None or writer is None:
             return False
+        # alone (nothing queued before it to keep the order of) and healthy: commit it from the
+        # loop (ledger_loop.py); locked, slow or failing, it goes to the writer thread
+        loop_commit = self._loop_commit
+        alone = self._queued == 1 and not self._failing
+        if alone and loop_commit is not None and loop_commit.commit(row):
+            self._committed([row], _NO_WAITER, 0, None)
+            return True
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
         writer.put(row, waiter)
@@ -830,8 +867,15 @@ class Ledger:
 
     @property
     def group_commits(self) -> int:
-        """Transactions of request rows the writer has committed (each one group commit)."""
-        return 0 if self._writer is None else self._writer.commits
+        """Transactions of request rows committed: the writer's group commits and the lone
+        commits made on the event loop."""
+        writer = 0 if self._writer is None else self._writer.commits
+        return writer + self.loop_commits
+
+    @property
+    def loop_commits(self) -> int:
+        """Durable commits made on the event loop (one record each; ledger_loop.py)."""
+        return 0 if self._loop_commit is None else self._loop_commit.commits
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -840,7 +884,26 @@ class Ledger:
         record queued for a group commit. Returns the number of buffered records written. On a
         write error the records go back to the buffer."""
         async with self._db_lock:
-            return await self._flush_locked()
+            written = await self._flush_locked()
+            await self._checkpoint_locked()
+            return written
+
+    async def _checkpoint_locked(self) -> None:
+        """Checkpoint the WAL on the writer thread once `checkpoint_every` commits were made on
+        the loop (whose connection never checkpoints)."""
+        loop_commit, writer = self._loop_commit, self._writer
+        if loop_commit is None or writer is None:
+            return
+        if loop_commit.since_checkpoint < self._checkpoint_every:
+            return
+        due = loop_commit.since_checkpoint
+        try:
+            await _finish(writer.call(checkpoint))
+        except Exception:  # retried at the next flush; the records are committed already
+            logger.exception("ledger: WAL checkpoint failed")
+            return
+        loop_commit.since_checkpoint -= due  # those made meanwhile count to the next one
+        self.checkpoints += 1
 
     async def _flush_locked(self) -> int:
         writer = self._writer

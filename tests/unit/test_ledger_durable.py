@@ -63,6 +63,8 @@ async def make_ledger(db: Path) -> AsyncIterator[Callable[..., Any]]:
 
     async def make(**kwargs: Any) -> Ledger:
         kwargs.setdefault("flush_interval_s", 1000.0)  # no periodic flush unless a test says
+        # a loaded machine may preempt a loop commit past the slow-disk bound: not here
+        kwargs.setdefault("loop_commit_slow_s", 60.0)
         ledger = Ledger(db, clock=lambda: T0, **kwargs)
         await ledger.start()
         started.append(ledger)
@@ -186,6 +188,76 @@ def test_a_hard_kill_right_after_the_commits_loses_none(db: Path) -> None:
     """
     run_then_kill(db, body, durable=True)
     assert len(rows(db, "request_id LIKE 'committed-%'")) == 50
+
+
+# --- lone commits on the event loop (router/accounting/ledger_loop.py) -------------------------
+
+
+async def test_a_lone_commit_is_written_from_the_loop_not_the_writer_thread(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    for i in range(3):
+        assert await ledger.commit(record(request_id=f"lone-{i}", run_id="loop")) is True
+    assert (ledger.loop_commits, ledger.group_commits) == (3, 3)  # no group commit by the writer
+    steps = rows(db, "run_id = 'loop'")  # read by another connection
+    assert [(r["request_id"], r["step_index"]) for r in steps] == [
+        (f"lone-{i}", i) for i in range(3)
+    ]
+    assert (ledger.buffered, ledger.written_records) == (0, 3)
+
+
+async def test_with_the_write_lock_held_elsewhere_the_commit_waits_on_the_writer(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    lock = WriteLock(db)  # the loop's connection never waits for it: the writer thread does
+    commit = asyncio.ensure_future(ledger.commit(record(request_id="locked")))
+    await asyncio.sleep(0.05)
+    assert not commit.done() and ledger.loop_commits == 0
+    lock.release()
+    assert await commit is True
+    assert [r["request_id"] for r in rows(db)] == ["locked"]
+    assert await ledger.commit(record(request_id="free")) is True  # the loop's again
+    assert ledger.loop_commits == 1
+
+
+async def test_a_slow_loop_commit_sends_the_next_ones_to_the_writer(
+    make_ledger: Callable[..., Any], db: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ledger: Ledger = await make_ledger(loop_commit_slow_s=0.0, loop_commit_pause_s=1000.0)
+    with caplog.at_level(logging.WARNING, logger="router.accounting.ledger_loop"):
+        assert await ledger.commit(record(request_id="slow")) is True  # on the loop, "slow"
+        assert await ledger.commit(record(request_id="after")) is True
+    assert (ledger.loop_commits, ledger.group_commits) == (1, 2)
+    assert any("took" in r.getMessage() for r in caplog.records)
+    assert [r["request_id"] for r in rows(db)] == ["slow", "after"]
+
+
+async def test_a_malformed_record_falls_to_the_writer_which_skips_it(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    await ledger.commit(record(request_id="bad", prompt_tokens=object()))
+    assert await ledger.commit(record(request_id="good")) is True
+    assert [r["request_id"] for r in rows(db)] == ["good"]
+    assert (ledger.loop_commits, ledger.dropped_records, ledger.failed_commits) == (1, 1, 0)
+
+
+async def test_the_writer_checkpoints_the_wal_the_loop_commits_grow(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger(checkpoint_every=50)
+    wal = db.with_name(db.name + "-wal")
+    sizes = []
+    for round_ in range(3):
+        for i in range(50):
+            assert await ledger.commit(record(request_id=f"c{round_}-{i}"))
+        await ledger.flush()
+        sizes.append(wal.stat().st_size)
+    assert ledger.checkpoints == 3
+    assert sizes[2] <= sizes[0]  # the WAL is reused from its start, not grown
+    assert len(rows(db)) == 150
 
 
 def test_the_setting_takes_only_a_boolean(tmp_path: Path) -> None:
