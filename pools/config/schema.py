@@ -871,8 +871,15 @@ class AdmissionConfig:
     headroom_quantile: float = Field(default=0.99, ge=0.5, lt=1.0)
     # on an instance shared with a pool of stricter slo.ttft_p95_ms: hold a new request whose
     # uncached prompt is at least this many tokens while a request of that pool is in its
-    # prefill there (null: never hold)
-    prefill_hold_min_tokens: int | None = Field(default=None, ge=1)
+    # prefill there; auto: the tokens the instance prefills (measured rate) in
+    # prefill_hold_budget_frac of that pool's TTFT target (null: never hold)
+    prefill_hold_min_tokens: int | Literal["auto"] | None = None
+    # auto only: the most one step-sharing prefill may add to the stricter pool's TTFT, as a
+    # fraction of its slo.ttft_p95_ms (0.025 of 800 ms: 20 ms)
+    prefill_hold_budget_frac: float = Field(default=0.025, gt=0, le=1)
+    # a held request waits on holds at most this long in all, then goes (router/admission/
+    # prefill_hold.py)
+    prefill_hold_max_wait_s: float = Field(default=0.5, gt=0, le=60)
 
     @model_validator(mode="before")
     @classmethod
@@ -881,6 +888,16 @@ class AdmissionConfig:
             idle = [k for k in ("headroom_horizon_s", "headroom_quantile") if k in data]
             if idle:
                 raise ValueError(f"{', '.join(idle)} set without reserve: forecast")
+        if isinstance(data, Mapping):
+            hold = data.get("prefill_hold_min_tokens")
+            if isinstance(hold, bool) or (isinstance(hold, int) and hold < 1):
+                raise ValueError("prefill_hold_min_tokens: a whole number >= 1, auto or null")
+            if "prefill_hold_budget_frac" in data and hold != "auto":
+                raise ValueError(
+                    "prefill_hold_budget_frac set without prefill_hold_min_tokens: auto"
+                )
+            if "prefill_hold_max_wait_s" in data and hold is None:
+                raise ValueError("prefill_hold_max_wait_s set without prefill_hold_min_tokens")
         return data
 
 
@@ -1072,6 +1089,12 @@ class ObservabilityConfig:
     # format: `key=value,key2=value2`, e.g. an authorization token); None: none
     headers_env: str | None = None
     export_interval_s: float = Field(default=1.0, gt=0, le=60)  # at most this long in a batch
+    # engines gpupool starts (launcher local or ray) export vLLM's own spans to the same
+    # collector (`--otlp-traces-endpoint`, OTLP/HTTP, this interval and these headers), so its
+    # `llm_request` span hangs under the request's gpupool.engine span; None: on where gpupool
+    # starts the engines. On is refused for static and kubernetes engines (they are started
+    # elsewhere: give them `--otlp-traces-endpoint` there)
+    engine_traces: bool | None = None
     # read from `headers_env` at load (the document may not set it)
     headers: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
 
@@ -1191,6 +1214,17 @@ class Config:
                         f" and {pool.name!r})"
                     )
                 owner[instance_id] = pool.name
+        return self
+
+    @model_validator(mode="after")
+    def _engine_traces_need_launched_engines(self) -> Config:
+        launcher = self.engines.launcher
+        if self.observability.engine_traces and launcher not in ("local", "ray"):
+            raise ValueError(
+                f"observability.engine_traces: on needs launcher 'local' or 'ray' (gpupool does"
+                f" not start {launcher!r} engines: give them `--otlp-traces-endpoint` where they"
+                " are started)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pools.config import Config
 from pools.launchers.base import InstanceSpec, Launcher, LauncherError, ProgressFn
+from pools.launchers.engine_args import EngineTraces
 from pools.launchers.local import LocalLauncher
 from pools.launchers.static import StaticLauncher
 
@@ -42,6 +43,7 @@ def make_launcher(config: Config, progress: ProgressFn | None = None) -> Launche
             config.model,
             progress=progress,
             kv_events=config.engines.kv_events_on,
+            traces=EngineTraces.of(config.observability, kind),
         )
     if kind == "static":
         return StaticLauncher(config.engines.static, progress=progress)
@@ -53,5 +55,10 @@ def make_launcher(config: Config, progress: ProgressFn | None = None) -> Launche
     if kind == "ray":
         from pools.launchers.ray import RayLauncher
 
-        return RayLauncher(config.engines.ray, config.model, progress=progress)
+        return RayLauncher(
+            config.engines.ray,
+            config.model,
+            progress=progress,
+            traces=EngineTraces.of(config.observability, kind),
+        )
     raise LauncherError(f"engines.launcher {kind!r} is not one of local, static, kubernetes, ray")

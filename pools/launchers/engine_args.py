@@ -21,7 +21,9 @@ Rules:
   run_dir plus a replay socket beside it, block hashes by `sha256_cbor`, and no
   `PYTHONHASHSEED` inherited from this process (vLLM seeds its block hash chain from it: only
   one set in the engine's own `env` reaches the engine, and the router hashes with that);
-  docs/prefix_cache.md.
+  docs/prefix_cache.md;
+- with `traces` (observability.engine_traces): vLLM exports its own spans to the router's
+  collector (`--otlp-traces-endpoint`, OTLP/HTTP through `OTEL_*` variables).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
-from pools.config import LocalEnginesConfig, ModelConfig
+from pools.config import LocalEnginesConfig, ModelConfig, ObservabilityConfig
 from pools.launchers.base import KvEventsSpec
 from pools.launchers.engine_guard import GUARD_MIDDLEWARE
 from pools.launchers.engine_plan import EnginePlan
@@ -46,6 +49,7 @@ from pools.launchers.engine_plan import EnginePlan
 __all__ = [
     "FORBIDDEN_FLAGS",
     "EngineCommand",
+    "EngineTraces",
     "build_engine_command",
     "engine_environ",
     "installed_vllm_version",
@@ -84,6 +88,45 @@ class EngineCommand:
     port: int
     env_remove: frozenset[str] = frozenset()  # parent variables the engine must not inherit
     kv_events: KvEventsSpec | None = None  # where it publishes KV cache events; None: nowhere
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTraces:
+    """Where a launched engine exports vLLM's own spans (`observability.engine_traces`): the
+    router's collector, over OTLP/HTTP, batched at the router's interval. vLLM continues the
+    `traceparent` the router sends with each engine call, so its `llm_request` span (queue,
+    prefill, decode times) lands under that call's `gpupool.engine` span."""
+
+    url: str  # the collector's OTLP/HTTP traces URL (.../v1/traces)
+    service_name: str  # the engines' `service.name`
+    export_interval_s: float
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # may hold a token
+
+    @classmethod
+    def of(cls, config: ObservabilityConfig, launcher: str) -> EngineTraces | None:
+        """The engines' tracing for `launcher` under `config`; None when they export none."""
+        on = launcher in ("local", "ray") if config.engine_traces is None else config.engine_traces
+        if config.otlp_endpoint is None or not on:
+            return None
+        return cls(
+            url=config.otlp_endpoint,
+            service_name=f"{config.service_name}-vllm",
+            export_interval_s=config.export_interval_s,
+            headers=config.headers,
+        )
+
+    def env(self) -> dict[str, str]:
+        """The OpenTelemetry SDK's settings in the engine process (vLLM reads only the URL)."""
+        env = {
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "OTEL_SERVICE_NAME": self.service_name,
+            "OTEL_BSP_SCHEDULE_DELAY": str(max(1, round(self.export_interval_s * 1000))),
+        }
+        if self.headers:
+            env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] = ",".join(
+                f"{quote(k)}={quote(v)}" for k, v in self.headers
+            )
+        return env
 
 
 KV_EVENTS_SOCKET_MAX_CHARS = 100  # a unix socket path: 107 bytes on Linux, 103 on macOS
@@ -167,13 +210,15 @@ def build_engine_command(
     plan: EnginePlan | None = None,
     api_key: str | None = None,
     kv_events: bool = False,
+    traces: EngineTraces | None = None,
 ) -> EngineCommand:
     """The argv and env for engine `index`. `gpu_ids` (CUDA device indices or UUIDs, as the
     child's CUDA_VISIBLE_DEVICES lists them) None means a CPU engine.
 
     `plan` (from `engine_plan.plan_engines`) gives the dtype and KV size this machine runs;
     without one they are the config's as written. `api_key`: the key the engine requires.
-    `kv_events`: publish KV cache events (when the installed vLLM has the flags)."""
+    `kv_events`: publish KV cache events (when the installed vLLM has the flags). `traces`:
+    export vLLM's own spans there (unless `vllm_args` already name an endpoint)."""
     port = local.base_port + index
     dtype = plan.dtype if plan is not None else model.dtype
     kv_cache_bytes = plan.kv_cache_bytes if plan is not None else local.kv_cache_bytes
@@ -267,6 +312,12 @@ def build_engine_command(
         }
         argv.extend(["--kv-events-config", json.dumps(config, separators=(",", ":"))])
         argv.extend(["--prefix-caching-hash-algo", "sha256_cbor"])
+    if traces is not None and "--otlp-traces-endpoint" not in user_args:
+        if "--otlp-traces-endpoint" in flags:
+            argv.extend(["--otlp-traces-endpoint", traces.url])
+            env.update(traces.env())
+        else:
+            log.warning("installed vLLM has no --otlp-traces-endpoint: engines export no spans")
     argv.extend(user_args)
     for key, value in local.env:
         env[key] = value

@@ -37,6 +37,7 @@ from pools.config import LocalEnginesConfig, ModelConfig
 from pools.launchers.base import InstanceSpec, LauncherError, ProgressFn
 from pools.launchers.engine_args import (
     EngineCommand,
+    EngineTraces,
     build_engine_command,
     engine_environ,
     kv_events_socket,
@@ -265,6 +266,7 @@ class LocalLauncher:
         python: str = sys.executable,
         environ: Mapping[str, str] | None = None,
         kv_events: bool = True,
+        traces: EngineTraces | None = None,
     ) -> None:
         if local.cpu_affinity is not None and len(local.cpu_affinity) != local.count:
             raise LauncherError(
@@ -276,6 +278,7 @@ class LocalLauncher:
         self._progress = progress
         self._gpu_count = gpu_count  # overrides the host's GPU count (tests: 0)
         self._kv_events = kv_events  # engines.kv_events: engines publish KV cache events
+        self._traces = traces  # observability.engine_traces: where engines export spans
         self._host = host  # None: probed at start()
         self._python = python
         self._environ = os.environ if environ is None else environ  # the engines' parent env
@@ -319,6 +322,7 @@ class LocalLauncher:
                 plan=plan,
                 api_key=key,
                 kv_events=self._kv_events,
+                traces=self._traces,
             )
             spec = InstanceSpec(
                 instance_id=f"engine-{i}",

@@ -39,7 +39,12 @@ from typing import Any
 from pools.config import LocalEnginesConfig, ModelConfig, RayEnginesConfig
 from pools.discovery.base import TimingFromConfig
 from pools.launchers.base import InstanceSpec, LauncherError, ProgressFn
-from pools.launchers.engine_args import build_engine_command, engine_environ, supported_vllm_flags
+from pools.launchers.engine_args import (
+    EngineTraces,
+    build_engine_command,
+    engine_environ,
+    supported_vllm_flags,
+)
 from pools.launchers.engine_plan import plan_engines, plan_problems, probe_host
 from pools.launchers.health import wait_healthy
 from pools.launchers.reaper import ReapedProcess
@@ -96,7 +101,12 @@ class EngineHost:
     """The body of one engine actor (wrapped by `ray.remote` at launch). Runs on a Ray node."""
 
     def __init__(
-        self, index: int, ray_config: RayEnginesConfig, model: ModelConfig, api_key: str
+        self,
+        index: int,
+        ray_config: RayEnginesConfig,
+        model: ModelConfig,
+        api_key: str,
+        traces: EngineTraces | None = None,
     ) -> None:
         import ray
 
@@ -120,6 +130,7 @@ class EngineHost:
             flags=supported_vllm_flags(run_dir),
             plan=plan,
             api_key=api_key,
+            traces=traces,
         )
         node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self.url = f"http://{node_ip}:{port}"
@@ -206,9 +217,11 @@ class RayLauncher:
         model: ModelConfig,
         *,
         progress: ProgressFn | None = None,
+        traces: EngineTraces | None = None,
     ) -> None:
         self._config = config
         self._model = model
+        self._traces = traces  # observability.engine_traces: where engines export spans
         self._progress = progress
         self._ray: Any = None
         self._actors: list[Any] = []
@@ -273,7 +286,7 @@ class RayLauncher:
                 max_restarts=cfg.max_restarts,
                 max_task_retries=0,
                 **resources,
-            ).remote(i, cfg, self._model, self._key)
+            ).remote(i, cfg, self._model, self._key, self._traces)
             for i in range(cfg.count)
         ]
         self.source = RayEngineSource(cfg, self._actors, self._key, get=self._get)

@@ -29,9 +29,11 @@ import yaml
 from pools.config import parse_config
 from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec, LocalLauncher
+from pools.launchers.engine_args import EngineTraces
 from pools.testing import router_process
 from pools.testing.router_process import free_port
 from tests.e2e.stack import seed_vllm_flags, wait_ready
+from tests.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / ".gpupool" / "models" / "tiny"
@@ -54,6 +56,9 @@ class EngineFleet:
         if not is_dev_model(MODEL_DIR):
             make_dev_model(MODEL_DIR, "tiny")
         seed_vllm_flags(run_dir)
+        # the engines export vLLM's own spans here (observability.engine_traces), for the
+        # tracing tests: a request's `llm_request` span under the router's gpupool.engine span
+        self.engine_spans = OtlpReceiver()
         self.config = parse_config(
             {
                 "model": {
@@ -79,6 +84,10 @@ class EngineFleet:
                     "agent": {"classes": ["agent"], "share": {"initial_frac": 0.34}},
                     "normal": {"classes": ["normal"], "share": {"initial_frac": 0.66}},
                 },
+                "observability": {
+                    "otlp_endpoint": self.engine_spans.url,
+                    "export_interval_s": 0.2,
+                },
             }
         )
         self.loop = asyncio.new_event_loop()
@@ -91,6 +100,7 @@ class EngineFleet:
             self.config.model,
             progress=lambda m: print(f"[engines] {m}", file=sys.stderr, flush=True),
             gpu_count=0,
+            traces=EngineTraces.of(self.config.observability, "local"),
         )
         self.instances: list[InstanceSpec] = []
 
@@ -116,9 +126,12 @@ class EngineFleet:
         wait_ready(self.instances[index].url, None, None, timeout_s, path="/health", interval_s=1)
 
     def close(self) -> None:
-        self.run(self.launcher.aclose(), timeout_s=120)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
+        try:
+            self.run(self.launcher.aclose(), timeout_s=120)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.engine_spans.close()
 
 
 @pytest.fixture(scope="session")

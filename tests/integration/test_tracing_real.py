@@ -31,7 +31,13 @@ import pytest
 
 from pools.launchers import InstanceSpec
 from router.ops.tracing.request_trace import CHILD_SPANS
-from tests.integration.conftest import RouterProcess, free_port, wait_for, write_router_config
+from tests.integration.conftest import (
+    EngineFleet,
+    RouterProcess,
+    free_port,
+    wait_for,
+    write_router_config,
+)
 from tests.otlp_receiver import CLIENT, SERVER, OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.integration
@@ -190,10 +196,12 @@ def test_a_queued_step_a_refused_one_and_a_cancelled_stream(
 
 
 def test_plain_chat_requests_with_a_traceparent(
-    traced: tuple[RouterProcess, OtlpReceiver, Path],
+    traced: tuple[RouterProcess, OtlpReceiver, Path], engine_fleet: EngineFleet
 ) -> None:
     """The issue's first bar as its users send it: a chat request (no run, the normal pool)
-    with a `traceparent` has its span tree under that trace id; the figures are printed."""
+    with a `traceparent` has its span tree under that trace id; the figures are printed. The
+    engines (launched with `observability.engine_traces`) export vLLM's own `llm_request` span,
+    which lands under the router's gpupool.engine span of the same request."""
     router, receiver, _ = traced
     with httpx.Client(timeout=120) as client:
         assert client.get(f"{router.url}/health").status_code == 200  # its connection open
@@ -222,6 +230,25 @@ def test_plain_chat_requests_with_a_traceparent(
                 f" ms, client - (queue + engine) {(took_s - waited_s) * 1e3:.3f} ms; {ms}"
             )
             assert 0 <= took_s - waited_s < 0.05  # a loose bound, as for the agent steps
+            engine = tree["gpupool.engine"]
+            vllm_spans = engine_fleet.engine_spans
+            vllm_spans.wait_for(lambda spans, t=trace_id: any(s.trace_id == t for s in spans))
+            (vllm,) = vllm_spans.trace(trace_id)
+            assert vllm.name == "llm_request" and vllm.kind == SERVER
+            assert vllm.parent_span_id == engine.span_id  # the traceparent the router sent
+            assert vllm.resource["service.name"] == "gpupool-vllm"
+            assert (
+                vllm.attributes["gen_ai.usage.prompt_tokens"]
+                == (server.attributes["gen_ai.usage.input_tokens"])
+            )
+            assert (
+                vllm.attributes["gen_ai.usage.completion_tokens"]
+                == (server.attributes["gen_ai.usage.output_tokens"])
+            )
+            # inside the router's engine call (one machine, one wall clock; 2 ms of slack for
+            # the router's monotonic-to-epoch offset)
+            assert engine.start_ns - 2_000_000 <= vllm.start_ns <= vllm.end_ns
+            assert vllm.end_ns <= engine.end_ns + 2_000_000
 
 
 def test_an_agent_run_of_five_steps_reads_as_one_trace(

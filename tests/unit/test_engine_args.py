@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pools.config import default_config
+import pytest
+
+from pools.config import ConfigError, ObservabilityConfig, default_config, parse_config
 from pools.devmodel import make_dev_model
-from pools.launchers.engine_args import build_engine_command
+from pools.launchers.engine_args import EngineTraces, build_engine_command
 
 ALL_FLAGS = frozenset(
     {
@@ -78,3 +80,65 @@ def test_flags_the_installed_vllm_lacks_are_not_passed(tmp_path: Path) -> None:
         assert flag not in cmd.argv
     # without --kv-cache-memory-bytes the CPU KV size falls back to VLLM_CPU_KVCACHE_SPACE (GiB)
     assert cmd.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def _observability(**fields: object) -> ObservabilityConfig:
+    return parse_config(
+        {**_MINIMAL, "observability": {"otlp_endpoint": "http://tempo:4318", **fields}}
+    ).observability
+
+
+_MINIMAL: dict[str, object] = {
+    "pools": {
+        "agent": {"classes": ["agent"], "share": {"initial_frac": 0.5}},
+        "normal": {"classes": ["normal"], "share": {"initial_frac": 0.5}},
+    }
+}
+
+
+def test_launched_engines_export_their_spans_to_the_routers_collector(tmp_path: Path) -> None:
+    model, local = _configs(tmp_path)
+    observability = _observability(service_name="edge", export_interval_s=0.25)
+    # as `headers_env` gives them, read at load
+    observability = dataclasses.replace(observability, headers=(("authorization", "Bearer a b"),))
+    traces = EngineTraces.of(observability, "local")
+    assert traces is not None and EngineTraces.of(observability, "ray") == traces
+    flags = ALL_FLAGS | {"--otlp-traces-endpoint"}
+    cmd = build_engine_command(
+        model=model, local=local, index=0, gpu_ids=None, flags=flags, traces=traces
+    )
+    assert _value(cmd.argv, "--otlp-traces-endpoint") == "http://tempo:4318/v1/traces"
+    assert cmd.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"  # vLLM's default: gRPC
+    assert cmd.env["OTEL_SERVICE_NAME"] == "edge-vllm"
+    assert cmd.env["OTEL_BSP_SCHEDULE_DELAY"] == "250"
+    # the collector's token travels in the environment, never in argv
+    assert cmd.env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "authorization=Bearer%20a%20b"
+    assert not any("Bearer" in a for a in cmd.argv)
+    # a vLLM without the flag gets none of it; the user's own endpoint wins
+    bare = build_engine_command(
+        model=model, local=local, index=0, gpu_ids=None, flags=ALL_FLAGS, traces=traces
+    )
+    assert "--otlp-traces-endpoint" not in bare.argv and "OTEL_SERVICE_NAME" not in bare.env
+    own = dataclasses.replace(local, vllm_args=("--otlp-traces-endpoint", "http://mine:4317"))
+    mine = build_engine_command(
+        model=model, local=own, index=0, gpu_ids=None, flags=flags, traces=traces
+    )
+    assert mine.argv.count("--otlp-traces-endpoint") == 1
+    assert _value(mine.argv, "--otlp-traces-endpoint") == "http://mine:4317"
+
+
+def test_engine_traces_follow_the_launcher_and_the_setting() -> None:
+    assert EngineTraces.of(_observability(), "static") is None  # engines started elsewhere
+    assert EngineTraces.of(_observability(engine_traces=False), "local") is None
+    assert EngineTraces.of(parse_config(_MINIMAL).observability, "local") is None  # no tracing
+    static = {"launcher": "static", "static": {"urls": ["http://e:8000"]}}
+    with pytest.raises(ConfigError, match="engine_traces: on needs launcher 'local' or 'ray'"):
+        parse_config(
+            {
+                **_MINIMAL,
+                "engines": static,
+                "observability": {"otlp_endpoint": "http://tempo:4318", "engine_traces": True},
+            }
+        )
+    with pytest.raises(ConfigError, match="engine_traces"):  # nothing to export without it
+        parse_config({**_MINIMAL, "observability": {"engine_traces": True}})
