@@ -335,6 +335,7 @@ class Gateway:
             metrics=self.metrics,
             placement=self.placement,
             clock=self.clock,
+            tracing=self.tracing,
         )
         if self.tenants.open:
             log.warning("no API keys configured: the router is open to anyone who can reach it")

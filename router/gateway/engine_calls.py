@@ -7,7 +7,8 @@
   tenant's, or one whose engine is gone answers 404 `response_not_found`.
 
 Each is authenticated like a generation request, answers errors in its protocol's shape
-(Anthropic's on count_tokens), and counts in `gpupool_requests_total` under its own `endpoint`.
+(Anthropic's on count_tokens), counts in `gpupool_requests_total` under its own `endpoint`, and
+with traces on has a server span and an engine span (router.ops.tracing.call_trace).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -32,6 +33,10 @@ from router.gateway.response_placement import ResponsePlacement
 from router.identity import Tenants
 from router.metrics import RouterMetrics
 from router.request import Receive, Scope, Send
+
+if TYPE_CHECKING:  # opentelemetry is imported only when traces are on
+    from router.ops.tracing.call_trace import CallTrace
+    from router.ops.tracing.tracer import Tracing
 
 __all__ = ["EngineCalls"]
 
@@ -53,6 +58,7 @@ class EngineCalls:
         metrics: RouterMetrics,
         placement: ResponsePlacement,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
         self.tenants = tenants
@@ -62,6 +68,7 @@ class EngineCalls:
         self.metrics = metrics
         self.placement = placement
         self.clock = clock
+        self.tracing = tracing  # each call's server and engine spans, when traces are on
         self._timeout = aiohttp.ClientTimeout(
             total=config.router.upstream_timeout_s, sock_connect=config.router.connect_timeout_s
         )
@@ -71,8 +78,14 @@ class EngineCalls:
     ) -> None:
         now = self.clock()
         pool = cls = "none"
+        trace: CallTrace | None = None
+        code: str | None = None
         try:
             headers = request_headers(scope)
+            if self.tracing is not None:
+                trace = self.tracing.call(
+                    headers, now, "POST /v1/messages/count_tokens", "count_tokens"
+                )
             tenant = self.tenants.authenticate(
                 headers.get("authorization"), headers.get("x-api-key")
             )
@@ -88,14 +101,20 @@ class EngineCalls:
                 protocol="messages",
             )
             pool, cls = ctx.pool, ctx.class_name
+            if trace is not None:
+                trace.classified(tenant.name, pool, cls)
             state = self._least_busy(ctx.pool)
             status = await self._forward(
-                send, state, "POST", "/v1/messages/count_tokens", raw, stream=False
+                send, state, "POST", "/v1/messages/count_tokens", raw, stream=False, trace=trace
             )
         except GpupoolError as err:
-            status = await _send_error(send, err, adapter)
+            status, code = await _send_error(send, err, adapter), err.code
         except ConnectionError:
+            if trace is not None:
+                trace.end(499, "client_disconnect")
             return
+        if trace is not None:
+            trace.end(status, code)
         self._count(pool, cls, status, now, "count_tokens")
 
     async def response(
@@ -110,11 +129,18 @@ class EngineCalls:
     ) -> None:
         now = self.clock()
         endpoint = "responses_cancel" if cancel else "responses_get"
+        trace: CallTrace | None = None
+        code: str | None = None
         try:
             headers = request_headers(scope)
+            if self.tracing is not None:
+                name = "POST /v1/responses/{id}/cancel" if cancel else "GET /v1/responses/{id}"
+                trace = self.tracing.call(headers, now, name, endpoint)
             tenant = self.tenants.authenticate(
                 headers.get("authorization"), headers.get("x-api-key")
             )
+            if trace is not None:
+                trace.classified(tenant.name, "none", "none")
             if cancel:
                 await read_request_body(receive, self.config.router.max_body_bytes)
             stored = self.placement.get(response_id)
@@ -142,11 +168,16 @@ class EngineCalls:
                 path,
                 b"" if not cancel else b"{}",
                 stream=True,
+                trace=trace,
             )
         except GpupoolError as err:
-            status = await _send_error(send, err, adapter)
+            status, code = await _send_error(send, err, adapter), err.code
         except ConnectionError:
+            if trace is not None:
+                trace.end(499, "client_disconnect")
             return
+        if trace is not None:
+            trace.end(status, code)
         self._count("none", "none", status, now, endpoint)
 
     # ------------------------------------------------------------------ helpers
@@ -176,15 +207,20 @@ class EngineCalls:
         data: bytes,
         *,
         stream: bool,
+        trace: CallTrace | None = None,
     ) -> int:
         headers = {"content-type": "application/json"}
         if state.spec.api_key:
             headers["authorization"] = "Bearer " + state.spec.api_key
+        if trace is not None:  # vLLM's own span (its tracing on) hangs below the engine span
+            headers["traceparent"] = trace.engine_started(state.spec.instance_id)
         try:
             resp = await self.session.request(
                 method, state.spec.url + path, data=data, headers=headers, timeout=self._timeout
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as err:
+            if trace is not None:
+                trace.engine_ended(None, "engine_unreachable")
             raise EngineFailure(
                 f"engine {state.spec.instance_id} did not answer: {err or type(err).__name__}",
                 "engine_unreachable",
@@ -196,10 +232,14 @@ class EngineCalls:
             await send({"type": "http.response.start", "status": resp.status, "headers": out})
             if not stream:
                 body = await resp.read()
+                if trace is not None:
+                    trace.engine_ended(resp.status)
                 await send({"type": "http.response.body", "body": body})
                 return resp.status
             async for chunk in resp.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if trace is not None:
+                trace.engine_ended(resp.status)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return resp.status
         except (aiohttp.ClientError, OSError, TimeoutError, asyncio.CancelledError):

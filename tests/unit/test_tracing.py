@@ -73,7 +73,9 @@ async def _rig(tmp_path: Path, receiver: OtlpReceiver, **overrides: Any) -> Asyn
     engine = make_fake_engine(FakeEngineState())
 
     async def recording(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http" and (
+            scope["method"] == "POST" or scope["path"].startswith("/v1/responses/")
+        ):
             seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
         await engine(scope, receive, send)
 
@@ -136,6 +138,62 @@ async def test_a_traced_request_has_its_tree_under_the_incoming_trace(
     # nothing of the request's content or headers
     everything = repr([(s.attributes, s.resource) for s in spans])
     assert "hi'" not in everything and "x-gpupool" not in everything
+
+
+async def test_count_tokens_and_a_stored_responses_get_and_cancel_are_traced(
+    tmp_path: Path, receiver: OtlpReceiver
+) -> None:
+    """The engine calls that skip admission: a server span under the incoming trace and the
+    engine call below it, whose id the engine got as its parent; a refused one, its code."""
+    calls = {
+        "count": ("POST /v1/messages/count_tokens", "count_tokens"),
+        "get": ("GET /v1/responses/{id}", "responses_get"),
+        "cancel": ("POST /v1/responses/{id}/cancel", "responses_cancel"),
+    }
+    trace_ids = {what: os.urandom(16).hex() for what in [*calls, "unknown"]}
+
+    def tp(what: str) -> dict[str, str]:
+        return {"traceparent": f"00-{trace_ids[what]}-{PARENT_ID}-01"}
+
+    async with _rig(tmp_path, receiver) as rig:
+        counted = await rig.client.post(
+            "/v1/messages/count_tokens", json={"model": "tiny", **CHAT}, headers=tp("count")
+        )
+        assert counted.status_code == 200, counted.text
+        sent = {"count": rig.seen[-1]["traceparent"]}
+        stored = await rig.client.post(
+            "/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 4}
+        )
+        rid = stored.json()["id"]
+        got = await rig.client.get(f"/v1/responses/{rid}", headers=tp("get"))
+        assert got.status_code == 200
+        sent["get"] = rig.seen[-1]["traceparent"]
+        cancelled = await rig.client.post(f"/v1/responses/{rid}/cancel", headers=tp("cancel"))
+        assert cancelled.status_code == 200
+        sent["cancel"] = rig.seen[-1]["traceparent"]
+        unknown = await rig.client.get("/v1/responses/resp_nobody", headers=tp("unknown"))
+        assert unknown.status_code == 404
+        await rig.flush()
+    for what, (name, endpoint) in calls.items():
+        spans = _by_name(receiver.trace(trace_ids[what]))
+        assert set(spans) == {name, "gpupool.engine"}, what
+        server, engine = spans[name], spans["gpupool.engine"]
+        assert server.kind == SERVER and server.parent_span_id == PARENT_ID
+        assert engine.kind == CLIENT and engine.parent_span_id == server.span_id
+        assert sent[what] == f"00-{trace_ids[what]}-{engine.span_id}-01"  # the engine's parent
+        assert server.start_ns <= engine.start_ns <= engine.end_ns <= server.end_ns
+        assert server.attributes["gpupool.endpoint"] == endpoint
+        assert server.attributes["http.response.status_code"] == 200
+        assert server.attributes["gpupool.instance"] == "engine-0"
+        assert engine.attributes["http.response.status_code"] == 200
+        assert rid not in repr(server.attributes)
+    assert _by_name(receiver.trace(trace_ids["count"]))[calls["count"][0]].attributes[
+        "gpupool.pool"
+    ] == ("normal")
+    (refused,) = receiver.trace(trace_ids["unknown"])  # answered before any engine call
+    assert refused.name == "GET /v1/responses/{id}"
+    assert refused.attributes["http.response.status_code"] == 404
+    assert refused.attributes["gpupool.code"] == "response_not_found"
 
 
 async def test_an_agent_run_reads_as_one_trace(tmp_path: Path, receiver: OtlpReceiver) -> None:

@@ -22,6 +22,7 @@ from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry, Counter
 
 from pools.config import ObservabilityConfig
+from router.ops.tracing.call_trace import CallTrace
 from router.ops.tracing.export import LoopBatchProcessor
 from router.ops.tracing.request_trace import (
     PresetIds,
@@ -100,6 +101,11 @@ class Tracing:
 
     async def aclose(self) -> None:
         await self.processor.aclose()
+
+    def call(self, headers: Mapping[str, str], now_s: float, name: str, endpoint: str) -> CallTrace:
+        """An engine call's trace (count_tokens, a stored response's GET or cancel), from its
+        arrival (`now_s`), its span name (`POST /v1/messages/count_tokens`) and endpoint."""
+        return CallTrace(self.tracer, headers, now_s, name, endpoint, clock=self.clock)
 
     def request(self, headers: Mapping[str, str], now_s: float, path: str) -> RequestTrace:
         """A request's trace, from its arrival (`now_s`, on `clock`), its path and its headers
