@@ -160,6 +160,14 @@ class RouterMetrics:
             buckets=_FORECAST_ERROR_BUCKETS,
             registry=r,
         )
+        self.prefill_held = Histogram(
+            "gpupool_prefill_hold_seconds",
+            "admission.prefill_hold_min_tokens: per queued request a prefill hold kept waiting,"
+            " how long it held it (a latency-sensitive request was in its prefill there)",
+            ["pool"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
         self.retries = Counter(
             "gpupool_upstream_retries_total",
             "Connect failures retried on another instance",

@@ -52,6 +52,12 @@ from router.admission.picking import (
     expected_home_wait_s,
     uncached_prefill_tokens_per_s,
 )
+from router.admission.prefill_hold import (
+    PrefillHold,
+    hold_applies,
+    hold_min_tokens,
+    holding_target_s,
+)
 from router.admission.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
 from router.admission.shared_reservations import SharedReservations
 from router.errors import CapacityExceeded, NoHealthyInstance
@@ -170,9 +176,20 @@ class Admitter:
         self._homebound: dict[str, dict[QueueEntry, str]] = {p.name: {} for p in config.pools}
         self._awaited: dict[str, Counter[str]] = {p.name: Counter() for p in config.pools}
         self._pump_scheduled = False
-        # admission.reserve: forecast, admission.prefill_hold_min_tokens (docs/admission.md)
-        self.reserve_forecast = config.admission.reserve == "forecast"
-        self.hold_prefill_min_tokens = config.admission.prefill_hold_min_tokens
+        # admission.reserve: forecast, admission.prefill_hold_* (docs/admission.md)
+        adm = config.admission
+        self.reserve_forecast = adm.reserve == "forecast"
+        self.prefill_hold: PrefillHold | None = None
+        if adm.prefill_hold_min_tokens is not None:
+            fixed = adm.prefill_hold_min_tokens
+            self.prefill_hold = PrefillHold(
+                None if fixed == "auto" else fixed,
+                adm.prefill_hold_budget_frac,
+                adm.prefill_hold_max_wait_s,
+            )
+        # queued entries a prefill hold keeps waiting: since when (the first pass that held)
+        self._held_since: dict[QueueEntry, float] = {}
+        self._hold_spent: set[QueueEntry] = set()  # held max_wait_s already: no more holds
         self._ttft_target_s = {p.name: p.slo.ttft_p95_ms / 1e3 for p in config.pools}
         self._forecasts: dict[tuple[str, str], DemandForecaster] = {}
         self._started_at_s = clock()
@@ -259,14 +276,17 @@ class Admitter:
             prefix=estimate.prefix,
         )
 
-    def _views(self, pool: str, now_s: float) -> list[InstanceView]:
+    def _views(self, pool: str, now_s: float, *, hold: bool = True) -> list[InstanceView]:
+        """`hold`: a prefill hold may keep the request waiting (False once it has been held
+        for `admission.prefill_hold_max_wait_s`)."""
         allocation = self.pool_map.current
         views = []
         for instance_id in allocation.instances_for(pool):
             state = self.fleet.get(instance_id)
             if state is None:
                 continue
-            views.append(self._view(pool, state, allocation.frac(instance_id, pool), now_s))
+            frac = allocation.frac(instance_id, pool)
+            views.append(self._view(pool, state, frac, now_s, hold=hold))
         return views
 
     def _borrow_views(self, pool: str, now_s: float) -> list[InstanceView]:
@@ -289,11 +309,18 @@ class Admitter:
         return views
 
     def _view(
-        self, pool: str, state: InstanceState, frac: float, now_s: float, *, lent: bool = True
+        self,
+        pool: str,
+        state: InstanceState,
+        frac: float,
+        now_s: float,
+        *,
+        lent: bool = True,
+        hold: bool = True,
     ) -> InstanceView:
         """`pool`'s view of the instance with `frac` of it; `lent`: past `frac` it may use
         what the reserves of `reserve: forecast` leave (not on another pool's instance, where
-        `frac` is `rebalancer.borrow_max_frac`'s cap)."""
+        `frac` is `rebalancer.borrow_max_frac`'s cap); `hold`: a prefill hold may apply."""
         p = self.pools[pool]
         view = InstanceView(
             instance_id=state.spec.instance_id,
@@ -316,7 +343,7 @@ class Admitter:
             margin_frac=self.margin_frac,
             step_s=_step_s(state),
             kv_known=state.kv_capacity != "unknown",
-            **self._sharing(pool, state, now_s, lent=lent),
+            **self._sharing(pool, state, now_s, lent=lent, hold=hold),
         )
         # other router replicas' reservations there (router/admission/shared_reservations.py)
         return view if self.peers is None else self.peers.adjust(pool, state, view)
@@ -324,10 +351,10 @@ class Admitter:
     # ------------------------------------------------------------------ sharing a split instance
 
     def _sharing(
-        self, pool: str, state: InstanceState, now_s: float, *, lent: bool
+        self, pool: str, state: InstanceState, now_s: float, *, lent: bool, hold: bool
     ) -> dict[str, Any]:
         """The `InstanceView` fields of `admission.reserve: forecast` (when `lent`) and
-        `admission.prefill_hold_min_tokens` (none when both are off)."""
+        `admission.prefill_hold_*` (when `hold`; none when both are off)."""
         out: dict[str, Any] = {}
         if self.reserve_forecast and lent:
             blocks, slots = 0.0, 0
@@ -340,8 +367,10 @@ class Admitter:
                 "others_reserve_blocks": blocks,
                 "others_reserve_slots": slots,
             }
-        if self.hold_prefill_min_tokens is not None and self._prefill_hold(pool, state, now_s):
-            out["hold_prefill_min_tokens"] = self.hold_prefill_min_tokens
+        if self.prefill_hold is not None and hold:
+            threshold = self._prefill_hold(pool, state, now_s, self.prefill_hold)
+            if threshold is not None:
+                out["hold_prefill_min_tokens"] = threshold
         return out
 
     def forecaster(self, pool: str, instance_id: str) -> DemandForecaster:
@@ -439,22 +468,25 @@ class Admitter:
             out[pool] = entry
         return out
 
-    def _prefill_hold(self, pool: str, state: InstanceState, now_s: float) -> bool:
-        """Whether a request of a pool with a stricter TTFT target than `pool`'s is in its
-        prefill on the instance: admitted, no first token yet, and within that pool's TTFT
-        target since (a non-streaming request shows no first token; past its target it has
-        missed it anyway). Schedules a dispatch pass for when the last such hold ends."""
-        target_s = self._ttft_target_s[pool]
-        ends = [
-            lease.acquired_at_s + self._ttft_target_s[lease.pool]
+    def _prefill_hold(
+        self, pool: str, state: InstanceState, now_s: float, hold: PrefillHold
+    ) -> int | None:
+        """The hold's threshold (tokens to prefill) for `pool` on the instance while a
+        request of a pool with a stricter TTFT target is in its prefill there
+        (`router.admission.prefill_hold`), else None. Schedules a dispatch pass for when the
+        last such hold ends."""
+        in_prefill = (
+            (lease.acquired_at_s, self._ttft_target_s.get(lease.pool, math.inf))
             for lease in state.leases
             if lease.first_token_at_s is None
-            and self._ttft_target_s.get(lease.pool, math.inf) < target_s
-            and now_s < lease.acquired_at_s + self._ttft_target_s[lease.pool]
-        ]
-        if ends:
-            self._wake_at(max(ends))
-        return bool(ends)
+        )
+        holding = holding_target_s(in_prefill, self._ttft_target_s[pool], now_s)
+        if holding is None:
+            return None
+        strictest_s, ends_s = holding
+        self._wake_at(ends_s)
+        rate = uncached_prefill_tokens_per_s(state.prefill_tokens_per_s, state.prefix_hit_frac)
+        return hold_min_tokens(hold, strictest_s, rate)
 
     def _wake_at(self, at_s: float) -> None:
         """A dispatch pass at `at_s` (the admitter's clock) unless one is due sooner."""
@@ -478,7 +510,7 @@ class Admitter:
         """A lease's first token (a prefill hold may end: dispatch) or its release (its pool's
         forecaster learns the service time)."""
         if event == "first":
-            if self.hold_prefill_min_tokens is not None:
+            if self.prefill_hold is not None:
                 self.schedule_pump()
             return
         self.engine_kv.released(lease)
@@ -516,17 +548,18 @@ class Admitter:
         waited_s: float = 0.0,
         *,
         queued: bool = False,
-    ) -> Lease | Reject | _WaitsForHome | None:
+        hold: bool = True,
+    ) -> Lease | Reject | Wait | _WaitsForHome:
         """Lease at once if the sequence fits; a `Reject`; `WAITS_FOR_HOME` (it fits, but the
-        placement rule keeps it for its run's home instance, full now); or None (it must
-        wait: it fits nowhere). `queued`: the request is in its pool's queue (it is then
-        among the steps counted as waiting for its home)."""
-        views = self._views(ctx.pool, now_s)
+        placement rule keeps it for its run's home instance, full now); or a `Wait` (it fits
+        nowhere; why). `queued`: the request is in its pool's queue (it is then among the
+        steps counted as waiting for its home); `hold`: a prefill hold may keep it."""
+        views = self._views(ctx.pool, now_s, hold=hold)
         decision = decide(views, need, now_s)
         if not isinstance(decision, Grant):
             if isinstance(decision, Reject):
                 return decision
-            return self._borrow(ctx, need, now_s, exclude)
+            return self._borrow(ctx, need, now_s, exclude) or decision
         allowed = frozenset(decision.instance_ids) - exclude
         if not allowed:
             # it fits only where it may not go (a follow-up pinned to the engine that stored
@@ -771,14 +804,48 @@ class Admitter:
         its enqueue until it leaves the queue, dispatched or not)."""
         return dict(self._awaited[pool])
 
-    def _left(self, pool: str, entry: QueueEntry) -> None:
-        """`entry` left the pool's queue: it no longer waits for its run's home (idempotent)."""
+    def _left(self, pool: str, entry: QueueEntry, now_s: float | None = None) -> None:
+        """`entry` left the pool's queue: it no longer waits for its run's home, nor is it
+        held (idempotent)."""
+        self._unhold(pool, entry, self.clock() if now_s is None else now_s)
+        self._hold_spent.discard(entry)
         home = self._homebound[pool].pop(entry, None)
         if home is not None:
             awaited = self._awaited[pool]
             awaited[home] -= 1
             if awaited[home] <= 0:
                 del awaited[home]
+
+    def _unhold(self, pool: str, entry: QueueEntry, now_s: float) -> None:
+        """A prefill hold no longer keeps `entry` waiting: the time it held it is observed."""
+        since = self._held_since.pop(entry, None)
+        if since is not None:
+            self.metrics.prefill_held.labels(pool).observe(max(0.0, now_s - since))
+
+    def _hold_applies(self, entry: QueueEntry, now_s: float) -> bool:
+        """Whether a prefill hold may keep `entry` waiting (not once it has been held for
+        `admission.prefill_hold_max_wait_s`)."""
+        if self.prefill_hold is None:
+            return True  # nothing holds anyway
+        if entry in self._hold_spent:
+            return False
+        if hold_applies(self.prefill_hold, self._held_since.get(entry), now_s):
+            return True
+        self._hold_spent.add(entry)
+        return False
+
+    def _held(self, pool: str, entry: QueueEntry, result: object, now_s: float) -> None:
+        """After a pass over `entry`: a prefill hold keeps it waiting (mark since when, and
+        wake when its wait bound ends), or no longer does (observe how long it held)."""
+        hold = self.prefill_hold
+        if hold is None:
+            return
+        if isinstance(result, Wait) and result.reason == "prefill":
+            if entry not in self._held_since:
+                self._held_since[entry] = now_s
+                self._wake_at(now_s + hold.max_wait_s)
+        else:
+            self._unhold(pool, entry, now_s)
 
     def _shed(self, entry: QueueEntry, queue: PoolQueue, now_s: float) -> None:
         self._left(queue.pool, entry)
@@ -833,6 +900,7 @@ class Admitter:
                     queue.remove(entry)
                     self._left(queue.pool, entry)
                     continue
+                hold = self._hold_applies(entry, now)
                 result = self._try(
                     waiter.ctx,
                     waiter.need,
@@ -840,16 +908,18 @@ class Admitter:
                     waiter.exclude,
                     now - entry.enqueued_at_s,
                     queued=True,
+                    hold=hold,
                 )
+                self._held(queue.pool, entry, result, now)
                 if isinstance(result, Lease):
                     queue.pop(entry, now)
-                    self._left(queue.pool, entry)
+                    self._left(queue.pool, entry, now)
                     waiter.admitted(result)
                     dispatched = True
                     continue
                 if isinstance(result, Reject) and result.code == "deadline_unmeetable":
                     queue.remove(entry)
-                    self._left(queue.pool, entry)
+                    self._left(queue.pool, entry, now)
                     self.metrics.rejected(queue.pool, result.code)
                     waiter.refused(self._capacity(result, 1.0))
                     continue
