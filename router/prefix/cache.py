@@ -5,15 +5,16 @@ many leading full blocks of a prompt with those token ids the engine holds (vLLM
 cached prefix up to its first missing block). Instances left out have no usable index
 (started without KV events, not connected, hashing differently): callers treat them as they
 did before the index existed, not as holding nothing. `view(instance_id)` is what
-`GET /admin/pools` shows per instance, `snapshot()` the full counters. One ZMQ context, owned
-here; `start()`/`aclose()`; `add`/`remove` follow instances that come and go.
+`GET /admin/pools` shows per instance (`IndexView`), `snapshot()` every followed instance's.
+One ZMQ context, owned here; `start()`/`aclose()`; `add`/`remove` follow instances that come
+and go.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import zmq.asyncio
@@ -27,17 +28,25 @@ __all__ = ["IndexView", "PrefixCache"]
 
 @dataclass(frozen=True, slots=True)
 class IndexView:
-    """One instance's index as the admin API shows it."""
+    """One instance's index as `GET /admin/pools` and the status page show it."""
 
     instance_id: str
-    usable: bool
+    usable: bool  # connected, hashing as the router does: placement and admission use it
+    connected: bool
     cached_blocks: int
     block_size_tokens: int | None
     exact: bool  # False: under-reports since a lost batch
-    age_s: float | None  # since the last batch applied; None: none since (re)connecting
-    replays: int
-    resyncs: int
-    restarts: int
+    index_age_s: float | None  # since the last batch applied; None: none since (re)connecting
+    batches_received: int  # decoded since the router started following it, replays included
+    replays: int  # gaps seen (replay requests)
+    resyncs: int  # gaps the engine's replay buffer could not fill
+    restarts: int  # new publishers and lost connections (the index dropped each time)
+
+    def as_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "instance_id"}
+        if self.index_age_s is not None:
+            out["index_age_s"] = round(self.index_age_s, 3)
+        return out
 
 
 class PrefixCache:
@@ -146,34 +155,28 @@ class PrefixCache:
         return out
 
     def view(self, instance_id: str) -> dict[str, Any] | None:
-        """`/admin/pools`' `prefix_cache` of one instance; None when it is not followed."""
+        """`/admin/pools`' `prefix_cache` of one instance (`IndexView.as_json`); None when it
+        is not followed."""
         engine = self._engines.get(instance_id)
-        if engine is None:
-            return None
-        updated_s = engine.index.updated_at_s
-        return {
-            "usable": engine.usable,
-            "cached_blocks": len(engine.index.keys),
-            "index_age_s": None if updated_s is None else round(self._clock() - updated_s, 3),
-            "exact": engine.index.exact,
-        }
+        return None if engine is None else self._view(instance_id, engine, self._clock()).as_json()
 
     def snapshot(self) -> list[IndexView]:
         now_s = self._clock()
-        views = []
-        for instance_id, engine in sorted(self._engines.items()):
-            index = engine.index
-            views.append(
-                IndexView(
-                    instance_id=instance_id,
-                    usable=engine.usable,
-                    cached_blocks=len(index.keys),
-                    block_size_tokens=index.block_size_tokens,
-                    exact=index.exact,
-                    age_s=None if index.updated_at_s is None else now_s - index.updated_at_s,
-                    replays=engine.replays,
-                    resyncs=engine.resyncs,
-                    restarts=engine.restarts,
-                )
-            )
-        return views
+        return [self._view(i, e, now_s) for i, e in sorted(self._engines.items())]
+
+    @staticmethod
+    def _view(instance_id: str, engine: EngineEvents, now_s: float) -> IndexView:
+        index = engine.index
+        return IndexView(
+            instance_id=instance_id,
+            usable=engine.usable,
+            connected=engine.connected,
+            cached_blocks=len(index.keys),
+            block_size_tokens=index.block_size_tokens,
+            exact=index.exact,
+            index_age_s=None if index.updated_at_s is None else now_s - index.updated_at_s,
+            batches_received=engine.batches_received,
+            replays=engine.replays,
+            resyncs=engine.resyncs,
+            restarts=engine.restarts,
+        )

@@ -77,6 +77,7 @@ class EngineEvents:
         self.index = BlockIndex(max_blocks=settings.max_blocks)
         self.connected = False
         self.hash_mismatch = False
+        self.batches_received = 0  # batches decoded, live and replayed (duplicates too)
         self.replays = 0  # replay requests sent (gaps seen)
         self.resyncs = 0  # gaps the replay could not fill
         self.restarts = 0  # new publishers seen (sequence back to 0) and lost connections
@@ -203,7 +204,9 @@ class EngineEvents:
         try:
             if len(frames) != 3:
                 raise WireError(f"{len(frames)} frames, not 3")
-            return decode_seq(frames[1]), decode_batch(frames[2])
+            parsed = decode_seq(frames[1]), decode_batch(frames[2])
+            self.batches_received += 1
+            return parsed
         except WireError as err:
             log.warning("kv events: %s: dropped a message: %s", self.instance_id, err)
             return None

@@ -31,6 +31,12 @@ Distributions: `fixed {value}`, `uniform {low, high}`, `lognormal {median, sigma
 [{start_s, rate_per_s}], cv?}`, `trace {path, format: azure|mooncake, speedup?, offset_s?,
 length_scale?}`. With `trace` arrivals, `prompt_tokens`/`output_tokens` may be left out and
 come from the trace.
+
+`shared_prefix: {tenants: N, tokens: DIST}` (either kind): each request starts with one of N
+tenants' prefixes (each drawn once, DIST tokens), picked uniformly: a chat prompt begins with
+it, an agent run's system prompt is it; `prompt_tokens` is then what follows the prefix. It is
+what prefix-cache placement acts on (router/simulate/prefix.py, `gpupool simulate
+--prefix-cache`).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ __all__ = [
     "ClassSpec",
     "Scenario",
     "ScenarioError",
+    "SharedPrefix",
     "Slo",
     "load_scenario",
     "parse_scenario",
@@ -196,6 +203,11 @@ class SloSchema(_Strict):
     e2e_ms: float | None = Field(default=None, gt=0)
 
 
+class SharedPrefixSchema(_Strict):
+    tenants: int = Field(ge=1, le=100_000)
+    tokens: DistSchema  # each tenant's prefix size, drawn once per tenant
+
+
 class ClassSchema(_Strict):
     kind: Literal["chat", "agent"]
     arrivals: ArrivalSchema
@@ -209,6 +221,9 @@ class ClassSchema(_Strict):
     tool_wait_ms: DistSchema | None = None
     tools: int = Field(default=3, ge=0, le=64)  # tool definitions sent in `tools`
     max_context_tokens: int = Field(default=3500, gt=0)  # a run stops before outgrowing this
+    # each request starts with one of `tenants` prefixes (chat: its prompt's start; agent: the
+    # system prompt), picked uniformly; prompt_tokens is what follows the prefix
+    shared_prefix: SharedPrefixSchema | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> ClassSchema:
@@ -284,6 +299,13 @@ class ClassSpec:
     tool_wait_ms: Distribution | None = None
     tools: int = 3
     max_context_tokens: int = 3500
+    shared_prefix: SharedPrefix | None = None
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    tenants: int
+    tokens: Distribution
 
 
 @dataclass(frozen=True)
@@ -314,6 +336,12 @@ def _dist(schema: Any) -> Distribution | None:
         return Exponential(schema.mean, schema.min, schema.max)
     assert isinstance(schema, EmpiricalSchema)
     return Empirical(tuple(schema.values), tuple(schema.weights))
+
+
+def _dist_required(schema: Any) -> Distribution:
+    dist = _dist(schema)
+    assert dist is not None
+    return dist
 
 
 def _arrivals(schema: Any, base_dir: Path, where: str) -> ArrivalProcess:
@@ -368,6 +396,9 @@ def parse_scenario(data: Any, source: str = "scenario", base_dir: Path | None = 
                 tool_wait_ms=_dist(c.tool_wait_ms),
                 tools=c.tools,
                 max_context_tokens=c.max_context_tokens,
+                shared_prefix=None
+                if c.shared_prefix is None
+                else SharedPrefix(c.shared_prefix.tenants, _dist_required(c.shared_prefix.tokens)),
             )
         )
     tokenizer = None

@@ -12,8 +12,10 @@ patience, the wait for a run's home and affinity-or-move act as in the router), 
 What is modelled: the engines (processor-sharing batches, a linear TPOT in the batch size, a
 prefill rate), the clients (the harness's workload plan, drawn from the scenario's seed, with
 agent steps following each other after their tool waits), scrapes every
-`router.scrape_interval_s`. Event-driven: time jumps from one event (an arrival, a prefill or a
-sequence ending, a scrape, a rebalancer tick) to the next, so a day of traffic runs in seconds.
+`router.scrape_interval_s`, and with `prefix_cache` each engine's prefix cache
+(`router.simulate.prefix`: the router's lookup of it, then its own placement and admission).
+Event-driven: time jumps from one event (an arrival, a prefill or a sequence ending, a scrape,
+a rebalancer tick) to the next, so a day of traffic runs in seconds.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -34,7 +36,7 @@ from pools.config import Config
 from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
-from router.admission.decision import Need
+from router.admission.decision import CachedPrefix, Need
 from router.admission.estimate import Estimate
 from router.admission.queueing import QueueEntry
 from router.core import build_core
@@ -42,6 +44,7 @@ from router.errors import CapacityExceeded, NoHealthyInstance
 from router.rebalancer.rebalancer import recall_check_offsets_s
 from router.request import RequestContext, RequestOutcome
 from router.simulate.model import EngineModel, LatencyModel, SimSequence
+from router.simulate.prefix import EnginePrefixCache, PromptChain
 from router.simulate.workload import AgentRunPlan, ChatRequestPlan, Plan
 
 __all__ = ["SimResult", "simulate"]
@@ -65,6 +68,7 @@ class _Request:
     rejected: str | None = None
     lease: Lease | None = None
     exclude: frozenset[str] = frozenset()
+    chain: PromptChain | None = None  # its prompt's blocks (prefix caches modelled)
 
     def gone(self) -> bool:
         return self.ended_s is not None
@@ -96,6 +100,9 @@ class SimResult:
     shares: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     gpu_seconds_by_pool: dict[str, float] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    # with prefix caches modelled: prompt tokens started, those found cached, the router's
+    # lookups (None: not modelled)
+    prefix: dict[str, Any] | None = None
 
 
 class _Sim:
@@ -107,6 +114,7 @@ class _Sim:
         capacity_blocks: int,
         block_size_tokens: int,
         seed: int,
+        prefix_cache: bool = False,
     ) -> None:
         self.config = config
         self.plan = plan
@@ -137,6 +145,17 @@ class _Sim:
         # queued entries by when they time out: (at_s, sequence number, entry)
         self._timeouts: list[tuple[float, int, QueueEntry]] = []
         self._gpus_by_pool: dict[str, float] = {}
+        # each engine's prefix cache (None: not modelled; every prompt token is prefilled, as
+        # admission predicts); the router looks it up when its config follows KV events
+        self.prefix_caches = (
+            {iid: EnginePrefixCache(capacity_blocks) for iid in self.engines}
+            if prefix_cache
+            else None
+        )
+        self._lookup = prefix_cache and config.engines.kv_events_on
+        self._exact = frozenset(self.engines)
+        if prefix_cache:
+            self.result.prefix = {"prompt_tokens": 0, "cached_tokens": 0, "lookups": 0}
 
     # ------------------------------------------------------------------ events
 
@@ -239,7 +258,8 @@ class _Sim:
     def _handle(self, kind: str, data: Any) -> None:
         if kind == "chat":
             plan: ChatRequestPlan = data
-            self._arrive(plan.class_name, plan.prompt_tokens, plan.output_tokens, None)
+            chain = self._chain(plan.class_name, plan.tenant, plan.prefix_tokens, plan.index)
+            self._arrive(plan.class_name, plan.prompt_tokens, plan.output_tokens, None, chain)
         elif kind == "run":
             run = _Run(data, context_tokens=data.prompt_tokens, started_s=self.now)
             self.runs.append(run)
@@ -274,9 +294,26 @@ class _Sim:
             run.outcome = "context_limit"
             run.ended_s = self.now
             return
-        self._arrive(plan.class_name, run.context_tokens, step.output_tokens, run)
+        chain = self._chain(plan.class_name, plan.tenant, plan.prefix_tokens, ("run", plan.index))
+        self._arrive(plan.class_name, run.context_tokens, step.output_tokens, run, chain)
 
-    def _arrive(self, class_name: str, prompt: int, output: int, run: _Run | None) -> None:
+    def _chain(
+        self, class_name: str, tenant: int | None, prefix_tokens: int, own: Any
+    ) -> PromptChain | None:
+        if self.prefix_caches is None:
+            return None
+        bs = self.block_size_tokens
+        shared = None if tenant is None else (class_name, tenant)
+        return PromptChain(shared, prefix_tokens // bs, (class_name, own), bs)
+
+    def _arrive(
+        self,
+        class_name: str,
+        prompt: int,
+        output: int,
+        run: _Run | None,
+        chain: PromptChain | None = None,
+    ) -> None:
         pool = self.config.pool_for_class(class_name)
         if pool is None:
             return
@@ -295,7 +332,14 @@ class _Sim:
             received_at_s=self.now,
         )
         estimate = Estimate(prompt, output, "heuristic")
+        if chain is not None and self._lookup and self.prefix_caches is not None:
+            # the router's lookup on arrival (router/prefix/lookup.py), of an exact index
+            keys = chain.keys(prompt)
+            bs = self.block_size_tokens
+            cached = {iid: c.held(keys) * bs for iid, c in self.prefix_caches.items()}
+            estimate = replace(estimate, prefix=CachedPrefix(prompt, cached, self._exact))
         req = _Request(self, ctx, estimate, self.admitter.need(ctx, estimate), class_name, run)
+        req.chain = chain
         self.requests.append(req)
         # as `Admitter.admit`: a lease at once, a refusal, or a place in the pool's queue
         try:
@@ -327,6 +371,20 @@ class _Sim:
 
     def _start(self, req: _Request, lease: Lease) -> None:
         prefill_tokens = req.need.prefill_tokens(lease.instance_id)
+        if req.chain is not None and self.prefix_caches is not None:
+            # what the engine holds now (evicted or stored since the lookup), not what was
+            # predicted: its prompt's blocks are then touched, or stored as it prefills
+            prompt = req.estimate.prompt_tokens
+            keys = req.chain.keys(prompt)
+            cache = self.prefix_caches[lease.instance_id]
+            cached = cache.held(keys) * self.block_size_tokens
+            cache.store(keys)
+            prefill_tokens = prompt - cached
+            stats = self.result.prefix
+            assert stats is not None
+            stats["prompt_tokens"] += prompt
+            stats["cached_tokens"] += cached
+            stats["lookups"] += req.estimate.prefix is not None
         self._running += 1
         req.admitted_s = self.now
         req.lease = lease
@@ -357,6 +415,9 @@ class _Sim:
         lease = req.lease
         assert lease is not None
         lease.release()
+        if req.chain is not None and self.prefix_caches is not None:  # output blocks cached too
+            tokens = req.estimate.prompt_tokens + req.estimate.output_tokens
+            self.prefix_caches[lease.instance_id].store(req.chain.keys(tokens))
         self._observe(req, 200)
         run = req.run
         if run is None:
@@ -462,10 +523,14 @@ def simulate(
     capacity_blocks: int,
     block_size_tokens: int = 16,
     seed: int = 0,
+    prefix_cache: bool = False,
 ) -> SimResult:
     """Replay `plan` against a router built from `config` over modelled engines, each with
     `capacity_blocks` KV blocks of `block_size_tokens` (vLLM's default is 16 on GPUs and 128
-    on CPUs).
+    on CPUs). `prefix_cache`: model each engine's prefix cache (router/simulate/prefix.py):
+    an engine prefills only the prompt tokens it does not hold, and a router whose config
+    follows KV events (`engines.kv_events`) looks each prompt up and places and admits by it
+    with its own code (`router.prefix.score`); off, every prompt token is prefilled.
 
     Python's cyclic garbage collector is paused while it runs (and restored after): a day of
     traffic allocates millions of short-lived objects and almost no cycles, and the
@@ -473,7 +538,9 @@ def simulate(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _Sim(config, plan, latency, capacity_blocks, block_size_tokens, seed).run()
+        return _Sim(
+            config, plan, latency, capacity_blocks, block_size_tokens, seed, prefix_cache
+        ).run()
     finally:
         if collecting:
             gc.enable()
@@ -518,4 +585,12 @@ def summarize(result: SimResult, config: Config) -> dict[str, Any]:
         },
         "moves": result.decisions,
         "shares": result.shares,
+        "prefix_cache": None
+        if result.prefix is None
+        else {
+            **result.prefix,
+            "hit_frac": round(result.prefix["cached_tokens"] / result.prefix["prompt_tokens"], 4)
+            if result.prefix["prompt_tokens"]
+            else None,
+        },
     }

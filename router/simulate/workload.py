@@ -42,6 +42,8 @@ class ChatRequestPlan:
     prompt_text: str
     prompt_tokens: int  # the planned prompt size, chat template included
     output_tokens: int
+    tenant: int | None = None  # whose shared prefix the prompt starts with (None: none)
+    prefix_tokens: int = 0  # that prefix's planned tokens, included in prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class AgentRunPlan:
     steps: tuple[StepPlan, ...]
     tools: tuple[dict[str, Any], ...]
     max_context_tokens: int
+    tenant: int | None = None  # whose shared prefix the system prompt is (None: none)
+    prefix_tokens: int = 0  # that prefix's planned tokens, included in prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -115,21 +119,52 @@ def _sizes(
     return [max(1, t or 1) for t in trace]
 
 
+class _Tenants:
+    """A class's shared prefixes (`shared_prefix`), drawn from a generator of their own so a
+    class without them draws exactly what it did before."""
+
+    def __init__(self, spec: ClassSpec, seed: int, prompts: PromptMaker) -> None:
+        shared = spec.shared_prefix
+        self.rng = _class_rng(seed, spec.name + "/shared_prefix")
+        sizes = sample_ints(shared.tokens, self.rng, shared.tenants, 1) if shared else []
+        self.sizes = sizes
+        self.texts = [prompts.text(self.rng, size) for size in sizes]
+
+    def pick(self) -> tuple[int | None, int, str]:
+        """A request's tenant, its prefix's tokens and text; (None, 0, "") without any."""
+        if not self.sizes:
+            return None, 0, ""
+        t = int(self.rng.integers(0, len(self.sizes)))
+        return t, self.sizes[t], self.texts[t]
+
+
 def _chat_plans(
-    spec: ClassSpec, scenario: Scenario, rng: np.random.Generator, prompts: PromptMaker
+    spec: ClassSpec,
+    scenario: Scenario,
+    rng: np.random.Generator,
+    prompts: PromptMaker,
+    tenants: _Tenants,
 ) -> list[ChatRequestPlan]:
     arrivals = spec.arrivals.arrivals(rng, scenario.duration_s)
     n = len(arrivals)
     prompt_sizes = _sizes(spec, rng, n, [a.prompt_tokens for a in arrivals], "prompt")
     output_sizes = _sizes(spec, rng, n, [a.output_tokens for a in arrivals], "output")
-    return [
-        ChatRequestPlan(spec.name, i, a.t_s, prompts.text(rng, prompts.content_tokens(p)), p, o)
-        for i, (a, p, o) in enumerate(zip(arrivals, prompt_sizes, output_sizes, strict=True))
-    ]
+    plans = []
+    for i, (a, p, o) in enumerate(zip(arrivals, prompt_sizes, output_sizes, strict=True)):
+        text = prompts.text(rng, prompts.content_tokens(p))
+        tenant, prefix, prefix_text = tenants.pick()
+        if tenant is not None:
+            text = prefix_text + "\n\n" + text
+        plans.append(ChatRequestPlan(spec.name, i, a.t_s, text, p + prefix, o, tenant, prefix))
+    return plans
 
 
 def _run_plans(
-    spec: ClassSpec, scenario: Scenario, rng: np.random.Generator, prompts: PromptMaker
+    spec: ClassSpec,
+    scenario: Scenario,
+    rng: np.random.Generator,
+    prompts: PromptMaker,
+    tenants: _Tenants,
 ) -> list[AgentRunPlan]:
     assert spec.steps is not None and spec.tool_result_tokens is not None
     assert spec.tool_wait_ms is not None
@@ -159,17 +194,21 @@ def _run_plans(
         )
         system_text = "You are a careful agent. Use the tools to finish the task. " + (f"Run {i}.")
         user_tokens = max(1, prompts.content_tokens(prompt_size, messages=2) - tools_tokens - 16)
+        user_text = prompts.text(rng, user_tokens)
+        tenant, prefix, prefix_text = tenants.pick()
         runs.append(
             AgentRunPlan(
                 spec.name,
                 i,
                 a.t_s,
-                system_text,
-                prompts.text(rng, user_tokens),
-                prompt_size,
+                system_text if tenant is None else prefix_text,
+                user_text,
+                prompt_size + prefix,
                 steps,
                 tools,
                 spec.max_context_tokens,
+                tenant,
+                prefix,
             )
         )
     return runs
@@ -182,10 +221,11 @@ def build_plan(scenario: Scenario, prompts: PromptMaker, seed: int | None = None
     runs: list[AgentRunPlan] = []
     for spec in scenario.classes:
         rng = _class_rng(seed, spec.name)
+        tenants = _Tenants(spec, seed, prompts)
         if spec.kind == "chat":
-            chat.extend(_chat_plans(spec, scenario, rng, prompts))
+            chat.extend(_chat_plans(spec, scenario, rng, prompts, tenants))
         else:
-            runs.extend(_run_plans(spec, scenario, rng, prompts))
+            runs.extend(_run_plans(spec, scenario, rng, prompts, tenants))
     chat.sort(key=lambda c: c.t_s)
     runs.sort(key=lambda r: r.t_s)
     return Plan(scenario, tuple(chat), tuple(runs))

@@ -282,6 +282,9 @@ def _check_instances(
         for field in ("running", "waiting", "inflight", "preemptions_seen"):
             assert int(_number(_cell(row, field))) == inst[field], (iid, field)
         assert int(_number(_cell(row, "op_limit"))) == inst["operating_point"]["limit"]
+        prefix = inst["prefix_cache"]  # the router's index of its prefix cache (KV events)
+        blocks = _cell(row, "prefix_cached_blocks")
+        assert blocks == "–" if prefix is None else int(blocks) == prefix["cached_blocks"]
         pools = _cell(row, "pools")
         for pool, frac in inst["pools"].items():
             if frac > 0:

@@ -196,9 +196,10 @@ async def test_index_follows_stored_removed_cleared(cache: PrefixCache, engine: 
     assert cache.cached_blocks(OTHER) == {"engine-0": 0}
     (view,) = cache.snapshot()
     assert view.usable and view.exact and view.cached_blocks == 0 and view.block_size_tokens == 4
-    assert view.age_s is not None and view.age_s >= 0
+    assert view.index_age_s is not None and view.index_age_s >= 0
     shown = cache.view("engine-0")
     assert shown is not None and shown["cached_blocks"] == 0 and shown["usable"]
+    assert shown["batches_received"] >= 3 and shown["restarts"] == 0  # replays: twice
     assert cache.view("engine-1") is None
 
 
@@ -418,7 +419,9 @@ async def test_admin_pools_shows_each_instances_cached_blocks(
                 instances = (await client.get("/admin/pools")).json()["instances"]
             shown = instances["e0"]["prefix_cache"]
             assert shown["usable"] and shown["exact"] and shown["cached_blocks"] == 9
-            assert shown["index_age_s"] >= 0
+            assert shown["index_age_s"] >= 0 and shown["block_size_tokens"] == 4
+            assert shown["connected"] and shown["batches_received"] >= 1
+            assert shown["replays"] == shown["resyncs"] == shown["restarts"] == 0
             assert instances["e1"]["prefix_cache"] is None  # publishes nothing gpupool knows
         finally:
             await gateway.aclose()

@@ -3,6 +3,7 @@
     gpupool simulate --config FILE [--config FILE ...] --trace SCENARIO.yaml --out DIR
                      [--fit RECORDS.jsonl | --tpot-intercept-ms A --tpot-slope-ms B
                       --prefill-tokens-per-s R] [--kv-blocks N] [--kv-block-size T] [--seed S]
+                     [--prefix-cache]
 
 `--trace` is a scenario YAML (router.simulate.scenario; the harness's are in
 benchmarks/scenarios/, and one may itself replay a trace file). Each config runs the same
@@ -56,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="tokens per KV block (default 128, vLLM's on CPUs; 16 on GPUs)",
     )
     p.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    p.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="model each engine's prefix cache: a config with engines.kv_events on places"
+        " and admits by it (router/simulate/prefix.py; scenarios' shared_prefix)",
+    )
     p.set_defaults(func=simulate_command)
 
 
@@ -88,6 +95,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             latency,
             capacity_blocks=args.kv_blocks,
             block_size_tokens=args.kv_block_size,
+            prefix_cache=args.prefix_cache,
         )
         result.wall_s = time.perf_counter() - started
         results.append(summarize(result, config))
@@ -102,6 +110,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         },
         "kv_blocks": args.kv_blocks,
         "kv_block_size_tokens": args.kv_block_size,
+        "prefix_cache": args.prefix_cache,
         "results": results,
     }
     (out / "simulation.json").write_text(json.dumps(doc, indent=1) + "\n")
