@@ -76,7 +76,7 @@ class LoopCommit:
         self._clock = clock
         self._conn: sqlite3.Connection | None = None
         self._paused_until = -math.inf
-        self.commits = 0  # records committed from the loop
+        self.commits = 0  # transactions committed from the loop
         self.since_checkpoint = 0  # of them, since the writer's last checkpoint
         self.slow_commits = 0  # commits over slow_s (each paused the loop path)
 
@@ -113,9 +113,10 @@ class LoopCommit:
         """Open and not paused by a slow commit."""
         return self._conn is not None and self._clock() >= self._paused_until
 
-    def commit(self, row: Sequence[Any]) -> bool:
-        """Insert and commit `row` now. True: committed to the WAL. False: nothing written
-        (closed, paused, the write lock held elsewhere, any error): the writer thread's turn."""
+    def commit(self, rows: Sequence[Sequence[Any]]) -> bool:
+        """Insert and commit `rows` now, in one transaction. True: committed to the WAL. False:
+        nothing written (closed, paused, the write lock held elsewhere, any error): the writer
+        thread's turn."""
         conn = self._conn
         if conn is None:
             return False
@@ -123,7 +124,10 @@ class LoopCommit:
         if start < self._paused_until:
             return False
         try:
-            conn.execute(self._sql, row)
+            if len(rows) == 1:
+                conn.execute(self._sql, rows[0])  # its own transaction
+            else:
+                self._many(conn, rows)
         except sqlite3.Error:
             return False
         end = self._clock()
@@ -141,6 +145,16 @@ class LoopCommit:
                     self._pause_s,
                 )
         return True
+
+    def _many(self, conn: sqlite3.Connection, rows: Sequence[Sequence[Any]]) -> None:
+        conn.execute("BEGIN IMMEDIATE")  # busy timeout 0: fails at once when locked
+        try:
+            conn.executemany(self._sql, rows)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
 
 def checkpoint(conn: Conn) -> None:

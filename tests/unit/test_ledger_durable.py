@@ -207,6 +207,33 @@ async def test_a_lone_commit_is_written_from_the_loop_not_the_writer_thread(
     assert (ledger.buffered, ledger.written_records) == (0, 3)
 
 
+async def test_the_commits_of_one_loop_iteration_after_the_first_share_one_transaction(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    answers = await asyncio.gather(*(ledger.commit(record(request_id=f"g{i}")) for i in range(20)))
+    assert all(answers)
+    # the first at once, the 19 others of its iteration together at the start of the next
+    assert (ledger.loop_commits, ledger.group_commits) == (2, 2)
+    assert len(rows(db)) == 20 and (ledger.buffered, ledger.written_records) == (0, 20)
+
+
+async def test_a_loop_group_that_finds_the_file_locked_goes_to_the_writer(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    commits = [asyncio.ensure_future(ledger.commit(record(request_id=f"h{i}"))) for i in range(5)]
+    await asyncio.sleep(0)  # they run: the first commits, the others wait for the next iteration
+    assert commits[0].done() and ledger.loop_commits == 1
+    lock = WriteLock(db)  # taken before their group's turn
+    await asyncio.sleep(0.05)
+    assert not any(c.done() for c in commits[1:])  # with the writer thread, waiting for the lock
+    lock.release()
+    assert all(await asyncio.gather(*commits))
+    assert (ledger.loop_commits, ledger.group_commits) == (1, 2)
+    assert len(rows(db)) == 5
+
+
 async def test_with_the_write_lock_held_elsewhere_the_commit_waits_on_the_writer(
     make_ledger: Callable[..., Any], db: Path
 ) -> None:
