@@ -2,11 +2,17 @@
 
 This process starts the engines (`up`; `serve` finds them running), then N router processes
 (multiprocessing's `forkserver`: one fresh interpreter imports the router once, and each
-router is forked from it, with no event loop or thread of this process's), each binding
+router is forked from it, with no event loop or thread of this process's), each listening on
 `router.host:router.port` with SO_REUSEPORT, so the kernel spreads new connections over
-them and one machine's cores serve more than one core's worth of requests. They share the
-budgets, slots, ledger and rebalancer through the PostgreSQL store (`check-config` refuses
-more than one without `store.url`); each is a replica of its own (`host:pid:random`).
+them and one machine's cores serve more than one core's worth of requests. This process binds
+the N listening sockets and hands router i the i-th; it keeps its own copy of each, so a
+router's socket outlives the router: connections the kernel queued there for a router that
+died (`kill -9`) are not reset with it, they wait for the router started again in its place
+(otherwise each socket has its own accept queue, and a dying router's queued connections
+would be reset, not handed to the others, unless the host sets `net.ipv4.tcp_migrate_req`).
+They share the budgets, slots, ledger and rebalancer through the PostgreSQL store
+(`check-config` refuses more than one without `store.url`); each is a replica of its own
+(`host:pid:random`).
 
 Supervision: a router that exits while the others serve (a crash, `kill -9`) is started
 again, unless it failed before serving (then everything stops, exit 1). Ctrl-C or SIGTERM:
@@ -28,6 +34,7 @@ import multiprocessing.connection
 import multiprocessing.context
 import multiprocessing.synchronize
 import signal
+import socket
 import sys
 import time
 
@@ -35,6 +42,7 @@ from pools.config import Config
 from pools.launchers import InstanceSpec, Launcher, LauncherError, make_launcher
 from router.cli.stack import (
     Replica,
+    bind_listener,
     instances_without_launching,
     run_router,
     say,
@@ -60,23 +68,29 @@ def _die_with_parent() -> None:
 
 
 def _router_main(
-    config: Config, instances: list[InstanceSpec], ready: multiprocessing.synchronize.Event
+    config: Config,
+    instances: list[InstanceSpec],
+    ready: multiprocessing.synchronize.Event,
+    sock: socket.socket,
 ) -> None:
-    """One router process (forked by the fork server)."""
+    """One router process (forked by the fork server), listening on `sock`."""
     _die_with_parent()
     configure_logging(config.router.log_format, config.router.log_level)
     gc.collect()
     gc.freeze()
-    sys.exit(run_router(config, launch=False, replica=Replica(instances, ready.set)))
+    sys.exit(run_router(config, launch=False, replica=Replica(instances, ready.set, sock)))
 
 
 class _Router:
-    """One router process and when it started."""
+    """One router process, when it started, and the listening socket of its place (this
+    process's copy: it stays open across the router's restarts; `close()` at the end)."""
 
     def __init__(
         self, ctx: multiprocessing.context.ForkServerContext, index: int, config: Config
     ) -> None:
         self.index = index
+        rc = config.router
+        self.sock: socket.socket | None = bind_listener(rc.host, rc.port, reuse_port=True)
         self.ready = ctx.Event()
         self._ctx, self._config = ctx, config
         self.proc: multiprocessing.context.ForkServerProcess | None = None
@@ -88,7 +102,7 @@ class _Router:
         self.served = False
         self.proc = self._ctx.Process(
             target=_router_main,
-            args=(self._config, instances, self.ready),
+            args=(self._config, instances, self.ready, self.sock),
             name=f"gpupool-router-{self.index}",
         )
         self.proc.start()
@@ -102,6 +116,13 @@ class _Router:
         """Its exit code (negative: the signal), None while it runs."""
         return None if self.proc is None else self.proc.exitcode
 
+    def close_listener(self) -> None:
+        """Close this process's copy of the socket: once the router closes its own, the port
+        no longer sends it connections."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
 
 def _how(code: int) -> str:
     return f"signal {-code}" if code < 0 else f"code {code}"
@@ -109,6 +130,8 @@ def _how(code: int) -> str:
 
 async def _stop_all(routers: list[_Router], grace_s: float) -> None:
     """SIGTERM every router, wait up to `grace_s`, SIGKILL what is left, reap all."""
+    for router in routers:
+        router.close_listener()
     running = [r.proc for r in routers if r.proc is not None and r.proc.exitcode is None]
     for proc in running:
         proc.terminate()
@@ -189,7 +212,8 @@ async def supervise(config: Config, *, launch: bool) -> int:
         ctx = multiprocessing.get_context("forkserver")
         # the router's modules, imported once by the fork server, not by each router
         ctx.set_forkserver_preload([__name__, "router.gateway.app"])
-        routers = [_Router(ctx, i, config) for i in range(rc.replicas)]
+        for i in range(rc.replicas):  # one at a time: a failed bind leaves the others to close
+            routers.append(_Router(ctx, i, config))
         for router in routers:
             router.start(instances)
         why = await _wait_ready(routers, stop)

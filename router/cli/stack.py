@@ -33,6 +33,7 @@ from router.ops.tracing.logs import configure_logging
 
 __all__ = [
     "Replica",
+    "bind_listener",
     "instances_without_launching",
     "run_blocking",
     "run_router",
@@ -83,7 +84,7 @@ def instances_without_launching(config: Config) -> list[InstanceSpec]:
     ]
 
 
-def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A listening socket; `reuse_port`: one of several router processes on the same port
     (SO_REUSEPORT: the kernel spreads new connections over them)."""
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only for TCP
@@ -189,10 +190,14 @@ async def start_engines(launcher: Launcher, stop: asyncio.Event) -> list[Instanc
 class Replica:
     """How one of several router processes runs (router/cli/replicas.py): over `instances`
     its supervisor knows (neither launched nor followed here), on a port the others share
-    (SO_REUSEPORT); `ready` is called once it serves, instead of printing the banner."""
+    (SO_REUSEPORT); `ready` is called once it serves, instead of printing the banner.
+    `sock`: the listening socket its supervisor bound and keeps open for this router's place
+    (a router started again after a crash accepts what queued there meanwhile); None: bind
+    one here."""
 
     instances: list[InstanceSpec]
     ready: Callable[[], None]
+    sock: socket.socket | None = None
 
 
 async def run_stack(config: Config, *, launch: bool, replica: Replica | None = None) -> int:
@@ -205,7 +210,11 @@ async def run_stack(config: Config, *, launch: bool, replica: Replica | None = N
     stop = stop_on_signals()
     rc = config.router
     try:
-        sock = _bind(rc.host, rc.port, reuse_port=replica is not None)
+        sock = (
+            replica.sock
+            if replica is not None and replica.sock is not None
+            else bind_listener(rc.host, rc.port, reuse_port=replica is not None)
+        )
     except LauncherError as err:
         say(str(err))
         return 1

@@ -1,9 +1,11 @@
 """`gpupool serve --replicas 2` over a fake engine and a real PostgreSQL store: two router
 processes on one port (SO_REUSEPORT), both answering; one `kill -9`ed while it holds a
 tenant's only concurrency slot: its request fails, the port keeps serving, the dead router is
-started again, its slot is free again after `store.slot_lease_s`; Ctrl-C stops every router
-(none left running). check-config refuses more than one router without a PostgreSQL store.
-Conditions are waited for with generous deadlines; nothing is timed."""
+started again, its slot is free again after `store.slot_lease_s`; connections queued at a
+router that is then killed (SIGSTOPped first, so it accepts nothing) are served by the router
+started in its place, not reset; Ctrl-C stops every router (none left running). check-config
+refuses more than one router without a PostgreSQL store. Conditions are waited for with
+generous deadlines; nothing is timed."""
 
 from __future__ import annotations
 
@@ -99,6 +101,7 @@ async def test_two_routers_share_the_port_and_survive_a_kill_9(
         try:
             await router.wait_ready_async(DEADLINE_S)
             await _both_answer_then_kill_one(router, url, state)
+            await _queued_at_a_killed_router_are_served(router)
             router.signal(signal.SIGINT)  # Ctrl-C
             assert await asyncio.to_thread(router.proc.wait, DEADLINE_S) == 0, router.tail()
 
@@ -189,6 +192,38 @@ async def _both_answer_then_kill_one(
         return f":{victim}:" not in view["replica"] and view["replica"] not in seen
 
     await until(started_again, "a new router in place of the killed one")
+
+
+async def _queued_at_a_killed_router_are_served(router: RouterProcess) -> None:
+    """The kernel spreads new connections over the routers' sockets (SO_REUSEPORT): with one
+    router stopped, about half of them queue at its socket. Killed, its place keeps the
+    socket, and the router started there answers them (before, they were reset)."""
+    victim = int((await _replica(router))["replica"].split(":")[1])
+    os.kill(victim, signal.SIGSTOP)
+
+    async def chat() -> int:
+        async with httpx.AsyncClient(base_url=router.url, timeout=DEADLINE_S) as client:
+            r = await client.post(
+                "/v1/chat/completions",
+                headers=_headers("GPUPOOL_TEST_FREE_KEY"),
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            )
+            return r.status_code
+
+    sent = [asyncio.ensure_future(chat()) for _ in range(12)]  # a new connection each
+    try:
+        await until(lambda: _settled(sent, at_least=1), "the other router answering")
+        await asyncio.sleep(0.5)  # what the live router would answer is answered by now
+        queued = sum(1 for t in sent if not t.done())
+        assert queued >= 1, "no connection went to the stopped router"
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    answers = await asyncio.gather(*sent, return_exceptions=True)
+    assert answers == [200] * len(sent), answers
+
+
+async def _settled(tasks: list[asyncio.Future[int]], *, at_least: int) -> bool:
+    return sum(1 for t in tasks if t.done()) >= at_least
 
 
 def _holders(store: PostgresStore) -> list[str]:
