@@ -21,7 +21,11 @@ tier of 10 requests at once, `gamma` with a requests-per-minute budget.
   requests served after the kill, a new router in its place (its replica id through
   /admin/pools), the dead router's slots gone from the database (seconds after the kill), the
   shared budget levels, and the ledger: one row per answered request with the tokens the client
-  was told (`usage`), none missing, none extra.
+  was told (`usage`), none missing, none extra. Beside that load, until it ends, 4 workers of
+  a fourth tenant, `delta` (600 tokens per minute, no tier), spend its budget within seconds;
+  its ledger tokens against what its bucket could give (full at its first request, plus the
+  refill until its last answer) is the overspend, against the bound of one request's
+  reservation (prompt + `max_tokens`) per replica that served.
 - **outage**: for `budgets_on_outage` open, then closed: steady load from 12 workers; after
   10 s PostgreSQL is stopped (fast shutdown) for `--outage-s`, then started; the load runs
   15 s more. Reported per phase (before, during, after): 200s, 503 `store_unavailable` and
@@ -64,9 +68,14 @@ KEYS = {
     "alpha": "alpha-" + "a" * 24,
     "beta": "beta-" + "b" * 24,
     "gamma": "gamma-" + "c" * 24,
+    "delta": "delta-" + "e" * 24,
     "admin": "admin-" + "d" * 24,
 }
-TENANTS = ("alpha", "beta", "gamma")
+TENANTS = ("alpha", "beta", "gamma")  # the drills' load
+SPENDER = "delta"  # the kill drill's budget-bound tenant, beside the load
+SPENDER_TOKENS_PER_MINUTE = 600  # spent within ~3 s by its workers: the rest is refill
+SPENDER_WORKERS = 4
+MAX_TOKENS = 20  # the most a drill request asks for
 
 
 def _postgres() -> Any:
@@ -107,6 +116,7 @@ class Load:
     replies: list[Reply] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     completed: int = 0
+    tenants: tuple[str, ...] = TENANTS
 
     def now(self) -> float:
         return time.monotonic() - self.started
@@ -117,7 +127,7 @@ class Load:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             workers = [
                 self._worker(session, tenant, random.Random(f"{tenant}{n}"))
-                for tenant in TENANTS
+                for tenant in self.tenants
                 for n in range(self.workers_per_tenant)
             ]
             await asyncio.gather(*workers)
@@ -132,7 +142,7 @@ class Load:
                 self.budget -= 1
             reply = Reply(tenant=tenant, stream=rng.random() < 0.5, sent_s=self.now())
             self.replies.append(reply)
-            await _one(session, self.url, reply, rng.randint(6, 20))
+            await _one(session, self.url, reply, rng.randint(6, MAX_TOKENS))
             reply.ended_s = self.now()
             if reply.status == 200 and reply.complete:
                 self.completed += 1
@@ -233,6 +243,11 @@ def _config(folder: Path, engines: list[str], url: str, store: dict[str, Any]) -
                 "api_key_env": "GPUPOOL_DRILL_GAMMA_KEY",
                 "tier": "wide",
                 "requests_per_minute": 20_000,
+            },
+            {  # no tier: no slots, so the kill drill's slot counts are the load's alone
+                "name": SPENDER,
+                "api_key_env": f"GPUPOOL_DRILL_{SPENDER.upper()}_KEY",
+                "tokens_per_minute": SPENDER_TOKENS_PER_MINUTE,
             },
         ],
     }
@@ -383,6 +398,9 @@ async def kill_drill(
         _log(f"kill drill: {len(before)} routers answering: {sorted(before)}")
         load = Load(router.url, workers_per_tenant=8, budget=args.requests)
         task = asyncio.ensure_future(load.run())
+        # beside it, until it ends: a tenant whose budget runs out, to bound the overspend
+        spender = Load(router.url, SPENDER_WORKERS, None, started=load.started, tenants=(SPENDER,))
+        spending = asyncio.ensure_future(spender.run())
         while load.completed < args.requests // 2 and not task.done():  # noqa: ASYNC110
             await asyncio.sleep(0.02)
         holders = await asyncio.to_thread(db.slots)
@@ -404,6 +422,8 @@ async def kill_drill(
         )
         killed_wall_s = time.time()
         await task
+        spender.stop.set()
+        await spending
         # the dead router's slots: expired (dropped before any count) at their last renewal +
         # slot_lease_s; the rows themselves go at the tenant's next acquire
         expiries = await asyncio.to_thread(
@@ -436,6 +456,12 @@ async def kill_drill(
         buckets = await asyncio.to_thread(db.buckets)
         ok_rows = await asyncio.to_thread(
             db.query, "SELECT COUNT(*) FROM requests WHERE status_code = 200"
+        )
+        spent = await asyncio.to_thread(
+            db.query,
+            "SELECT COUNT(*), CAST(SUM(prompt_tokens + completion_tokens) AS BIGINT),"
+            " MAX(prompt_tokens) FROM requests WHERE tenant = %s AND status_code = 200",
+            SPENDER,
         )
     finally:
         _stop_router(router, mark)
@@ -491,9 +517,46 @@ async def kill_drill(
         "client_tokens": sum(r.tokens for r in served),
         "ledger_tokens": sum(t for _, t in ledger.values()),
         "budget_buckets_end": [list(b) for b in buckets],
+        "overspend": _overspend(spender, spent[0], args.replicas + len(replaced)),
     }
     _log(f"kill drill: {json.dumps(result)}")
     return result
+
+
+def _overspend(spender: Load, spent: tuple[Any, ...], replicas: int) -> dict[str, Any]:
+    """The budget-bound tenant's tokens (the ledger's, for its answered requests) against what
+    its bucket could give from its first request to its last answer: full at the start
+    (`tokens_per_minute`) plus the refill. The bar: over by at most one request's reservation
+    (its prompt + `max_tokens`) per replica that served in the round (the killed one's
+    replacement included)."""
+    rows, tokens, max_prompt = int(spent[0]), int(spent[1] or 0), int(spent[2] or 0)
+    served = [r for r in spender.replies if r.status == 200 and r.complete]
+    if not served:
+        return {"served": 0}
+    start_s = min(r.sent_s for r in spender.replies)
+    end_s = max(r.ended_s for r in served)
+    allowed = SPENDER_TOKENS_PER_MINUTE * (1 + (end_s - start_s) / 60)
+    reservation = max_prompt + MAX_TOKENS
+    return {
+        "tenant": SPENDER,
+        "tokens_per_minute": SPENDER_TOKENS_PER_MINUTE,
+        "requests": len(spender.replies),
+        "served": len(served),
+        "ledger_rows": rows,
+        "refused": sorted(
+            {f"{r.status}:{r.code}" for r in spender.replies if r.status in (429, 503)}
+        ),
+        "refused_count": sum(1 for r in spender.replies if r.status in (429, 503)),
+        "failed": sum(1 for r in spender.replies if not r.complete and r.status not in (429, 503)),
+        "window_s": round(end_s - start_s, 2),
+        "ledger_tokens": tokens,
+        "client_tokens": sum(r.tokens for r in served),
+        "allowed_tokens": round(allowed, 1),
+        "over_tokens": round(tokens - allowed, 1),
+        "bound_tokens": replicas * reservation,
+        "replicas": replicas,
+        "within_bound": tokens - allowed <= replicas * reservation,
+    }
 
 
 def _server_processes(postmaster: int) -> list[int]:
@@ -635,6 +698,17 @@ async def _drills(args: argparse.Namespace, pg: Any, folder: Path) -> dict[str, 
     return results
 
 
+def _spend_line(o: dict[str, Any]) -> str:
+    if not o.get("served"):
+        return "the budget-bound tenant was not served"
+    return (
+        f"{o['tenant']} spent {o['ledger_tokens']} tokens in {o['window_s']} s of a bucket that"
+        f" could give {o['allowed_tokens']} (over by {o['over_tokens']}; bound"
+        f" {o['bound_tokens']} = {o['replicas']} replicas x one reservation;"
+        f" {o['served']} served, {o['refused_count']} refused {o['refused']})"
+    )
+
+
 def _summary(results: dict[str, Any]) -> None:
     print(
         f"replicas {results['replicas']}, {results['cpus']} CPUs, load at start "
@@ -656,6 +730,7 @@ def _summary(results: dict[str, Any]) -> None:
             f" ledger {kill['ledger_rows_for_served']} rows for"
             f" {kill['served_200']} served, {kill['ledger_missing']} missing,"
             f" tokens {kill['ledger_tokens']} vs clients' {kill['client_tokens']}"
+            f"; budget: {_spend_line(kill['overspend'])}"
         )
     for key in ("outage_open", "outage_closed", "outage_open_hang"):
         out = results.get(key)
