@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import operator
@@ -306,6 +307,12 @@ def _write_batch(conn: Conn, batch: _Batch, bad_row: tuple[type[Exception], ...]
     return skipped
 
 
+@functools.lru_cache(maxsize=64)
+def _insert_rows_sql(n: int) -> str:
+    """One INSERT (upsert) of `n` rows."""
+    return _INSERT_ROWS_HEAD + ", ".join([_ONE_ROW] * n) + _INSERT_ROWS_TAIL
+
+
 def _insert_rows(
     conn: Conn, rows: list[_Row], max_rows: int, bad_row: tuple[type[Exception], ...]
 ) -> int:
@@ -313,9 +320,8 @@ def _insert_rows(
     malformed row or more than `max_rows`, `_write_batch` (which skips what is malformed).
     Returns how many rows were skipped."""
     if len(rows) <= max_rows:
-        sql = _INSERT_ROWS_HEAD + ", ".join([_ONE_ROW] * len(rows)) + _INSERT_ROWS_TAIL
         try:
-            conn.execute(sql, [value for row in rows for value in row])
+            conn.execute(_insert_rows_sql(len(rows)), [value for row in rows for value in row])
         except bad_row:
             pass  # nothing was written: find the bad rows below
         else:
@@ -558,7 +564,8 @@ class Ledger:
         if durable and isinstance(self.store, SqliteStore):
             self._loop_commit = LoopCommit(
                 self.store.path,
-                _INSERT,
+                _insert_rows_sql,
+                len(_COLUMNS),
                 slow_s=loop_commit_slow_s,
                 pause_s=loop_commit_pause_s,
             )

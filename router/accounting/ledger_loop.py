@@ -61,8 +61,10 @@ class LoopCommit:
     def __init__(
         self,
         path: Path,
-        insert_sql: str,
+        insert_sql: Callable[[int], str],
+        width: int,
         *,
+        max_rows: int | None = None,
         slow_s: float = LOOP_COMMIT_SLOW_S,
         pause_s: float = LOOP_COMMIT_PAUSE_S,
         clock: Callable[[], float] = time.perf_counter,
@@ -70,7 +72,10 @@ class LoopCommit:
         if slow_s < 0.0 or pause_s < 0.0:
             raise ValueError("slow_s and pause_s must be >= 0")
         self._path = path
-        self._sql = insert_sql
+        self._sql = insert_sql  # n -> one INSERT of n rows
+        self._width = width  # values a row binds
+        self._max_rows_cap = max_rows
+        self._max_rows = 1  # rows one INSERT may carry (the limit on bound variables)
         self._slow_s = slow_s
         self._pause_s = pause_s
         self._clock = clock
@@ -101,6 +106,10 @@ class LoopCommit:
         if str(mode).lower() != "wal":
             conn.close()
             return
+        limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+        self._max_rows = max(1, limit // self._width)
+        if self._max_rows_cap is not None:
+            self._max_rows = max(1, min(self._max_rows, self._max_rows_cap))
         self._conn = conn
 
     def close(self) -> None:
@@ -124,8 +133,8 @@ class LoopCommit:
         if start < self._paused_until:
             return False
         try:
-            if len(rows) == 1:
-                conn.execute(self._sql, rows[0])  # its own transaction
+            if len(rows) <= self._max_rows:  # one statement: its own transaction
+                conn.execute(self._sql(len(rows)), [value for row in rows for value in row])
             else:
                 self._many(conn, rows)
         except sqlite3.Error:
@@ -149,7 +158,7 @@ class LoopCommit:
     def _many(self, conn: sqlite3.Connection, rows: Sequence[Sequence[Any]]) -> None:
         conn.execute("BEGIN IMMEDIATE")  # busy timeout 0: fails at once when locked
         try:
-            conn.executemany(self._sql, rows)
+            conn.executemany(self._sql(1), rows)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:

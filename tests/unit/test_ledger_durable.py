@@ -18,7 +18,14 @@ from pools.config import Config, ConfigError
 from pools.testing.config import config_for_test, one_pool
 from pools.testing.fake_engine import FakeEngineState
 from pools.testing.gateway import gateway_over_fakes
-from router.accounting.ledger import MIGRATIONS, Ledger
+from router.accounting.ledger import (
+    _COLUMNS,
+    MIGRATIONS,
+    Ledger,
+    _insert_rows_sql,
+    _record_fields,
+)
+from router.accounting.ledger_loop import LoopCommit
 from router.gateway.app import Gateway
 from router.request import Message, Receive, Scope, Send
 from router.store import SqliteStore, migrate
@@ -232,6 +239,27 @@ async def test_a_loop_group_that_finds_the_file_locked_goes_to_the_writer(
     assert all(await asyncio.gather(*commits))
     assert (ledger.loop_commits, ledger.group_commits) == (1, 2)
     assert len(rows(db)) == 5
+
+
+def test_a_group_over_one_statement_s_rows_is_one_transaction(db: Path) -> None:
+    store = SqliteStore(db)
+    store.open()
+    try:
+        migrate(store, MIGRATIONS)
+    finally:
+        store.close()
+    loop_commit = LoopCommit(db, _insert_rows_sql, len(_COLUMNS), max_rows=2)
+    loop_commit.open()
+    try:
+        made = [record(request_id=f"m{i}", run_id=None) for i in range(5)]
+        assert loop_commit.commit([(*_record_fields(r), None) for r in made])
+        lock = WriteLock(db)
+        assert not loop_commit.commit([(*_record_fields(record()), None)] * 3)  # never waits
+        lock.release()
+    finally:
+        loop_commit.close()
+    assert [r["request_id"] for r in rows(db)] == [f"m{i}" for i in range(5)]
+    assert loop_commit.commits == 1
 
 
 async def test_with_the_write_lock_held_elsewhere_the_commit_waits_on_the_writer(
