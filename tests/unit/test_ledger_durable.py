@@ -51,6 +51,11 @@ def restore_requests_table(path: Path) -> None:
     """The schema again: the ledger's migrations, run as on a file that never had them."""
     with sqlite3.connect(path) as conn:
         conn.execute("DELETE FROM gpupool_schema WHERE component = 'ledger'")
+    create_tables(path)
+
+
+def create_tables(path: Path) -> None:
+    """The ledger's migrations on `path` (created when missing)."""
     store = SqliteStore(path)
     store.open()
     try:
@@ -242,12 +247,7 @@ async def test_a_loop_group_that_finds_the_file_locked_goes_to_the_writer(
 
 
 def test_a_group_over_one_statement_s_rows_is_one_transaction(db: Path) -> None:
-    store = SqliteStore(db)
-    store.open()
-    try:
-        migrate(store, MIGRATIONS)
-    finally:
-        store.close()
+    create_tables(db)
     loop_commit = LoopCommit(db, _insert_rows_sql, len(_COLUMNS), max_rows=2)
     loop_commit.open()
     try:
