@@ -15,7 +15,10 @@ The loop never waits on the database for it:
 - it never checkpoints (`wal_autocheckpoint=0`); the writer thread checkpoints the WAL every
   `CHECKPOINT_EVERY` loop commits (PASSIVE: never blocks a writer) and on its own commits;
 - a commit that took longer than `slow_s` (a stalled disk: `write()` throttled) switches the
-  loop path off for `pause_s`; commits go to the writer thread meanwhile.
+  loop path off for `pause_s`, doubled each time the first loop commit after a pause is slow
+  again (up to `max_pause_s`), reset by a fast one; commits go to the writer thread meanwhile.
+  The time is wall time, so a router preempted mid-commit on a busy machine pauses it too: a
+  short pause, the writer thread's path as before, harmless.
 
 Any error (a malformed record, a broken disk) is not handled here: nothing was written, and the
 writer thread's path (which skips malformed rows, logs, retries) takes the record.
@@ -35,6 +38,7 @@ from router.store import Conn
 
 __all__ = [
     "CHECKPOINT_EVERY",
+    "LOOP_COMMIT_MAX_PAUSE_S",
     "LOOP_COMMIT_PAUSE_S",
     "LOOP_COMMIT_SLOW_S",
     "LoopCommit",
@@ -44,11 +48,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # A loop commit slower than this (a stalled disk: `write()` throttled) sends commits to the
-# writer thread for LOOP_COMMIT_PAUSE_S. A normal one takes ~30 us; wall time, so a process
-# preempted mid-commit on a loaded machine (5-10 ms seen) may pause it too: harmless (the
-# writer thread's path, as before), hence a bound well above that.
+# writer thread for LOOP_COMMIT_PAUSE_S, doubling up to LOOP_COMMIT_MAX_PAUSE_S while the disk
+# stays slow. A normal one takes ~30 us; wall time, so a process preempted mid-commit on a
+# loaded machine (5-10 ms seen, more under py-spy) pauses it too: hence a bound well above
+# that, and a first pause short enough that a false alarm costs little.
 LOOP_COMMIT_SLOW_S = 0.025
-LOOP_COMMIT_PAUSE_S = 10.0
+LOOP_COMMIT_PAUSE_S = 1.0
+LOOP_COMMIT_MAX_PAUSE_S = 60.0
 # Loop commits between two checkpoints by the writer thread (~2-3 WAL pages each: the WAL stays
 # near SQLite's default autocheckpoint of 1,000 pages).
 CHECKPOINT_EVERY = 256
@@ -67,10 +73,11 @@ class LoopCommit:
         max_rows: int | None = None,
         slow_s: float = LOOP_COMMIT_SLOW_S,
         pause_s: float = LOOP_COMMIT_PAUSE_S,
+        max_pause_s: float = LOOP_COMMIT_MAX_PAUSE_S,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if slow_s < 0.0 or pause_s < 0.0:
-            raise ValueError("slow_s and pause_s must be >= 0")
+        if slow_s < 0.0 or pause_s < 0.0 or max_pause_s < pause_s:
+            raise ValueError("need slow_s >= 0 and 0 <= pause_s <= max_pause_s")
         self._path = path
         self._sql = insert_sql  # n -> one INSERT of n rows
         self._width = width  # values a row binds
@@ -78,6 +85,8 @@ class LoopCommit:
         self._max_rows = 1  # rows one INSERT may carry (the limit on bound variables)
         self._slow_s = slow_s
         self._pause_s = pause_s
+        self._max_pause_s = max_pause_s
+        self._next_pause_s = pause_s  # doubles while commits after a pause stay slow
         self._clock = clock
         self._conn: sqlite3.Connection | None = None
         self._paused_until = -math.inf
@@ -142,17 +151,21 @@ class LoopCommit:
         end = self._clock()
         self.commits += 1
         self.since_checkpoint += 1
-        if end - start > self._slow_s:
-            self._paused_until = end + self._pause_s
-            self.slow_commits += 1
-            if self.slow_commits == 1 or self.slow_commits % 100 == 0:
-                logger.warning(
-                    "ledger: a commit on the event loop took %.1f ms (%d so far): commits go "
-                    "to the writer thread for %g s",
-                    (end - start) * 1e3,
-                    self.slow_commits,
-                    self._pause_s,
-                )
+        if end - start <= self._slow_s:
+            self._next_pause_s = self._pause_s
+            return True
+        pause_s = self._next_pause_s
+        self._paused_until = end + pause_s
+        self._next_pause_s = min(pause_s * 2.0, self._max_pause_s)
+        self.slow_commits += 1
+        if self.slow_commits == 1 or self.slow_commits % 100 == 0 or pause_s >= self._max_pause_s:
+            logger.warning(
+                "ledger: a commit on the event loop took %.1f ms (%d so far): commits go to "
+                "the writer thread for %g s",
+                (end - start) * 1e3,
+                self.slow_commits,
+                pause_s,
+            )
         return True
 
     def _many(self, conn: sqlite3.Connection, rows: Sequence[Sequence[Any]]) -> None:

@@ -262,6 +262,48 @@ def test_a_group_over_one_statement_s_rows_is_one_transaction(db: Path) -> None:
     assert loop_commit.commits == 1
 
 
+class SteppingClock:
+    """Each reading advances the time by `step`: a commit between two readings takes `step`."""
+
+    def __init__(self) -> None:
+        self.now, self.step = 0.0, 0.0
+
+    def __call__(self) -> float:
+        now = self.now
+        self.now += self.step
+        return now
+
+
+def test_slow_loop_commits_pause_the_loop_path_longer_each_time_until_a_fast_one(
+    db: Path,
+) -> None:
+    create_tables(db)
+    clock = SteppingClock()
+    loop_commit = LoopCommit(
+        db, _insert_rows_sql, len(_COLUMNS), slow_s=0.05, pause_s=1.0, max_pause_s=4.0, clock=clock
+    )
+    loop_commit.open()
+
+    def commit_at(now_s: float, step_s: float) -> bool:
+        clock.now, clock.step = now_s, step_s
+        return loop_commit.commit([(*_record_fields(record()), None)])
+
+    try:
+        assert commit_at(0.0, 0.1)  # slow (0.1 s): paused 1 s from its end (0.1)
+        assert not commit_at(1.0, 0.0)  # still paused: the writer's turn
+        assert commit_at(1.2, 0.1)  # slow again: 2 s from 1.3
+        assert not commit_at(3.2, 0.0)
+        assert commit_at(3.4, 0.1)  # 4 s from 3.5 (the cap)
+        assert commit_at(7.6, 0.1)  # 4 s again
+        assert not commit_at(11.6, 0.0)
+        assert commit_at(11.8, 0.0)  # fast: the next pause is 1 s again
+        assert commit_at(12.0, 0.1)
+        assert commit_at(13.2, 0.0)
+    finally:
+        loop_commit.close()
+    assert (loop_commit.commits, loop_commit.slow_commits) == (7, 5)
+
+
 async def test_with_the_write_lock_held_elsewhere_the_commit_waits_on_the_writer(
     make_ledger: Callable[..., Any], db: Path
 ) -> None:
@@ -280,7 +322,7 @@ async def test_with_the_write_lock_held_elsewhere_the_commit_waits_on_the_writer
 async def test_a_slow_loop_commit_sends_the_next_ones_to_the_writer(
     make_ledger: Callable[..., Any], db: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ledger: Ledger = await make_ledger(loop_commit_slow_s=0.0, loop_commit_pause_s=1000.0)
+    ledger: Ledger = await make_ledger(loop_commit_slow_s=0.0, loop_commit_pause_s=30.0)
     with caplog.at_level(logging.WARNING, logger="router.accounting.ledger_loop"):
         assert await ledger.commit(record(request_id="slow")) is True  # on the loop, "slow"
         assert await ledger.commit(record(request_id="after")) is True
