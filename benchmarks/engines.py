@@ -12,6 +12,7 @@ from typing import Any
 
 from pools.config import Config, parse_config
 from pools.launchers import LocalLauncher
+from pools.launchers.engine_args import EngineTraces
 
 __all__ = ["agent_pool_router", "cpu_engines"]
 
@@ -28,10 +29,12 @@ def cpu_engines(
     max_model_len_tokens: int = 4096,
     environ: Mapping[str, str] | None = None,
     cpu_affinity: list[list[int]] | None = None,
+    traces: EngineTraces | None = None,
 ) -> LocalLauncher:
     """A launcher for `count` engines on `port`, `port + 1`, ... that require the key in
     `$key_env` (`environ`: their parent environment, default this process's; `cpu_affinity`:
-    per engine the CPUs it is pinned to, as `engines.local.cpu_affinity`); `start()` it."""
+    per engine the CPUs it is pinned to, as `engines.local.cpu_affinity`; `traces`: where they
+    export vLLM's own spans); `start()` it."""
     config = parse_config(
         {
             "model": {
@@ -55,7 +58,12 @@ def cpu_engines(
         }
     )
     return LocalLauncher(
-        config.engines.local, config.model, progress=progress, gpu_count=0, environ=environ
+        config.engines.local,
+        config.model,
+        progress=progress,
+        gpu_count=0,
+        environ=environ,
+        traces=traces,
     )
 
 

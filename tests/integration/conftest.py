@@ -31,9 +31,9 @@ from pools.devmodel import is_dev_model, make_dev_model
 from pools.launchers import InstanceSpec, LocalLauncher
 from pools.launchers.engine_args import EngineTraces
 from pools.testing import router_process
+from pools.testing.otlp_receiver import OtlpReceiver
 from pools.testing.router_process import free_port
 from tests.e2e.stack import seed_vllm_flags, wait_ready
-from tests.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / ".gpupool" / "models" / "tiny"

@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from pools.launchers import InstanceSpec
+from pools.testing.otlp_receiver import CLIENT, SERVER, OtlpReceiver, ReceivedSpan
 from router.ops.tracing.request_trace import CHILD_SPANS
 from tests.integration.conftest import (
     EngineFleet,
@@ -38,7 +39,6 @@ from tests.integration.conftest import (
     wait_for,
     write_router_config,
 )
-from tests.otlp_receiver import CLIENT, SERVER, OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.integration
 

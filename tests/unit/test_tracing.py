@@ -31,6 +31,7 @@ from pools.config import ConfigError, parse_config
 from pools.launchers import InstanceSpec
 from pools.testing.config import config_data, config_for_test, even_pools, one_pool
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
+from pools.testing.otlp_receiver import CLIENT, SERVER, OtlpReceiver, ReceivedSpan
 from pools.testing.serve import serve_asgi
 from router.gateway.app import Gateway, create_app
 from router.ops.tracing.logs import JsonFormatter
@@ -41,7 +42,6 @@ from router.ops.tracing.request_trace import (
     dropped_context,
 )
 from router.request import Receive, Scope, Send
-from tests.otlp_receiver import CLIENT, SERVER, OtlpReceiver, ReceivedSpan
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
