@@ -65,6 +65,7 @@ class RunRecord:
     # home (router.admission.picking.RunAffinity): None until a step of it went somewhere
     home: str | None = None
     context_tokens: int = 0
+    home_step: int | None = None  # the step number (shared store) that set it; None: unknown
     # run-aware queue order (router.admission.queueing), per pool: dispatches banked against
     # the FIFO bound, and the service idle periods forgave; None until a queue wrote one
     credit: dict[str, float] | None = None

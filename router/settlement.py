@@ -133,7 +133,7 @@ class Settlement:
     def answered(self, outcome: RequestOutcome) -> None:
         """The engine answered the attempt: the run's (or session's) home is that instance."""
         if outcome.instance_id is not None:
-            self.affinity.record(outcome.ctx.home_key, outcome.instance_id)
+            self.affinity.record(outcome.ctx.home_key, outcome.instance_id, step=outcome.step_index)
 
     def usage_extra(self, outcome: RequestOutcome) -> dict[str, Any]:
         """What goes in the response's usage (GPU-seconds, ...), once its tokens are known."""
@@ -217,6 +217,7 @@ class Settlement:
                     ctx.home_key,
                     outcome.instance_id,
                     outcome.prompt_tokens + outcome.completion_tokens,
+                    step=outcome.step_index,
                 )
             if outcome.estimate is not None and outcome.prompt_tokens > 0:
                 error = self.estimator.observe(

@@ -119,11 +119,29 @@ class RunAffinity:
         record = self.runs.get(run_key) if run_key is not None else None
         return record.context_tokens if record is not None and record.home is not None else 0
 
-    def record(self, run_key: Hashable | None, instance_id: str, context_tokens: int = 0) -> None:
+    def record(
+        self,
+        run_key: Hashable | None,
+        instance_id: str,
+        context_tokens: int = 0,
+        step: int | None = None,
+    ) -> None:
+        """The run's step (number `step` from a shared store; None: not numbered there) was
+        answered by `instance_id`."""
         if run_key is None:
             return
         record = self.runs.touch(run_key)
         record.home, record.context_tokens = instance_id, context_tokens
+        record.home_step = step
+
+    def adopt(self, run_key: Hashable, home: str, step: int, context_tokens: int) -> None:
+        """A shared store's home for the run (router.governance.shared: `home` answered its
+        step number `step`, the latest answered on any replica): kept when that step is later
+        than the one that set this replica's home (or this replica's has no number), so a
+        run's steps follow it from replica to replica."""
+        record = self.runs.touch(run_key)
+        if record.home is None or record.home_step is None or record.home_step < step:
+            record.home, record.context_tokens, record.home_step = home, context_tokens, step
 
 
 def filter_healthy(req: PickRequest, cands: list[Candidate]) -> list[Candidate]:

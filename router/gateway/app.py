@@ -195,6 +195,7 @@ class Gateway:
             clock=clock,
         )
         self.governor.on_run_end = self.settlement.run_ended
+        self.governor.on_home = self.affinity.adopt  # a run's home from the shared store
         # engines that come and go (Kubernetes, Ray): the fleet follows `source`
         self.membership = Membership(
             self.fleet,

@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
 from router.governance.replica import ReplicaBudgets
 from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
+from router.governance.shared import NextStep
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
 
@@ -135,6 +136,7 @@ class _SharedTake:
     slot: str | None = None
     run_slot: str | None = None  # `<session or run id>` whose slot was taken
     step: int | None = None  # the run's step number, from the store
+    home: NextStep | None = None  # with the run's home there (any replica's latest answer)
 
 
 @dataclass(eq=False)
@@ -178,6 +180,10 @@ class Governor:
         self.metrics = metrics
         self.clock = clock
         self.on_run_end = on_run_end
+        # a shared store's home of a run whose step arrives here: (its home key, the instance,
+        # the step number it answered, that step's tokens); the gateway's `RunAffinity.adopt`,
+        # which keeps the later of it and its own
+        self.on_home: Callable[[Hashable, str, int, int], None] | None = None
         self._max_runs = max_runs_per_tenant
         self._task_types = dict(config.governance.task_types_s)
         self._idle_timeout_s = config.governance.run_idle_timeout_s
@@ -497,6 +503,7 @@ class Governor:
             signals.run_end,
             shared=shared,
         )
+        self._adopt_home(ctx, None if shared is None else shared.home)
         self._export(st, now)
         return waited_s
 
@@ -564,7 +571,8 @@ class Governor:
                         1.0,
                     )
             if ctx.run_id is not None:
-                took.step = await replica.next_step(name, ctx.run_id)
+                took.home = await replica.next_step(name, ctx.run_id)
+                took.step = None if took.home is None else took.home.step
         except BaseException:
             self._undo_shared(st, took)
             raise
@@ -843,6 +851,12 @@ class Governor:
                 self._replica.give(ticket.tenant, "requests", 1.0)
             if took.slot is not None:
                 self._replica.release(ticket.tenant, "requests", took.slot)
+            # where the run's step was answered, for its next step on any replica (not a
+            # session's run: a session's home follows the session, which is not shared)
+            home, step, run_id = outcome.instance_id, took.step, outcome.ctx.run_id
+            alone = outcome.ctx.session_id is None
+            if outcome.outcome == "ok" and home and step is not None and run_id and alone:
+                self._replica.record_home(ticket.tenant, run_id, home, step, used)
         gpu_s = outcome.gpu_seconds
         st.hour.add(gpu_s, now)
         st.day.add(gpu_s, now)
@@ -862,6 +876,15 @@ class Governor:
         self._check_alert(st, now)
         st.refilled.set()
         self._export(st, now)
+
+    def _adopt_home(self, ctx: RequestContext, stored: NextStep | None) -> None:
+        """Hand the store's home of the step's run to `on_home` (the run table keeps the later
+        of it and this replica's own). Not a session's: its home follows the session across
+        its runs, whose step numbers are not comparable."""
+        if stored is None or stored.home is None or stored.home_step is None:
+            return
+        if self.on_home is not None and ctx.session_id is None and ctx.run_key is not None:
+            self.on_home(ctx.run_key, stored.home, stored.home_step, stored.context_tokens)
 
     def _give_back(self, st: _Tenant, need: float, request: bool, now_s: float) -> None:
         if st.tokens is not None:

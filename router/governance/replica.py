@@ -40,7 +40,7 @@ from typing import Literal, TypeVar
 
 from router.errors import StoreUnavailable
 from router.governance.metrics import GovernanceMetrics
-from router.governance.shared import SharedBudgets, Slices
+from router.governance.shared import NextStep, SharedBudgets, Slices
 from router.store import Store, StoreError
 from router.store.leader import new_replica_id
 
@@ -79,7 +79,7 @@ class ReplicaBudgets:
         self._errors: tuple[type[Exception], ...] = (StoreError, *store.errors)
         self.leases: dict[tuple[str, str], float] = {}  # (tenant, bucket) -> units held
         self.down_since_s: float | None = None  # unix time of the failure that began it
-        self._pending: set[asyncio.Task[None]] = set()  # slot releases under way
+        self._pending: set[asyncio.Task[None]] = set()  # slot releases, homes under way
         self._topping: dict[tuple[str, str], asyncio.Lock] = {}  # a top-up under way
         self._unreleased: list[tuple[str, str]] = []  # (slot key, holder) for the next sweep
         self._closed = False
@@ -203,9 +203,9 @@ class ReplicaBudgets:
         self._outage(tenant, f"concurrent {kind}")
         return True, None
 
-    async def next_step(self, tenant: str, run_id: str) -> int | None:
-        """The run's next step number from the store; None while it cannot be reached (the
-        ledger then numbers the step from this replica's memory)."""
+    async def next_step(self, tenant: str, run_id: str) -> NextStep | None:
+        """The run's next step number (and its home) from the store; None while it cannot be
+        reached (the ledger then numbers the step from this replica's memory)."""
         if self.down_since_s is not None:
             return None
         now_s = self._wall()
@@ -216,6 +216,30 @@ class ReplicaBudgets:
 
     def holder(self, name: str) -> str:
         return f"{self.replica}:{name}"
+
+    def record_home(
+        self, tenant: str, run_id: str, home: str, step: int, context_tokens: int
+    ) -> None:
+        """Step `step` of the run was answered by `home` (in the background, on the event
+        loop; not while the store is down: the run's next step there keeps the replica's own
+        home, and a later step's record replaces this one anyway)."""
+        if self.down_since_s is not None or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside the event loop: the next step keeps the older home
+            return
+        task = loop.create_task(self._record_home(tenant, run_id, home, step, context_tokens))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _record_home(
+        self, tenant: str, run_id: str, home: str, step: int, context_tokens: int
+    ) -> None:
+        try:
+            await asyncio.to_thread(self.db.record_home, tenant, run_id, home, step, context_tokens)
+        except self._errors as err:
+            self._down(err)
 
     def release(self, tenant: str, kind: str, holder: str) -> None:
         """Give a slot back (in the background; if that fails, its lease ends it). Called

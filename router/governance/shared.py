@@ -21,7 +21,8 @@ docs/replicas.md).
   (`release_slot`); the slots of a holder that died expire with their lease. The tenant's
   bucket row is locked first, so concurrent acquisitions are counted one after another.
 
-- `next_step(tenant, run_id, now_s)`: the run's next step number (0, 1, 2, ...), one upsert;
+- `next_step(tenant, run_id, now_s)`: the run's next step number (0, 1, 2, ...) and its home
+  (`record_home`: the instance its latest answered step went to), one upsert;
   two replicas never hand out the same number.
 - `publish_windows` / cost windows: each replica's hourly and daily GPU-seconds slices, one
   row per (tenant, replica), replaced every governance sweep; `others_windows` reads the other
@@ -35,10 +36,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from router.store import Migration, Store, upsert
 
-__all__ = ["ADMISSION_RESERVATIONS", "COST_WINDOWS", "RUN_STEPS", "SHARED_TABLES", "SharedBudgets"]
+__all__ = [
+    "ADMISSION_RESERVATIONS",
+    "COST_WINDOWS",
+    "RUN_HOMES",
+    "RUN_STEPS",
+    "SHARED_TABLES",
+    "NextStep",
+    "SharedBudgets",
+]
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS budget_buckets (
@@ -110,6 +120,28 @@ CREATE TABLE IF NOT EXISTS admission_reservations (
 ADMISSION_RESERVATIONS = _migration(
     5, "admission_reservations (KV and batch reservations across replicas)", _ADMISSION_RESERVATIONS
 )
+
+_RUN_HOMES = """
+ALTER TABLE run_steps ADD COLUMN home TEXT;
+ALTER TABLE run_steps ADD COLUMN home_step INTEGER;
+ALTER TABLE run_steps ADD COLUMN context_tokens INTEGER NOT NULL DEFAULT 0
+"""
+# governance's sixth migration: where each run's latest answered step went (its home), so its
+# next step finds it on whichever replica it arrives
+RUN_HOMES = _migration(6, "run_steps.home (run homes across replicas)", _RUN_HOMES)
+
+
+@dataclass(frozen=True, slots=True)
+class NextStep:
+    """A run's step number from the store, and its home then: the instance its latest
+    answered step (number `home_step`) went to, with that step's prompt + completion tokens;
+    `home` None: no step of it answered yet (or none recorded)."""
+
+    step: int
+    home: str | None = None
+    home_step: int | None = None
+    context_tokens: int = 0
+
 
 Slices = list[tuple[float, float]]  # (unix start, GPU-seconds), oldest first
 
@@ -301,14 +333,35 @@ class SharedBudgets:
                     sums[float(start)] = sums.get(float(start), 0.0) + float(amount)
         return {t: (sorted(h.items()), sorted(d.items())) for t, (h, d) in merged.items()}
 
-    def next_step(self, tenant: str, run_id: str, now_s: float) -> int:
-        """The run's next step number: 0 for its first, then 1, 2, ... (one statement)."""
+    def next_step(self, tenant: str, run_id: str, now_s: float) -> NextStep:
+        """The run's next step number: 0 for its first, then 1, 2, ..., with its home as
+        recorded by `record_home` on any replica (one statement)."""
         with self.store.connection() as conn:
-            (after,) = conn.execute(
+            after, home, home_step, context = conn.execute(
                 "INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s)"
                 " VALUES (?, ?, 1, ?) ON CONFLICT (tenant, run_id) DO UPDATE SET"
                 " next_step = run_steps.next_step + 1, updated_at_s = excluded.updated_at_s"
-                " RETURNING next_step",
+                " RETURNING next_step, home, home_step, context_tokens",
                 (tenant, run_id, now_s),
             ).fetchone()
-        return int(after) - 1
+        return NextStep(
+            int(after) - 1,
+            None if home is None else str(home),
+            None if home_step is None else int(home_step),
+            int(context or 0),
+        )
+
+    def record_home(
+        self, tenant: str, run_id: str, home: str, step: int, context_tokens: int
+    ) -> bool:
+        """Step `step` of the run was answered by `home`: its home, unless a later step's
+        home is recorded already (replicas may record out of order). True: recorded."""
+        with self.store.connection() as conn:
+            return (
+                conn.execute(
+                    "UPDATE run_steps SET home = ?, home_step = ?, context_tokens = ?"
+                    " WHERE tenant = ? AND run_id = ? AND (home_step IS NULL OR home_step < ?)",
+                    (home, step, context_tokens, tenant, run_id, step),
+                ).rowcount
+                == 1
+            )

@@ -25,6 +25,7 @@ from pathlib import Path
 from router.governance.shared import (
     ADMISSION_RESERVATIONS,
     COST_WINDOWS,
+    RUN_HOMES,
     RUN_STEPS,
     SHARED_TABLES,
 )
@@ -96,6 +97,7 @@ MIGRATIONS = (
     COST_WINDOWS,
     RUN_STEPS,
     ADMISSION_RESERVATIONS,  # router/admission/shared_reservations.py
+    RUN_HOMES,
 )
 
 

@@ -7,6 +7,7 @@ nothing refills behind a test's back); the database calls are real and race in t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from pools.config import Config, ConfigError, contract_problems
 from pools.testing.config import config_for_test, one_pool
 from router.admission.estimate import Estimate
+from router.admission.picking import RunAffinity
 from router.errors import RateLimited, RunStopped, StoreUnavailable
 from router.governance import GovernanceMetrics, Governor
 from router.governance.governor import StepSignals
@@ -252,6 +254,56 @@ async def test_a_runs_steps_are_numbered_across_replicas(postgres_server: Postgr
         other = await enter(b, "t", run_id="run-2")
         b.dispatched(other)
         assert other.step_index == 0  # per run
+
+
+async def test_a_runs_home_follows_its_steps_across_replicas(
+    postgres_server: PostgresServer,
+) -> None:
+    """Each replica keeps its own run table; a step's home comes from the store when another
+    replica answered the run's latest step, and stays this replica's own when its own is
+    later."""
+    url = postgres_server.create_database("replicas_homes")
+    config = shared_config(url)
+    wall = Clock(T0)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+        homes = {a: RunAffinity(), b: RunAffinity()}
+        for gov in (a, b):
+            gov.on_home = homes[gov].adopt
+        key = ("t", "run-1")
+
+        async def step(gov: Governor, answered_by: str, used: int) -> RequestOutcome:
+            outcome = await enter(gov, "t", run_id="run-1")
+            gov.dispatched(outcome)
+            outcome.instance_id = answered_by
+            homes[gov].record(key, answered_by, used, step=outcome.step_index)  # settlement
+            await finish(gov, outcome, used)
+            return outcome
+
+        await step(a, "engine-1", 40)
+        assert homes[b].get(key) is None
+        second = await step(b, "engine-2", 90)  # b learns step 0's home as step 1 arrives
+        assert second.step_index == 1
+        await enter(a, "t", run_id="run-1")  # step 2 arrives at a: b answered step 1
+        assert (homes[a].get(key), homes[a].context_tokens(key)) == ("engine-2", 90)
+        # a's own later answer is not replaced by an older one in the store
+        homes[b].record(key, "engine-3", 120, step=7)
+        await enter(b, "t", run_id="run-1")
+        assert (homes[b].get(key), homes[b].context_tokens(key)) == ("engine-3", 120)
+        # the store keeps the latest step's home whatever order replicas record in
+        db = a._replica.db if a._replica is not None else None
+        assert db is not None
+        assert await asyncio.to_thread(db.record_home, "t", "run-1", "engine-5", 5, 1) is True
+        assert await asyncio.to_thread(db.record_home, "t", "run-1", "engine-4", 4, 1) is False
+        stored = await asyncio.to_thread(db.next_step, "t", "run-1", T0)
+        assert (stored.home, stored.home_step) == ("engine-5", 5)
+        # a run's steps in a session are homed by the session: nothing recorded for them
+        in_session = dataclasses.replace(ctx("t", "sess:1"), session_id="sess")
+        await a.enter(in_session, ESTIMATE, tenant_of(a, "t"))
+        outcome = RequestOutcome(ctx=in_session, estimate=ESTIMATE, instance_id="engine-6")
+        a.dispatched(outcome)
+        await finish(a, outcome)
+        stored = await asyncio.to_thread(db.next_step, "t", "sess:1", T0)
+        assert stored.home is None and stored.step == 1
 
 
 async def test_max_steps_counts_the_steps_every_replica_served(
