@@ -466,6 +466,26 @@ def test_the_collectors_headers_come_from_a_secret(
     for version in KUBE_VERSIONS:
         report = helm.lint(CHART, values, strict=True, kube_version=f"v{version}")
         assert [m for m in report["messages"] if m["severity"] >= 2] + report["errors"] == []
+    # the engines export vLLM's spans to the same collector, with the same Secret's headers
+    for sts in _by_kind(docs, "StatefulSet"):
+        (vllm,) = sts["spec"]["template"]["spec"]["containers"]
+        args = vllm["args"]
+        assert args[args.index("--otlp-traces-endpoint") + 1] == "http://tempo:4318/v1/traces"
+        engine_env = {e["name"]: e.get("value", e.get("valueFrom")) for e in vllm["env"]}
+        assert engine_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+        assert engine_env["OTEL_SERVICE_NAME"] == "gpupool-vllm"
+        assert engine_env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == {
+            "secretKeyRef": {"name": "tempo-auth", "key": "headers"}
+        }
+    off = {**values, "observability": {**values["observability"], "engineTraces": False}}
+    for sts in _by_kind(list(_documents(_render(off))), "StatefulSet"):
+        (vllm,) = sts["spec"]["template"]["spec"]["containers"]
+        assert "--otlp-traces-endpoint" not in vllm["args"]
+        assert "OTEL_SERVICE_NAME" not in {e["name"] for e in vllm["env"]}
+    # without a collector the engines export nothing
+    for sts in _by_kind(list(_documents(_render(OPEN))), "StatefulSet"):
+        (vllm,) = sts["spec"]["template"]["spec"]["containers"]
+        assert "--otlp-traces-endpoint" not in vllm["args"]
     # a Secret of headers and no collector to send them to
     with pytest.raises(helm.HelmError) as err:
         _render({**OPEN, "observability": {"headersSecret": "tempo-auth"}})

@@ -82,8 +82,27 @@ B200: NVIDIA-B200
 {{- if $v.engines.guardMiddleware -}}
 {{- $args = concat $args (list "--middleware" "pools.launchers.engine_guard.EngineKeyGuard") -}}
 {{- end -}}
+{{- with (include "gpupool.engineTracesUrl" .root) -}}
+{{- if not (has "--otlp-traces-endpoint" $g.vllmArgs) -}}
+{{- $args = concat $args (list "--otlp-traces-endpoint" .) -}}
+{{- end -}}
+{{- end -}}
 {{- $args = concat $args $g.vllmArgs -}}
 {{- toJson $args -}}
+{{- end -}}
+
+{{/* The OTLP/HTTP traces URL the engines export vLLM's spans to: the router's collector
+     (config.observability.otlp_endpoint, /v1/traces added to a bare base URL as the router
+     does) when observability.engineTraces; "" otherwise. */}}
+{{- define "gpupool.engineTracesUrl" -}}
+{{- $url := ((.Values.config.observability | default dict).otlp_endpoint | default "") -}}
+{{- if and $url .Values.observability.engineTraces -}}
+{{- if regexMatch "^https?://[^/]+/?$" $url -}}
+{{- printf "%s/v1/traces" (trimSuffix "/" $url) -}}
+{{- else -}}
+{{- $url -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* --dtype: as given; `auto` on a CPU group is float32 (gpupool's engine plan picks bfloat16
