@@ -69,6 +69,10 @@ def run(db: SharedBudgets, calls: int) -> list[tuple[str, str]]:
             "run step number (next_step)",
             _timed(lambda i: db.next_step("t", f"run{i % 50}", now_s), calls),
         ),
+        (
+            "run home (record_home)",
+            _timed(lambda i: db.record_home("t", f"run{i % 50}", "engine-0", i, 100), calls),
+        ),
         ("sweep (settle_many + renew_slots + publish_windows)", _timed(sweep, max(1, calls // 4))),
         (
             "admission exchange, publish + read (ReservationsTable.exchange)",
