@@ -9,8 +9,9 @@ and one task (`start()`/`aclose()`). It handles:
 - batches lost with nothing after them (published before the subscription took, or the last
   before a quiet spell): on connecting and after `catch_up_s` without a batch it asks the
   replay socket for anything past the last batch applied;
-- reconnects and restarts: when the monitor reports the connection lost, the index is dropped
-  (the engine may be a new process with an empty cache); the first batch after reconnecting is
+- reconnects and restarts: when the monitor reports the connection lost (read only once no
+  batch is queued: those came before it), the index is dropped (the engine may be a new
+  process with an empty cache); the first batch after reconnecting is
   then a gap from 0, which a live publisher's replay buffer fills, and a restarted engine's
   sequence (back at 0) says it is new;
 - engines that publish nothing: no connection within `connect_warn_s` logs one warning and
@@ -135,7 +136,15 @@ class EngineEvents:
         catch_up = False
         while True:
             ready = dict(await poller.poll(timeout=1000))
-            if monitor in ready:
+            # Batches already queued come before a connection event: those received before
+            # the connection dropped belong to the index being dropped (applied after the
+            # drop they would stand for a gone publisher's blocks and put the expected
+            # sequence ahead of a restarted engine's); the monitor waits while sub has any.
+            if sub in ready:
+                heard_s = self._clock()
+                await self._on_live(await sub.recv_multipart())
+                await self._notify()
+            elif monitor in ready:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_CONNECTED:
                     ever_connected = self.connected = catch_up = True
@@ -146,10 +155,6 @@ class EngineEvents:
                     self.connected = self.hash_mismatch = self._verified = False
                     self.index.drop()
                     self.restarts += 1
-                await self._notify()
-            if sub in ready:
-                heard_s = self._clock()
-                await self._on_live(await sub.recv_multipart())
                 await self._notify()
             # A batch published before the subscription reached the publisher, or the last one
             # before a quiet spell, is lost without a later one to show the gap: on connecting

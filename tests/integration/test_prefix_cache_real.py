@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -36,6 +37,7 @@ from router.prefix import PrefixCache
 from router.prefix.prompt import ChatPrompt
 from router.prefix.subscriber import SubscriberSettings
 from tests.integration.conftest import MODEL_DIR, write_router_config
+from tests.unit import vllm_goldens
 
 pytestmark = pytest.mark.integration
 
@@ -163,6 +165,7 @@ class _Forwarder:
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(endpoint)
         self.dropped: list[int] = []
+        self.payloads: list[bytes] = []  # every batch's payload, as the engine sent it
         self._drop = False
         self._task = asyncio.create_task(self._run())
 
@@ -172,6 +175,7 @@ class _Forwarder:
     async def _run(self) -> None:
         while True:
             frames = await self.sub.recv_multipart()
+            self.payloads.append(frames[-1])
             if self._drop:
                 self._drop = False
                 self.dropped.append(int.from_bytes(frames[1], "big"))
@@ -222,10 +226,36 @@ async def _dropped(tmp_path: Path, spec: InstanceSpec) -> None:
             assert holds(1), "the dropped batch's blocks were not replayed"
             assert events.replays == replays + 1 and events.resyncs == 0
             assert events.index.exact and events.usable
+            _check_goldens(forwarder.payloads)
     finally:
         await cache.aclose()
         await forwarder.aclose()
         ctx.term()
+
+
+def _check_goldens(payloads: list[bytes]) -> None:
+    """The unit tests' goldens of vLLM (tests/unit/vllm_goldens.py) still hold: recorded from
+    the vLLM installed here, and a real engine's batches laid out as the recorded ones (the
+    array, then each BlockStored's fields in the recorded order). Their hashes agree with the
+    router's chain, which the unit tests check against the goldens, by the subscriber's own
+    check on these events (`usable`, no hash mismatch)."""
+    golden = vllm_goldens.load()
+    assert golden["vllm_version"] == vllm_goldens.installed_vllm_version(), (
+        "vLLM changed: regenerate tests/unit/data/vllm_prefix_goldens.json"
+        " (python -m tests.unit.vllm_goldens --write)"
+    )
+    recorded = msgspec.msgpack.decode(bytes.fromhex(golden["batches"]["stored_prompt_other"]))
+    fields = [k for k in recorded[1][0] if k != "group_idx"]  # group_idx: omitted when None
+    stored = 0
+    for payload in payloads:
+        batch = msgspec.msgpack.decode(payload)
+        assert len(batch) == len(recorded) and isinstance(batch[0], float)
+        for event in batch[1]:
+            if event["type"] == "BlockStored":
+                assert [k for k in event if k in fields] == fields
+                assert isinstance(event["block_hashes"][0], int) == golden["int_block_hashes"]
+                stored += 1
+    assert stored >= 1
 
 
 def test_a_dropped_event_is_replayed_from_the_engine(

@@ -1,11 +1,15 @@
-"""router/prefix against vLLM itself: the block hash chain against vLLM's functions, and the
-index kept from batches made of vLLM's own event classes, sent by vLLM's own ZMQ publisher
-(gaps, replays, restarts, silence, a disagreeing hash). One file: it imports vLLM once."""
+"""router/prefix against what vLLM computes, without importing vLLM: the block hash chain and
+the KV event batches' bytes against goldens recorded from vLLM (tests/unit/vllm_goldens.py,
+which regenerates them; the real-engine test checks them against the installed vLLM), and
+the index kept over real ZMQ sockets from a publisher of the tests' own that speaks vLLM's
+`ZmqEventPublisher` protocol (gaps, replays, restarts, silence, a disagreeing hash)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +17,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+import zmq
 
 from pools.config import parse_config
 from pools.devmodel import make_dev_model
@@ -28,37 +31,28 @@ from router.prefix.hashing import DEFAULT_SEED, block_key, chain_hashes, chain_k
 from router.prefix.index import Accepted, BlockIndex
 from router.prefix.prompt import ChatPrompt
 from router.prefix.subscriber import EngineEvents, SubscriberSettings
-from router.prefix.wire import Batch, decode_batch
+from router.prefix.wire import Batch, BlockRemoved, BlockStored, decode_batch
+from tests.unit import vllm_goldens
+from tests.unit.vllm_goldens import ANOTHER_SEED, BLOCK, OTHER, PROMPT, stored_fields
 
-kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
-hashing = pytest.importorskip("vllm.utils.hashing")
-
-
-def _vllm_chain(token_ids: list[int], block_size: int, seed: str) -> list[bytes]:
-    none = hashing.sha256_cbor(seed)
-    parent = none
-    out = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = kv_cache_utils.hash_block_tokens(
-            hashing.sha256_cbor, parent, token_ids[start : start + block_size]
-        )
-        out.append(parent)
-    return out
+GOLDEN = vllm_goldens.load()
 
 
 def test_default_seed_is_vllms() -> None:
-    assert DEFAULT_SEED == kv_cache_utils.DEFAULT_NONE_HASH_SEED
-    assert none_hash() == hashing.sha256_cbor(DEFAULT_SEED)
+    assert GOLDEN["default_seed"] == DEFAULT_SEED
+    for seed, digest in GOLDEN["sha256_cbor_of_seed"].items():
+        assert none_hash(seed).hex() == digest, seed
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    token_ids=st.lists(st.integers(min_value=0, max_value=2**32), max_size=70),
-    block_size=st.sampled_from([1, 4, 16, 23]),
-    seed=st.sampled_from([DEFAULT_SEED, "0", "12345", "é"]),
-)
-def test_chain_matches_vllm(token_ids: list[int], block_size: int, seed: str) -> None:
-    assert chain_hashes(token_ids, block_size, seed) == _vllm_chain(token_ids, block_size, seed)
+def test_chain_matches_vllm() -> None:
+    cases = GOLDEN["chains"]
+    assert [{k: c[k] for k in ("token_ids", "block_size", "seed")} for c in cases] == (
+        vllm_goldens.chain_cases()
+    )  # the goldens are of these inputs
+    for case in cases:
+        seed = case["seed"] or DEFAULT_SEED
+        got = chain_hashes(case["token_ids"], case["block_size"], seed)
+        assert [h.hex() for h in got] == case["hashes"], case
 
 
 def test_partial_block_has_no_hash() -> None:
@@ -72,81 +66,127 @@ def test_key_is_vllms_int_form() -> None:
     assert block_key(digest) == as_int == block_key(as_int)
 
 
-def test_engine_none_hash_follows_pythonhashseed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_none_hash_follows_pythonhashseed() -> None:
     """vLLM reads PYTHONHASHSEED when the engine starts (`init_none_hash`): without it
     sha256_cbor's seed is the fixed default, the same in every process; with it, its value."""
-    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    kv_cache_utils.init_none_hash(hashing.sha256_cbor)
-    assert none_hash() == kv_cache_utils.NONE_HASH
-    monkeypatch.setenv("PYTHONHASHSEED", "7")
-    kv_cache_utils.init_none_hash(hashing.sha256_cbor)
-    assert none_hash("7") == kv_cache_utils.NONE_HASH
-    monkeypatch.delenv("PYTHONHASHSEED")
-    kv_cache_utils.init_none_hash(hashing.sha256_cbor)
+    by_env = GOLDEN["engine_none_hash_by_pythonhashseed"]
+    assert none_hash().hex() == by_env[""]
+    assert none_hash("7").hex() == by_env["7"]
 
 
 # ---------------------------------------------------------------------------------------------
-# the index from vLLM's own event classes, over real ZMQ sockets (vLLM's own publisher)
+# KV event batches as vLLM encodes them (checked byte for byte against its goldens), over real
+# ZMQ sockets from a publisher speaking its protocol
 # ---------------------------------------------------------------------------------------------
-
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
-
-BLOCK = 4
 
 
 def _vllm_hashes(token_ids: list[int], seed: str = DEFAULT_SEED) -> list[int | bytes]:
-    """What an engine puts in BlockStored.block_hashes for these full blocks."""
-    return [kv_cache_utils.maybe_convert_block_hash(h) for h in _vllm_chain(token_ids, BLOCK, seed)]
+    """What an engine puts in BlockStored.block_hashes for these full blocks (the router's
+    chain, equal to vLLM's by `test_chain_matches_vllm`; ints or bytes as vLLM sends them)."""
+    digests = chain_hashes(token_ids, BLOCK, seed)
+    return [block_key(h) for h in digests] if GOLDEN["int_block_hashes"] else list(digests)
 
 
-def _stored(token_ids: list[int], seed: str = DEFAULT_SEED) -> Any:
-    hashes = _vllm_hashes(token_ids, seed)
-    return kv_events.BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=None,
-        token_ids=token_ids[: len(hashes) * BLOCK],
-        block_size=BLOCK,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=0,
-    )
+def _stored(token_ids: list[int], seed: str = DEFAULT_SEED, **fields: Any) -> dict[str, Any]:
+    """vLLM's `BlockStored` as msgspec encodes it: tagged, in field order, defaults omitted."""
+    event = {"type": "BlockStored", **stored_fields(_vllm_hashes(token_ids, seed), token_ids)}
+    event.update(fields)
+    if event["group_idx"] is None:  # a default: omitted
+        del event["group_idx"]
+    return event
 
 
-def _removed(hashes: list[int | bytes]) -> Any:
-    return kv_events.BlockRemoved(block_hashes=hashes, medium="GPU", group_idx=0)
+def _removed(hashes: list[int | bytes]) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
 
 
-def _batch(*events: Any) -> Any:
-    return kv_events.KVEventBatch(ts=0.0, events=list(events))
+CLEARED: dict[str, Any] = {"type": "AllBlocksCleared"}
 
 
-PROMPT = list(range(100, 124))  # 6 blocks of 4
-OTHER = list(range(500, 512))  # 3 blocks
+def _batch(*events: dict[str, Any]) -> bytes:
+    """A `KVEventBatch` (array-like: ts, events, data_parallel_rank) as the publisher sends it."""
+    return msgspec.msgpack.encode([0.0, list(events), 0])
+
+
+def test_batches_are_the_bytes_vllm_sends() -> None:
+    cpu = _stored([], block_hashes=[1, 2], medium="CPU", group_idx=None)  # an offload tier
+    ours = {
+        "stored_prompt_other": _batch(_stored(PROMPT), _stored(OTHER)),
+        "stored_prompt_another_seed": _batch(_stored(PROMPT, ANOTHER_SEED)),
+        "removed_prompt_block_3": _batch(_removed(_vllm_hashes(PROMPT)[3:4])),
+        "cleared": _batch(CLEARED),
+        "stored_cpu": _batch(cpu),
+        "empty": _batch(),
+    }
+    assert {k: v.hex() for k, v in ours.items()} == GOLDEN["batches"]
+    decoded = decode_batch(bytes.fromhex(GOLDEN["batches"]["stored_prompt_other"]))
+    first = decoded.events[0]
+    assert isinstance(first, BlockStored) and first.plain and first.block_size_tokens == BLOCK
+    assert [block_key(h) for h in first.block_hashes] == chain_keys(PROMPT, BLOCK)
+    removed = decode_batch(bytes.fromhex(GOLDEN["batches"]["removed_prompt_block_3"])).events
+    assert isinstance(removed[0], BlockRemoved) and removed[0].group_idx == 0
+    assert decode_batch(bytes.fromhex(GOLDEN["batches"]["cleared"])).events == (None,)
 
 
 class Engine:
-    """vLLM's `ZmqEventPublisher` on socket files, as an engine started with
-    --kv-events-config runs it; `lose` puts a batch in its replay buffer without sending it."""
+    """A KV event publisher on socket files speaking vLLM's `ZmqEventPublisher` protocol
+    (router/prefix/wire.py): PUB `(topic, seq, payload)`, a ROUTER replay socket answering
+    `(b"", start seq)` with every buffered batch from it then the end marker, served by a
+    thread as vLLM's is. `lose` takes a sequence number without sending the batch, keeping it
+    for replay or not."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.spec = KvEventsSpec(
             endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay"
         )
-        self.pub = kv_events.ZmqEventPublisher(
-            0, endpoint=self.spec.endpoint, replay_endpoint=self.spec.replay_endpoint
-        )
+        assert self.spec.replay_endpoint is not None
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(self.spec.endpoint)
+        self._replay = self._ctx.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.bind(self.spec.replay_endpoint)
+        self._seq = itertools.count()
+        self._buffer: list[tuple[int, bytes]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replay, name="test-kv-replay")
+        self._thread.start()
 
-    def publish(self, batch: Any) -> None:
-        self.pub.publish(batch)
+    def publish(self, payload: bytes) -> None:
+        seq = next(self._seq)
+        with self._lock:
+            self._buffer.append((seq, payload))
+        self._pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
 
-    def lose(self, batch: Any, *, keep_for_replay: bool = True) -> None:
-        seq = next(self.pub._seq_gen)
+    def lose(self, payload: bytes, *, keep_for_replay: bool = True) -> None:
+        seq = next(self._seq)
         if keep_for_replay:
-            self.pub._buffer.append((seq, msgspec.msgpack.encode(batch)))
+            with self._lock:
+                self._buffer.append((seq, payload))
+
+    def _serve_replay(self) -> None:
+        end = (-1).to_bytes(8, "big", signed=True)
+        while not self._stop.is_set():
+            if not self._replay.poll(20):
+                continue
+            client, _, start = self._replay.recv_multipart()
+            first = int.from_bytes(start, "big")
+            with self._lock:
+                kept = [(seq, buf) for seq, buf in self._buffer if seq >= first]
+            for seq, buf in kept:
+                self._replay.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), buf))
+            self._replay.send_multipart((client, b"", b"", end, b""))
 
     def close(self) -> None:
-        self.pub.shutdown()
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        self._pub.close()
+        self._replay.close()
+        self._ctx.term()
 
 
 @pytest.fixture
@@ -170,8 +210,15 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
 
 
 async def _until(events: EngineEvents, cond: Callable[[EngineEvents], bool]) -> None:
-    async with asyncio.timeout(30):  # a deadline for a hung test, not a speed bound
-        await events.wait_for(cond)
+    try:
+        async with asyncio.timeout(30):  # a deadline for a hung test, not a speed bound
+            await events.wait_for(cond)
+    except TimeoutError:
+        i = events.index
+        state = (events.connected, i.expected_seq, i.last_live_seq, len(i.keys), i.exact)
+        state += (events.batches_received, events.replays, events.restarts)
+        names = "connected, expected seq, last live seq, keys, exact, batches, replays, restarts"
+        raise AssertionError(f"timed out at ({names}) = {state}") from None
 
 
 async def _follow(cache: PrefixCache, engine: Engine) -> EngineEvents:
@@ -191,7 +238,7 @@ async def test_index_follows_stored_removed_cleared(cache: PrefixCache, engine: 
     engine.publish(_batch(_removed(_vllm_hashes(PROMPT)[3:4])))  # block 3 evicted
     await _until(events, lambda e: e.index.expected_seq == 2)
     assert cache.cached_blocks(PROMPT) == {"engine-0": 3}  # vLLM reuses up to the hole
-    engine.publish(_batch(kv_events.AllBlocksCleared()))
+    engine.publish(_batch(CLEARED))
     await _until(events, lambda e: e.index.expected_seq == 3)
     assert cache.cached_blocks(OTHER) == {"engine-0": 0}
     (view,) = cache.snapshot()
@@ -228,7 +275,7 @@ async def test_gap_past_the_replay_buffer_starts_over_inexact(
     # what is known is still right; what was before the gap is forgotten (under-reports)
     assert cache.cached_blocks(PROMPT) == {"engine-0": 6}
     assert cache.cached_blocks(OTHER) == {"engine-0": 0}
-    engine.publish(_batch(kv_events.AllBlocksCleared()))  # the engine's cache is empty: exact
+    engine.publish(_batch(CLEARED))  # the engine's cache is empty: exact
     await _until(events, lambda e: e.index.expected_seq == 4)
     assert events.index.exact
 
@@ -293,7 +340,7 @@ async def test_engine_hashing_differently_is_left_out(
 
 
 def _wire(*events: Any) -> Batch:
-    return decode_batch(msgspec.msgpack.encode(_batch(*events)))
+    return decode_batch(_batch(*events))
 
 
 def test_index_sequence_rules() -> None:
@@ -311,10 +358,7 @@ def test_index_sequence_rules() -> None:
 
 def test_index_ignores_offload_tiers_and_is_bounded() -> None:
     index = BlockIndex(max_blocks=5)
-    cpu = kv_events.BlockStored(
-        block_hashes=[1, 2], parent_block_hash=None, token_ids=[], block_size=4,
-        lora_id=None, medium="CPU", lora_name=None,
-    )  # fmt: skip
+    cpu = _stored([], block_hashes=[1, 2], medium="CPU", group_idx=None)
     index.accept_live(0, _wire(cpu, _stored(OTHER)), 0.0)
     assert len(index.keys) == 3 and index.exact
     index.accept_live(1, _wire(_stored(PROMPT)), 0.0)  # 9 > 5: cleared, under-reports
