@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import http.client
 import json
 import os
 import statistics
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import yaml
 
 from benchmarks.engines import cpu_engines
@@ -62,10 +65,35 @@ def _say(message: str) -> None:
 # ------------------------------------------------------------------ the client (its own process)
 
 
-def _client(url: str, requests: int, out: Path) -> None:
+class _Plain:
+    """The standard library's `http.client` on one kept-alive connection: a client whose own
+    work per request is small beside httpx's (the OpenAI SDK's), to tell the two apart."""
+
+    def __init__(self, url: str) -> None:
+        host, _, port = url.removeprefix("http://").partition(":")
+        self._conn = http.client.HTTPConnection(host, int(port), timeout=120)
+
+    def post(
+        self, path: str, json: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> httpx.Response:
+        self._conn.request(
+            "POST",
+            path,
+            body=orjson.dumps(json),
+            headers={"content-type": "application/json", **(headers or {})},
+        )
+        reply = self._conn.getresponse()
+        return httpx.Response(reply.status, content=reply.read())
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _client(url: str, requests: int, out: Path, lib: str) -> None:
     """Send the requests one at a time; write [{trace_id, kind, client_s, status}]."""
     rows: list[dict[str, Any]] = []
-    with httpx.Client(base_url=url, timeout=120) as client:
+    client: Any = httpx.Client(base_url=url, timeout=120) if lib == "httpx" else _Plain(url)
+    with contextlib.closing(client):
         for i in range(5):  # warm: the connection, the router's and the engine's first paths
             client.post("/v1/chat/completions", json=_body(f"warm {i}"))
         run = 0
@@ -159,7 +187,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run(requests: int, out_dir: Path) -> dict[str, Any]:
+def run(requests: int, out_dir: Path, client_lib: str = "httpx") -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if not is_dev_model(MODEL_DIR):
         make_dev_model(MODEL_DIR, "tiny")
@@ -205,6 +233,8 @@ def run(requests: int, out_dir: Path) -> dict[str, Any]:
                     str(requests),
                     "--client-out",
                     str(client_out),
+                    "--client-lib",
+                    client_lib,
                 ],
                 check=True,
                 timeout=60 + requests * 5,
@@ -237,6 +267,7 @@ def run(requests: int, out_dir: Path) -> dict[str, Any]:
         "machine": describe(),
         "load_average_before": before,
         "load_average_after": load_average(),
+        "client_lib": client_lib,
         "bar_ms": BAR_MS,
         "summary": _summary(rows),
         "requests": rows,
@@ -249,15 +280,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tracing-gap"))
+    parser.add_argument(
+        "--client-lib",
+        choices=("httpx", "http.client"),
+        default="httpx",
+        help="the client's HTTP library: httpx (what the OpenAI SDK uses; default) or the"
+        " standard library's http.client (less work of its own per request)",
+    )
     parser.add_argument("--client", help=argparse.SUPPRESS)  # the client process: router URL
     parser.add_argument("--client-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.requests < 2:
         parser.error("--requests: at least 2 (one of each kind)")
     if args.client:
-        _client(args.client, args.requests, args.client_out)
+        _client(args.client, args.requests, args.client_out, args.client_lib)
         return 0
-    result = run(args.requests, args.out)
+    result = run(args.requests, args.out, args.client_lib)
     print(json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=1))
     return 0
 
