@@ -5,7 +5,8 @@ and one task (`start()`/`aclose()`). It handles:
 
 - gaps: a batch whose number is past the next expected one asks the engine's replay socket
   for everything from the expected number (one DEALER request, `replay_timeout_s`); what the
-  buffer no longer has is lost for good: the index starts over inexact (`BlockIndex.resync`);
+  buffer no longer has is lost for good: the index starts over inexact (`BlockIndex.resync`)
+  from the first batch after the loss, found live or by a replay;
 - batches lost with nothing after them (published before the subscription took, or the last
   before a quiet spell): on connecting and after `catch_up_s` without a batch it asks the
   replay socket for anything past the last batch applied;
@@ -193,17 +194,20 @@ class EngineEvents:
         if verdict is Accepted.GAP:
             await self._replay(seq)
             if self.index.accept_replayed(seq, batch, self._clock()) is Accepted.GAP:
-                self.resyncs += 1
-                log.warning(
-                    "kv events: %s: batches %d..%d lost for good; its index starts over"
-                    " (under-reports until the engine clears its cache)",
-                    self.instance_id,
-                    self.index.expected_seq,
-                    seq - 1,
-                )
-                self.index.resync(seq, batch, self._clock())
+                self._resync(seq, batch)
         if verdict is not Accepted.DUPLICATE:
             self._verify(batch)
+
+    def _resync(self, seq: int, batch: Batch) -> None:
+        self.resyncs += 1
+        log.warning(
+            "kv events: %s: batches %d..%d lost for good; its index starts over"
+            " (under-reports until the engine clears its cache)",
+            self.instance_id,
+            self.index.expected_seq,
+            seq - 1,
+        )
+        self.index.resync(seq, batch, self._clock())
 
     def _parse(self, frames: list[bytes]) -> tuple[int, Batch] | None:
         try:
@@ -238,7 +242,10 @@ class EngineEvents:
                         continue
                     seq, batch = parsed
                     if self.index.accept_replayed(seq, batch, self._clock()) is Accepted.GAP:
-                        return  # the buffer starts past what is missing
+                        # the buffer starts past what is missing: lost for good (without
+                        # this, a catch-up that finds no live batch would leave the index
+                        # waiting for them for ever)
+                        self._resync(seq, batch)
                     self._verify(batch)
         except TimeoutError:
             log.warning("kv events: %s: replay got no end marker in time", self.instance_id)
