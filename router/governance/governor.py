@@ -856,7 +856,10 @@ class Governor:
             home, step, run_id = outcome.instance_id, took.step, outcome.ctx.run_id
             alone = outcome.ctx.session_id is None
             if outcome.outcome == "ok" and home and step is not None and run_id and alone:
-                self._replica.record_home(ticket.tenant, run_id, home, step, used)
+                stored = None if took.home is None else took.home.home
+                self._replica.record_home(
+                    ticket.tenant, run_id, home, step, used, stored_home=stored
+                )
         gpu_s = outcome.gpu_seconds
         st.hour.add(gpu_s, now)
         st.day.add(gpu_s, now)

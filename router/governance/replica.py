@@ -218,12 +218,28 @@ class ReplicaBudgets:
         return f"{self.replica}:{name}"
 
     def record_home(
-        self, tenant: str, run_id: str, home: str, step: int, context_tokens: int
+        self,
+        tenant: str,
+        run_id: str,
+        home: str,
+        step: int,
+        context_tokens: int,
+        *,
+        stored_home: str | None = None,
     ) -> None:
         """Step `step` of the run was answered by `home` (in the background, on the event
         loop; not while the store is down: the run's next step there keeps the replica's own
-        home, and a later step's record replaces this one anyway)."""
+        home, and a later step's record replaces this one anyway).
+
+        Not written when `stored_home`, the home the store gave this step (`next_step`), is
+        `home` already: the store then names the right engine, with an older step number and
+        context size (a replica adopting it counts fewer cached tokens than the engine holds,
+        the cautious side). Bound: a step of the run that another replica answered elsewhere
+        after this step read the store, and recorded before this one ends, stays the stored
+        home (steps of one run overlapping in time)."""
         if self.down_since_s is not None or self._closed:
+            return
+        if stored_home == home:
             return
         try:
             loop = asyncio.get_running_loop()

@@ -306,6 +306,25 @@ async def test_a_runs_home_follows_its_steps_across_replicas(
         assert stored.home is None and stored.step == 1
 
 
+async def test_an_unchanged_home_is_not_written_again(postgres_server: PostgresServer) -> None:
+    """A step answered by the home the store gave it writes nothing; a new home is written."""
+    url = postgres_server.create_database("replicas_home_unchanged")
+    wall = Clock(T0)
+    async with replica(shared_config(url), url, wall, "a") as a:
+        db = a._replica.db if a._replica is not None else None
+        assert db is not None
+        for answered_by in ("engine-1", "engine-1", "engine-1", "engine-2"):
+            outcome = await enter(a, "t", run_id="run-1")
+            a.dispatched(outcome)
+            outcome.instance_id = answered_by
+            await finish(a, outcome, used=10 * (outcome.step_index or 0) + 5)
+            stored = await asyncio.to_thread(db.next_step, "t", "run-1", T0)
+            # the next_step above took a number too: steps are 0, 2, 4, 6
+            if answered_by == "engine-1":  # step 0's record stays: the later ones matched it
+                assert (stored.home, stored.home_step, stored.context_tokens) == ("engine-1", 0, 5)
+        assert (stored.home, stored.home_step, stored.context_tokens) == ("engine-2", 6, 65)
+
+
 async def test_max_steps_counts_the_steps_every_replica_served(
     postgres_server: PostgresServer,
 ) -> None:
