@@ -48,6 +48,7 @@ __all__ = [
     "EnginesConfig",
     "GovernanceConfig",
     "KubernetesEnginesConfig",
+    "KubernetesKvEventsConfig",
     "KubernetesServiceConfig",
     "LocalEnginesConfig",
     "ModelConfig",
@@ -62,6 +63,7 @@ __all__ = [
     "ShareWindow",
     "SloConfig",
     "StaticEnginesConfig",
+    "StaticKvEventsConfig",
     "StoreConfig",
     "TenantConfig",
     "TierConfig",
@@ -291,12 +293,54 @@ class LocalEnginesConfig:
         return self
 
 
+def _kv_endpoint(endpoint: str, where: str) -> str:
+    """A ZMQ endpoint the router connects to: tcp://<host>:<port> (not a wildcard: that is
+    what the engine binds) or ipc://<path> (an engine on this machine)."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not endpoint.startswith("tcp://") or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{where}: {endpoint!r} is not tcp://<host>:<port> or ipc://<path>")
+    if host in ("", "*", "0.0.0.0", "[::]"):
+        raise ValueError(
+            f"{where}: {endpoint!r} names no host: give the address the router reaches the"
+            " engine at (the engine itself binds tcp://*:<port>)"
+        )
+    return endpoint
+
+
+@dataclass(frozen=True, slots=True, config=_STRICT)
+class StaticKvEventsConfig:
+    """Where one static engine publishes its KV cache events: the engine was started with
+    `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    "tcp://*:<port>", "replay_endpoint": "tcp://*:<replay port>"}' --prefix-caching-hash-algo
+    sha256_cbor` (docs/prefix_cache.md). The block size is read from the events."""
+
+    url: str  # the engine, as listed in engines.static.urls
+    endpoint: str  # its PUB socket as the router reaches it: tcp://<host>:<port>
+    replay_endpoint: str | None = None  # its replay ROUTER socket; None: none (gaps resync)
+    # the engine's PYTHONHASHSEED; None: unset there. (Its --prefix-caching-hash-algo must be
+    # sha256_cbor, the chain the router computes: one that is not is left out at run time)
+    hash_seed: str | None = None
+
+    @model_validator(mode="after")
+    def _endpoints(self) -> StaticKvEventsConfig:
+        where = f"engines.static.kv_events[{self.url!r}]"
+        _kv_endpoint(self.endpoint, where + ".endpoint")
+        if self.replay_endpoint is not None:
+            _kv_endpoint(self.replay_endpoint, where + ".replay_endpoint")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+        return self
+
+
 @dataclass(frozen=True, slots=True, config=_STRICT)
 class StaticEnginesConfig:
     urls: tuple[str, ...] = ()  # trailing slashes dropped
     gpus_per_instance: int = Field(default=1, ge=1, le=16)
     api_key_env: str | None = None  # env var holding the engines' key (vLLM --api-key); None: none
     api_key: str | None = Field(default=None, repr=False)  # read from api_key_env at load
+    # the engines that publish KV cache events, one entry each (opt-in; the rest publish none)
+    kv_events: tuple[StaticKvEventsConfig, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -309,7 +353,23 @@ class StaticEnginesConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"url {url!r} must start with http:// or https://")
         object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in self.urls))
+        named = [e.url for e in self.kv_events]
+        for url in named:
+            if url not in self.urls:
+                raise ValueError(f"kv_events: {url!r} is not one of engines.static.urls")
+        if len(set(named)) != len(named):
+            raise ValueError("kv_events: an engine is listed twice")
         return self
+
+
+@dataclass(frozen=True, slots=True, config=_STRICT)
+class KubernetesKvEventsConfig:
+    """Where each engine of a Kubernetes group publishes its KV cache events: its pod address
+    at these ports (the engine started with `--kv-events-config` binding `tcp://*:<port>`)."""
+
+    port: int = Field(default=5557, ge=1, le=65535)
+    replay_port: int | None = Field(default=5558, ge=1, le=65535)  # None: no replay socket
+    hash_seed: str | None = None  # the engines' PYTHONHASHSEED; as engines.static.kv_events[]
 
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
@@ -317,6 +377,9 @@ class KubernetesServiceConfig:
     name: str = Field(min_length=1, max_length=63)  # a headless Service of one engine group
     port: int = Field(default=8000, ge=1, le=65535)  # the engines' HTTP port
     gpus_per_instance: int = Field(default=1, ge=1, le=16)  # a CPU engine counts as 1
+    # the group's engines publish KV cache events on TCP (opt-in; the chart's groups do):
+    # on the Service's ports named kv-events / kv-replay, else these numbers
+    kv_events: KubernetesKvEventsConfig | None = None
 
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
@@ -386,9 +449,11 @@ class EnginesConfig:
     kubernetes: KubernetesEnginesConfig = Field(default_factory=KubernetesEnginesConfig)
     ray: RayEnginesConfig = Field(default_factory=RayEnginesConfig)
     # vLLM's KV cache events (docs/prefix_cache.md): on: every engine gpupool starts
-    # publishes the blocks it caches (ZMQ on socket files in run_dir, block hashes by
-    # sha256_cbor) and the router keeps an index of each engine's prefix cache. null: on for
-    # the local launcher, off for the others (on is refused there: not wired yet)
+    # publishes the blocks it caches (ZMQ: socket files in run_dir for local, TCP ports for
+    # ray; block hashes by sha256_cbor) and the router keeps an index of each engine's prefix
+    # cache; static and kubernetes engines publish where their own sections say (opt-in).
+    # null: on for local and ray, and for static/kubernetes when an engine opts in; off:
+    # none followed
     kv_events: bool | None = None
     # derived from the launcher's section:
     # instances the config names; 0 for kubernetes (they are discovered at run time)
@@ -413,7 +478,13 @@ class EnginesConfig:
         object.__setattr__(self, "gpus_per_instance", gpus)
         object.__setattr__(self, "vllm_args", args)
         object.__setattr__(self, "max_num_seqs", max_num_seqs(args))
-        on = self.launcher == "local" if self.kv_events is None else self.kv_events
+        opted_in = {
+            "local": True,
+            "ray": True,
+            "static": bool(self.static.kv_events),
+            "kubernetes": any(s.kv_events for s in self.kubernetes.services),
+        }[self.launcher]
+        on = opted_in if self.kv_events is None else self.kv_events and opted_in
         object.__setattr__(self, "kv_events_on", on)
 
     @model_validator(mode="before")
@@ -433,10 +504,14 @@ class EnginesConfig:
         names = [s.name for s in self.kubernetes.services]
         if len(set(names)) != len(names):
             raise ValueError("engines.kubernetes.services: a Service is listed twice")
-        if self.kv_events and self.launcher != "local":
+        if self.kv_events and not self.kv_events_on:
+            where = {
+                "static": "engines.static.kv_events (an entry per engine that publishes)",
+                "kubernetes": "engines.kubernetes.services[].kv_events",
+            }[self.launcher]
             raise ValueError(
-                f"engines.kv_events: on needs launcher 'local' (not {self.launcher!r}: its"
-                " engines do not publish KV events to gpupool yet)"
+                f"engines.kv_events: on, but no {self.launcher} engine says where it publishes"
+                f" its KV events: set {where}, or leave engines.kv_events unset"
             )
         return self
 

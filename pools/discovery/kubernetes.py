@@ -11,6 +11,11 @@ Two ways to read them (`engines.kubernetes.discovery`):
 - `dns`: the headless Service's A records (`<service>.<namespace>.svc.<cluster domain>`); no
   RBAC, but only ready pods are listed and ids follow pod IPs (`<service>-10-0-0-7`).
 
+A Service with `kv_events` set (opt-in; the chart's engine groups set it) says its engines
+publish KV cache events on TCP (docs/prefix_cache.md): each engine's spec gets
+`tcp://<pod address>:<port>` for the Service's ports named `kv-events` and `kv-replay` (api
+discovery, when the slice lists them), else the configured numbers.
+
 `endpoints_from_slices` is the pure part; `EndpointSliceSource` and `DnsSource` do the I/O
 with injected transports (tests answer from a fake API server over HTTP and a fake resolver).
 """
@@ -31,7 +36,7 @@ import aiohttp
 
 from pools.config import KubernetesEnginesConfig, KubernetesServiceConfig
 from pools.discovery.base import DiscoveryError, TimingFromConfig
-from pools.launchers.base import InstanceSpec
+from pools.launchers.base import InstanceSpec, KvEventsSpec
 
 __all__ = [
     "SERVICE_ACCOUNT_DIR",
@@ -39,6 +44,7 @@ __all__ = [
     "EndpointSliceSource",
     "endpoints_from_slices",
     "in_cluster_namespace",
+    "kv_events_of",
     "make_kubernetes_source",
 ]
 
@@ -49,9 +55,34 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
-def _url(address: str, port: int) -> str:
+def _url(address: str, port: int, scheme: str = "http") -> str:
     host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
+
+
+def _named_port(slice_: Mapping[str, Any] | None, name: str) -> int | None:
+    for p in (slice_ or {}).get("ports") or []:
+        if isinstance(p, Mapping) and p.get("name") == name and isinstance(p.get("port"), int):
+            return int(p["port"])
+    return None
+
+
+def kv_events_of(
+    service: KubernetesServiceConfig, address: str, slice_: Mapping[str, Any] | None = None
+) -> KvEventsSpec | None:
+    """Where the engine at `address` publishes its KV events: the slice's ports named
+    `kv-events`/`kv-replay` when it lists them, else the service's configured ones; None
+    when the service does not opt in."""
+    events = service.kv_events
+    if events is None:
+        return None
+    pub = _named_port(slice_, "kv-events") or events.port
+    replay = _named_port(slice_, "kv-replay") or events.replay_port
+    return KvEventsSpec(
+        endpoint=_url(address, pub, "tcp"),
+        replay_endpoint=None if replay is None else _url(address, replay, "tcp"),
+        hash_seed=events.hash_seed,
+    )
 
 
 def _port_of(slice_: Mapping[str, Any], service: KubernetesServiceConfig) -> int | None:
@@ -104,6 +135,7 @@ def endpoints_from_slices(
                 url=_url(address, port),
                 gpus=service.gpus_per_instance,
                 api_key=api_key,
+                kv_events=kv_events_of(service, address, slice_),
             )
     return [found[i] for i in sorted(found)]
 
@@ -256,6 +288,7 @@ class DnsSource(TimingFromConfig):
                         url=_url(address, service.port),
                         gpus=service.gpus_per_instance,
                         api_key=self._config.api_key,
+                        kv_events=kv_events_of(service, address),
                     )
                 )
         return specs

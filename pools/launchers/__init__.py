@@ -46,7 +46,9 @@ def make_launcher(config: Config, progress: ProgressFn | None = None) -> Launche
             traces=EngineTraces.of(config.observability, kind),
         )
     if kind == "static":
-        return StaticLauncher(config.engines.static, progress=progress)
+        return StaticLauncher(
+            config.engines.static, progress=progress, kv_events=config.engines.kv_events_on
+        )
     if kind == "kubernetes":
         # imported here: pools.discovery (which it uses) imports this package's base
         from pools.launchers.kubernetes import KubernetesLauncher
@@ -60,5 +62,6 @@ def make_launcher(config: Config, progress: ProgressFn | None = None) -> Launche
             config.model,
             progress=progress,
             traces=EngineTraces.of(config.observability, kind),
+            kv_events=config.engines.kv_events_on,
         )
     raise LauncherError(f"engines.launcher {kind!r} is not one of local, static, kubernetes, ray")

@@ -18,7 +18,9 @@ Rules:
   variables holding gpupool's own keys (`secret_env`) are not inherited;
 - prompts stay out of the engine's log (`--max-log-len 0`, request logging left off);
 - with `kv_events` (engines.kv_events): vLLM's KV cache events on a ZMQ PUB socket file in
-  run_dir plus a replay socket beside it, block hashes by `sha256_cbor`, and no
+  run_dir plus a replay socket beside it (or, given a `KvEventsSpec` with `tcp://host:port`
+  endpoints, as for a Ray engine on another node: bound on every interface at those ports),
+  block hashes by `sha256_cbor`, and no
   `PYTHONHASHSEED` inherited from this process (vLLM seeds its block hash chain from it: only
   one set in the engine's own `env` reaches the engine, and the router hashes with that);
   docs/prefix_cache.md;
@@ -51,6 +53,7 @@ __all__ = [
     "EngineCommand",
     "EngineTraces",
     "build_engine_command",
+    "engine_bind_endpoint",
     "engine_environ",
     "installed_vllm_version",
     "kv_events_socket",
@@ -209,7 +212,7 @@ def build_engine_command(
     base_env: dict[str, str] | None = None,
     plan: EnginePlan | None = None,
     api_key: str | None = None,
-    kv_events: bool = False,
+    kv_events: bool | KvEventsSpec = False,
     traces: EngineTraces | None = None,
 ) -> EngineCommand:
     """The argv and env for engine `index`. `gpu_ids` (CUDA device indices or UUIDs, as the
@@ -217,7 +220,9 @@ def build_engine_command(
 
     `plan` (from `engine_plan.plan_engines`) gives the dtype and KV size this machine runs;
     without one they are the config's as written. `api_key`: the key the engine requires.
-    `kv_events`: publish KV cache events (when the installed vLLM has the flags). `traces`:
+    `kv_events`: publish KV cache events (when the installed vLLM has the flags): True on the
+    local socket files, a `KvEventsSpec` where it names (the router's view of the endpoints;
+    the engine binds a TCP one on every interface). `traces`:
     export vLLM's own spans there (unless `vllm_args` already name an endpoint)."""
     port = local.base_port + index
     dtype = plan.dtype if plan is not None else model.dtype
@@ -301,13 +306,15 @@ def build_engine_command(
             log.warning(
                 "installed vLLM has no --middleware: its key guards only /v1, /v2, /inference"
             )
-    spec = _kv_events(local, index, flags) if kv_events else None
+    spec = _kv_events(local, index, flags, kv_events) if kv_events else None
     if spec is not None:
         config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": spec.endpoint,
-            "replay_endpoint": spec.replay_endpoint,
+            "endpoint": engine_bind_endpoint(spec.endpoint),
+            "replay_endpoint": (
+                None if spec.replay_endpoint is None else engine_bind_endpoint(spec.replay_endpoint)
+            ),
             "topic": spec.topic,
         }
         argv.extend(["--kv-events-config", json.dumps(config, separators=(",", ":"))])
@@ -327,12 +334,26 @@ def build_engine_command(
     )
 
 
-def _kv_events(local: LocalEnginesConfig, index: int, flags: frozenset[str]) -> KvEventsSpec | None:
+def _kv_events(
+    local: LocalEnginesConfig, index: int, flags: frozenset[str], given: bool | KvEventsSpec
+) -> KvEventsSpec | None:
     missing = {"--kv-events-config", "--prefix-caching-hash-algo"} - flags
     if missing:
         log.warning("installed vLLM has no %s: engines publish no KV events", sorted(missing))
         return None
-    return local_kv_events(local, index)
+    return given if isinstance(given, KvEventsSpec) else local_kv_events(local, index)
+
+
+def engine_bind_endpoint(endpoint: str) -> str:
+    """What the engine binds for an endpoint the router connects to: a socket file as is,
+    `tcp://<host>:<port>` as `tcp://*:<port>` (vLLM's publisher binds an endpoint with `*` and
+    connects to any other TCP one; the host is the router's way to the engine's node)."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    _, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"KV events endpoint {endpoint!r} has no port")
+    return f"tcp://*:{port}"
 
 
 def local_kv_events(local: LocalEnginesConfig, index: int) -> KvEventsSpec:

@@ -15,6 +15,12 @@ The router finds the engines through `source` (`RayEngineSource`): every poll as
 actor for its address; an actor that is dead or restarting does not answer in time and is
 left out of the answer (the router drains it), and when it answers again, at its new address,
 the router readmits it after a good scrape. Instance ids are stable (`ray-engine-<i>`).
+
+With `engines.kv_events` on (the default here) each engine also publishes its KV cache events
+(docs/prefix_cache.md) on TCP, since a socket file on another node does not reach the router:
+the actor picks two more free ports on its node (from the engine's slots of `port_range`
+when one is set), the engine binds its PUB and replay sockets on every interface there, and
+the actor answers `tcp://<node ip>:<port>` for each beside its URL (`KvEventsSpec`).
 `aclose()` stops each engine, then kills its actor (no restart); a local cluster is shut down.
 The actors are owned by this process: if it dies, Ray takes them down, and their reapers take
 their engines down.
@@ -38,7 +44,7 @@ from typing import Any
 
 from pools.config import LocalEnginesConfig, ModelConfig, RayEnginesConfig
 from pools.discovery.base import TimingFromConfig
-from pools.launchers.base import InstanceSpec, LauncherError, ProgressFn
+from pools.launchers.base import InstanceSpec, KvEventsSpec, LauncherError, ProgressFn
 from pools.launchers.engine_args import (
     EngineTraces,
     build_engine_command,
@@ -81,19 +87,45 @@ def _free_port(port_range: tuple[int, int] | None, index: int = 0, count: int = 
     `first + index`, `first + index + count`, ... (two engines starting on one node at once
     never pick the same port: vLLM listens with SO_REUSEPORT, so both would bind it and the
     kernel would split connections between them); without a range, any free port."""
+    return _free_ports(port_range, index, count, 1)[0]
+
+
+def _free_ports(
+    port_range: tuple[int, int] | None, index: int = 0, count: int = 1, n: int = 1
+) -> list[int]:
+    """`n` distinct ports free on this node now, from engine `index`'s slots of `port_range`
+    (as `_free_port`); without a range, any free ones (held together while picked, so the
+    OS hands out distinct ones)."""
     if port_range is None:
-        candidates: range | list[int] = [0]
+        candidates: range | list[int] = [0] * n
     else:
         candidates = range(port_range[0] + index, port_range[1] + 1, max(1, count))
-    for port in candidates:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    found: list[int] = []
+    with contextlib.ExitStack() as held:
+        for port in candidates:
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
                 s.bind(("0.0.0.0", port))
             except OSError:
                 continue
-            return int(s.getsockname()[1])
+            found.append(int(s.getsockname()[1]))
+            if len(found) == n:
+                return found
+    needs = f" (of the {n} it needs: HTTP, KV events, their replay)" if n > 1 else ""
     raise LauncherError(
-        f"engines.ray.port_range {port_range}: no free port for engine {index} on this node"
+        f"engines.ray.port_range {port_range}: no free port for engine {index} on this node{needs}"
+    )
+
+
+def ray_kv_events(
+    node_ip: str, pub_port: int, replay_port: int, env: dict[str, str]
+) -> KvEventsSpec:
+    """Where a Ray engine on `node_ip` publishes its KV events, as the router connects to it."""
+    host = f"[{node_ip}]" if ":" in node_ip else node_ip
+    return KvEventsSpec(
+        endpoint=f"tcp://{host}:{pub_port}",
+        replay_endpoint=f"tcp://{host}:{replay_port}",
+        hash_seed=env.get("PYTHONHASHSEED"),
     )
 
 
@@ -107,13 +139,19 @@ class EngineHost:
         model: ModelConfig,
         api_key: str,
         traces: EngineTraces | None = None,
+        kv_events: bool = False,
     ) -> None:
         import ray
 
         run_dir = Path(tempfile.gettempdir()) / "gpupool-ray"
         run_dir.mkdir(parents=True, exist_ok=True)
-        port = _free_port(ray_config.port_range, index, ray_config.count)
+        ports = _free_ports(ray_config.port_range, index, ray_config.count, 3 if kv_events else 1)
+        port = ports[0]
         settings = engine_settings(ray_config, port=port, run_dir=run_dir)
+        node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        events = (
+            ray_kv_events(node_ip, ports[1], ports[2], dict(ray_config.env)) if kv_events else None
+        )
         host = probe_host()
         gpu_ids = [str(g) for g in ray.get_gpu_ids()] if ray_config.gpus_per_instance else None
         if gpu_ids is None:
@@ -130,10 +168,11 @@ class EngineHost:
             flags=supported_vllm_flags(run_dir),
             plan=plan,
             api_key=api_key,
+            kv_events=events or False,
             traces=traces,
         )
-        node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self.url = f"http://{node_ip}:{port}"
+        self.kv_events = command.kv_events  # None: this vLLM cannot publish them
         self.log_path = run_dir / f"engine-{index}-{port}.log"
         with self.log_path.open("ab") as logfile:
             self._proc = ReapedProcess(
@@ -152,8 +191,9 @@ class EngineHost:
             print(f"gpupool: engine at {self.url} exited with {code}; restarting the actor")
             os._exit(1)
 
-    def address(self) -> str:
-        return self.url
+    def address(self) -> tuple[str, KvEventsSpec | None]:
+        """The engine's URL and where it publishes KV events (None: nowhere)."""
+        return self.url, self.kv_events
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM to the reaper, which gives the engine its grace (the reaper's own, from
@@ -192,20 +232,22 @@ class RayEngineSource(TimingFromConfig):
         return [
             InstanceSpec(
                 instance_id=f"ray-engine-{i}",
-                url=url,
+                url=answer[0],
                 gpus=max(1, self._config.gpus_per_instance),
                 api_key=self._api_key,
+                kv_events=answer[1],
             )
-            for i, url in enumerate(answers)
-            if url is not None
+            for i, answer in enumerate(answers)
+            if answer is not None
         ]
 
-    def _answer(self, ref: Any) -> str | None:
+    def _answer(self, ref: Any) -> tuple[str, KvEventsSpec | None] | None:
         try:
-            return str(self._get(ref, self._answer_timeout_s))
+            url, events = self._get(ref, self._answer_timeout_s)
         except Exception as err:  # RayActorError, GetTimeoutError, ...: not reachable now
             log.debug("a Ray engine actor did not answer: %s", type(err).__name__)
             return None
+        return str(url), events if isinstance(events, KvEventsSpec) else None
 
 
 class RayLauncher:
@@ -218,10 +260,12 @@ class RayLauncher:
         *,
         progress: ProgressFn | None = None,
         traces: EngineTraces | None = None,
+        kv_events: bool = True,
     ) -> None:
         self._config = config
         self._model = model
         self._traces = traces  # observability.engine_traces: where engines export spans
+        self._kv_events = kv_events  # engines.kv_events: engines publish KV cache events
         self._progress = progress
         self._ray: Any = None
         self._actors: list[Any] = []
@@ -286,7 +330,7 @@ class RayLauncher:
                 max_restarts=cfg.max_restarts,
                 max_task_retries=0,
                 **resources,
-            ).remote(i, cfg, self._model, self._key, self._traces)
+            ).remote(i, cfg, self._model, self._key, self._traces, self._kv_events)
             for i in range(cfg.count)
         ]
         self.source = RayEngineSource(cfg, self._actors, self._key, get=self._get)

@@ -29,6 +29,7 @@ from pools.launchers import (
     make_launcher,
 )
 from pools.launchers.engine_args import local_kv_events
+from pools.launchers.static import static_instances
 from router.ops.tracing.logs import configure_logging
 
 __all__ = [
@@ -62,16 +63,16 @@ def instances_without_launching(config: Config) -> list[InstanceSpec]:
     """The engines `gpupool serve` expects to find already running, with the key they require
     when the config names one (`engines.<launcher>.api_key_env`)."""
     engines = config.engines
-    if engines.launcher == "static":
-        urls, key = list(engines.static.urls), engines.static.api_key
-    elif engines.launcher == "local":
+    if engines.launcher == "static":  # each where its entry in engines.static.kv_events says
+        return static_instances(engines.static, kv_events=engines.kv_events_on)
+    if engines.launcher == "local":
         local = engines.local
         urls = [f"http://{local.host}:{local.base_port + i}" for i in range(local.count)]
         key = local.api_key
     else:
         raise LauncherError(f"engines.launcher {engines.launcher!r} is not available")
     # local engines publish KV events where their launcher told them to (engines.kv_events)
-    events = engines.launcher == "local" and engines.kv_events_on
+    events = engines.kv_events_on
     return [
         InstanceSpec(
             instance_id=f"engine-{i}",

@@ -35,8 +35,10 @@ def _pools() -> dict[str, object]:
     }
 
 
-def test_on_by_default_for_local_off_elsewhere() -> None:
+def test_on_by_default_where_gpupool_starts_engines_off_elsewhere() -> None:
     assert default_config().engines.kv_events_on
+    ray = parse_config({"engines": {"launcher": "ray", "ray": {"count": 1}}, "pools": _pools()})
+    assert ray.engines.kv_events_on
     static = {"launcher": "static", "static": {"urls": ["http://e:8000"]}}
     config = parse_config({"engines": static, "pools": _pools()})
     assert not config.engines.kv_events_on
@@ -44,8 +46,8 @@ def test_on_by_default_for_local_off_elsewhere() -> None:
     assert not off.engines.kv_events_on
 
 
-@pytest.mark.parametrize("launcher", ["static", "ray", "kubernetes"])
-def test_on_is_refused_where_engines_do_not_publish_yet(launcher: str) -> None:
+@pytest.mark.parametrize("launcher", ["static", "kubernetes"])
+def test_on_is_refused_where_no_engine_says_where_it_publishes(launcher: str) -> None:
     engines: dict[str, object] = {"launcher": launcher, "kv_events": True}
     engines["static"] = {"urls": ["http://e:8000"]}
     engines["kubernetes"] = {"services": [{"name": "engines"}]}

@@ -100,11 +100,11 @@ class FakeActor:
         self.address = _Method()
 
 
-def _get(ref: Any, timeout_s: float) -> str:
+def _get(ref: Any, timeout_s: float) -> tuple[str, Any]:
     assert timeout_s == 2.0
     if ref.dead:
         raise TimeoutError("restarting")
-    return str(ref.url)
+    return str(ref.url), getattr(ref, "kv_events", None)
 
 
 async def test_the_source_leaves_out_actors_that_do_not_answer() -> None:
