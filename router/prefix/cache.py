@@ -7,11 +7,14 @@ cached prefix up to its first missing block). Instances left out have no usable 
 did before the index existed, not as holding nothing. `view(instance_id)` is what
 `GET /admin/pools` shows per instance (`IndexView`), `snapshot()` every followed instance's.
 One ZMQ context, owned here; `start()`/`aclose()`; `add`/`remove` follow instances that come
-and go.
+and go, and `follow(specs)` makes the followed set one whole answer of a discovering launcher
+(Ray, Kubernetes): new publishers followed, gone ones dropped, and an instance whose endpoint
+moved (a Ray engine restarted on another node or port) followed at its new one, index dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -62,6 +65,7 @@ class PrefixCache:
         self._ctx: zmq.asyncio.Context | None = None
         self._engines: dict[str, EngineEvents] = {}
         self._initial = [(s.instance_id, s.kv_events) for s in instances if s.kv_events]
+        self._closing: set[asyncio.Task[None]] = set()  # subscribers `follow` dropped
 
     @property
     def engines(self) -> dict[str, EngineEvents]:
@@ -91,9 +95,27 @@ class PrefixCache:
         if engine is not None:
             await engine.aclose()
 
+    def follow(self, instances: Iterable[InstanceSpec]) -> None:
+        """Follow exactly the publishing instances of `instances` (one whole answer of the
+        discovery loop; synchronous like its receiver: dropped subscribers close in tasks of
+        their own, awaited by `aclose`). No-op before `start`."""
+        if self._ctx is None:
+            return
+        wanted = {s.instance_id: s.kv_events for s in instances if s.kv_events is not None}
+        for instance_id, engine in list(self._engines.items()):
+            if wanted.get(instance_id) != engine.spec:  # gone, or publishing elsewhere now
+                del self._engines[instance_id]
+                task = asyncio.get_running_loop().create_task(engine.aclose())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        for instance_id, spec in wanted.items():
+            self.add(instance_id, spec)
+
     async def aclose(self) -> None:
         for instance_id in list(self._engines):
             await self.remove(instance_id)
+        if self._closing:
+            await asyncio.gather(*self._closing)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # closes any socket left, never blocks
             self._ctx = None

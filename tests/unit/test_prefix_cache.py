@@ -7,6 +7,7 @@ the index kept over real ZMQ sockets from a publisher of the tests' own that spe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -135,18 +136,20 @@ class Engine:
     thread as vLLM's is. `lose` takes a sequence number without sending the batch, keeping it
     for replay or not."""
 
-    def __init__(self, tmp_path: Path) -> None:
-        self.spec = KvEventsSpec(
-            endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay"
-        )
-        assert self.spec.replay_endpoint is not None
+    def __init__(self, tmp_path: Path, *, tcp: bool = False) -> None:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(self.spec.endpoint)
         self._replay = self._ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
-        self._replay.bind(self.spec.replay_endpoint)
+        if tcp:  # as a Ray engine: bound on every interface, reached at an address
+            ports = [s.bind_to_random_port("tcp://*") for s in (self._pub, self._replay)]
+            pub, replay = (f"tcp://127.0.0.1:{p}" for p in ports)
+        else:
+            pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+            self._pub.bind(pub)
+            self._replay.bind(replay)
+        self.spec = KvEventsSpec(endpoint=pub, replay_endpoint=replay)
         self._seq = itertools.count()
         self._buffer: list[tuple[int, bytes]] = []
         self._lock = threading.Lock()
@@ -248,6 +251,36 @@ async def test_index_follows_stored_removed_cleared(cache: PrefixCache, engine: 
     assert shown is not None and shown["cached_blocks"] == 0 and shown["usable"]
     assert shown["batches_received"] >= 3 and shown["restarts"] == 0  # replays: twice
     assert cache.view("engine-1") is None
+
+
+async def test_index_fills_over_tcp_and_follows_instances_that_move(
+    cache: PrefixCache, tmp_path: Path
+) -> None:
+    """A Ray engine on another node publishes on TCP; the discovery loop's answers add it,
+    move it (restarted elsewhere: index dropped, new endpoint followed) and drop it."""
+    first, second = Engine(tmp_path / "a", tcp=True), Engine(tmp_path / "b", tcp=True)
+    try:
+        spec = InstanceSpec("ray-engine-0", "http://10.0.0.1:1", 1, kv_events=first.spec)
+        cache.follow([spec, InstanceSpec("ray-engine-1", "http://10.0.0.2:1", 1)])
+        assert list(cache.engines) == ["ray-engine-0"]  # engine-1 publishes nothing
+        events = cache.engines["ray-engine-0"]
+        await _until(events, lambda e: e.connected)
+        first.publish(_batch(_stored(PROMPT)))
+        await _until(events, lambda e: e.index.expected_seq == 1)
+        assert cache.cached_blocks([*PROMPT, 1]) == {"ray-engine-0": 6}
+        cache.follow([spec])  # the same answer again: the same subscriber, index kept
+        assert cache.engines["ray-engine-0"] is events
+        moved = dataclasses.replace(spec, kv_events=second.spec)
+        cache.follow([moved])
+        after = cache.engines["ray-engine-0"]
+        assert after is not events and after.spec == second.spec
+        await _until(after, lambda e: e.connected)
+        assert cache.cached_blocks([*PROMPT, 1]) == {"ray-engine-0": 0}
+        cache.follow([])  # gone
+        assert cache.engines == {}
+    finally:
+        first.close()
+        second.close()
 
 
 async def test_lost_batch_is_replayed(cache: PrefixCache, engine: Engine) -> None:
