@@ -27,7 +27,9 @@ import pytest
 import yaml
 
 from kvcache_model.gpus import GPU_SPECS
-from pools.config import LocalEnginesConfig, ModelConfig
+from pools.config import LocalEnginesConfig, ModelConfig, parse_config
+from pools.discovery.kubernetes import endpoints_from_slices
+from pools.launchers.base import KvEventsSpec
 from pools.launchers.engine_args import build_engine_command
 from pools.launchers.engine_plan import EnginePlan
 from router.cli import main
@@ -149,9 +151,20 @@ def test_router_config_names_every_engine_groups_headless_service(tmp_path: Path
     config = yaml.safe_load(_router_config(tmp_path, values).read_text())
     k8s = config["engines"]["kubernetes"]
     assert config["engines"]["launcher"] == "kubernetes"
+    events = {"port": 5557, "replay_port": 5558}  # engines.kvEvents, on by default
     assert k8s["services"] == [
-        {"name": "gp-gpupool-engine-h100", "port": 8000, "gpus_per_instance": 1},
-        {"name": "gp-gpupool-engine-l40s", "port": 8000, "gpus_per_instance": 1},
+        {
+            "name": "gp-gpupool-engine-h100",
+            "port": 8000,
+            "gpus_per_instance": 1,
+            "kv_events": events,
+        },
+        {
+            "name": "gp-gpupool-engine-l40s",
+            "port": 8000,
+            "gpus_per_instance": 1,
+            "kv_events": events,
+        },
     ]
     assert (k8s["namespace"], k8s["discovery"]) == (NAMESPACE, "dns")
     docs = list(_documents(_render(values)))
@@ -272,6 +285,8 @@ def test_discovery_by_api_gets_a_read_only_role_and_dns_gets_none() -> None:
 # --enable-log-requests (present: requests are not logged unless asked, so no
 # --disable-log-requests) and --max-log-len
 _FLAGS = ALL_FLAGS | {"--max-log-len", "--enable-log-requests"}
+_FLAGS |= {"--kv-events-config", "--prefix-caching-hash-algo"}
+_POD_EVENTS = KvEventsSpec("tcp://10.2.0.4:5557", "tcp://10.2.0.4:5558")
 
 
 def _plan(dtype: str, kv_cache_bytes: int | None, on_cpu: bool) -> EnginePlan:
@@ -337,6 +352,7 @@ def test_engine_args_are_the_local_launchers(example: Path, tmp_path: Path) -> N
             python="python3",
             plan=_plan(dtype, group.get("kvCacheBytes"), on_cpu),
             api_key="k",
+            kv_events=_POD_EVENTS,  # engines.kvEvents, on by default: every pod on TCP
         )
         expected = list(command.argv[3:])  # less `python3 -m vllm.entrypoints...`
         expected[expected.index("--model") + 1] = chart_model["path"]
@@ -345,6 +361,47 @@ def test_engine_args_are_the_local_launchers(example: Path, tmp_path: Path) -> N
         env = {e["name"]: e.get("value") for e in container["env"]}
         for key in ("OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING"):
             assert env.get(key) == command.env.get(key)
+
+
+def test_engines_publish_kv_events_where_the_router_subscribes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """engines.kvEvents: each pod publishes on TCP ports its group's Service names, and the
+    router's config opts each group in; what discovery makes of a slice of that Service is
+    where the engine binds. Off: no flag, no port, no opt-in (the router places as before)."""
+    values = {**OPEN, "engines": {"kvEvents": {"port": 6001, "replayPort": 6002}}}
+    docs = list(_documents(_render(values)))
+    (sts,) = _by_kind(docs, "StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    events = json.loads(args[args.index("--kv-events-config") + 1])
+    assert (events["endpoint"], events["replay_endpoint"]) == ("tcp://*:6001", "tcp://*:6002")
+    assert args[args.index("--prefix-caching-hash-algo") + 1] == "sha256_cbor"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": 8000, "kv-events": 6001, "kv-replay": 6002}
+    service = _named(docs, "Service", "-engine-main")
+    named = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert named == {"http": 8000, "kv-events": 6001, "kv-replay": 6002}
+    config = yaml.safe_load(_router_config(tmp_path, values).read_text())
+    (entry,) = config["engines"]["kubernetes"]["services"]
+    assert entry["kv_events"] == {"port": 6001, "replay_port": 6002}
+    # an EndpointSlice of that Service, as the API server lists it
+    slice_ = {"ports": service["spec"]["ports"], "endpoints": [{"addresses": ["10.2.0.4"]}]}
+    monkeypatch.setenv("GPUPOOL_ENGINE_KEY", "k")
+    service_config = parse_config(config).engines.kubernetes.services[0]
+    (spec,) = endpoints_from_slices([slice_], service_config)
+    assert (spec.url, spec.kv_events) == (
+        "http://10.2.0.4:8000",
+        KvEventsSpec("tcp://10.2.0.4:6001", "tcp://10.2.0.4:6002"),
+    )
+    off = {**OPEN, "engines": {"kvEvents": {"enabled": False}}}
+    docs = list(_documents(_render(off)))
+    (sts,) = _by_kind(docs, "StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert "--kv-events-config" not in container["args"]
+    assert [p["name"] for p in container["ports"]] == ["http"]
+    config = yaml.safe_load(_router_config(tmp_path, off).read_text())
+    assert "kv_events" not in config["engines"]["kubernetes"]["services"][0]
 
 
 # -- bad values fail with a clear message ---------------------------------------------------

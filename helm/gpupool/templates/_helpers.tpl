@@ -82,6 +82,10 @@ B200: NVIDIA-B200
 {{- if $v.engines.guardMiddleware -}}
 {{- $args = concat $args (list "--middleware" "pools.launchers.engine_guard.EngineKeyGuard") -}}
 {{- end -}}
+{{- if $v.engines.kvEvents.enabled -}}
+{{- $events := printf "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:%d\",\"replay_endpoint\":\"tcp://*:%d\",\"topic\":\"\"}" (int $v.engines.kvEvents.port) (int $v.engines.kvEvents.replayPort) -}}
+{{- $args = concat $args (list "--kv-events-config" $events "--prefix-caching-hash-algo" "sha256_cbor") -}}
+{{- end -}}
 {{- with (include "gpupool.engineTracesUrl" .root) -}}
 {{- if not (has "--otlp-traces-endpoint" $g.vllmArgs) -}}
 {{- $args = concat $args (list "--otlp-traces-endpoint" .) -}}
