@@ -22,7 +22,12 @@ predicted prefill (the lease's prompt tokens, recorded in-process) against the e
 
 The rate: `--rate-per-s` sessions/s, or by default sized from a calibration on this machine
 (the TTFT of a cold and of a cached ~2k-token prompt on an idle engine) so that the engines
-would be ~`--load-frac` busy if every prompt were prefilled from scratch.
+would be ~`--load-frac` busy if every prompt were prefilled from scratch. `--load-fracs
+0.4,0.8` runs every target at each of several levels in one invocation (one engine start, one
+calibration, the same tenants; each level its own drawn sessions). Each target's row also
+says how busy the engines really were: their processes' CPU seconds over the run's wall time
+and the CPUs they could use (`engine_cpu_frac`, min(CPUs, engines)), since the nominal level
+leaves out decode, cache hits and engines sharing cores.
 
     flock /tmp/gpupool-engines.lock .venv/bin/python -m benchmarks.prefix_placement \\
         --out benchmarks/results/prefix-placement-YYYY-MM-DD
@@ -49,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 
 from benchmarks.admission.kv_pressure import reset_prefix_cache
 from benchmarks.outputs import bulk_path
@@ -460,6 +466,19 @@ def summarize(
 # ---------------------------------------------------------------------------------- running
 
 
+def engine_cpu_s(run_dir: Path) -> float:
+    """CPU seconds the local engines (their pid files in `run_dir`, and their children) have
+    used so far."""
+    total = 0.0
+    for pid_file in run_dir.glob("engine-*.pid"):
+        with contextlib.suppress(OSError, ValueError, psutil.Error):
+            proc = psutil.Process(int(pid_file.read_text().split()[0]))
+            for p in [proc, *proc.children(recursive=True)]:
+                times = p.cpu_times()
+                total += times.user + times.system
+    return total
+
+
 async def calibrate(url: str, key: str | None) -> dict[str, float]:
     """TTFT of a cold and of a cached ~2k-token prompt on one idle engine (3 each)."""
     rng = random.Random(7)
@@ -482,6 +501,55 @@ async def calibrate(url: str, key: str | None) -> dict[str, float]:
                     raise RuntimeError(f"calibration failed: {r.status} {r.error}")
                 bucket.append(r.ttft_s)
     return {"cold_ttft_s": statistics.median(cold), "cached_ttft_s": statistics.median(warm)}
+
+
+async def _run_target(
+    name: str,
+    args: argparse.Namespace,
+    tmp: Path,
+    specs: list[InstanceSpec],
+    key: str | None,
+    systems: list[str],
+    sessions: list[Session],
+) -> dict[str, Any]:
+    """One target over the plan, the engines' prefix caches emptied first: its summary row,
+    with its `results` and `engine_cpu_s` (for the caller to take out)."""
+    urls = [s.url for s in specs]
+    async with aiohttp.ClientSession() as http:
+        for u in urls:
+            if not await reset_prefix_cache(http, u, key):
+                raise RuntimeError(f"could not reset {u}'s prefix cache")
+        before = await prefix_counters(http, urls, key)
+
+    async def run(url: str, headers: dict[str, str]) -> list[Result]:
+        return await drive(url, systems, sessions, headers)
+
+    load_before = os.getloadavg()[0]
+    cpu_before = engine_cpu_s(tmp / "run")
+    t_run = time.perf_counter()
+    predicted: dict[str, tuple[str, int]] | None = None
+    if name == "gpupool-prefix":
+        results, predicted = await gpupool_target(name, specs, tmp, run)
+    elif name == "gpupool-noindex":
+        plain = [dataclasses.replace(s, kv_events=None) for s in specs]
+        results, predicted = await gpupool_target(name, plain, tmp, run)
+    elif name.startswith("vllm-router-"):
+        policy = name.removeprefix("vllm-router-")
+        results = await vllm_router_target(policy, urls, key, tmp, run)
+    else:
+        raise ValueError(f"unknown target {name}")
+    wall_s = time.perf_counter() - t_run
+    cpu_s = engine_cpu_s(tmp / "run") - cpu_before
+    async with aiohttp.ClientSession() as http:
+        after = await prefix_counters(http, urls, key)
+    overall, per_engine = hit_rate(before, after)
+    row = summarize(name, results, overall, predicted, oracle_hits(results))
+    row["engine_hit_frac_per_engine"] = per_engine
+    row["wall_s"] = wall_s
+    row["load_avg_1m"] = [load_before, os.getloadavg()[0]]
+    row["engine_cpu_s"] = cpu_s
+    row["results"] = results
+    return row
 
 
 async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any]:
@@ -523,59 +591,41 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
     key = specs[0].api_key
     if any(s.api_key != key for s in specs):
         raise RuntimeError("the engines have different keys; vllm-router takes one")
+    rows: list[dict[str, Any]] = []
+    levels: list[dict[str, Any]] = []
+    systems: list[str] = []
+    targets: list[str] = []
     try:
         calibration = await calibrate(urls[0], key)
-        # sessions of 2 requests on average; at load_frac of the engines if all were cold
-        rate = args.rate_per_s or (args.load_frac * args.engines / calibration["cold_ttft_s"] / 2.0)
-        _say(f"calibration {calibration}; {rate:.2f} sessions/s")
-        systems, sessions = plan(args.tenants, rate, args.duration_s, args.seed)
-        targets = args.targets.split(",")
-        k = args.rotate % len(targets)
-        targets = targets[k:] + targets[:k]
-        rows = []
-        for name in targets:
-            async with aiohttp.ClientSession() as http:
-                for u in urls:
-                    if not await reset_prefix_cache(http, u, key):
-                        raise RuntimeError(f"could not reset {u}'s prefix cache")
-                before = await prefix_counters(http, urls, key)
-
-            async def run(url: str, headers: dict[str, str]) -> list[Result]:
-                return await drive(url, systems, sessions, headers)
-
-            load_before = os.getloadavg()[0]
-            t_run = time.perf_counter()
-            predicted: dict[str, tuple[str, int]] | None = None
-            if name == "gpupool-prefix":
-                results, predicted = await gpupool_target(name, specs, tmp, run)
-            elif name == "gpupool-noindex":
-                plain = [dataclasses.replace(s, kv_events=None) for s in specs]
-                results, predicted = await gpupool_target(name, plain, tmp, run)
-            elif name.startswith("vllm-router-"):
-                policy = name.removeprefix("vllm-router-")
-                results = await vllm_router_target(policy, urls, key, tmp, run)
-            else:
-                raise ValueError(f"unknown target {name}")
-            wall_s = time.perf_counter() - t_run
-            async with aiohttp.ClientSession() as http:
-                after = await prefix_counters(http, urls, key)
-            overall, per_engine = hit_rate(before, after)
-            row = summarize(name, results, overall, predicted, oracle_hits(results))
-            row["engine_hit_frac_per_engine"] = per_engine
-            row["wall_s"] = wall_s
-            row["load_avg_1m"] = [load_before, os.getloadavg()[0]]
-            _say(json.dumps(row))
-            rows.append(row)
-            bulk_path(out, f"{name}.requests.json").write_text(
-                json.dumps(
-                    [
-                        {k: v for k, v in dataclasses.asdict(r).items() if k != "messages"}
-                        | {"tenant": sessions[r.sid].tenant, "run": sessions[r.sid].is_run}
-                        for r in results
-                    ]
+        cpus = min(os.cpu_count() or 1, args.engines)
+        for load_frac in args.load_fracs:
+            # sessions of 2 requests on average; at load_frac of the engines if all were cold
+            rate = args.rate_per_s or (load_frac * args.engines / calibration["cold_ttft_s"] / 2.0)
+            _say(f"calibration {calibration}; load {load_frac}: {rate:.2f} sessions/s")
+            systems, sessions = plan(args.tenants, rate, args.duration_s, args.seed)
+            level = {"load_frac": load_frac, "rate_sessions_per_s": rate, "sessions": len(sessions)}
+            levels.append(level)
+            suffix = f"-load{load_frac:g}" if len(args.load_fracs) > 1 else ""
+            targets = args.targets.split(",")
+            k = args.rotate % len(targets)
+            targets = targets[k:] + targets[:k]
+            for name in targets:
+                row = await _run_target(name, args, tmp, specs, key, systems, sessions)
+                results: list[Result] = row.pop("results")
+                row |= level
+                row["engine_cpu_frac"] = row.pop("engine_cpu_s") / row["wall_s"] / cpus
+                _say(json.dumps(row))
+                rows.append(row)
+                bulk_path(out, f"{name}{suffix}.requests.json").write_text(
+                    json.dumps(
+                        [
+                            {k: v for k, v in dataclasses.asdict(r).items() if k != "messages"}
+                            | {"tenant": sessions[r.sid].tenant, "run": sessions[r.sid].is_run}
+                            for r in results
+                        ]
+                    )
                 )
-            )
-            await asyncio.sleep(args.pause_s)
+                await asyncio.sleep(args.pause_s)
     finally:
         await launcher.aclose()
     return {
@@ -595,8 +645,7 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
                 )
                 for s in systems
             ],
-            "sessions": len(sessions),
-            "rate_sessions_per_s": rate,
+            "levels": levels,  # load_frac, rate_sessions_per_s, sessions: one per level
             "duration_s": args.duration_s,
             "calibration": calibration,
             "order": targets,
@@ -610,20 +659,32 @@ def render_markdown(report: dict[str, Any]) -> str:
         return "-" if v is None else format(v, fmt)
 
     lines = [
-        "| target | ok/requests | TTFT p50 s | TTFT p90 s | TTFT p99 s | engine hit | oracle hit "
-        "| hit / oracle | prefill error p50 / p95 (tokens) | load |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| load frac | target | ok/requests | TTFT p50 s | TTFT p90 s | TTFT p99 s | engine hit "
+        "| oracle hit | hit / oracle | prefill error p50 / p95 (tokens) | engine CPU | load avg |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in report["targets"]:
         err = row.get("prefill_prediction_abs_error_tokens") or {}
         lines.append(
-            f"| {row['target']} | {row['ok']}/{row['requests']} | {f(row['ttft_s']['p50'])} "
+            f"| {row['load_frac']:g} | {row['target']} | {row['ok']}/{row['requests']} "
+            f"| {f(row['ttft_s']['p50'])} "
             f"| {f(row['ttft_s']['p90'])} | {f(row['ttft_s']['p99'])} "
             f"| {f(row['engine_hit_frac'], '.1%')} | {f(row['oracle_hit_frac'], '.1%')} "
             f"| {f(row.get('hit_vs_oracle'), '.1%')} "
             f"| {f(err.get('p50'), '.0f')} / {f(err.get('p95'), '.0f')} "
+            f"| {f(row['engine_cpu_frac'], '.0%')} "
             f"| {row['load_avg_1m'][0]:.1f}-{row['load_avg_1m'][1]:.1f} |"
         )
+    lines += ["", "TTFT p90, the other target's over gpupool-prefix's, per load level:", ""]
+    for level in report["setup"]["levels"]:
+        rows = [r for r in report["targets"] if r["load_frac"] == level["load_frac"]]
+        ours = next((r["ttft_s"]["p90"] for r in rows if r["target"] == "gpupool-prefix"), None)
+        ratios = [
+            f"{r['target']} {r['ttft_s']['p90'] / ours:.2f}x"
+            for r in rows
+            if r["target"] != "gpupool-prefix" and ours and r["ttft_s"]["p90"] is not None
+        ]
+        lines.append(f"- load {level['load_frac']:g}: " + (", ".join(ratios) or "-"))
     return "\n".join(lines) + "\n"
 
 
@@ -636,6 +697,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--rate-per-s", type=float, default=None)
     parser.add_argument("--load-frac", type=float, default=0.6)
+    parser.add_argument(
+        "--load-fracs",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=None,
+        help="several load levels in one run, e.g. 0.4,0.8 (overrides --load-frac)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rotate", type=int, default=0)
     parser.add_argument("--pause-s", type=float, default=2.0)
@@ -644,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
         default="gpupool-prefix,gpupool-noindex,vllm-router-round_robin,vllm-router-cache_aware",
     )
     args = parser.parse_args(argv)
+    args.load_fracs = args.load_fracs or [args.load_frac]
+    if args.rate_per_s is not None and len(args.load_fracs) > 1:
+        parser.error("--rate-per-s fixes the rate: give one load level, not --load-fracs")
     if not VLLM_ROUTER.exists():
         raise SystemExit(
             f"{VLLM_ROUTER} missing: python3 -m venv .venv-peers/vllmrouter && "

@@ -1,0 +1,51 @@
+"""benchmarks/prefix_placement.py's pure parts: several load levels in one report (the p90
+ratios per level) and the engines' measured CPU use."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.prefix_placement import engine_cpu_s, render_markdown
+
+
+def _row(target: str, load: float, p90: float) -> dict[str, Any]:
+    return {
+        "target": target,
+        "load_frac": load,
+        "ok": 10,
+        "requests": 10,
+        "ttft_s": {"p50": p90 / 2, "p90": p90, "p99": p90 * 2},
+        "engine_hit_frac": 0.5,
+        "oracle_hit_frac": 0.9,
+        "engine_cpu_frac": 0.62,
+        "load_avg_1m": [0.4, 2.0],
+    }
+
+
+def test_the_report_gives_each_load_levels_p90_ratios() -> None:
+    rows = [
+        _row("gpupool-prefix", 0.4, 0.1),
+        _row("vllm-router-round_robin", 0.4, 0.25),
+        _row("gpupool-prefix", 0.8, 0.2),
+        _row("vllm-router-round_robin", 0.8, 0.7),
+    ]
+    levels = [{"load_frac": 0.4}, {"load_frac": 0.8}]
+    text = render_markdown({"setup": {"levels": levels}, "targets": rows})
+    assert "- load 0.4: vllm-router-round_robin 2.50x" in text
+    assert "- load 0.8: vllm-router-round_robin 3.50x" in text
+    assert "| 0.8 | vllm-router-round_robin | 10/10 | 0.35 | 0.70 |" in text
+    assert "| 62% |" in text
+
+
+def test_engine_cpu_seconds_come_from_the_pid_files(tmp_path: Path) -> None:
+    (tmp_path / "engine-0.pid").write_text(f"{os.getpid()} 8100\n")
+    (tmp_path / "engine-1.pid").write_text("999999999 8101\n")  # gone: counted as nothing
+    before = engine_cpu_s(tmp_path)
+    end = time.process_time() + 0.05
+    while time.process_time() < end:  # burn some CPU in this "engine"
+        pass
+    assert engine_cpu_s(tmp_path) - before >= 0.04
+    assert engine_cpu_s(tmp_path / "none") == 0.0
