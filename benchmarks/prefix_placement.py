@@ -423,6 +423,7 @@ def summarize(
 ) -> dict[str, Any]:
     ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    mid_s = max((r.sent_s for r in results), default=0.0) / 2
     out: dict[str, Any] = {
         "target": name,
         "requests": len(results),
@@ -434,6 +435,15 @@ def summarize(
             "p99": _q(ttft, 0.99),
             "mean": statistics.fmean(ttft) if ttft else None,
         },
+        # a steady run's p90 is the same in both halves; one that grows is queueing up
+        # (overloaded: not the moderate load the bar is about)
+        "ttft_p90_by_half_s": [
+            _q([r.ttft_s for r in half if r.ttft_s is not None], 0.9)
+            for half in (
+                [r for r in ok if r.sent_s < mid_s],
+                [r for r in ok if r.sent_s >= mid_s],
+            )
+        ],
         "engine_hit_frac": hit_frac,
         "client_cached_frac": (
             sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens or 0 for r in ok))
@@ -659,9 +669,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         return "-" if v is None else format(v, fmt)
 
     lines = [
-        "| load frac | target | ok/requests | TTFT p50 s | TTFT p90 s | TTFT p99 s | engine hit "
-        "| oracle hit | hit / oracle | prefill error p50 / p95 (tokens) | engine CPU | load avg |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| load frac | target | ok/requests | TTFT p50 s | TTFT p90 s | TTFT p99 s "
+        "| p90 1st / 2nd half s | engine hit | oracle hit | hit / oracle "
+        "| prefill error p50 / p95 (tokens) | engine CPU | load avg |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in report["targets"]:
         err = row.get("prefill_prediction_abs_error_tokens") or {}
@@ -669,6 +680,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {row['load_frac']:g} | {row['target']} | {row['ok']}/{row['requests']} "
             f"| {f(row['ttft_s']['p50'])} "
             f"| {f(row['ttft_s']['p90'])} | {f(row['ttft_s']['p99'])} "
+            f"| {' / '.join(f(v) for v in row.get('ttft_p90_by_half_s', [None, None]))} "
             f"| {f(row['engine_hit_frac'], '.1%')} | {f(row['oracle_hit_frac'], '.1%')} "
             f"| {f(row.get('hit_vs_oracle'), '.1%')} "
             f"| {f(err.get('p50'), '.0f')} / {f(err.get('p95'), '.0f')} "

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.prefix_placement import engine_cpu_s, render_markdown
+from benchmarks.prefix_placement import Result, engine_cpu_s, render_markdown, summarize
 
 
 def _row(target: str, load: float, p90: float) -> dict[str, Any]:
@@ -36,8 +36,15 @@ def test_the_report_gives_each_load_levels_p90_ratios() -> None:
     text = render_markdown({"setup": {"levels": levels}, "targets": rows})
     assert "- load 0.4: vllm-router-round_robin 2.50x" in text
     assert "- load 0.8: vllm-router-round_robin 3.50x" in text
-    assert "| 0.8 | vllm-router-round_robin | 10/10 | 0.35 | 0.70 |" in text
+    assert "| 0.8 | vllm-router-round_robin | 10/10 | 0.35 | 0.70 | 1.40 | - / - |" in text
     assert "| 62% |" in text
+
+
+def test_a_run_that_queues_up_shows_in_its_halves() -> None:
+    results = [Result(i, 0, float(i), [], status=200, ttft_s=0.1 + i / 10) for i in range(20)]
+    row = summarize("t", results, None, None, (0, 0, 0))
+    first, second = row["ttft_p90_by_half_s"]
+    assert first < 1.1 < second
 
 
 def test_engine_cpu_seconds_come_from_the_pid_files(tmp_path: Path) -> None:
