@@ -170,26 +170,54 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._max_concurrency = self.limit_concurrency
         self.limit_concurrency = None
         super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._idle_since_s: float | None = None  # the keep-alive's start; None: a request came
+        self._in_head = False
+        self._start_head()
+
+    # Both deadlines, the head's and uvicorn's keep-alive, are checked by timers that are not
+    # re-armed per request: a request moves the deadline (a float), and a timer that fires
+    # before it re-arms itself for it. uvicorn arms and cancels one of each per request
+    # (a TimerHandle, libuv's timer start and stop, a heap entry), which is what is saved.
+
+    def _start_head(self) -> None:
+        """The next request's head is due within `head_timeout_s` from now."""
         self._in_head = True
         self._head_bytes = 0
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._arm_head_timer()
-
-    def _arm_head_timer(self) -> None:
+        self._head_deadline_s = self.loop.time() + self.head_timeout_s
         if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+            self._head_timer = self.loop.call_at(self._head_deadline_s, self._head_check)
 
     def _disarm_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _head_timed_out(self) -> None:
+    def _head_check(self) -> None:
         self._head_timer = None
-        if self._in_head and not self.transport.is_closing():
-            message = f"the request head did not arrive within {self.head_timeout_s:g} s"
-            self.transport.write(_error(408, "Request Timeout", message, "head_timeout"))
-            self.transport.close()
+        if not self._in_head or self.transport.is_closing():
+            return  # the head came: the response's end starts the next one's deadline
+        if self.loop.time() < self._head_deadline_s:  # a later head's deadline
+            self._head_timer = self.loop.call_at(self._head_deadline_s, self._head_check)
+            return
+        message = f"the request head did not arrive within {self.head_timeout_s:g} s"
+        self.transport.write(_error(408, "Request Timeout", message, "head_timeout"))
+        self.transport.close()
+
+    def _unset_keepalive_if_required(self) -> None:
+        # uvicorn's: called on every read; the connection is no longer idle (no cancel here)
+        self._idle_since_s = None
+
+    def _keep_alive_check(self) -> None:
+        self.timeout_keep_alive_task = None
+        idle_since_s = self._idle_since_s
+        if idle_since_s is None:
+            return  # a request came: its response's end arms it again
+        due_s = idle_since_s + self.timeout_keep_alive
+        if self.loop.time() < due_s:
+            self.timeout_keep_alive_task = self.loop.call_at(due_s, self._keep_alive_check)
+            return
+        self.timeout_keep_alive_handler()
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
@@ -208,13 +236,12 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head = True
-        self._arm_head_timer()
+        if not self._in_head:  # pipelined behind a request still being served
+            self._start_head()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
-        self._disarm_head_timer()
         cap = self._max_concurrency
         if cap is not None and (len(self.connections) >= cap or len(self.tasks) >= cap):
             log.warning("over router.max_connections (%d): 503", cap)
@@ -240,14 +267,28 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        # uvicorn's, with the keep-alive's deadline moved instead of a timer armed
+        self.server_state.total_requests += 1
+        if not self.transport.is_closing():
+            self._idle_since_s = None
+            self.flow.resume_reading()
+            if self.pipeline:  # the next pipelined request
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:
+                self._idle_since_s = now_s = self.loop.time()
+                if self.timeout_keep_alive_task is None:
+                    self.timeout_keep_alive_task = self.loop.call_at(
+                        now_s + self.timeout_keep_alive, self._keep_alive_check
+                    )
         # the next request's head (on a kept-alive connection) gets its own deadline
-        self._in_head = True
-        self._head_bytes = 0
-        self._arm_head_timer()
+        self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
         cycle = self.cycle
         super().connection_lost(exc)
         # as uvicorn marks only its current cycle disconnected (pipelined requests are rare)

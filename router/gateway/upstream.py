@@ -71,7 +71,6 @@ class Response:
         "_high_water",
         "_sink",
         "_size",
-        "_timer",
         "_waiter",
         "content_type",
         "status",
@@ -87,7 +86,6 @@ class Response:
         self._done = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self._sink: Callable[[bytes], bool] | None = None
 
     # -- fed by the connection
@@ -111,9 +109,6 @@ class Response:
             self._done = True
         else:
             self._exc = exc
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         self._wake()
 
     def _wake(self) -> None:
@@ -168,21 +163,21 @@ class Response:
 
     def release(self) -> None:
         """Done with it: a complete response's connection goes back to the pool."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         self._conn.finished(reuse=self._done)
 
     def close(self) -> None:
         """Drop the connection (an unfinished request is aborted upstream)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         self._conn.finished(reuse=False)
 
 
 class _Conn(asyncio.Protocol):
-    """One keep-alive connection to an engine and the response it is reading."""
+    """One keep-alive connection to an engine and the response it is reading.
+
+    The exchange's deadline (`total_s`) is checked by one timer per connection, not one per
+    request: `start` moves `deadline_s`, and the timer, when it fires before the deadline it
+    finds (the previous exchange's, on a reused connection), re-arms itself for it. A timer per
+    request (a TimerHandle, libuv's timer start and stop) was among the request path's costs.
+    """
 
     def __init__(self, pool: deque[_Conn], loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
@@ -196,6 +191,9 @@ class _Conn(asyncio.Protocol):
         self.idle_since_s = 0.0
         self._paused = False
         self._to_eof = False
+        self.deadline_s = float("inf")  # the exchange's end (loop time)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
 
     # -- asyncio.Protocol
 
@@ -213,6 +211,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
+        self._disarm()
         if self.response is None and self in self.pool:
             self.pool.remove(self)  # an idle one the engine closed: not kept until next use
         head = self.head
@@ -259,12 +258,39 @@ class _Conn(asyncio.Protocol):
         if self.response is not None:
             self.response._finish(exc)
 
-    def start(self, request: bytes, response: Response) -> None:
+    def start(self, request: bytes, response: Response, deadline_s: float) -> None:
+        """Send `request`; `response` reads the answer, all of it by `deadline_s` (loop time)
+        or it fails with TimeoutError and the connection is dropped."""
         assert self.transport is not None
         self.response = response
         self.head = self.loop.create_future()
         self._to_eof = True  # until a header gives the body's length or its chunking
+        self.deadline_s = deadline_s
+        if self._timer_at > deadline_s:  # none armed, or armed for later
+            self._disarm()
+            self._timer_at = deadline_s
+            self._timer = self.loop.call_at(deadline_s, self._check_deadline)
         self.transport.write(request)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = float("inf")
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        self._timer_at = float("inf")
+        response = self.response
+        if response is None or response._done or response._exc is not None:
+            return  # no exchange, or it ended: the next `start` arms the timer again
+        if self.loop.time() < self.deadline_s:  # a later exchange's deadline
+            self._timer_at = self.deadline_s
+            self._timer = self.loop.call_at(self.deadline_s, self._check_deadline)
+            return
+        # the exchange's total time is up: fail it and drop the connection
+        self._fail(TimeoutError())
+        self.drop()
 
     def pause(self) -> None:
         if not self._paused and self.transport is not None:
@@ -287,6 +313,7 @@ class _Conn(asyncio.Protocol):
 
     def drop(self) -> None:
         self.open = False
+        self._disarm()
         if self.transport is not None:
             self.transport.close()
 
@@ -374,8 +401,7 @@ class Upstream:
         head = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
         request = b"%b%bcontent-length: %d\r\n\r\n%b" % (origin.prefix, head, len(body), body)
         response = Response(conn)
-        conn.start(request, response)
-        response._timer = loop.call_at(deadline, _expire, response)
+        conn.start(request, response, deadline)
         assert conn.head is not None
         try:
             await conn.head
@@ -390,11 +416,3 @@ class Upstream:
             while pool:
                 pool.pop().drop()
         await asyncio.sleep(0)  # let the transports finish closing
-
-
-def _expire(response: Response) -> None:
-    """The exchange's total time is up: fail it and drop its connection."""
-    response._timer = None
-    conn = response._conn
-    conn._fail(TimeoutError())
-    conn.drop()

@@ -301,3 +301,70 @@ async def _idle_closed() -> None:
 
 
 test_an_idle_connection_the_engine_closes_leaves_the_pool = _on_both_loops(_idle_closed)
+
+
+async def _shorter_deadline_on_a_reused_connection() -> None:
+    """A reused connection's timer, armed for the previous exchange's later deadline, is moved
+    up for a request with a shorter one: TimeoutError at 0.3 s, not at 20."""
+    state = FakeEngineState()
+    async with serve_asgi(make_fake_engine(state)) as url:
+        client = Upstream()
+        resp = await client.post(
+            url, "/v1/chat/completions", _body(False), _HEADERS, total_s=20, connect_s=2
+        )
+        await resp.read()
+        resp.release()
+        state.failure, state.fail_next = "hang", -1
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(TimeoutError):
+            await client.post(
+                url, "/v1/chat/completions", _body(False), _HEADERS, total_s=0.3, connect_s=2
+            )
+        assert asyncio.get_running_loop().time() - started < 10
+        await client.aclose()
+
+
+test_a_shorter_deadline_on_a_reused_connection = _on_both_loops(
+    _shorter_deadline_on_a_reused_connection
+)
+
+
+async def _timer_before_a_later_deadline() -> None:
+    """The connection's timer, firing before the deadline of the exchange it finds (a later
+    one than it was armed for), re-arms for it and fails nothing; at the deadline it fails
+    the exchange with TimeoutError and drops the connection."""
+    state = FakeEngineState(failure="hang", fail_next=-1)
+    async with serve_asgi(make_fake_engine(state)) as url:
+        client = Upstream()
+        conns: list[Any] = []
+        connected = asyncio.Event()
+        connect = client._connect
+
+        async def recording(*args: Any) -> Any:
+            conns.append(await connect(*args))
+            connected.set()
+            return conns[-1]
+
+        client._connect = recording  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        post = asyncio.ensure_future(
+            client.post(
+                url, "/v1/chat/completions", _body(False), _HEADERS, total_s=1e3, connect_s=2
+            )
+        )
+        await connected.wait()
+        await asyncio.sleep(0)  # `post` sends the request
+        (conn,) = conns
+        conn._check_deadline()  # early: re-armed for the deadline, nothing failed
+        assert conn._timer is not None and conn._timer_at == conn.deadline_s
+        await asyncio.sleep(0.05)
+        assert not post.done()
+        conn.deadline_s = loop.time() - 1.0
+        conn._check_deadline()  # due
+        with pytest.raises(TimeoutError):
+            await post
+        assert not conn.open
+        await client.aclose()
+
+
+test_the_timer_re_arms_for_a_later_deadline = _on_both_loops(_timer_before_a_later_deadline)

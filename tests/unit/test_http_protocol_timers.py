@@ -1,0 +1,159 @@
+"""gpupool's server protocol (router/gateway/http_protocol.py) keeps one head timer and one
+keep-alive timer per connection, not one of each per request: a request moves the deadline,
+and a timer that fires before the deadline it finds re-arms itself for it. Driven here on a
+fake loop clock (no sockets, no sleeping): the 408 comes at the moved deadline and not before,
+the keep-alive closes an idle connection at its moved deadline and never one in use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from uvicorn.server import ServerState
+
+from router.gateway.http_protocol import guarded_protocol
+
+
+class _Timer:
+    def __init__(self, loop: _Loop, when: float, callback: Callable[[], None]) -> None:
+        self.loop, self.when, self.callback, self.cancelled = loop, when, callback, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Loop:
+    """The loop's clock and timers only: what the protocol's deadlines use."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.timers: list[_Timer] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _Timer:
+        timer = _Timer(self, when, callback)
+        self.timers.append(timer)
+        return timer
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> _Timer:
+        return self.call_at(self.now + delay, callback)
+
+    def advance(self, to_s: float) -> None:
+        """Run the due timers in time order up to `to_s`."""
+        while True:
+            due = [t for t in self.timers if not t.cancelled and t.when <= to_s]
+            if not due:
+                break
+            timer = min(due, key=lambda t: t.when)
+            self.timers.remove(timer)
+            self.now = max(self.now, timer.when)
+            timer.callback()
+        self.now = to_s
+
+    def armed(self) -> int:
+        return sum(1 for t in self.timers if not t.cancelled)
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
+            name, default
+        )
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def _app(scope: Any, receive: Any, send: Any) -> None:  # never run here
+    raise AssertionError
+
+
+def _connection(head_timeout_s: float, keep_alive_s: float) -> tuple[Any, _Loop, _Transport]:
+    cls = guarded_protocol(head_timeout_s=head_timeout_s, max_head_bytes=64 * 1024)
+    config = uvicorn.Config(_app, http=cls, timeout_keep_alive=keep_alive_s, log_level="error")
+    loop = _Loop()
+    protocol = cls(config=config, server_state=ServerState(), app_state={}, _loop=loop)  # type: ignore[call-arg,arg-type]
+    transport = _Transport()
+    protocol.connection_made(transport)
+    return protocol, loop, transport
+
+
+def _served(protocol: Any) -> None:
+    """A request's head arrived and its response ended (what the parser and the cycle call)."""
+    protocol._in_head = False  # on_headers_complete's part that concerns the deadline
+    protocol._unset_keepalive_if_required()
+    protocol.on_response_complete()
+
+
+def test_the_head_deadline_moves_with_each_response_and_one_timer_serves_it() -> None:
+    protocol, loop, transport = _connection(head_timeout_s=10.0, keep_alive_s=1000.0)
+    loop.advance(4.0)
+    _served(protocol)  # the next head is due at 14, not 10
+    assert loop.armed() == 2  # the head's and the keep-alive's, no more after a request
+    loop.advance(13.9)  # the timer armed for 10 found a later deadline: re-armed, no answer
+    assert not transport.closed and transport.written == b""
+    loop.advance(14.0)
+    assert transport.closed
+    assert transport.written.startswith(b"HTTP/1.1 408 ")
+
+
+def test_many_requests_arm_no_more_timers() -> None:
+    protocol, loop, transport = _connection(head_timeout_s=10.0, keep_alive_s=5.0)
+    for i in range(100):
+        loop.advance(i * 0.5)
+        _served(protocol)
+    assert loop.armed() == 2
+    assert len(loop.timers) <= 4  # fired ones re-armed themselves, none piled up
+    assert not transport.closed
+
+
+def test_keep_alive_closes_an_idle_connection_at_its_moved_deadline() -> None:
+    protocol, loop, transport = _connection(head_timeout_s=1000.0, keep_alive_s=5.0)
+    _served(protocol)  # idle from 0: due at 5
+    loop.advance(3.0)
+    _served(protocol)  # idle from 3: due at 8
+    loop.advance(7.9)
+    assert not transport.closed
+    loop.advance(8.0)
+    assert transport.closed
+    assert transport.written == b""  # closed quietly, as uvicorn's keep-alive does
+
+
+def test_keep_alive_never_closes_a_connection_in_use() -> None:
+    protocol, loop, transport = _connection(head_timeout_s=1000.0, keep_alive_s=5.0)
+    _served(protocol)
+    loop.advance(1.0)
+    protocol._unset_keepalive_if_required()  # bytes of the next request came (data_received)
+    loop.advance(60.0)  # served for a long time
+    assert not transport.closed
+    protocol.on_response_complete()
+    loop.advance(64.9)
+    assert not transport.closed
+    loop.advance(65.0)
+    assert transport.closed
+
+
+def test_a_lost_connection_cancels_both_timers() -> None:
+    protocol, loop, _ = _connection(head_timeout_s=10.0, keep_alive_s=5.0)
+    _served(protocol)
+    protocol.connection_lost(None)
+    assert loop.armed() == 0
