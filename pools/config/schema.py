@@ -955,6 +955,11 @@ class AdmissionConfig:
     # a held request waits on holds at most this long in all, then goes (router/admission/
     # prefill_hold.py)
     prefill_hold_max_wait_s: float = Field(default=0.5, gt=0, le=60)
+    # the engines gpupool starts (local, ray) prefill at most this many tokens of one request
+    # per step while another request is scheduled (vLLM's --long-prefill-token-threshold), so
+    # a chat prompt shares steps with slices of a long agent prefill; null: vLLM's default (no
+    # cap). pools/launchers/prefill_slice.py, docs/admission.md section 8
+    prefill_slice_tokens: int | None = Field(default=None, ge=64)
 
     @model_validator(mode="before")
     @classmethod
@@ -1299,6 +1304,33 @@ class Config:
                 f"observability.engine_traces: on needs launcher 'local' or 'ray' (gpupool does"
                 f" not start {launcher!r} engines: give them `--otlp-traces-endpoint` where they"
                 " are started)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _prefill_slice_engines(self) -> Config:
+        tokens = self.admission.prefill_slice_tokens
+        if tokens is None:
+            return self
+        launcher = self.engines.launcher
+        if launcher not in ("local", "ray"):
+            raise ValueError(
+                f"admission.prefill_slice_tokens needs launcher 'local' or 'ray' (gpupool does"
+                f" not start {launcher!r} engines: give them `--long-prefill-token-threshold"
+                f" {tokens}` where they are started)"
+            )
+        args = self.engines.local.vllm_args if launcher == "local" else self.engines.ray.vllm_args
+        flag = "--long-prefill-token-threshold"
+        if any(a == flag or a.startswith(f"{flag}=") for a in args):
+            raise ValueError(
+                f"admission.prefill_slice_tokens and engines.{launcher}.vllm_args' {flag} both"
+                " set the slice: keep one"
+            )
+        longest = self.model.max_model_len_tokens
+        if longest is not None and tokens > longest:
+            raise ValueError(
+                f"admission.prefill_slice_tokens ({tokens}) is above model.max_model_len_tokens"
+                f" ({longest}): vLLM refuses it"
             )
         return self
 

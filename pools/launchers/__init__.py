@@ -5,12 +5,14 @@ actors). `make_launcher(config)` picks one from `engines.launcher`. The last two
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pools.config import Config
 from pools.launchers.base import InstanceSpec, Launcher, LauncherError, ProgressFn
 from pools.launchers.engine_args import EngineTraces
 from pools.launchers.local import LocalLauncher
+from pools.launchers.prefill_slice import with_prefill_slice
 from pools.launchers.static import StaticLauncher
 
 if TYPE_CHECKING:  # pools.discovery imports this package's base
@@ -37,9 +39,15 @@ class DiscoveringLauncher(Protocol):
 
 def make_launcher(config: Config, progress: ProgressFn | None = None) -> Launcher:
     kind = config.engines.launcher
+    # admission.prefill_slice_tokens: every engine gpupool starts gets vLLM's long-prefill cap
+    slice_tokens = config.admission.prefill_slice_tokens
     if kind == "local":
+        local = config.engines.local
+        local = dataclasses.replace(
+            local, vllm_args=with_prefill_slice(local.vllm_args, slice_tokens)
+        )
         return LocalLauncher(
-            config.engines.local,
+            local,
             config.model,
             progress=progress,
             kv_events=config.engines.kv_events_on,
@@ -57,8 +65,10 @@ def make_launcher(config: Config, progress: ProgressFn | None = None) -> Launche
     if kind == "ray":
         from pools.launchers.ray import RayLauncher
 
+        ray = config.engines.ray
+        ray = dataclasses.replace(ray, vllm_args=with_prefill_slice(ray.vllm_args, slice_tokens))
         return RayLauncher(
-            config.engines.ray,
+            ray,
             config.model,
             progress=progress,
             traces=EngineTraces.of(config.observability, kind),
