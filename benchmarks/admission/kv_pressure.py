@@ -20,6 +20,9 @@ workload (`kv-pressure.yaml`: Poisson chat and waves of K=6 growing agent runs w
   agent prefill of more tokens than the engine prefills, at its measured rate, in 2.5 % of
   chat's 800 ms TTFT target waits while a chat request is in its prefill, for at most 0.5 s);
 - `admission-on-hold`: a fixed prefill hold alone (512 tokens, `reserve: share`);
+- `chat-alone-slice`, `admission-forecast-slice`: `chat-alone` and `admission-forecast` on an
+  engine from `engine-slice.yaml`, which differs only by `admission.prefill_slice_tokens: 256`
+  (vLLM's `--long-prefill-token-threshold 256`): issue 26's prefill-slice lever;
 - `chat-alone-chunk512`, `admission-forecast-chunk512`: `chat-alone` and `admission-forecast`
   on an engine from `engine-chunk512.yaml`, which differs only by `--max-num-batched-tokens
   512` (vLLM's step budget; 2,048 otherwise): issue 26's chunk-size lever.
@@ -77,6 +80,7 @@ from benchmarks.report import build_report, describe_machine, write_records, wri
 from benchmarks.runner import Runner, Target
 from pools.config import Config, load_config
 from pools.launchers.local import LocalLauncher
+from pools.launchers.prefill_slice import with_prefill_slice
 from router.simulate.prompts import PromptMaker, find_tokenizer
 from router.simulate.scenario import Scenario, load_scenario
 from router.simulate.workload import Plan, build_plan
@@ -93,6 +97,8 @@ ENGINE_FILES = {
     "fcfs": HERE / "engine-fcfs.yaml",
     "priority": HERE / "engine-priority.yaml",
     "chunk512": HERE / "engine-chunk512.yaml",  # --max-num-batched-tokens 512
+    # admission.prefill_slice_tokens: 256 (vLLM's --long-prefill-token-threshold 256)
+    "slice": HERE / "engine-slice.yaml",
 }
 CHAT_CLASS = "normal"
 # the agents' output tok/s with admission against admission off: at least this (issue 26; it
@@ -174,6 +180,24 @@ CONFIGS: dict[str, RunSpec] = {
             None,
             True,
             "admission on, reserve: forecast; engine --max-num-batched-tokens 512",
+            {"reserve": "forecast"},
+        ),
+        RunSpec(
+            "chat-alone-slice",
+            "slice",
+            "off",
+            None,
+            False,
+            "chat only (no agent runs), admission off; engine with prefill_slice_tokens: 256",
+        ),
+        RunSpec(
+            "admission-forecast-slice",
+            "slice",
+            "on",
+            None,
+            True,
+            "admission on, reserve: forecast; engine with prefill_slice_tokens: 256"
+            " (--long-prefill-token-threshold 256)",
             {"reserve": "forecast"},
         ),
         RunSpec(
@@ -1065,6 +1089,11 @@ async def amain(args: argparse.Namespace) -> int:
             local = cfg.engines.local
             if args.kv_cache_bytes:
                 local = dataclasses.replace(local, kv_cache_bytes=args.kv_cache_bytes)
+            # admission.prefill_slice_tokens, as gpupool's launchers apply it
+            slice_tokens = cfg.admission.prefill_slice_tokens
+            local = dataclasses.replace(
+                local, vllm_args=with_prefill_slice(local.vllm_args, slice_tokens)
+            )
             if args.engine_args:
                 extra = tuple(args.engine_args.split())
                 local = dataclasses.replace(local, vllm_args=(*local.vllm_args, *extra))
