@@ -741,6 +741,7 @@ class Admitter:
         queue = self.queues[waiter.ctx.pool]
         queue.remove(entry)
         self._left(queue.pool, entry)
+        self.metrics.queue_depth(queue.pool, len(queue))  # no pump pass may follow
 
     async def _wait(
         self,
@@ -863,8 +864,10 @@ class Admitter:
     # ------------------------------------------------------------------ dispatch
 
     def schedule_pump(self) -> None:
-        """Dispatch what fits, once, soon (coalesces bursts of events into one pass)."""
-        if self._pump_scheduled:
+        """Dispatch what fits, once, soon (coalesces bursts of events into one pass). Nothing
+        when no request waits: a lease's release calls this, and a pass over empty queues was a
+        callback and two gauge updates per request (issue 28)."""
+        if self._pump_scheduled or not any(map(len, self.queues.values())):
             return
         try:
             loop = asyncio.get_running_loop()

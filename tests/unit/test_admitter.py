@@ -141,6 +141,23 @@ async def test_a_request_that_does_not_fit_waits_and_is_served(make_rig: Any) ->
     assert waits._sum.get() > 0.2  # type: ignore[attr-defined]
 
 
+async def test_nothing_waiting_schedules_no_dispatch_pass(make_rig: Any) -> None:
+    """A lease's release asks for a dispatch pass; with every queue empty there is none (a
+    callback per request, issue 28); with a request waiting there is."""
+    rig = await make_rig()
+    admitter = rig.gateway.admitter
+    admitter.schedule_pump()
+    assert not admitter._pump_scheduled
+    body = {**CHAT, "max_tokens": 100}
+    running = asyncio.ensure_future(asgi_post(rig.gateway, body))
+    await _wait_until(lambda: _leases(rig)[0] == 1)
+    queued = asyncio.ensure_future(asgi_post(rig.gateway, body))
+    await _wait_until(lambda: len(admitter.queues["normal"]) == 1)
+    admitter.schedule_pump()
+    assert admitter._pump_scheduled
+    assert (await running).status == 200 and (await queued).status == 200
+
+
 async def test_full_queue_answers_429_with_retry_after(make_rig: Any) -> None:
     rig = await make_rig(max_depth=1)
     body = {**CHAT, "max_tokens": 100}
@@ -181,6 +198,8 @@ async def test_a_queued_client_that_leaves_never_reaches_the_engine(make_rig: An
     leave.set()
     assert (await queued).status == 499
     assert len(rig.gateway.admitter.queues["normal"]) == 0  # left at once, not at timeout
+    depth = rig.gateway.metrics.queue_depth_g.labels("normal")
+    assert depth._value.get() == 0  # type: ignore[attr-defined]  # no pump pass needed
     assert (await running).status == 200
     await asyncio.sleep(0.1)
     assert all(r.get("seed") != 4242 for r in rig.normal.requests_seen)
