@@ -52,7 +52,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pools.config import RouterConfig, default_of
 from pools.periodic import Periodic
@@ -75,6 +75,9 @@ from router.accounting.ledger_queries import (
 )
 from router.runtable import RunTable
 from router.store import Conn, Migration, SqliteStore, Store, StoreError, migrate, savepoint, upsert
+
+if TYPE_CHECKING:
+    from router.store.loop_connection import LoopConnection
 
 __all__ = [
     "MIGRATIONS",
@@ -569,6 +572,17 @@ class Ledger:
                 slow_s=loop_commit_slow_s,
                 pause_s=loop_commit_pause_s,
             )
+        # lone durable commits awaited on the loop (router/store/loop_connection.py):
+        # PostgreSQL, durable only
+        self._async_commit: LoopConnection | None = None
+        if durable and self.store.dialect == "postgresql":
+            from router.store import PostgresStore
+            from router.store.loop_connection import LoopConnection
+
+            assert isinstance(self.store, PostgresStore)
+            self._async_commit = LoopConnection(
+                self.store, "gpupool-ledger", timeout_s=commit_wait_s
+            )
         self._queued = 0  # rows put to the writer and not yet committed (or failed)
         # durable commits' waiters, oldest first, with their deadlines (loop time); one timer
         # answers those past `commit_wait_s` (cheaper than a timeout per request)
@@ -636,12 +650,16 @@ class Ledger:
             )
             if self._loop_commit is not None:
                 await asyncio.to_thread(self._loop_commit.open)
+            if self._async_commit is not None:
+                await self._async_commit.open()
         except BaseException:
             self._started = False
             writer, self._writer = self._writer, None
             await writer.aclose()
             if self._loop_commit is not None:
                 self._loop_commit.close()
+            if self._async_commit is not None:
+                await self._async_commit.aclose()
             if self._owned:
                 await asyncio.to_thread(self.store.close)
             raise
@@ -672,6 +690,8 @@ class Ledger:
             async with self._db_lock:
                 if self._loop_commit is not None:
                     self._loop_commit.close()
+                if self._async_commit is not None:
+                    await self._async_commit.aclose()
                 if writer is not None:
                     await writer.aclose()  # what is queued is written first
                 if self._owned:
@@ -774,6 +794,23 @@ class Ledger:
                 group.append(row)
                 self._loop_waiters.append(waiter)
                 return await waiter
+        # PostgreSQL: a lone commit (nothing else queued or in flight) is one INSERT awaited on
+        # the loop (router/store/loop_connection.py), sparing the writer thread's round trip.
+        # Failed or not answered within `commit_wait_s`: buffered for the next flush, as a
+        # failed group commit's rows (an upsert: a row that did land counts once).
+        async_commit = self._async_commit
+        lone = self._queued == 1 and not self._failing
+        if async_commit is not None and lone and async_commit.ready():
+            try:
+                await async_commit.execute(_insert_rows_sql(1), row)
+            except Exception as err:
+                self._committed([row], _NO_WAITER, 0, err)
+                return False
+            except BaseException:  # cancelled: the writer writes it (an upsert)
+                writer.put(row, None)
+                raise
+            self._committed([row], _NO_WAITER, 0, None)
+            return True
         return await self._commit_on_writer(writer, loop, row)
 
     async def _commit_on_writer(
@@ -939,8 +976,10 @@ class Ledger:
 
     @property
     def loop_commits(self) -> int:
-        """Durable commits made on the event loop (one record each; ledger_loop.py)."""
-        return 0 if self._loop_commit is None else self._loop_commit.commits
+        """Durable commits made on the event loop (one record each; ledger_loop.py, and
+        router/store/loop_connection.py with PostgreSQL)."""
+        on_pg = 0 if self._async_commit is None else self._async_commit.statements
+        return on_pg + (0 if self._loop_commit is None else self._loop_commit.commits)
 
     # -- writing ---------------------------------------------------------------------------------
 

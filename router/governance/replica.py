@@ -28,27 +28,42 @@ each tenant's token and request budgets, concurrency slots and cost windows.
   reconciliation) and the request path uses the database again.
 
 Every call runs in a worker thread (`asyncio.to_thread`), bounded by the store's
-`connect_timeout_s` and `statement_timeout_s`. Lease arithmetic happens on the event loop only.
+`connect_timeout_s` and `statement_timeout_s`, but for the two a request waits for on
+PostgreSQL (its tier's slot, an agent step's number): one statement each, sent from the event
+loop on a connection of their own when it is idle (no thread hand-over), bounded by
+`connect_timeout_s`. Lease arithmetic happens on the event loop only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from router.errors import StoreUnavailable
 from router.governance.metrics import GovernanceMetrics
-from router.governance.shared import NextStep, SharedBudgets, Slices
+from router.governance.shared import (
+    ACQUIRE_SLOT_SQL,
+    NEXT_STEP_SQL,
+    RELEASE_SLOT_SQL,
+    NextStep,
+    SharedBudgets,
+    Slices,
+)
 from router.store import Store, StoreError
 from router.store.leader import new_replica_id
+
+if TYPE_CHECKING:
+    from router.store.loop_connection import LoopConnection
 
 __all__ = ["ReplicaBudgets", "new_replica_id"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Row = tuple[Any, ...]
 OutagePolicy = Literal["open", "closed"]
 OUTAGE_RETRY_AFTER_S = 1.0  # what a refusal under `closed` tells the client (one sweep)
 
@@ -77,12 +92,25 @@ class ReplicaBudgets:
         self.metrics = metrics
         self._wall = wall_clock
         self._errors: tuple[type[Exception], ...] = (StoreError, *store.errors)
+        self._loop_errors: tuple[type[Exception], ...] = (*self._errors, TimeoutError)
         self.leases: dict[tuple[str, str], float] = {}  # (tenant, bucket) -> units held
         self.down_since_s: float | None = None  # unix time of the failure that began it
         self._pending: set[asyncio.Task[None]] = set()  # slot releases, homes under way
         self._topping: dict[tuple[str, str], asyncio.Lock] = {}  # a top-up under way
         self._unreleased: list[tuple[str, str]] = []  # (slot key, holder) for the next sweep
         self._closed = False
+        # PostgreSQL: a request's slot and its step number are one statement each, awaited on
+        # the loop (router/store/loop_connection.py) while that connection is idle, else in a
+        # worker thread as every other call
+        self._loop: LoopConnection | None = None
+        if store.dialect == "postgresql":
+            from router.store import PostgresStore
+            from router.store.loop_connection import LoopConnection
+
+            assert isinstance(store, PostgresStore)
+            self._loop = LoopConnection(
+                store, "gpupool-governance", timeout_s=store.connect_timeout_s
+            )
         metrics.store_up.set(1)
 
     # ------------------------------------------------------------------ calls
@@ -93,6 +121,20 @@ class ReplicaBudgets:
         except self._errors as err:
             self._down(err)
             raise _Down from err
+
+    async def _statement(self, sql: str, params: Sequence[object], fn: Callable[[], T]) -> T | Row:
+        """One statement on the loop's connection when it is idle (its first row; () when
+        it returns none), else
+        `fn` in a worker thread (also when the loop's call fails: the thread's call then
+        decides whether the store is down)."""
+        loop = self._loop
+        if loop is not None and loop.ready():
+            try:
+                rows = await loop.execute(sql, params)
+                return rows[0] if rows else ()
+            except self._loop_errors:
+                pass
+        return await self._call(fn)
 
     def _down(self, err: BaseException) -> None:
         if self.down_since_s is not None:
@@ -190,16 +232,19 @@ class ReplicaBudgets:
         holder = self.holder(name)
         if self.down_since_s is None:
             try:
-                now_s = self._wall()
-                got = await self._call(
+                now_s, key = self._wall(), f"{tenant}/{kind}"
+                got = await self._statement(
+                    ACQUIRE_SLOT_SQL,
+                    (key, holder, limit, now_s, now_s + self.slot_lease_s),
                     lambda: self.db.acquire_slot(
-                        f"{tenant}/{kind}", holder, limit, now_s, lease_s=self.slot_lease_s
-                    )
+                        key, holder, limit, now_s, lease_s=self.slot_lease_s
+                    ),
                 )
             except _Down:
                 pass
             else:
-                return got, holder if got else None
+                admitted = bool(got[0]) if isinstance(got, tuple) else got
+                return admitted, holder if admitted else None
         self._outage(tenant, f"concurrent {kind}")
         return True, None
 
@@ -210,9 +255,14 @@ class ReplicaBudgets:
             return None
         now_s = self._wall()
         try:
-            return await self._call(lambda: self.db.next_step(tenant, run_id, now_s))
+            got = await self._statement(
+                NEXT_STEP_SQL,
+                (tenant, run_id, now_s),
+                lambda: self.db.next_step(tenant, run_id, now_s),
+            )
         except _Down:
             return None
+        return NextStep.from_row(got) if isinstance(got, tuple) else got
 
     def holder(self, name: str) -> str:
         return f"{self.replica}:{name}"
@@ -270,10 +320,10 @@ class ReplicaBudgets:
         task.add_done_callback(self._pending.discard)
 
     async def _release(self, key: str, holder: str) -> None:
-        try:
-            await asyncio.to_thread(self.db.release_slot, key, holder)
-        except self._errors as err:
-            self._down(err)
+        with contextlib.suppress(_Down):
+            await self._statement(
+                RELEASE_SLOT_SQL, (key, holder), lambda: self.db.release_slot(key, holder)
+            )
 
     # ------------------------------------------------------------------ the sweep
 
@@ -329,6 +379,8 @@ class ReplicaBudgets:
         if self._closed:
             return
         self._closed = True
+        if self._loop is not None:
+            await self._loop.aclose()
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         amounts = [(t, b, units) for (t, b), units in self.leases.items() if units != 0.0]

@@ -37,12 +37,17 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from router.store import Migration, Store, upsert
+from router.store import Conn, Migration, Store, upsert
 
 __all__ = [
+    "ACQUIRE_SLOT",
+    "ACQUIRE_SLOT_SQL",
     "ADMISSION_RESERVATIONS",
     "COST_WINDOWS",
+    "NEXT_STEP_SQL",
+    "RELEASE_SLOT_SQL",
     "RUN_HOMES",
     "RUN_STEPS",
     "SHARED_TABLES",
@@ -131,6 +136,58 @@ ALTER TABLE run_steps ADD COLUMN context_tokens INTEGER NOT NULL DEFAULT 0
 RUN_HOMES = _migration(6, "run_steps.home (run homes across replicas)", _RUN_HOMES)
 
 
+# PostgreSQL's `acquire_slot` in one round trip: the same steps as the SQLite transaction in
+# a function (each statement of a volatile PL/pgSQL function sees what other transactions
+# committed before it, as the statements of a READ COMMITTED transaction do)
+_ACQUIRE_SLOT_FUNCTION = """
+CREATE OR REPLACE FUNCTION gpupool_acquire_slot(
+    p_tenant TEXT, p_holder TEXT, p_limit INTEGER, p_now DOUBLE PRECISION,
+    p_expires DOUBLE PRECISION
+) RETURNS BOOLEAN LANGUAGE plpgsql AS $fn$
+DECLARE
+    held INTEGER;
+BEGIN
+    -- the upsert locks the tenant's slot row: its acquisitions are counted in turn
+    INSERT INTO budget_buckets (tenant, bucket, level, capacity, rate_per_s, updated_at_s)
+        VALUES (p_tenant, '__slots__', 0, 0, 0, p_now)
+        ON CONFLICT (tenant, bucket) DO UPDATE SET capacity = excluded.capacity;
+    DELETE FROM concurrency_slots WHERE tenant = p_tenant AND expires_at_s <= p_now;
+    SELECT COUNT(*) INTO held FROM concurrency_slots
+        WHERE tenant = p_tenant AND holder <> p_holder;
+    IF held >= p_limit THEN
+        RETURN FALSE;
+    END IF;
+    INSERT INTO concurrency_slots (tenant, holder, expires_at_s)
+        VALUES (p_tenant, p_holder, p_expires)
+        ON CONFLICT (tenant, holder) DO UPDATE SET expires_at_s = excluded.expires_at_s;
+    RETURN TRUE;
+END
+$fn$
+"""
+
+
+def _create_acquire_slot(conn: Conn) -> None:
+    conn.execute(_ACQUIRE_SLOT_FUNCTION)  # one statement: its body holds `;`
+
+
+def _nothing(conn: Conn) -> None:
+    """SQLite: the slot is acquired in a transaction of the caller's (in-process, no trip)."""
+
+
+# governance's seventh migration: PostgreSQL's slot acquisition as one call
+ACQUIRE_SLOT = Migration(
+    "governance", 7, "gpupool_acquire_slot (one round trip)", _nothing, _create_acquire_slot
+)
+ACQUIRE_SLOT_SQL = "SELECT gpupool_acquire_slot(?, ?, ?, ?, ?)"  # PostgreSQL only
+RELEASE_SLOT_SQL = "DELETE FROM concurrency_slots WHERE tenant = ? AND holder = ?"
+NEXT_STEP_SQL = (
+    "INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s)"
+    " VALUES (?, ?, 1, ?) ON CONFLICT (tenant, run_id) DO UPDATE SET"
+    " next_step = run_steps.next_step + 1, updated_at_s = excluded.updated_at_s"
+    " RETURNING next_step, home, home_step, context_tokens"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class NextStep:
     """A run's step number from the store, and its home then: the instance its latest
@@ -141,6 +198,17 @@ class NextStep:
     home: str | None = None
     home_step: int | None = None
     context_tokens: int = 0
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> NextStep:
+        """From `NEXT_STEP_SQL`'s row."""
+        after, home, home_step, context = row
+        return cls(
+            int(after) - 1,
+            None if home is None else str(home),
+            None if home_step is None else int(home_step),
+            int(context or 0),
+        )
 
 
 Slices = list[tuple[float, float]]  # (unix start, GPU-seconds), oldest first
@@ -257,6 +325,12 @@ class SharedBudgets:
     def acquire_slot(
         self, tenant: str, holder: str, limit: int, now_s: float, *, lease_s: float
     ) -> bool:
+        if self.store.dialect == "postgresql":  # one call, one round trip (ACQUIRE_SLOT)
+            with self.store.connection() as conn:
+                (got,) = conn.execute(
+                    ACQUIRE_SLOT_SQL, (tenant, holder, limit, now_s, now_s + lease_s)
+                ).fetchone()
+            return bool(got)
         with self.store.connection() as conn, conn.transaction():
             # the upsert locks the tenant's slot row: its acquisitions are counted in turn
             conn.execute(_CREATE, (tenant, _SLOT_BUCKET, 0.0, 0.0, 0.0, now_s))
@@ -279,9 +353,7 @@ class SharedBudgets:
 
     def release_slot(self, tenant: str, holder: str) -> None:
         with self.store.connection() as conn:
-            conn.execute(
-                "DELETE FROM concurrency_slots WHERE tenant = ? AND holder = ?", (tenant, holder)
-            )
+            conn.execute(RELEASE_SLOT_SQL, (tenant, holder))
 
     def renew_slots(self, holder_prefix: str, now_s: float, lease_s: float) -> int:
         """Extend the leases of every slot whose holder starts with `holder_prefix` (one
@@ -337,19 +409,8 @@ class SharedBudgets:
         """The run's next step number: 0 for its first, then 1, 2, ..., with its home as
         recorded by `record_home` on any replica (one statement)."""
         with self.store.connection() as conn:
-            after, home, home_step, context = conn.execute(
-                "INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s)"
-                " VALUES (?, ?, 1, ?) ON CONFLICT (tenant, run_id) DO UPDATE SET"
-                " next_step = run_steps.next_step + 1, updated_at_s = excluded.updated_at_s"
-                " RETURNING next_step, home, home_step, context_tokens",
-                (tenant, run_id, now_s),
-            ).fetchone()
-        return NextStep(
-            int(after) - 1,
-            None if home is None else str(home),
-            None if home_step is None else int(home_step),
-            int(context or 0),
-        )
+            row = conn.execute(NEXT_STEP_SQL, (tenant, run_id, now_s)).fetchone()
+        return NextStep.from_row(row)
 
     def record_home(
         self, tenant: str, run_id: str, home: str, step: int, context_tokens: int

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from router.governance.shared import (
+    ACQUIRE_SLOT,
     ADMISSION_RESERVATIONS,
     COST_WINDOWS,
     RUN_HOMES,
@@ -98,6 +99,7 @@ MIGRATIONS = (
     RUN_STEPS,
     ADMISSION_RESERVATIONS,  # router/admission/shared_reservations.py
     RUN_HOMES,
+    ACQUIRE_SLOT,
 )
 
 

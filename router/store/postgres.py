@@ -111,6 +111,11 @@ class PostgresStore(Store):
     def name(self) -> str:
         return redact(self.url)
 
+    @property
+    def connect_timeout_s(self) -> float:
+        """The bound on connecting and on waiting for a pooled connection."""
+        return self._timeout_s
+
     def open(self) -> None:
         if self._pool is not None:
             return
@@ -200,6 +205,26 @@ class PostgresStore(Store):
         }
         try:
             return psycopg.connect(self.url, **kwargs)
+        except psycopg.Error as err:
+            raise StoreError(
+                f"cannot connect to the PostgreSQL store {self.name}: {_reason(err)}"
+            ) from err
+
+    async def connect_async(self, application_name: str) -> psycopg.AsyncConnection[Any]:
+        """An asyncio connection of its own, outside the pool, for writes awaited on the event
+        loop (the ledger's lone durable commits: router/accounting/ledger_async.py), with the
+        pool's settings (autocommit, timeouts, synchronous_commit) and `dedicated`'s
+        keepalives. The caller closes it. Raises `StoreError`."""
+        kwargs = {
+            **self._kwargs,
+            "application_name": application_name[:63],
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+        }
+        try:
+            return await psycopg.AsyncConnection.connect(self.url, **kwargs)
         except psycopg.Error as err:
             raise StoreError(
                 f"cannot connect to the PostgreSQL store {self.name}: {_reason(err)}"

@@ -211,6 +211,44 @@ async def test_concurrency_slots_across_replicas_and_a_dead_replicas_expire(
             await enter(b, "s")
 
 
+async def loop_ready(gov: Governor) -> int:
+    """Wait until the replica's connection on the event loop is up; its statements so far."""
+    assert gov._replica is not None and gov._replica._loop is not None
+    loop_conn = gov._replica._loop
+    for _ in range(500):
+        if loop_conn.ready():
+            return loop_conn.statements
+        await asyncio.sleep(0.01)
+    raise AssertionError("no connection on the loop")
+
+
+async def test_slots_and_step_numbers_on_the_loops_connection(
+    postgres_server: PostgresServer,
+) -> None:
+    """The calls a request waits for go on the event loop's connection when it is idle (no
+    worker thread), with the same results: the tier's two slots across replicas, the third
+    refused, a release freeing one; a run's steps numbered across replicas."""
+    url = postgres_server.create_database("replicas_loop")
+    wall = Clock(T0)
+    config = shared_config(url)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+        before = {gov: await loop_ready(gov) for gov in (a, b)}
+        first = await enter(a, "s")
+        await enter(b, "s")
+        with pytest.raises(RateLimited):
+            await enter(a, "s")
+        await finish(a, first)  # released on a's loop connection
+        await enter(b, "s")
+        steps = []
+        for gov in (a, b, a):
+            outcome = await enter(gov, "t", run_id="run-loop")
+            gov.dispatched(outcome)
+            steps.append(outcome.step_index)
+        assert steps == [0, 1, 2]
+        used = {gov: await loop_ready(gov) - before[gov] for gov in (a, b)}
+        assert used == {a: 5, b: 3}  # a: 2 acquires (one refused), a release, 2 steps
+
+
 async def test_run_slots_and_cost_caps_across_replicas(postgres_server: PostgresServer) -> None:
     url = postgres_server.create_database("replicas_runs")
     config = shared_config(url)

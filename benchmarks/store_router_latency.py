@@ -1,0 +1,255 @@
+"""Benchmark: the latency the PostgreSQL store adds to a request through the whole router, at
+concurrency 1, against the embedded SQLite store, side by side in one run (issue 25: added
+p50 within 0.3 ms).
+
+    .venv/bin/python -m benchmarks.store_router_latency [--requests 400] [--rounds 5]
+        [--kinds plain,governed,agent] [--out FILE]
+
+It starts a real PostgreSQL (tests/postgres.py's server: unix socket, fsync off), one fake
+engine process (`pools.testing.fake_engine`, no delays) and two `gpupool serve` processes
+over that engine: one on the embedded store (a ledger file in a temporary folder), one on
+the PostgreSQL database (`store.url`). Same config otherwise, `router.ledger_durable: true`
+(the default: a response's record is committed before its final bytes). Three kinds of
+request, each a non-streaming chat completion of 8 tokens from one keep-alive connection,
+one at a time:
+
+- `plain`: a tenant without budgets or a tier: the store on the path is the ledger commit;
+- `governed`: a tenant with a tokens-per-minute budget and a concurrency tier: shared
+  budgets (a lease top-up now and then) and a request slot (acquired before dispatch);
+- `agent`: the plain tenant's agent run steps (`x-gpupool-run-id`, 10 steps a run): the
+  run's step number (and home) from the store.
+
+Each round sends `--requests` of every kind to each router in turn (the order of the two
+routers alternates by round), so both see the same machine load. Reported per kind and
+store: p50 / p90 / p99 over all rounds, the added p50 (PostgreSQL - SQLite) per round and
+over all, and the load average. The router processes, the engine and PostgreSQL share the
+machine's CPUs with this client, as a small deployment would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from pools.testing.router_process import RouterProcess, free_port
+
+MODEL = Path(__file__).resolve().parents[1] / ".gpupool" / "models" / "tiny"
+PASSWORD_ENV = "GPUPOOL_BENCH_STORE_PASSWORD"
+KEYS = {"plain": "plain-" + "p" * 24, "governed": "governed-" + "g" * 24}
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+STEPS_PER_RUN = 10
+STORES = ("sqlite", "postgres")
+
+
+def _config(
+    folder: Path, engine: str, store: dict[str, Any] | None, router_options: dict[str, Any]
+) -> dict[str, Any]:
+    name = "postgres" if store else "sqlite"
+    router: dict[str, Any] = {
+        "state_path": str(folder / f"state-{name}.json"),
+        "log_level": "warning",
+        "ledger_durable": True,
+        **router_options,
+    }
+    if store is None:
+        router["ledger_path"] = str(folder / "ledger.sqlite")
+    config: dict[str, Any] = {
+        "model": {"name": "tiny", "path": str(MODEL)},
+        "engines": {"launcher": "static", "static": {"urls": [engine]}},
+        "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
+        "router": router,
+        "governance": {
+            "tiers": {"wide": {"max_concurrent_runs": 100, "max_concurrent_requests": 100}}
+        },
+        "tenants": [
+            {"name": "plain", "api_key_env": "GPUPOOL_BENCH_PLAIN_KEY"},
+            {
+                "name": "governed",
+                "api_key_env": "GPUPOOL_BENCH_GOVERNED_KEY",
+                "tier": "wide",
+                "tokens_per_minute": 10_000_000,
+            },
+        ],
+    }
+    if store is not None:
+        config["store"] = store
+    return config
+
+
+def _headers(kind: str, k: int, tag: str) -> dict[str, str]:
+    tenant = "governed" if kind == "governed" else "plain"
+    headers = {"authorization": f"Bearer {KEYS[tenant]}"}
+    if kind == "agent":
+        headers["x-gpupool-run-id"] = f"{tag}-{k // STEPS_PER_RUN}"
+    return headers
+
+
+async def _round(url: str, kind: str, requests: int, tag: str) -> list[float]:
+    """Latencies (ms) of `requests` requests, one at a time on one connection."""
+    took: list[float] = []
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for k in range(requests):
+            headers = _headers(kind, k, tag)
+            started = time.perf_counter()
+            async with session.post(f"{url}/v1/chat/completions", json=BODY, headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{kind}: HTTP {r.status}: {await r.text()}")
+            took.append((time.perf_counter() - started) * 1e3)
+    return took
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _measure(
+    urls: dict[str, str], args: argparse.Namespace
+) -> tuple[dict[tuple[str, str], list[float]], dict[str, list[float]], list[float]]:
+    kinds = args.kinds.split(",")
+    for store, url in urls.items():  # warm-up: connections, pools, leases, caches
+        for kind in kinds:
+            await _round(url, kind, 100, f"warm-{store}")
+    samples: dict[tuple[str, str], list[float]] = {(k, s): [] for k in kinds for s in STORES}
+    added: dict[str, list[float]] = {k: [] for k in kinds}
+    loads = []
+    for n in range(args.rounds):
+        for kind in kinds:
+            p50 = {}
+            order = STORES if n % 2 == 0 else STORES[::-1]
+            for store in order:
+                took = await _round(urls[store], kind, args.requests, f"r{n}-{store}")
+                samples[(kind, store)].extend(took)
+                p50[store] = statistics.median(took)
+            added[kind].append(p50["postgres"] - p50["sqlite"])
+        loads.append(os.getloadavg()[0])
+        print(
+            f"round {n + 1}: added p50 "
+            + ", ".join(f"{k} {added[k][-1]:+.3f} ms" for k in kinds)
+            + f" (load {loads[-1]:.1f})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return samples, added, loads
+
+
+def _report(
+    samples: dict[tuple[str, str], list[float]],
+    added: dict[str, list[float]],
+    loads: list[float],
+    args: argparse.Namespace,
+) -> str:
+    command = "python -m benchmarks.store_router_latency " + shlex.join(sys.argv[1:])
+    lines = [
+        "# Store latency through the router, c=1: embedded SQLite vs PostgreSQL",
+        "",
+        f"`{command.strip()}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},"
+        f" {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), load (1 min)"
+        f" {min(loads):.1f}-{max(loads):.1f}; {args.rounds} rounds x {args.requests} requests"
+        " per kind and store, the stores in turns.",
+        "",
+        "| kind | store | p50 ms | p90 ms | p99 ms | added p50 ms (per-round range) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for kind, per_round in added.items():
+        for store in STORES:
+            values = samples[(kind, store)]
+            extra = ""
+            if store == "postgres":
+                whole = statistics.median(values) - statistics.median(samples[(kind, "sqlite")])
+                extra = f"{whole:+.3f} ({min(per_round):+.3f}..{max(per_round):+.3f})"
+            lines.append(
+                f"| {kind} | {store} | {statistics.median(values):.3f} |"
+                f" {_pct(values, 0.9):.3f} | {_pct(values, 0.99):.3f} | {extra} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+async def _run(args: argparse.Namespace, url: str, password: str, folder: Path, port: int) -> str:
+    env = {**os.environ, PASSWORD_ENV: password}
+    for tenant, key in KEYS.items():
+        env[f"GPUPOOL_BENCH_{tenant.upper()}_KEY"] = key
+    routers: dict[str, RouterProcess] = {}
+    try:
+        for store in STORES:
+            shared = None
+            if store == "postgres":
+                shared = {"url": url, "password_env": PASSWORD_ENV, **_options(args.store)}
+            data = _config(folder, f"http://127.0.0.1:{port}", shared, _options(args.router))
+            config = folder / f"config-{store}.json"
+            config.write_text(json.dumps(data))
+            routers[store] = RouterProcess(config, folder / f"router-{store}.log", env=env)
+        for router in routers.values():
+            await router.wait_ready_async(120)
+        samples, added, loads = await _measure({s: r.url for s, r in routers.items()}, args)
+    finally:
+        for router in routers.values():
+            router.stop()
+    return _report(samples, added, loads, args)
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    """`key=value` pairs, each value read as JSON (else a string)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--requests", type=int, default=400, help="per kind, store and round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kinds", default="plain,governed,agent")
+    parser.add_argument(
+        "--store", action="append", default=[], metavar="KEY=VALUE", help="a store.* setting"
+    )
+    parser.add_argument(
+        "--router",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a router.* setting, for both routers",
+    )
+    parser.add_argument("--out", type=Path, help="write the report (Markdown) here too")
+    args = parser.parse_args(argv)
+    pg = importlib.import_module("tests.postgres")  # test support, not the product
+    with pg.start_postgres() as server, tempfile.TemporaryDirectory() as tmp:
+        url = server.create_database("store_router_latency")
+        port = free_port()
+        engine = subprocess.Popen(
+            [sys.executable, "-m", "pools.testing.fake_engine", "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            report = asyncio.run(_run(args, url, pg.PASSWORD, Path(tmp), port))
+        finally:
+            engine.terminate()
+            engine.wait(10)
+    print(report)
+    if args.out is not None:
+        args.out.write_text(report)
+
+
+if __name__ == "__main__":
+    main()

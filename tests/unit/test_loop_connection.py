@@ -1,0 +1,117 @@
+"""Statements awaited on the event loop with the PostgreSQL store (router/store/
+loop_connection.py): the ledger's lone durable commits go there instead of the writer thread;
+a failure or a timeout drops the connection and the record is still written. A real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import psycopg
+import pytest
+
+from router.accounting.ledger import Ledger
+from router.store import PostgresStore
+from router.store.loop_connection import LoopConnection
+from tests.postgres import PASSWORD, PostgresServer
+from tests.unit.ledger_records import record
+
+
+async def test_lone_commits_go_on_the_loop_and_concurrent_ones_to_the_writer(
+    postgres_server: PostgresServer,
+) -> None:
+    url = postgres_server.create_database("loop_commits")
+    store = PostgresStore(url, password=PASSWORD)
+    await asyncio.to_thread(store.open)
+    ledger = Ledger(store, flush_interval_s=3600.0)
+    await ledger.start()
+    try:
+        loop_conn = ledger._async_commit
+        assert loop_conn is not None
+        for k in range(5):
+            assert await ledger.commit(record(request_id=f"lone-{k}"))
+        assert (loop_conn.statements, ledger.loop_commits, ledger.group_commits) == (5, 5, 5)
+        together = await asyncio.gather(
+            *(ledger.commit(record(request_id=f"many-{k}")) for k in range(8))
+        )
+        assert all(together)
+        assert loop_conn.statements == 6  # the first; the seven others were not lone
+        assert ledger.group_commits >= 7  # the writer's: at least one
+        assert (await ledger.totals())["requests"] == 13
+        assert ledger.buffered == 0
+    finally:
+        await ledger.aclose()
+        await asyncio.to_thread(store.close)
+
+
+async def test_a_commit_not_answered_in_time_on_the_loop_is_written_by_the_next_flush(
+    postgres_server: PostgresServer,
+) -> None:
+    """The table is locked by another session: the loop's INSERT waits past `commit_wait_s`,
+    is abandoned (the response goes on without it) and the record stays buffered."""
+    url = postgres_server.create_database("loop_commit_late")
+    store = PostgresStore(url, password=PASSWORD)
+    await asyncio.to_thread(store.open)
+    ledger = Ledger(store, flush_interval_s=3600.0, commit_wait_s=0.2)
+    await ledger.start()
+    locker = await psycopg.AsyncConnection.connect(url, password=PASSWORD)
+    try:
+        await locker.execute("LOCK TABLE requests IN ACCESS EXCLUSIVE MODE")
+        assert not await ledger.commit(record(request_id="late"))
+        assert (ledger.buffered, ledger.failed_commits) == (1, 1)
+        await locker.rollback()
+        await ledger.flush()
+        assert (await ledger.totals())["requests"] == 1 and ledger.buffered == 0
+    finally:
+        await locker.close()
+        await ledger.aclose()
+        await asyncio.to_thread(store.close)
+
+
+async def test_a_statement_past_its_timeout_drops_the_connection_and_another_comes(
+    postgres_server: PostgresServer,
+) -> None:
+    url = postgres_server.create_database("loop_timeout")
+    store = PostgresStore(url, password=PASSWORD)
+    conn = LoopConnection(store, "gpupool-test", timeout_s=0.2, retry_s=0.0)
+    await conn.open()
+    try:
+        assert conn.ready()
+        assert await conn.execute("SELECT ? + 1", (1,)) == [(2,)]
+        assert conn.ready()
+        with pytest.raises(TimeoutError):
+            await conn.execute("SELECT pg_sleep(5)")
+        assert not conn.ready()  # dropped; a reconnect starts
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if conn.ready():
+                break
+        assert await conn.execute("SELECT 3") == [(3,)]
+        assert (conn.statements, conn.failures) == (2, 1)
+    finally:
+        await conn.aclose()
+
+
+async def test_a_connection_the_server_closed_is_not_used(postgres_server: PostgresServer) -> None:
+    url = postgres_server.create_database("loop_restart")
+    store = PostgresStore(url, password=PASSWORD)
+    conn = LoopConnection(store, "gpupool-test", timeout_s=2.0, retry_s=0.0)
+    await conn.open()
+    try:
+        assert conn._conn is not None
+        (pid,) = (await conn.execute("SELECT pg_backend_pid()"))[0]
+        with psycopg.connect(url, password=PASSWORD, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        for _ in range(100):  # the server's goodbye reaches the socket
+            await asyncio.sleep(0.01)
+            if not conn.ready():
+                break
+        else:
+            raise AssertionError("a closed connection still looks ready")
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if conn.ready():
+                break
+        assert await conn.execute("SELECT 1") == [(1,)]
+        assert conn.failures == 0  # never sent on the dead one
+    finally:
+        await conn.aclose()
