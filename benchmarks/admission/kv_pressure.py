@@ -23,6 +23,8 @@ workload (`kv-pressure.yaml`: Poisson chat and waves of K=6 growing agent runs w
 - `chat-alone-slice`, `admission-forecast-slice`: `chat-alone` and `admission-forecast` on an
   engine from `engine-slice.yaml`, which differs only by `admission.prefill_slice_tokens: 256`
   (vLLM's `--long-prefill-token-threshold 256`): issue 26's prefill-slice lever;
+- `admission-forecast-hold-slice`: `admission-forecast-hold` on that engine (the hold keeps
+  new long agent prefills from starting while chat prefills, the slice cuts running ones);
 - `chat-alone-chunk512`, `admission-forecast-chunk512`: `chat-alone` and `admission-forecast`
   on an engine from `engine-chunk512.yaml`, which differs only by `--max-num-batched-tokens
   512` (vLLM's step budget; 2,048 otherwise): issue 26's chunk-size lever.
@@ -199,6 +201,16 @@ CONFIGS: dict[str, RunSpec] = {
             "admission on, reserve: forecast; engine with prefill_slice_tokens: 256"
             " (--long-prefill-token-threshold 256)",
             {"reserve": "forecast"},
+        ),
+        RunSpec(
+            "admission-forecast-hold-slice",
+            "slice",
+            "on",
+            None,
+            True,
+            "admission on, reserve: forecast, prefill_hold_min_tokens: auto; engine with"
+            " prefill_slice_tokens: 256",
+            {"reserve": "forecast", "prefill_hold_min_tokens": "auto"},
         ),
         RunSpec(
             "admission-on-hold",
