@@ -1,5 +1,6 @@
 """The Ray launcher for real: a local Ray cluster (its own ports, 8700-8749), two CPU vLLM
-engines placed on it as actors, the router serving through them. One engine's actor is killed;
+engines placed on it as actors, the router serving through them and following each engine's
+KV events over TCP (the index fills). One engine's actor is killed;
 Ray restarts it (a new engine, at a port free on the node), and the router drains it out and
 readmits it, while every request that had not started on the killed engine succeeds. The
 killed actor's engine goes with it, `VLLM::EngineCore` included (one used to be left running,
@@ -186,6 +187,29 @@ async def _ask(client: httpx.AsyncClient, cls: str) -> httpx.Response:
     )
 
 
+async def _index_fills_over_tcp(client: httpx.AsyncClient, gateway: Any) -> None:
+    """engines.kv_events (on for ray): each engine publishes on TCP at ports its actor picked,
+    and the router's index of each fills from a prompt longer than a block."""
+    cache = gateway.prefix_cache
+    assert cache is not None, "no Ray engine reported where it publishes KV events"
+    assert sorted(cache.engines) == ["ray-engine-0", "ray-engine-1"]
+    for instance_id, events in cache.engines.items():
+        state = gateway.fleet.get(instance_id)
+        host = state.spec.url.removeprefix("http://").rsplit(":", 1)[0]  # the actor's node
+        assert events.spec.endpoint.startswith(f"tcp://{host}:"), events.spec
+    long = " ".join(f"word{i}" for i in range(400))  # some full blocks at any block size
+    for cls in ("agent", "normal"):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": long}], "max_tokens": 2}
+        resp = await client.post(
+            "/v1/chat/completions", json=body, headers={"x-gpupool-class": cls}, timeout=120
+        )
+        assert resp.status_code == 200, resp.text
+    for events in cache.engines.values():
+        async with asyncio.timeout(30):  # a deadline for a hung test, not a speed bound
+            await events.wait_for(lambda e: len(e.index.keys) > 0)
+    print({i: len(e.index.keys) for i, e in cache.engines.items()}, "blocks indexed over TCP")
+
+
 async def test_ray_engines_serve_and_a_killed_actor_is_restarted_and_readmitted(
     ray_cluster: str, tmp_path: Path
 ) -> None:
@@ -211,6 +235,7 @@ async def test_ray_engines_serve_and_a_killed_actor_is_restarted_and_readmitted(
                 assert resp.status_code == 200, resp.text
                 served[cls] = resp.headers["x-gpupool-instance"]
             assert sorted(served.values()) == ["ray-engine-0", "ray-engine-1"]  # one pool each
+            await _index_fills_over_tcp(client, gateway)
 
             victim = gateway.fleet.get("ray-engine-0")
             assert victim is not None
