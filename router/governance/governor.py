@@ -475,8 +475,9 @@ class Governor:
                 raise
         now = self.clock()
         try:  # the wait may have let another step stop the run or take the last slot
-            numbered = None if shared is None else shared.step
-            run, new_run = self._check(st, ctx, signals, now, numbered)
+            run, new_run = self._check(
+                st, ctx, signals, now, None if shared is None else shared.home
+            )
         except BaseException:
             self._give_back(st, need, True, now)
             if shared is not None:
@@ -597,13 +598,15 @@ class Governor:
         ctx: RequestContext,
         signals: StepSignals,
         now_s: float,
-        numbered: int | None = None,
+        stored: NextStep | None = None,
     ) -> tuple[RunState | None, bool]:
         """Guards, cost caps and concurrency (no state changes but a run's stop and its step
         count). Returns the request's run (None: no run id) and whether it starts (or
-        restarts) being active. `numbered`: this step's number in the shared store (the
-        steps numbered before it, on every replica): the run counts at least that many toward
-        `max_steps`."""
+        restarts) being active. `stored`: the run in the shared store as this step was
+        numbered there: the steps numbered before it on every replica count toward
+        `max_steps`, the usage every replica's sweeps added (plus this replica's not yet
+        added) toward `max_tokens` and `max_gpu_seconds`, and a guard that stopped the run on
+        another replica stops it here."""
         run: RunState | None = None
         new_run = True
         if ctx.run_id is not None:
@@ -621,12 +624,13 @@ class Governor:
                 )
             else:
                 new_run = run.ended is not None
-            if numbered is not None:  # steps other replicas served count here too
-                run.steps = max(run.steps, numbered)
+            stored_stop = None
+            if stored is not None:  # what other replicas served counts here too
+                stored_stop = self._merge_stored(st, run, stored)
             looping = None
             if signals.messages is not None:
                 looping = repeated_tool_call(signals.messages, run.limits.loop_repeats)
-            stop = check_step(run, now_s, looping, self._idle_timeout_s)
+            stop = check_step(run, now_s, looping, self._idle_timeout_s) or stored_stop
             if stop is not None:
                 self._stop(st, run, stop, now_s)
                 if signals.run_end:  # refused, and the client ends it: its id starts afresh
@@ -645,6 +649,28 @@ class Governor:
                 1.0,
             )
         return run, new_run
+
+    def _merge_stored(self, st: _Tenant, run: RunState, stored: NextStep) -> Stop | None:
+        """Count what the store says the run did on every replica; the stop another replica's
+        guard gave it, if any."""
+        run.steps = max(run.steps, stored.step)
+        assert self._replica is not None
+        pending_tokens, pending_gpu_s = self._replica.run_usage.get(
+            (st.config.name, run.run_id), (0, 0.0)
+        )
+        run.tokens = max(run.tokens, stored.tokens + pending_tokens)
+        run.gpu_seconds = max(run.gpu_seconds, stored.gpu_seconds + pending_gpu_s)
+        code = stored.stop_code
+        if code is None or run.stopped is not None:
+            return None
+        setting = run.setting(STOP_FIELDS[code]) if code in STOP_FIELDS else None
+        return Stop(
+            code,
+            f"run {run.run_id[:64]!r} stopped on another router replica ({code}); end the"
+            " run (POST /v1/runs/{run_id}/end, or x-gpupool-run-end: 1) and its id starts"
+            " a fresh run",
+            setting,
+        )
 
     def _check_cost(self, st: _Tenant, now_s: float) -> None:
         lim = st.limits
@@ -855,6 +881,8 @@ class Governor:
             # session's run: a session's home follows the session, which is not shared)
             home, step, run_id = outcome.instance_id, took.step, outcome.ctx.run_id
             alone = outcome.ctx.session_id is None
+            if run_id is not None and ticket.run is not None:
+                self._replica.add_run_usage(ticket.tenant, run_id, used, outcome.gpu_seconds)
             if outcome.outcome == "ok" and home and step is not None and run_id and alone:
                 stored = None if took.home is None else took.home.home
                 self._replica.record_home(
@@ -998,6 +1026,10 @@ class Governor:
             return
         run.ended = reason
         st.active.pop(run.run_id, None)
+        if self._replica is not None and reason != "idle_timeout":  # the others learn it
+            self._replica.mark_run(
+                st.config.name, run.run_id, None if reason == "client_end" else reason
+            )
         slot_id = run.session_id or run.run_id
         if (
             self._replica is not None

@@ -98,6 +98,9 @@ class ReplicaBudgets:
         self._pending: set[asyncio.Task[None]] = set()  # slot releases, homes under way
         self._topping: dict[tuple[str, str], asyncio.Lock] = {}  # a top-up under way
         self._unreleased: list[tuple[str, str]] = []  # (slot key, holder) for the next sweep
+        # runs' settled usage not yet added to the shared counters: (tenant, run) -> (tokens,
+        # GPU-seconds), added by the next sweep
+        self.run_usage: dict[tuple[str, str], tuple[int, float]] = {}
         self._closed = False
         # PostgreSQL: a request's slot and its step number are one statement each, awaited on
         # the loop (router/store/loop_connection.py) while that connection is idle, else in a
@@ -307,6 +310,34 @@ class ReplicaBudgets:
         except self._errors as err:
             self._down(err)
 
+    def add_run_usage(self, tenant: str, run_id: str, tokens: int, gpu_seconds: float) -> None:
+        """A step of the run settled: its usage, for the shared counters at the next sweep."""
+        key = (tenant, run_id)
+        had_tokens, had_gpu_s = self.run_usage.get(key, (0, 0.0))
+        self.run_usage[key] = (had_tokens + tokens, had_gpu_s + gpu_seconds)
+
+    def mark_run(self, tenant: str, run_id: str, stop_code: str | None) -> None:
+        """A guard stopped the run here (`stop_code`), or it ended (None: its id starts
+        afresh on every replica), in the background. Its usage not yet added goes with it
+        (ended: dropped, it was the old run's)."""
+        if stop_code is None:
+            self.run_usage.pop((tenant, run_id), None)
+        if self.down_since_s is not None or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self._mark_run(tenant, run_id, stop_code))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _mark_run(self, tenant: str, run_id: str, stop_code: str | None) -> None:
+        try:
+            await asyncio.to_thread(self.db.mark_run, tenant, run_id, stop_code)
+        except self._errors as err:
+            self._down(err)
+
     def release(self, tenant: str, kind: str, holder: str) -> None:
         """Give a slot back (in the background; if that fails, its lease ends it). Called
         outside the event loop, it is left to the next sweep."""
@@ -339,13 +370,16 @@ class ReplicaBudgets:
             self.leases[(t, b)] = 0.0
         now_s = self._wall()
         unreleased, self._unreleased = self._unreleased, []
+        usage, self.run_usage = self.run_usage, {}
 
-        settled = False
+        settled = added = False
 
         def work() -> dict[str, tuple[Slices, Slices]]:
-            nonlocal settled
+            nonlocal settled, added
             self.db.settle_many(amounts)  # one transaction: all of them or none
             settled = True
+            self.db.add_run_usage([(t, r, n, g) for (t, r), (n, g) in usage.items()])
+            added = True
             for key, holder in unreleased:
                 self.db.release_slot(key, holder)
             self.db.renew_slots(f"{self.replica}:", now_s, lease_s=self.slot_lease_s)
@@ -357,6 +391,9 @@ class ReplicaBudgets:
             if not settled:  # not given back: kept for the next sweep
                 for t, b, units in amounts:
                     self.give(t, b, units)
+            if not added:
+                for (t, r), (n, g) in usage.items():
+                    self.add_run_usage(t, r, n, g)
             self._unreleased.extend(unreleased)  # a second release deletes nothing
             self._down(err)
             return None

@@ -48,6 +48,7 @@ __all__ = [
     "COST_WINDOWS",
     "NEXT_STEP_SQL",
     "RELEASE_SLOT_SQL",
+    "RUN_COUNTERS",
     "RUN_HOMES",
     "RUN_STEPS",
     "SHARED_TABLES",
@@ -178,13 +179,25 @@ def _nothing(conn: Conn) -> None:
 ACQUIRE_SLOT = Migration(
     "governance", 7, "gpupool_acquire_slot (one round trip)", _nothing, _create_acquire_slot
 )
+_RUN_COUNTERS = """
+ALTER TABLE run_steps ADD COLUMN tokens BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE run_steps ADD COLUMN gpu_seconds {real} NOT NULL DEFAULT 0;
+ALTER TABLE run_steps ADD COLUMN stop_code TEXT
+"""
+# governance's eighth migration: a run's settled tokens and GPU-seconds summed over the
+# replicas, and the guard that stopped it on any of them (its guards across replicas)
+RUN_COUNTERS = _migration(8, "run_steps tokens, gpu_seconds, stop_code (run guards)", _RUN_COUNTERS)
 ACQUIRE_SLOT_SQL = "SELECT gpupool_acquire_slot(?, ?, ?, ?, ?)"  # PostgreSQL only
 RELEASE_SLOT_SQL = "DELETE FROM concurrency_slots WHERE tenant = ? AND holder = ?"
 NEXT_STEP_SQL = (
     "INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s)"
     " VALUES (?, ?, 1, ?) ON CONFLICT (tenant, run_id) DO UPDATE SET"
     " next_step = run_steps.next_step + 1, updated_at_s = excluded.updated_at_s"
-    " RETURNING next_step, home, home_step, context_tokens"
+    " RETURNING next_step, home, home_step, context_tokens, tokens, gpu_seconds, stop_code"
+)
+_ADD_RUN_USAGE = (
+    "UPDATE run_steps SET tokens = tokens + ?, gpu_seconds = gpu_seconds + ?"
+    " WHERE tenant = ? AND run_id = ?"
 )
 
 
@@ -198,16 +211,23 @@ class NextStep:
     home: str | None = None
     home_step: int | None = None
     context_tokens: int = 0
+    # the run's settled usage as the replicas' sweeps added it (each up to one sweep late)
+    tokens: int = 0
+    gpu_seconds: float = 0.0
+    stop_code: str | None = None  # a guard stopped the run on some replica
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> NextStep:
         """From `NEXT_STEP_SQL`'s row."""
-        after, home, home_step, context = row
+        after, home, home_step, context, tokens, gpu_seconds, stop_code = row
         return cls(
             int(after) - 1,
             None if home is None else str(home),
             None if home_step is None else int(home_step),
             int(context or 0),
+            int(tokens or 0),
+            float(gpu_seconds or 0.0),
+            None if stop_code is None else str(stop_code),
         )
 
 
@@ -411,6 +431,30 @@ class SharedBudgets:
         with self.store.connection() as conn:
             row = conn.execute(NEXT_STEP_SQL, (tenant, run_id, now_s)).fetchone()
         return NextStep.from_row(row)
+
+    def add_run_usage(self, usage: Sequence[tuple[str, str, int, float]]) -> None:
+        """Add (tenant, run id, tokens, GPU-seconds) to the runs' shared counters, in one
+        transaction (a run without a row, never numbered here, is skipped)."""
+        if not usage:
+            return
+        with self.store.connection() as conn, conn.transaction():
+            conn.executemany(_ADD_RUN_USAGE, [(n, g, t, r) for t, r, n, g in usage])
+
+    def mark_run(self, tenant: str, run_id: str, stop_code: str | None) -> None:
+        """A guard stopped the run (`stop_code`), or None: it ended and its id starts afresh
+        (its counters and stop are cleared; its step numbers go on)."""
+        with self.store.connection() as conn:
+            if stop_code is None:
+                conn.execute(
+                    "UPDATE run_steps SET tokens = 0, gpu_seconds = 0, stop_code = NULL"
+                    " WHERE tenant = ? AND run_id = ?",
+                    (tenant, run_id),
+                )
+            else:
+                conn.execute(
+                    "UPDATE run_steps SET stop_code = ? WHERE tenant = ? AND run_id = ?",
+                    (stop_code, tenant, run_id),
+                )
 
     def record_home(
         self, tenant: str, run_id: str, home: str, step: int, context_tokens: int

@@ -26,6 +26,7 @@ from router.governance.shared import (
     ACQUIRE_SLOT,
     ADMISSION_RESERVATIONS,
     COST_WINDOWS,
+    RUN_COUNTERS,
     RUN_HOMES,
     RUN_STEPS,
     SHARED_TABLES,
@@ -100,6 +101,7 @@ MIGRATIONS = (
     ADMISSION_RESERVATIONS,  # router/admission/shared_reservations.py
     RUN_HOMES,
     ACQUIRE_SLOT,
+    RUN_COUNTERS,
 )
 
 

@@ -385,6 +385,42 @@ async def test_max_steps_counts_the_steps_every_replica_served(
             assert "max_steps" in str(err.value)
 
 
+async def test_run_tokens_and_stops_count_across_replicas(postgres_server: PostgresServer) -> None:
+    """A run's settled tokens reach the other replicas with each one's sweep (one sweep late),
+    and a guard's stop on one replica stops the run on the others."""
+    url = postgres_server.create_database("replicas_run_guards")
+    config = config_for_test(
+        pools=one_pool(queue={"max_wait_s": 0}),
+        tenants=[{"name": "g", "api_key_sha256": "3" * 64, "run_guards": {"max_tokens": 100}}],
+        store={"url": url, "password_env": PASSWORD_ENV},
+    )
+    wall = Clock(T0)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+
+        async def step(gov: Governor, run_id: str, used: int) -> None:
+            outcome = await enter(gov, "g", run_id=run_id)
+            gov.dispatched(outcome)
+            await finish(gov, outcome, used)
+
+        await step(a, "run-1", 60)
+        await a.sync_replicas()  # a's 60 tokens are in the store
+        await step(b, "run-1", 50)  # b counts 60: under 100
+        await step(a, "run-1", 0)  # b's 50 not swept yet: a counts 60 (one sweep late)
+        await b.sync_replicas()
+        with pytest.raises(RunStopped) as err:  # 110 of 100, although a served 60
+            await enter(a, "g", run_id="run-1")
+        assert err.value.code == "run_tokens"
+        # a guard only one replica can see (here: loop detection on a) stops it on b too
+        await step(a, "run-2", 1)
+        assert a._replica is not None
+        a._replica.mark_run("g", "run-2", "run_loop")
+        await asyncio.gather(*a._replica._pending)
+        with pytest.raises(RunStopped) as err:
+            await enter(b, "g", run_id="run-2")
+        assert err.value.code == "run_loop"
+        assert "another router replica" in err.value.message
+
+
 def test_borrowing_is_refused_with_a_shared_store() -> None:
     tenant = {"name": "t", "tokens_per_minute": 600, "borrow_max_frac": 0.5}
     config = config_for_test(tenants=[tenant], store={"url": "postgresql://u@db:5432/g"})

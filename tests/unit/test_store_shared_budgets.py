@@ -112,3 +112,21 @@ def test_two_replicas_racing_never_overspend(postgres_server: PostgresServer) ->
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_runs_counters_and_stop_are_kept_for_every_replica(any_store: Store) -> None:
+    """Usage added by any replica's sweep and a guard's stop come back with the next step's
+    number; an end clears them (the id starts afresh), its step numbers go on."""
+    b = _budgets(any_store)
+    first = b.next_step("t", "run-1", T0)
+    assert (first.step, first.tokens, first.gpu_seconds, first.stop_code) == (0, 0, 0.0, None)
+    b.add_run_usage([("t", "run-1", 100, 1.5), ("t", "never-numbered", 5, 0.1)])
+    b.add_run_usage([("t", "run-1", 20, 0.25)])  # another replica's sweep
+    second = b.next_step("t", "run-1", T0)
+    assert (second.step, second.tokens, second.gpu_seconds) == (1, 120, 1.75)
+    b.mark_run("t", "run-1", "run_loop")
+    assert b.next_step("t", "run-1", T0).stop_code == "run_loop"
+    b.mark_run("t", "run-1", None)  # ended by its client
+    again = b.next_step("t", "run-1", T0)
+    assert (again.step, again.tokens, again.gpu_seconds, again.stop_code) == (3, 0, 0.0, None)
+    assert b.next_step("t", "never-numbered", T0).tokens == 0  # no row was made for it
