@@ -78,6 +78,19 @@ async def test_non_streaming_pass_through(rig: Rig) -> None:
     assert seen["seed"] == 7 and seen["top_k"] == 5  # extra fields pass untouched
 
 
+async def test_request_ids_are_consecutive_from_a_random_start(rig: Rig) -> None:
+    """64-bit ids, consecutive within a router (the ledger's key takes them in order), from a
+    random start (unique across routers)."""
+    ids = []
+    for _ in range(3):
+        resp = await rig.client.post("/v1/chat/completions", json=BODY)
+        assert resp.status_code == 200
+        ids.append(resp.headers["x-gpupool-request-id"])
+    assert all(len(i) == 19 and i.startswith("gp-") for i in ids)
+    numbers = [int(i[3:], 16) for i in ids]
+    assert numbers == [numbers[0], numbers[0] + 1, numbers[0] + 2]
+
+
 async def test_stream_strips_usage_unless_asked(rig: Rig) -> None:
     body = {**BODY, "stream": True}
     resp = await rig.client.post("/v1/chat/completions", json=body)
