@@ -212,7 +212,7 @@ class Gateway:
             clock=clock,
         )
         self.discovery = (
-            DiscoveryLoop(source, self.membership.reconcile) if source is not None else None
+            DiscoveryLoop(source, self._instances_found) if source is not None else None
         )
         self._scrape = scrape
         self.session: aiohttp.ClientSession | None = None
@@ -224,8 +224,10 @@ class Gateway:
         self.placement = ResponsePlacement(self.stores.responses)
         self.max_model_len_tokens: int | None = config.model.max_model_len_tokens
         # what each engine's prefix cache holds, from its KV events (router/prefix)
+        # (a discovering launcher's engines that publish join later: `_instances_found`)
         kv_events = [s for s in instances if s.kv_events is not None]
-        self.prefix_cache = PrefixCache(kv_events, clock=clock) if kv_events else None
+        follows = bool(kv_events) or (source is not None and config.engines.kv_events_on)
+        self.prefix_cache = PrefixCache(kv_events, clock=clock) if follows else None
         # a chat prompt's token ids as vLLM renders them, to look it up there (placement)
         chat_prompt = (
             ChatPrompt.from_model_dir(config.model.path) if self.prefix_cache is not None else None
@@ -385,6 +387,13 @@ class Gateway:
             return live
         tenant, run_id = run_key
         return with_restored(live, self.governor.restored_service(tenant, run_id))
+
+    def _instances_found(self, specs: list[InstanceSpec]) -> None:
+        """One whole answer of the discovery loop: the fleet and the KV event subscribers
+        follow it (a Ray engine restarted elsewhere publishes at its new ports)."""
+        self.membership.reconcile(specs)
+        if self.prefix_cache is not None:
+            self.prefix_cache.follow(specs)
 
     def _instance_joined(self, instance_id: str) -> None:
         self.metrics.instance_joined(instance_id)
