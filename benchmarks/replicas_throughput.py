@@ -9,8 +9,10 @@ Each round runs every replica count in turn over the same fake engines (one proc
 requests, then `--requests` non-streaming chat completions (8 tokens) from `--concurrency`
 keep-alive connections (aiohttp, this process), and prints completed requests per second. The
 load generator, the engines, the routers and PostgreSQL share the machine's CPUs: on a small
-machine the result is theirs together, so the load average is printed beside it. Use a
-database of its own (the routers migrate it and write their ledger there).
+machine the result is theirs together, so the load average is printed beside it, and the
+cores each role used while the load ran (routers, fake engines, PostgreSQL, this load
+generator, other processes: other sessions' work), from /proc. Use a database of its own (the
+routers migrate it and write their ledger there).
 """
 
 from __future__ import annotations
@@ -77,6 +79,54 @@ async def _load(url: str, requests: int, concurrency: int) -> tuple[int, int, fl
         return ok, failed, time.perf_counter() - started
 
 
+ROLES = ("routers", "engines", "postgres", "load generator", "other")
+
+
+def _role(pid: int, cmdline: bytes, comm: str) -> str:
+    if pid == os.getpid():
+        return "load generator"
+    if b"pools.testing.fake_engine" in cmdline:
+        return "engines"
+    if comm.startswith("postgres") or cmdline.startswith(b"postgres"):
+        return "postgres"
+    if b"gpupool" in cmdline:
+        return "routers"
+    return "other"
+
+
+def cpu_by_pid() -> dict[int, tuple[str, float]]:
+    """Each live process's role and the CPU seconds (user + system) it has used (Linux /proc:
+    its threads included, its exited children not)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[int, tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        fields = rest.split()
+        # after the comm: state is field 3, utime 14 and stime 15 (1-based in proc(5))
+        pid = int(entry.name)
+        used[pid] = (_role(pid, cmdline, comm), (int(fields[11]) + int(fields[12])) / tick)
+    return used
+
+
+def cores_by_role(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], took_s: float
+) -> dict[str, float]:
+    """Cores each role used between two `cpu_by_pid` samples `took_s` apart (processes alive
+    at both)."""
+    cores = dict.fromkeys(ROLES, 0.0)
+    for pid, (role, cpu_s) in after.items():
+        if pid in before:
+            cores[role] += (cpu_s - before[pid][1]) / took_s
+    return cores
+
+
 async def _one(config: Path, replicas: int, args: argparse.Namespace, folder: Path) -> float:
     router = RouterProcess(
         config, folder / f"router-{replicas}.log", args=["--replicas", str(replicas)]
@@ -84,7 +134,9 @@ async def _one(config: Path, replicas: int, args: argparse.Namespace, folder: Pa
     try:
         await router.wait_ready_async(120)
         await _load(router.url, 200, args.concurrency)  # warm-up
+        before = cpu_by_pid()
         ok, failed, took_s = await _load(router.url, args.requests, args.concurrency)
+        after = cpu_by_pid()
     finally:
         router.stop()
     rate = ok / took_s
@@ -92,6 +144,11 @@ async def _one(config: Path, replicas: int, args: argparse.Namespace, folder: Pa
     print(
         f"replicas {replicas}: {rate:7.0f} req/s ({ok} ok, {failed} failed, {took_s:.1f} s;"
         f" load {load:.1f})",
+        flush=True,
+    )
+    cores = cores_by_role(before, after, took_s)
+    print(
+        "  cores used: " + ", ".join(f"{role} {cores[role]:.2f}" for role in ROLES),
         flush=True,
     )
     return rate
