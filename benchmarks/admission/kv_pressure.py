@@ -1101,15 +1101,15 @@ async def amain(args: argparse.Namespace) -> int:
             local = cfg.engines.local
             if args.kv_cache_bytes:
                 local = dataclasses.replace(local, kv_cache_bytes=args.kv_cache_bytes)
-            # admission.prefill_slice_tokens, as gpupool's launchers apply it
-            slice_tokens = cfg.admission.prefill_slice_tokens
-            local = dataclasses.replace(
-                local, vllm_args=with_prefill_slice(local.vllm_args, slice_tokens)
-            )
             if args.engine_args:
                 extra = tuple(args.engine_args.split())
                 local = dataclasses.replace(local, vllm_args=(*local.vllm_args, *extra))
             cfg = dataclasses.replace(cfg, engines=dataclasses.replace(cfg.engines, local=local))
+            # admission.prefill_slice_tokens, as gpupool's launchers apply it (make_launcher)
+            slice_tokens = cfg.admission.prefill_slice_tokens
+            local = dataclasses.replace(
+                local, vllm_args=with_prefill_slice(local.vllm_args, slice_tokens)
+            )
             launcher = LocalLauncher(local, cfg.model, progress=lambda m: log.info("%s", m))
             specs = await launcher.start()
             engines[key] = (cfg, launcher, specs[0].url, specs[0].api_key)
