@@ -92,7 +92,6 @@ class ReplicaBudgets:
         self.metrics = metrics
         self._wall = wall_clock
         self._errors: tuple[type[Exception], ...] = (StoreError, *store.errors)
-        self._loop_errors: tuple[type[Exception], ...] = (*self._errors, TimeoutError)
         self.leases: dict[tuple[str, str], float] = {}  # (tenant, bucket) -> units held
         self.down_since_s: float | None = None  # unix time of the failure that began it
         self._pending: set[asyncio.Task[None]] = set()  # slot releases, homes under way
@@ -129,13 +128,17 @@ class ReplicaBudgets:
         """One statement on the loop's connection when it is idle (its first row; () when
         it returns none), else
         `fn` in a worker thread (also when the loop's call fails: the thread's call then
-        decides whether the store is down)."""
+        decides whether the store is down; but a call the server did not answer within the
+        bound is an outage at once)."""
         loop = self._loop
         if loop is not None and loop.ready():
             try:
                 rows = await loop.execute(sql, params)
                 return rows[0] if rows else ()
-            except self._loop_errors:
+            except TimeoutError as err:  # a hung server: the thread would wait as long again
+                self._down(err)
+                raise _Down from err
+            except self._errors:
                 pass
         return await self._call(fn)
 

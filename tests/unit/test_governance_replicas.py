@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
+import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -247,6 +248,27 @@ async def test_slots_and_step_numbers_on_the_loops_connection(
         assert steps == [0, 1, 2]
         used = {gov: await loop_ready(gov) - before[gov] for gov in (a, b)}
         assert used == {a: 5, b: 3}  # a: 2 acquires (one refused), a release, 2 steps
+
+
+async def test_a_statement_unanswered_on_the_loop_is_an_outage_at_once(
+    postgres_server: PostgresServer,
+) -> None:
+    """The slots' table locked by another session (a hung server, as the router sees it): the
+    slot call on the loop waits its bound (connect_timeout_s, 0.5 s here), then the store is
+    down (not asked again in a thread) and budgets fail open: the request is admitted."""
+    url = postgres_server.create_database("replicas_loop_hang")
+    async with replica(shared_config(url), url, Clock(T0), "a") as a:
+        await loop_ready(a)
+        locker = await psycopg.AsyncConnection.connect(url, password=PASSWORD)
+        try:
+            await locker.execute("LOCK TABLE concurrency_slots IN ACCESS EXCLUSIVE MODE")
+            started = asyncio.get_running_loop().time()
+            await enter(a, "s")
+            waited_s = asyncio.get_running_loop().time() - started
+        finally:
+            await locker.close()
+        assert 0.5 <= waited_s < 5.0  # the bound, not a second wait in a thread (10 s)
+        assert sample(a, "gpupool_governance_store_up") == 0.0
 
 
 async def test_run_slots_and_cost_caps_across_replicas(postgres_server: PostgresServer) -> None:
