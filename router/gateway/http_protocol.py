@@ -118,9 +118,13 @@ class ClientLink:
             return False
         content = [STATUS_LINE[status]]
         for name, value in (*cycle.default_headers, *headers):
-            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
-                return False  # `send` raises for it, as for any response
             content += (name, b": ", value, b"\r\n")
+        # uvicorn's checks, on all names at once and all values at once (a character they
+        # refuse is in the concatenation exactly when it is in one of them): two searches
+        if HEADER_RE.search(b"".join(content[1::4])) or HEADER_VALUE_RE.search(
+            b"".join(content[3::4])
+        ):
+            return False  # `send` raises for it, as for any response
         keep_alive = cycle.keep_alive
         if not keep_alive:
             content.append(b"connection: close\r\n")

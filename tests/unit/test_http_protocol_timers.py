@@ -2,7 +2,9 @@
 keep-alive timer per connection, not one of each per request: a request moves the deadline,
 and a timer that fires before the deadline it finds re-arms itself for it. Driven here on a
 fake loop clock (no sockets, no sleeping): the 408 comes at the moved deadline and not before,
-the keep-alive closes an idle connection at its moved deadline and never one in use."""
+the keep-alive closes an idle connection at its moved deadline and never one in use. And
+`ClientLink.respond`, which checks all header names and all values in one search each: it
+refuses what uvicorn's `send` refuses and writes everything else in one write."""
 
 from __future__ import annotations
 
@@ -157,3 +159,45 @@ def test_a_lost_connection_cancels_both_timers() -> None:
     _served(protocol)
     protocol.connection_lost(None)
     assert loop.armed() == 0
+
+
+class _Cycle:
+    """What `ClientLink.respond` reads of uvicorn's request cycle."""
+
+    def __init__(self) -> None:
+        self.response_started = self.disconnected = self.access_log = False
+        self.response_complete = self.waiting_for_100_continue = False
+        self.keep_alive = True
+        self.scope = {"method": "POST"}
+        self.default_headers = [(b"date", b"Wed, 02 Dec 2026 14:00:00 GMT")]
+        self.transport = _Transport()
+        self.completed = 0
+
+        class _Flow:
+            write_paused = False
+
+        class _Event:
+            def set(self) -> None:
+                pass
+
+        self.flow, self.message_event = _Flow(), _Event()
+
+    def on_response(self) -> None:
+        self.completed += 1
+
+
+def test_respond_refuses_what_uvicorn_refuses_and_writes_the_rest_at_once() -> None:
+    from router.gateway.http_protocol import ClientLink
+
+    for bad in ([(b"x-bad name", b"v")], [(b"x-ok", b"line\r\nbreak")], [(b"x:y", b"v")]):
+        cycle = _Cycle()
+        assert not ClientLink(cycle).respond(200, [(b"x-fine", b"1"), *bad], b"{}")
+        assert cycle.transport.written == b"" and not cycle.response_started
+    cycle = _Cycle()
+    headers = [(b"content-type", b"application/json"), (b"x-tab", b"a\tb")]
+    assert ClientLink(cycle).respond(200, headers, b"{}")
+    assert cycle.transport.written == (
+        b"HTTP/1.1 200 OK\r\ndate: Wed, 02 Dec 2026 14:00:00 GMT\r\n"
+        b"content-type: application/json\r\nx-tab: a\tb\r\ncontent-length: 2\r\n\r\n{}"
+    )
+    assert cycle.response_complete and cycle.completed == 1
