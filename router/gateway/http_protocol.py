@@ -100,6 +100,24 @@ class ClientLink:
     def body_arrived(self) -> bool:
         return not self._cycle.more_body
 
+    def take_body(self) -> bytes | None:
+        """The request's whole body once it has arrived, handed over as uvicorn's `receive`
+        would (reading resumed, the cycle's buffer emptied) without its coroutine, event wait
+        and message; None when it must be read through `receive` instead: more is to come,
+        the client left, or it waits for a `100 Continue`."""
+        cycle = self._cycle
+        if (
+            cycle.more_body
+            or cycle.disconnected
+            or cycle.response_complete
+            or cycle.waiting_for_100_continue
+        ):
+            return None
+        cycle.flow.resume_reading()
+        body = bytes(cycle.body)
+        cycle.body = bytearray()
+        return body
+
     def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
         """The whole response in one write, as uvicorn's `send` of a start message (`headers`,
         no content-length among them) and one body message would write it (its default

@@ -171,7 +171,11 @@ class CompletionsHandler:
             )
             tenant_name = tenant.name
             link = scope.get(CLIENT_LINK)  # served by gpupool's own server (http_protocol)
-            if isinstance(link, ClientLink) and link.body_arrived:
+            if isinstance(link, ClientLink) and (whole := link.take_body()) is not None:
+                if len(whole) > self._max_body_bytes:
+                    raise _too_large(self._max_body_bytes)
+                body_bytes = whole
+            elif isinstance(link, ClientLink) and link.body_arrived:
                 body_bytes = await read_request_body(receive, self._max_body_bytes)
             else:
                 body_bytes = await self._read_body(receive)
@@ -900,6 +904,12 @@ def _add_usage(raw: bytes, extra: dict[str, Any]) -> bytes:
     return raw
 
 
+def _too_large(max_bytes: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"request body larger than {max_bytes} bytes (router.max_body_bytes)", "body_too_large"
+    )
+
+
 async def read_request_body(receive: Receive, max_bytes: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
@@ -910,10 +920,7 @@ async def read_request_body(receive: Receive, max_bytes: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > max_bytes:
-            raise PayloadTooLarge(
-                f"request body larger than {max_bytes} bytes (router.max_body_bytes)",
-                "body_too_large",
-            )
+            raise _too_large(max_bytes)
         chunks.append(chunk)
         if not message.get("more_body"):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)

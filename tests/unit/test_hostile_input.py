@@ -484,6 +484,15 @@ def test_big_run_id_is_kept_to_256_characters(live: LiveRouter) -> None:
     assert summary.status_code == 200 and summary.json()["run_id"] == run_id[:256]
 
 
+def test_an_oversized_body_that_arrived_whole_is_a_413(live: LiveRouter) -> None:
+    """Taken from the server's buffer at once (ClientLink.take_body), still bounded."""
+    for size, status in ((MAX_BODY_BYTES + 1, b"413"), (MAX_BODY_BYTES, b"400")):
+        with socket.create_connection((live.host, live.port), timeout=5) as sock:
+            sock.sendall(_request(live, body=b" " * size))
+            answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 " + status + b" "), answer[:200]
+
+
 def test_oversized_body_is_a_413_before_the_rest_arrives(live: LiveRouter) -> None:
     head = _request(live, body=b"")
     head = head.replace(b"Content-Length: 0", f"Content-Length: {100 * 1024 * 1024}".encode())
