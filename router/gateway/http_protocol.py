@@ -294,15 +294,15 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             self._idle_since_s = None
             self.flow.resume_reading()
-            if self.pipeline:  # the next pipelined request
+            if self.pipeline:  # the next pipelined request: its head is in, no deadline
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
-            else:
-                self._idle_since_s = now_s = self.loop.time()
-                if self.timeout_keep_alive_task is None:
-                    self.timeout_keep_alive_task = self.loop.call_at(
-                        now_s + self.timeout_keep_alive, self._keep_alive_check
-                    )
+                return
+            self._idle_since_s = now_s = self.loop.time()
+            if self.timeout_keep_alive_task is None:
+                self.timeout_keep_alive_task = self.loop.call_at(
+                    now_s + self.timeout_keep_alive, self._keep_alive_check
+                )
         # the next request's head (on a kept-alive connection) gets its own deadline
         self._start_head()
 

@@ -201,3 +201,25 @@ def test_respond_refuses_what_uvicorn_refuses_and_writes_the_rest_at_once() -> N
         b"content-type: application/json\r\nx-tab: a\tb\r\ncontent-length: 2\r\n\r\n{}"
     )
     assert cycle.response_complete and cycle.completed == 1
+
+
+def test_a_pipelined_request_being_served_is_not_timed_out_as_a_head() -> None:
+    """Request 2 arrived whole while request 1 was served: when 1's response ends, 2 is served
+    from the pipeline, and however long that takes the connection gets no 408; the next head's
+    deadline starts when 2's response ends."""
+    protocol, loop, transport = _connection(head_timeout_s=10.0, keep_alive_s=1000.0)
+    protocol._in_head = False  # request 1's head
+    protocol._start_head()  # request 2's message began (on_message_begin, pipelined)...
+    protocol._in_head = False  # ...and its head completed: it waits in the pipeline
+    started: list[object] = []
+    protocol._start_asgi_task = lambda cycle, app: started.append(cycle)
+    protocol.pipeline.appendleft(("cycle-2", _app))
+    protocol.on_response_complete()  # request 1's response ends; request 2 starts
+    assert started == ["cycle-2"]
+    loop.advance(60.0)  # request 2 is served for a long time
+    assert not transport.closed and transport.written == b""
+    protocol.on_response_complete()  # request 2's response ends: the next head is due at 70
+    loop.advance(69.9)
+    assert not transport.closed
+    loop.advance(70.0)
+    assert transport.closed and transport.written.startswith(b"HTTP/1.1 408 ")
