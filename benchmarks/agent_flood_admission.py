@@ -1,17 +1,24 @@
-"""agent-flood on 3 CPU engines with admission on vs off, side by side on the same engines.
+"""agent-flood on 3 CPU engines, two routers side by side on the same engines.
 
-Three real CPU vLLM engines (the local launcher's flags, 64 MiB KV each) are started once.
-Two `gpupool serve` routers front them with gpupool's default pools (agent pool on one engine,
-normal pool on two): one with `router.admission: on`, one with `off`. The committed
+Three real CPU vLLM engines (the local launcher's flags, 64 MiB KV each, publishing KV cache
+events on socket files as the local launcher always starts them) are started once. Two
+`gpupool serve` routers front them with gpupool's default pools (agent pool on one engine,
+normal pool on two). `--compare admission` (the default): one with `router.admission: on`, one
+with `off`. `--compare index`: both with admission on, one following the engines' KV events
+(`engines.kv_events` on: the prefix-cache index places requests and predicts prefills,
+docs/prefix_cache.md), one with it off. The committed
 `agent-flood.yaml` workload (optionally scaled with `--rate-scale`) runs against each in turn,
 for `--rounds` rounds in alternating order. Around each run the engines' own `/metrics` are
 scraped (preemptions, prefix-cache hits) and sampled every 0.5 s (KV usage, running, waiting),
 and the router's rejections by reason are read from its `/metrics`.
 
 The issue's targets: with admission, the agent engine never preempts, chat SLO attainment
-stays >= 99 %, and 429s appear only where the queue limits say so.
+stays >= 99 %, and 429s appear only where the queue limits say so; with the index, no
+regression in agent run completion (p50, p90) or chat SLO attainment against it off.
 
     python -m benchmarks.agent_flood_admission --out benchmarks/results/agent-flood-admission-DATE
+    python -m benchmarks.agent_flood_admission --compare index \
+        --out benchmarks/results/agent-flood-index-DATE
 """
 
 from __future__ import annotations
@@ -34,12 +41,15 @@ import yaml
 from benchmarks.outputs import bulk_path
 from pools.config import parse_config
 from pools.launchers import InstanceSpec, LocalLauncher
+from pools.launchers.base import KvEventsSpec
 from pools.testing.router_process import RouterProcess
 
 SCENARIO = "benchmarks/scenarios/agent-flood.yaml"
 KEY_ENV = "GPUPOOL_BENCH_ENGINE_KEY"
 ENGINE_BASE_PORT = 8401
-ROUTER_PORTS = {"admission-on": 8410, "admission-off": 8411}
+# the two routers each comparison runs, in their default order
+COMPARES = {"admission": ("admission-on", "admission-off"), "index": ("index-on", "index-off")}
+ROUTER_PORTS = {"admission-on": 8410, "admission-off": 8411, "index-on": 8412, "index-off": 8413}
 BASELINE_CONFIG = Path("benchmarks/results/agent-flood-2026-11-29/gpupool-pools.yaml")
 
 T = TypeVar("T")
@@ -63,15 +73,52 @@ def _labelled(text: str, name: str) -> dict[str, float]:
     return out
 
 
-def _router_config(mode: str, urls: list[str], state: Path) -> dict[str, Any]:
-    base: dict[str, Any] = yaml.safe_load(BASELINE_CONFIG.read_text())
-    base["engines"] = {"launcher": "static", "static": {"urls": urls, "api_key_env": KEY_ENV}}
-    base["router"] = {
+def router_config(
+    mode: str, specs: list[InstanceSpec], state: Path, base: dict[str, Any]
+) -> dict[str, Any]:
+    """The config of `mode`'s router over the running engines `specs`, on `base` (the
+    baseline's pools and classes). admission-off: admission off; every other mode on.
+    index-on: `engines.kv_events` on, each engine's KV events where the launcher says it
+    publishes them (raises `ValueError` when one publishes none); index-off: off. The
+    admission modes leave it unset (static engines with no kv_events entries: off)."""
+    if mode not in ROUTER_PORTS:
+        raise ValueError(f"unknown mode {mode!r}; one of {sorted(ROUTER_PORTS)}")
+    config = dict(base)
+    static: dict[str, Any] = {"urls": [s.url for s in specs], "api_key_env": KEY_ENV}
+    config["engines"] = {"launcher": "static", "static": static}
+    if mode == "index-on":
+        static["kv_events"] = [_static_kv_events(s.url, s.kv_events) for s in specs]
+        config["engines"]["kv_events"] = True
+    elif mode == "index-off":
+        config["engines"]["kv_events"] = False
+    config["router"] = {
         "ledger_path": str(state / f"ledger-{mode}.sqlite"),
         "state_path": str(state / f"state-{mode}.json"),
-        "admission": "on" if mode == "admission-on" else "off",
+        "admission": "off" if mode == "admission-off" else "on",
     }
-    return base
+    return config
+
+
+def _static_kv_events(url: str, events: KvEventsSpec | None) -> dict[str, Any]:
+    if events is None:
+        raise ValueError(f"engine {url} publishes no KV events (vLLM without the flags?)")
+    return {
+        "url": url,
+        "endpoint": events.endpoint,
+        "replay_endpoint": events.replay_endpoint,
+        "hash_seed": events.hash_seed,
+    }
+
+
+def run_order(compare: str, first: str | None, rounds: int) -> list[str]:
+    """The modes in run order: `compare`'s pair (`first` first, default its first), the
+    order reversed every other round."""
+    pair = list(COMPARES[compare])
+    if first is not None and first not in pair:
+        raise ValueError(f"--first {first!r} is not one of --compare {compare}'s {pair}")
+    if first == pair[1]:
+        pair.reverse()
+    return [m for r in range(rounds) for m in (pair if r % 2 == 0 else pair[::-1])]
 
 
 class Sampler:
@@ -144,6 +191,8 @@ def _run_one(
     with Sampler(engines) as sampler:
         harness = [sys.executable, "-m", "benchmarks", "--scenario", SCENARIO]
         harness += ["--target", url, "--target-name", mode, "--rate-scale", str(args.rate_scale)]
+        if args.duration_s is not None:
+            harness += ["--duration-s", str(args.duration_s)]
         subprocess.run([*harness, "--no-progress", "--out", str(out)], check=True)
     after = _engine_counters(engines)
     router_after = httpx.get(f"{url}/metrics", timeout=5).text
@@ -155,9 +204,12 @@ def _run_one(
         for k, v in _labelled(router_after, "gpupool_rejections_total").items()
     }
     per_engine = {}
+    hits = queries_all = 0.0
     for engine in engines:
         b, a = before[engine], after[engine]
         queries = a["prefix_queries"] - b["prefix_queries"]
+        hits += a["prefix_hits"] - b["prefix_hits"]
+        queries_all += queries
         per_engine[engine] = {
             "role": "agent" if engine == agent_engine else "normal",
             "preemptions": a["preemptions"] - b["preemptions"],
@@ -185,7 +237,10 @@ def _run_one(
         "agent_runs": {
             "runs": target["runs"]["agent"]["runs"],
             "outcomes": target["runs"]["agent"]["outcomes"],
-            "completion_s": {k: target["runs"]["agent"]["completion_s"][k] for k in ("p50", "p95")},
+            "completion_s": {
+                k: (target["runs"]["agent"]["completion_s"] or {}).get(k)
+                for k in ("p50", "p90", "p95")
+            },
         },
         "rejections_by_reason": rejections,
         "router_queue_wait": {
@@ -195,13 +250,19 @@ def _run_one(
             for k, v in _labelled(router_after, f"gpupool_queue_wait_seconds_{series}").items()
         },
         "engines": per_engine,
+        "prefix_hit_frac": hits / queries_all if queries_all else None,
         "load_avg_1m": target.get("load_avg_1m"),
     }
 
 
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    title = {"admission": "admission on vs off", "index": "prefix-cache index on vs off"}
     lines = [
-        "# agent-flood on 3 CPU engines: admission on vs off",
+        f"# agent-flood on 3 CPU engines: {title[args.compare]}",
         "",
         f"Command: `python -m benchmarks.agent_flood_admission {' '.join(sys.argv[1:])}`",
         "",
@@ -209,12 +270,12 @@ def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         " both routers (agent pool on one engine, normal pool on two); runs alternate.",
         "",
         "| run | mode | chat SLO | chat TTFT p50/p95/p99 ms | chat 429 | agent steps ok/sent"
-        " | agent 429 | agent step TTFT p95 ms | agent out tok/s | run p50 s | agent-engine"
-        " preemptions | all preemptions | agent-engine KV peak | 429 reasons |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        " | agent 429 | agent step TTFT p95 ms | agent out tok/s | run p50 / p90 s | agent-engine"
+        " preemptions | all preemptions | agent-engine KV peak | prefix hit | 429 reasons |",
+        "|" + " --- |" * 15,
     ]
     for i, r in enumerate(results, 1):
-        chat, agent = r["chat"], r["agent_steps"]
+        chat, agent, runs = r["chat"], r["agent_steps"], r["agent_runs"]["completion_s"]
         agent_engine = next(e for e in r["engines"].values() if e["role"] == "agent")
         lines.append(
             f"| {i} | {r['mode']} | {chat['slo_attainment']:.1%} | "
@@ -222,18 +283,22 @@ def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"{chat['ttft_ms']['p99']:.0f} | {chat['rejected_429']} | "
             f"{agent['ok']}/{agent['requests']} | {agent['rejected_429']} | "
             f"{agent['ttft_ms']['p95']:.0f} | {agent['output_tokens_per_s']:.0f} | "
-            f"{r['agent_runs']['completion_s']['p50']:.1f} | {agent_engine['preemptions']:.0f} | "
+            f"{_num(runs['p50'], '.1f')} / {_num(runs['p90'], '.1f')} | "
+            f"{agent_engine['preemptions']:.0f} | "
             f"{sum(e['preemptions'] for e in r['engines'].values()):.0f} | "
-            f"{agent_engine.get('peak_kv', 0):.0%} | {r['rejections_by_reason'] or '-'} |"
+            f"{agent_engine.get('peak_kv', 0):.0%} | {_num(r['prefix_hit_frac'], '.1%')} | "
+            f"{r['rejections_by_reason'] or '-'} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def _main(args: argparse.Namespace) -> int:
+    order = run_order(args.compare, args.first, args.rounds)
     os.environ.setdefault(KEY_ENV, "bench-" + os.urandom(8).hex())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    state = Path(".gpupool/bench-admission")
+    modes = COMPARES[args.compare]
+    state = Path(".gpupool/bench-admission").resolve()  # absolute: the routers find the sockets
     state.mkdir(parents=True, exist_ok=True)
     config = parse_config(
         {
@@ -254,8 +319,12 @@ def _main(args: argparse.Namespace) -> int:
             "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
         }
     )
-    launcher = LocalLauncher(
-        config.engines.local, config.model, progress=lambda m: print(f"[engines] {m}"), gpu_count=0
+    launcher = LocalLauncher(  # kv_events on (its default): index-on follows them
+        config.engines.local,
+        config.model,
+        progress=lambda m: print(f"[engines] {m}"),
+        gpu_count=0,
+        kv_events=True,
     )
     loop = Loop()
     specs: list[InstanceSpec] = loop.run(launcher.start())
@@ -263,29 +332,26 @@ def _main(args: argparse.Namespace) -> int:
     routers: dict[str, RouterProcess] = {}
     results = []
     try:
-        for mode, port in ROUTER_PORTS.items():
+        base: dict[str, Any] = yaml.safe_load(BASELINE_CONFIG.read_text())
+        for mode in modes:
             path = out / f"router-{mode}.yaml"
-            path.write_text(yaml.safe_dump(_router_config(mode, engines, state)))
-            routers[mode] = RouterProcess(path, bulk_path(out, f"router-{mode}.log"), port=port)
+            path.write_text(yaml.safe_dump(router_config(mode, specs, state, base)))
+            log_path = bulk_path(out, f"router-{mode}.log")
+            routers[mode] = RouterProcess(path, log_path, port=ROUTER_PORTS[mode])
         for router in routers.values():
             router.wait_ready(60)
-        view = httpx.get(f"http://127.0.0.1:{ROUTER_PORTS['admission-on']}/admin/pools").json()
+        view = httpx.get(f"http://127.0.0.1:{ROUTER_PORTS[modes[0]]}/admin/pools").json()
         (agent_id,) = view["pools"]["agent"]["instances"]
         agent_engine = view["instances"][agent_id]["url"]
-        order = list(ROUTER_PORTS)
-        if args.first == "admission-off":
-            order.reverse()
-        for round_ in range(args.rounds):
-            for mode in order if round_ % 2 == 0 else list(reversed(order)):
-                print(f"round {round_ + 1}: {mode}", flush=True)
-                url = f"http://127.0.0.1:{ROUTER_PORTS[mode]}"
-                result = _run_one(
-                    mode, url, engines, agent_engine, out / f"r{round_ + 1}-{mode}", args
-                )
-                result["round"] = round_ + 1
-                results.append(result)
-                print(json.dumps(result), flush=True)
-                time.sleep(args.pause_s)
+        for i, mode in enumerate(order):
+            round_ = i // 2 + 1
+            print(f"round {round_}: {mode}", flush=True)
+            url = f"http://127.0.0.1:{ROUTER_PORTS[mode]}"
+            result = _run_one(mode, url, engines, agent_engine, out / f"r{round_}-{mode}", args)
+            result["round"] = round_
+            results.append(result)
+            print(json.dumps(result), flush=True)
+            time.sleep(args.pause_s)
     finally:
         for router in routers.values():
             router.stop(30)
@@ -309,7 +375,20 @@ def main(argv: list[str] | None = None) -> int:
         help="pin the agent engine to CPU 1 and both normal engines to CPU 0",
     )
     parser.add_argument(
-        "--first", choices=list(ROUTER_PORTS), default="admission-on", help="mode run first"
+        "--compare",
+        choices=list(COMPARES),
+        default="admission",
+        help="admission: admission on vs off; index: both admission on, prefix-cache index"
+        " (engines.kv_events) on vs off",
+    )
+    parser.add_argument(
+        "--first", choices=list(ROUTER_PORTS), default=None, help="mode run first (of --compare's)"
+    )
+    parser.add_argument(
+        "--duration-s",
+        type=float,
+        default=None,
+        help="override the scenario's arrival window (smoke runs only; default: its 180 s)",
     )
     return _main(parser.parse_args(argv))
 

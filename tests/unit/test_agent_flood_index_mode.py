@@ -1,0 +1,113 @@
+"""benchmarks.agent_flood_admission: the routers' configs per mode and the run order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.agent_flood_admission import (
+    COMPARES,
+    ROUTER_PORTS,
+    main,
+    router_config,
+    run_order,
+)
+from pools.config import parse_config
+from pools.launchers import InstanceSpec
+from pools.launchers.base import KvEventsSpec
+
+BASE: dict[str, Any] = {
+    "model": {"name": "tiny", "path": "/m", "max_model_len_tokens": 4096},
+    "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
+}
+
+
+def _specs(events: bool = True) -> list[InstanceSpec]:
+    return [
+        InstanceSpec(
+            instance_id=f"engine-{i}",
+            url=f"http://127.0.0.1:{8401 + i}",
+            gpus=1,
+            kv_events=KvEventsSpec(
+                endpoint=f"ipc:///run/engine-{i}.kv-pub",
+                replay_endpoint=f"ipc:///run/engine-{i}.kv-replay",
+                hash_seed="7",
+            )
+            if events
+            else None,
+        )
+        for i in range(3)
+    ]
+
+
+def _parsed(mode: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("GPUPOOL_BENCH_ENGINE_KEY", "k")
+    return parse_config(router_config(mode, _specs(), Path("/s"), BASE))
+
+
+def test_index_on_follows_every_engines_kv_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _parsed("index-on", monkeypatch)
+    assert config.engines.kv_events_on
+    assert config.router.admission == "on"
+    assert [
+        (e.url, e.endpoint, e.replay_endpoint, e.hash_seed) for e in config.engines.static.kv_events
+    ] == [
+        (
+            f"http://127.0.0.1:{8401 + i}",
+            f"ipc:///run/engine-{i}.kv-pub",
+            f"ipc:///run/engine-{i}.kv-replay",
+            "7",
+        )
+        for i in range(3)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mode", "admission"),
+    [("index-off", "on"), ("admission-on", "on"), ("admission-off", "off")],
+)
+def test_other_modes_follow_no_kv_events(
+    mode: str, admission: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _parsed(mode, monkeypatch)
+    assert not config.engines.kv_events_on
+    assert config.engines.static.kv_events == ()
+    assert config.router.admission == admission
+    assert config.router.ledger_path.name == f"ledger-{mode}.sqlite"
+
+
+def test_index_on_refuses_an_engine_that_publishes_nothing() -> None:
+    with pytest.raises(ValueError, match="publishes no KV events"):
+        router_config("index-on", _specs(events=False), Path("/s"), BASE)
+
+
+def test_every_mode_has_its_own_router_port() -> None:
+    modes = [m for pair in COMPARES.values() for m in pair]
+    assert sorted(modes) == sorted(ROUTER_PORTS)
+    assert len(set(ROUTER_PORTS.values())) == len(ROUTER_PORTS)
+
+
+def test_run_order_alternates_within_the_compared_pair() -> None:
+    assert run_order("index", None, 3) == [
+        "index-on",
+        "index-off",
+        "index-off",
+        "index-on",
+        "index-on",
+        "index-off",
+    ]
+    assert run_order("admission", "admission-off", 2) == [
+        "admission-off",
+        "admission-on",
+        "admission-on",
+        "admission-off",
+    ]
+    with pytest.raises(ValueError, match="--first"):
+        run_order("index", "admission-on", 2)
+
+
+def test_a_first_mode_outside_the_comparison_fails_before_engines_start(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--first"):
+        main(["--out", str(tmp_path), "--compare", "index", "--first", "admission-off"])
