@@ -183,6 +183,11 @@ def _engine_counters(urls: list[str]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _quantiles(dist: dict[str, float] | None, keys: tuple[str, ...]) -> dict[str, float | None]:
+    """`keys` of a report distribution; None each where it had no values (a short run)."""
+    return {k: (dist or {}).get(k) for k in keys}
+
+
 def _run_one(
     mode: str, url: str, engines: list[str], agent_engine: str, out: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -223,24 +228,23 @@ def _run_one(
             "ok": normal["ok"],
             "rejected_429": normal["rejected_429"],
             "slo_attainment": normal["slo_attainment_frac"],
-            "ttft_ms": {k: normal["ttft_ms"][k] for k in ("p50", "p95", "p99")},
-            "tpot_ms": {k: normal["tpot_ms"][k] for k in ("p50", "p95", "p99")},
+            "ttft_ms": _quantiles(normal["ttft_ms"], ("p50", "p95", "p99")),
+            "tpot_ms": _quantiles(normal["tpot_ms"], ("p50", "p95", "p99")),
         },
         "agent_steps": {
             "requests": agent["requests"],
             "ok": agent["ok"],
             "rejected_429": agent["rejected_429"],
             "slo_attainment": agent["slo_attainment_frac"],
-            "ttft_ms": {k: agent["ttft_ms"][k] for k in ("p50", "p95", "p99")},
+            "ttft_ms": _quantiles(agent["ttft_ms"], ("p50", "p95", "p99")),
             "output_tokens_per_s": agent["output_tokens_per_s"],
         },
         "agent_runs": {
             "runs": target["runs"]["agent"]["runs"],
             "outcomes": target["runs"]["agent"]["outcomes"],
-            "completion_s": {
-                k: (target["runs"]["agent"]["completion_s"] or {}).get(k)
-                for k in ("p50", "p90", "p95")
-            },
+            "completion_s": _quantiles(
+                target["runs"]["agent"]["completion_s"], ("p50", "p90", "p95")
+            ),
         },
         "rejections_by_reason": rejections,
         "router_queue_wait": {
@@ -278,11 +282,12 @@ def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         chat, agent, runs = r["chat"], r["agent_steps"], r["agent_runs"]["completion_s"]
         agent_engine = next(e for e in r["engines"].values() if e["role"] == "agent")
         lines.append(
-            f"| {i} | {r['mode']} | {chat['slo_attainment']:.1%} | "
-            f"{chat['ttft_ms']['p50']:.0f} / {chat['ttft_ms']['p95']:.0f} / "
-            f"{chat['ttft_ms']['p99']:.0f} | {chat['rejected_429']} | "
+            f"| {i} | {r['mode']} | {_num(chat['slo_attainment'], '.1%')} | "
+            f"{' / '.join(_num(v, '.0f') for v in chat['ttft_ms'].values())} | "
+            f"{chat['rejected_429']} | "
             f"{agent['ok']}/{agent['requests']} | {agent['rejected_429']} | "
-            f"{agent['ttft_ms']['p95']:.0f} | {agent['output_tokens_per_s']:.0f} | "
+            f"{_num(agent['ttft_ms']['p95'], '.0f')} | "
+            f"{_num(agent['output_tokens_per_s'], '.0f')} | "
             f"{_num(runs['p50'], '.1f')} / {_num(runs['p90'], '.1f')} | "
             f"{agent_engine['preemptions']:.0f} | "
             f"{sum(e['preemptions'] for e in r['engines'].values()):.0f} | "

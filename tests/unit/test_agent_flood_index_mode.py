@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,8 @@ import pytest
 from benchmarks.agent_flood_admission import (
     COMPARES,
     ROUTER_PORTS,
+    _markdown,
+    _quantiles,
     main,
     router_config,
     run_order,
@@ -111,3 +114,32 @@ def test_run_order_alternates_within_the_compared_pair() -> None:
 def test_a_first_mode_outside_the_comparison_fails_before_engines_start(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--first"):
         main(["--out", str(tmp_path), "--compare", "index", "--first", "admission-off"])
+
+
+def test_a_run_without_agent_runs_reports_dashes_not_a_crash() -> None:
+    """A short run (--duration-s 15) has no agent runs: the report's distributions are None."""
+    no_values = _quantiles(None, ("p50", "p90", "p95"))
+    assert no_values == {"p50": None, "p90": None, "p95": None}
+    result = {
+        "mode": "index-on",
+        "chat": {
+            "slo_attainment": 1.0,
+            "ttft_ms": {"p50": 10.0, "p95": 20.0, "p99": 30.0},
+            "rejected_429": 0,
+        },
+        "agent_steps": {
+            "ok": 0,
+            "requests": 0,
+            "rejected_429": 0,
+            "ttft_ms": _quantiles(None, ("p50", "p95", "p99")),
+            "output_tokens_per_s": 0.0,
+        },
+        "agent_runs": {"completion_s": no_values},
+        "engines": {"e0": {"role": "agent", "preemptions": 0.0}},
+        "prefix_hit_frac": 0.25,
+        "rejections_by_reason": {},
+    }
+    args = argparse.Namespace(compare="index", rate_scale=1.0)
+    row = _markdown([result], args).splitlines()[-1]
+    assert row.startswith("| 1 | index-on | 100.0% | 10 / 20 / 30 | 0 | 0/0 | 0 | - | 0 | - / - |")
+    assert "| 25.0% |" in row
