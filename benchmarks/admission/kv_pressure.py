@@ -25,6 +25,9 @@ workload (`kv-pressure.yaml`: Poisson chat and waves of K=6 growing agent runs w
   (vLLM's `--long-prefill-token-threshold 256`): issue 26's prefill-slice lever;
 - `admission-forecast-hold-slice`: `admission-forecast-hold` on that engine (the hold keeps
   new long agent prefills from starting while chat prefills, the slice cuts running ones);
+- `admission-forecast-slice-serial`: `admission-forecast-hold-slice` and
+  `admission.prefill_hold_serial: true` (one long agent prefill at a time while chat is
+  allocated there, so each engine step carries at most one 256-token agent slice);
 - `chat-alone-chunk512`, `admission-forecast-chunk512`: `chat-alone` and `admission-forecast`
   on an engine from `engine-chunk512.yaml`, which differs only by `--max-num-batched-tokens
   512` (vLLM's step budget; 2,048 otherwise): issue 26's chunk-size lever.
@@ -211,6 +214,20 @@ CONFIGS: dict[str, RunSpec] = {
             "admission on, reserve: forecast, prefill_hold_min_tokens: auto; engine with"
             " prefill_slice_tokens: 256",
             {"reserve": "forecast", "prefill_hold_min_tokens": "auto"},
+        ),
+        RunSpec(
+            "admission-forecast-slice-serial",
+            "slice",
+            "on",
+            None,
+            True,
+            "admission on, reserve: forecast, prefill_hold_min_tokens: auto,"
+            " prefill_hold_serial: true; engine with prefill_slice_tokens: 256",
+            {
+                "reserve": "forecast",
+                "prefill_hold_min_tokens": "auto",
+                "prefill_hold_serial": True,
+            },
         ),
         RunSpec(
             "admission-on-hold",

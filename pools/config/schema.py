@@ -955,6 +955,11 @@ class AdmissionConfig:
     # a held request waits on holds at most this long in all, then goes (router/admission/
     # prefill_hold.py)
     prefill_hold_max_wait_s: float = Field(default=0.5, gt=0, le=60)
+    # also hold such a request while another prefill of at least the threshold, of a pool no
+    # stricter than its own, is in its prefill on an instance where a stricter pool is
+    # allocated: one long prefill at a time beside the stricter pool's (the engine's slice
+    # caps each request per step, not the step). Needs prefill_hold_min_tokens
+    prefill_hold_serial: bool = False
     # the engines gpupool starts (local, ray) prefill at most this many tokens of one request
     # per step while another request is scheduled (vLLM's --long-prefill-token-threshold), so
     # a chat prompt shares steps with slices of a long agent prefill; null: vLLM's default (no
@@ -978,6 +983,8 @@ class AdmissionConfig:
                 )
             if "prefill_hold_max_wait_s" in data and hold is None:
                 raise ValueError("prefill_hold_max_wait_s set without prefill_hold_min_tokens")
+            if data.get("prefill_hold_serial") and hold is None:
+                raise ValueError("prefill_hold_serial set without prefill_hold_min_tokens")
         return data
 
 

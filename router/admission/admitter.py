@@ -57,6 +57,7 @@ from router.admission.prefill_hold import (
     hold_applies,
     hold_min_tokens,
     holding_target_s,
+    serial_hold_ends,
 )
 from router.admission.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
 from router.admission.shared_reservations import SharedReservations
@@ -186,6 +187,7 @@ class Admitter:
                 None if fixed == "auto" else fixed,
                 adm.prefill_hold_budget_frac,
                 adm.prefill_hold_max_wait_s,
+                adm.prefill_hold_serial,
             )
         # queued entries a prefill hold keeps waiting: since when (the first pass that held)
         self._held_since: dict[QueueEntry, float] = {}
@@ -472,21 +474,49 @@ class Admitter:
         self, pool: str, state: InstanceState, now_s: float, hold: PrefillHold
     ) -> int | None:
         """The hold's threshold (tokens to prefill) for `pool` on the instance while a
-        request of a pool with a stricter TTFT target is in its prefill there
-        (`router.admission.prefill_hold`), else None. Schedules a dispatch pass for when the
-        last such hold ends."""
-        in_prefill = (
-            (lease.acquired_at_s, self._ttft_target_s.get(lease.pool, math.inf))
-            for lease in state.leases
-            if lease.first_token_at_s is None
-        )
-        holding = holding_target_s(in_prefill, self._ttft_target_s[pool], now_s)
-        if holding is None:
-            return None
-        strictest_s, ends_s = holding
-        self._wake_at(ends_s)
+        request of a pool with a stricter TTFT target is in its prefill there, or (`serial`)
+        while a stricter pool is allocated there and another long prefill of a pool no
+        stricter than `pool` is in its prefill there (`router.admission.prefill_hold`), else
+        None. Schedules a dispatch pass for when the last such hold ends."""
+        own_s = self._ttft_target_s[pool]
+        in_prefill = [lease for lease in state.leases if lease.first_token_at_s is None]
         rate = uncached_prefill_tokens_per_s(state.prefill_tokens_per_s, state.prefix_hit_frac)
-        return hold_min_tokens(hold, strictest_s, rate)
+        thresholds = []
+        holding = holding_target_s(
+            ((lease.acquired_at_s, self._lease_target_s(lease)) for lease in in_prefill),
+            own_s,
+            now_s,
+        )
+        if holding is not None:
+            strictest_s, ends_s = holding
+            self._wake_at(ends_s)
+            thresholds.append(hold_min_tokens(hold, strictest_s, rate))
+        if hold.serial and in_prefill:
+            fracs = self.pool_map.current.pools_of(state.spec.instance_id)
+            stricter = [
+                t
+                for p, f in fracs.items()
+                if f > 0 and (t := self._ttft_target_s.get(p, math.inf)) < own_s
+            ]
+            threshold = hold_min_tokens(hold, min(stricter), rate) if stricter else None
+            if threshold is not None:
+                ends = serial_hold_ends(
+                    (
+                        (lease.prompt_tokens, self._lease_target_s(lease), lease.prefill_done_at_s)
+                        for lease in in_prefill
+                    ),
+                    own_s,
+                    threshold,
+                    now_s,
+                )
+                if ends is not None:
+                    self._wake_at(ends)
+                    thresholds.append(threshold)
+        held = [t for t in thresholds if t is not None]
+        return min(held) if held else None
+
+    def _lease_target_s(self, lease: Lease) -> float:
+        return self._ttft_target_s.get(lease.pool, math.inf)
 
     def _wake_at(self, at_s: float) -> None:
         """A dispatch pass at `at_s` (the admitter's clock) unless one is due sooner."""

@@ -16,6 +16,16 @@ another pool is not dispatched there, so the two do not share engine steps
   dispatch pass that held it); after that the hold does not apply to it (`hold_applies`).
   With chat arriving often, long agent prefills would otherwise wait for gaps that may not
   come.
+- **One long prefill at a time** (`serial`, `admission.prefill_hold_serial`). The engine
+  schedules running requests first and a slice (`admission.prefill_slice_tokens`) caps each
+  request's prefill per step, not the step: k long prefills running together put k slices
+  ahead of a chat prompt in every step. So on an instance where a pool with a stricter TTFT
+  target is allocated, a request with at least the hold's threshold of tokens to prefill also
+  waits while a lease of a pool that is not stricter than its own, with at least that many
+  tokens to prefill, is in its prefill there: until its first token or, failing that (a
+  non-streaming request shows none), its predicted prefill end (its tokens at the measured
+  rate: `Lease.prefill_done_at_s`, the same bound the TTFT check counts pending prefill by):
+  `serial_hold_ends`. The threshold is the hold's, for the strictest such pool's target.
 
 Limits: a hold only stops new long prefills from starting; one already running when the
 latency-sensitive request arrives goes on and shares its steps.
@@ -27,18 +37,26 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["PrefillHold", "hold_applies", "hold_min_tokens", "holding_target_s"]
+__all__ = [
+    "PrefillHold",
+    "hold_applies",
+    "hold_min_tokens",
+    "holding_target_s",
+    "serial_hold_ends",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillHold:
     """`admission.prefill_hold_*`: a fixed threshold (`min_tokens`) or, when it is None, the
     threshold derived from `budget_frac` of the holder's TTFT target at the measured prefill
-    rate; a request is held at most `max_wait_s`."""
+    rate; a request is held at most `max_wait_s`; `serial`: also while another long prefill
+    of a pool no stricter than its own is in its prefill (`serial_hold_ends`)."""
 
     min_tokens: int | None
     budget_frac: float
     max_wait_s: float
+    serial: bool = False
 
     def __post_init__(self) -> None:
         if self.min_tokens is not None and self.min_tokens < 1:
@@ -59,6 +77,23 @@ def holding_target_s(
             strictest = min(strictest, target_s)
             ends = max(ends, acquired_at_s + target_s)
     return None if strictest == math.inf else (strictest, ends)
+
+
+def serial_hold_ends(
+    in_prefill: Iterable[tuple[int, float, float]],
+    own_target_s: float,
+    min_tokens: int,
+    now_s: float,
+) -> float | None:
+    """`in_prefill`: (tokens to prefill, TTFT target, when its prefill ends at the latest) of
+    the instance's leases with no first token. Those of a pool no stricter than `own_target_s`
+    with at least `min_tokens` to prefill and within their bound hold (`serial`); returns when
+    the last of them ends (None: nothing holds)."""
+    ends = -math.inf
+    for tokens, target_s, bound_s in in_prefill:
+        if target_s >= own_target_s and tokens >= min_tokens and now_s < bound_s:
+            ends = max(ends, bound_s)
+    return None if ends == -math.inf else ends
 
 
 def hold_min_tokens(

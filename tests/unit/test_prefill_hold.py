@@ -1,6 +1,7 @@
 """The prefill hold (`admission.prefill_hold_*`): the pure rules in
 `router.admission.prefill_hold`, and the admitter's synchronous core on a fake clock: the
-derived threshold, the bounded wait and `gpupool_prefill_hold_seconds`."""
+derived threshold, the bounded wait, `gpupool_prefill_hold_seconds` and one long prefill at a
+time (`prefill_hold_serial`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pools.config import ConfigError
+from pools.fleet import Lease
 from pools.testing.config import config_for_test
 from router.admission.decision import Need
 from router.admission.prefill_hold import (
@@ -16,7 +18,9 @@ from router.admission.prefill_hold import (
     hold_applies,
     hold_min_tokens,
     holding_target_s,
+    serial_hold_ends,
 )
+from router.core import Core
 from tests.unit.test_forecast_admission import CHAT, SPEC, Clock, _core, _ctx, _Waiter
 
 AUTO = PrefillHold(None, 0.025, 0.5)
@@ -29,6 +33,17 @@ def test_only_a_stricter_pool_in_its_prefill_holds() -> None:
     assert holding_target_s(leases, 0.8, 1.2) is None  # chat is not held by chat
     assert holding_target_s(leases, 3.0, 1.8) is None  # chat's target passed: no hold
     assert holding_target_s([], 3.0, 1.2) is None
+
+
+def test_serial_one_long_prefill_of_a_pool_no_stricter_holds() -> None:
+    # (tokens to prefill, TTFT target, prefill ends at the latest); own target 3 s, 512 tokens
+    agent_long, agent_short, chat_long = (1500, 3.0, 1.4), (300, 3.0, 1.6), (900, 0.8, 1.7)
+    assert serial_hold_ends([agent_long, agent_short], 3.0, 512, 1.0) == 1.4
+    assert serial_hold_ends([agent_long, (600, 5.0, 1.5)], 3.0, 512, 1.0) == 1.5
+    assert serial_hold_ends([agent_short], 3.0, 512, 1.0) is None  # short: no hold
+    assert serial_hold_ends([chat_long], 3.0, 512, 1.0) is None  # stricter: the other hold's
+    assert serial_hold_ends([agent_long], 3.0, 512, 1.4) is None  # past its prefill end
+    assert serial_hold_ends([], 3.0, 512, 1.0) is None
 
 
 def test_the_threshold_is_fixed_or_the_budget_at_the_measured_rate() -> None:
@@ -62,6 +77,7 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
             "without prefill_hold_min_tokens: auto",
         ),
         ({"prefill_hold_max_wait_s": 1.0}, "without prefill_hold_min_tokens"),
+        ({"prefill_hold_serial": True}, "prefill_hold_serial set without"),
         ({"prefill_hold_min_tokens": "auto", "prefill_hold_max_wait_s": 0}, "max_wait_s"),
     ):
         with pytest.raises(ConfigError, match=match):
@@ -79,6 +95,26 @@ def _held_seconds(core: object) -> tuple[float, float]:
     return samples["gpupool_prefill_hold_seconds_count"], samples[
         "gpupool_prefill_hold_seconds_sum"
     ]
+
+
+def _held_until_first_token(
+    core: Core, clock: Clock, need: Need, holder: Lease, first_token_s: float
+) -> None:
+    """A queued agent request, held from the first pass at 0 until `holder`'s first token at
+    `first_token_s`, then admitted; the one hold observed for as long."""
+    a = core.admitter
+    waiter = _Waiter(_ctx("agent", 0.0), need)
+    a.enqueue(waiter, 0.0)
+    a.dispatch_once(0.0)
+    clock.now = first_token_s - 0.01
+    a.dispatch_once(clock.now)
+    assert waiter.lease is None
+    holder.first_token(first_token_s)
+    clock.now = first_token_s
+    a.dispatch_once(first_token_s)
+    assert waiter.lease is not None
+    count, total = _held_seconds(core)
+    assert count == 1 and total == pytest.approx(first_token_s)
 
 
 def test_auto_holds_long_prefills_by_the_measured_rate_and_for_a_bounded_wait(
@@ -104,18 +140,7 @@ def test_auto_holds_long_prefills_by_the_measured_rate_and_for_a_bounded_wait(
     assert a.admit_now(_ctx("agent", 0.0), mid_agent, 0.0) is None
     assert a.admit_now(_ctx("agent", 0.0), short_agent, 0.0) is not None
     # queued, a long one is held from the first pass until chat's first token
-    waiter = _Waiter(_ctx("agent", 0.0), long_agent)
-    a.enqueue(waiter, 0.0)
-    a.dispatch_once(0.0)
-    clock.now = 0.03
-    a.dispatch_once(0.03)
-    assert waiter.lease is None
-    chat.first_token(0.04)
-    clock.now = 0.04
-    a.dispatch_once(0.04)
-    assert waiter.lease is not None
-    count, total = _held_seconds(core)
-    assert count == 1 and total == pytest.approx(0.04)
+    _held_until_first_token(core, clock, long_agent, chat, 0.04)
     # chats one after another, each in its prefill: a held request goes after 0.5 s anyway
     t = 1.0
     clock.now = t
@@ -133,3 +158,42 @@ def test_auto_holds_long_prefills_by_the_measured_rate_and_for_a_bounded_wait(
     assert clock.now == pytest.approx(1.5)
     count, total = _held_seconds(core)
     assert count == 2 and total == pytest.approx(0.04 + 0.5)
+
+
+def test_serial_lets_one_long_agent_prefill_run_at_a_time(tmp_path: Path) -> None:
+    long_agent = Need(prompt_tokens=1500, total_tokens=1600, deadline_s=1e9)
+    short_agent = Need(prompt_tokens=300, total_tokens=400, deadline_s=1e9)
+    # without serial, a second long agent prefill starts beside the first
+    clock = Clock()
+    core = _core(tmp_path, clock, prefill_hold_min_tokens=512)
+    core.fleet.get(SPEC.instance_id).prefill_tokens_per_s = 10_000.0  # type: ignore[union-attr]
+    a = core.admitter
+    assert a.admit_now(_ctx("agent", 0.0), long_agent, 0.0) is not None
+    assert a.admit_now(_ctx("agent", 0.0), long_agent, 0.0) is not None
+    # with it: the second waits until the first's first token
+    clock = Clock()
+    core = _core(tmp_path, clock, prefill_hold_min_tokens=512, prefill_hold_serial=True)
+    state = core.fleet.get(SPEC.instance_id)
+    assert state is not None
+    state.prefill_tokens_per_s = 10_000.0  # 1,500 tokens: 0.15 s predicted
+    a = core.admitter
+    first = a.admit_now(_ctx("agent", 0.0), long_agent, 0.0)
+    assert first is not None
+    assert a.admit_now(_ctx("agent", 0.0), long_agent, 0.0) is None
+    assert a.admit_now(_ctx("agent", 0.0), short_agent, 0.0) is not None  # short: goes
+    chat = a.admit_now(_ctx("normal", 0.0), CHAT, 0.0)  # the stricter pool is not held
+    assert chat is not None
+    chat.first_token(0.0)
+    _held_until_first_token(core, clock, long_agent, first, 0.06)
+    # a lease that shows no first token (not streamed) holds until its predicted prefill end
+    # (admitted at 0.06, 0.15 s); its release ends the hold at once
+    clock.now = 0.1
+    assert a.admit_now(_ctx("agent", 0.1), long_agent, 0.1) is None
+    clock.now = 0.21
+    assert a.admit_now(_ctx("agent", 0.21), long_agent, 0.21) is not None
+    clock.now = 0.4  # that one's prefill ended at 0.36
+    quiet = a.admit_now(_ctx("agent", 0.4), long_agent, 0.4)
+    assert quiet is not None
+    assert a.admit_now(_ctx("agent", 0.4), long_agent, 0.4) is None
+    quiet.release()
+    assert a.admit_now(_ctx("agent", 0.4), long_agent, 0.4) is not None
