@@ -28,6 +28,9 @@ workload (`kv-pressure.yaml`: Poisson chat and waves of K=6 growing agent runs w
 - `admission-forecast-slice-serial`: `admission-forecast-hold-slice` and
   `admission.prefill_hold_serial: true` (one long agent prefill at a time while chat is
   allocated there, so each engine step carries at most one 256-token agent slice);
+- `admission-forecast-slice-serial256`: the same with the hold's threshold fixed at the slice
+  (256 tokens) instead of `auto` (~580 tokens at this engine's measured rate), so agent steps
+  of 256-580 uncached tokens (two slices each) are serialized and held too;
 - `chat-alone-chunk512`, `admission-forecast-chunk512`: `chat-alone` and `admission-forecast`
   on an engine from `engine-chunk512.yaml`, which differs only by `--max-num-batched-tokens
   512` (vLLM's step budget; 2,048 otherwise): issue 26's chunk-size lever.
@@ -226,6 +229,20 @@ CONFIGS: dict[str, RunSpec] = {
             {
                 "reserve": "forecast",
                 "prefill_hold_min_tokens": "auto",
+                "prefill_hold_serial": True,
+            },
+        ),
+        RunSpec(
+            "admission-forecast-slice-serial256",
+            "slice",
+            "on",
+            None,
+            True,
+            "admission on, reserve: forecast, prefill_hold_min_tokens: 256 (the slice),"
+            " prefill_hold_serial: true; engine with prefill_slice_tokens: 256",
+            {
+                "reserve": "forecast",
+                "prefill_hold_min_tokens": 256,
                 "prefill_hold_serial": True,
             },
         ),
