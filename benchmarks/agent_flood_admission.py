@@ -11,6 +11,8 @@ docs/prefix_cache.md), one with it off. The committed
 for `--rounds` rounds in alternating order. Around each run the engines' own `/metrics` are
 scraped (preemptions, prefix-cache hits) and sampled every 0.5 s (KV usage, running, waiting),
 and the router's rejections by reason are read from its `/metrics`.
+Before each run every engine's prefix cache is emptied (vLLM's dev-mode
+`POST /reset_prefix_cache`), so no run finds the previous run's prompts cached.
 
 The issue's targets: with admission, the agent engine never preempts, chat SLO attainment
 stays >= 99 %, and 429s appear only where the queue limits say so; with the index, no
@@ -183,6 +185,24 @@ def _engine_counters(urls: list[str]) -> dict[str, dict[str, float]]:
     return out
 
 
+def reset_prefix_caches(urls: list[str], key: str, *, tries: int = 20, wait_s: float = 1.0) -> None:
+    """Empty every engine's prefix cache (vLLM's dev-mode `POST /reset_prefix_cache`) so that no
+    run finds the previous run's prompts cached. vLLM refuses while blocks are in use (the last
+    run's stragglers): retried, then an error."""
+    for url in urls:
+        for _ in range(tries):
+            resp = httpx.post(
+                f"{url}/reset_prefix_cache", headers={"authorization": f"Bearer {key}"}, timeout=30
+            )
+            body = resp.json() if resp.content else {}
+            emptied = not isinstance(body, dict) or body.get("success", True)
+            if resp.status_code == 200 and emptied:
+                break
+            time.sleep(wait_s)
+        else:
+            raise RuntimeError(f"{url} did not empty its prefix cache in {tries} tries")
+
+
 def _quantiles(dist: dict[str, float] | None, keys: tuple[str, ...]) -> dict[str, float | None]:
     """`keys` of a report distribution; None each where it had no values (a short run)."""
     return {k: (dist or {}).get(k) for k in keys}
@@ -330,6 +350,7 @@ def _main(args: argparse.Namespace) -> int:
         progress=lambda m: print(f"[engines] {m}"),
         gpu_count=0,
         kv_events=True,
+        environ={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache
     )
     loop = Loop()
     specs: list[InstanceSpec] = loop.run(launcher.start())
@@ -352,6 +373,7 @@ def _main(args: argparse.Namespace) -> int:
             round_ = i // 2 + 1
             print(f"round {round_}: {mode}", flush=True)
             url = f"http://127.0.0.1:{ROUTER_PORTS[mode]}"
+            reset_prefix_caches(engines, os.environ[KEY_ENV])  # no run starts warm from another
             result = _run_one(mode, url, engines, agent_engine, out / f"r{round_}-{mode}", args)
             result["round"] = round_
             results.append(result)

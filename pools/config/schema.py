@@ -654,7 +654,7 @@ class PoolConfig:
     queue: QueueConfig = Field(default_factory=QueueConfig)
     # vLLM request `priority` sent with this pool's requests (lower is scheduled first inside
     # the engine); None sends none. Needs engines started with `--scheduling-policy priority`
-    # (the local launcher adds it when any pool sets this).
+    # (for the local launcher, in engines.local.vllm_args: config load refuses it otherwise).
     engine_priority: int | None = None
     # instance ids (engine-0, ...) that always belong to this pool, whole: placed here first
     # and never moved by the rebalancer

@@ -143,3 +143,28 @@ def test_a_run_without_agent_runs_reports_dashes_not_a_crash() -> None:
     row = _markdown([result], args).splitlines()[-1]
     assert row.startswith("| 1 | index-on | 100.0% | 10 / 20 / 30 | 0 | 0/0 | 0 | - | 0 | - / - |")
     assert "| 25.0% |" in row
+
+
+def test_prefix_caches_are_emptied_before_a_run_with_retries_while_vllm_refuses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each engine gets `POST /reset_prefix_cache` with the engines' key; vLLM's `success:
+    false` (blocks still in use) is retried; an engine that never empties its cache is an
+    error, not a run that starts warm."""
+    import httpx
+
+    from benchmarks import agent_flood_admission as afa
+
+    answers = {"http://e0": [False, True], "http://e1": [True], "http://e2": [False] * 3}
+    calls: list[tuple[str, str]] = []
+
+    def post(url: str, headers: dict[str, str], timeout: float) -> httpx.Response:
+        engine = url.removesuffix("/reset_prefix_cache")
+        calls.append((engine, headers["authorization"]))
+        return httpx.Response(200, json={"success": answers[engine].pop(0)})
+
+    monkeypatch.setattr(httpx, "post", post)  # what the benchmark calls
+    afa.reset_prefix_caches(["http://e0", "http://e1"], "k", wait_s=0)
+    assert calls == [("http://e0", "Bearer k")] * 2 + [("http://e1", "Bearer k")]
+    with pytest.raises(RuntimeError, match="http://e2 did not empty its prefix cache in 3 tries"):
+        afa.reset_prefix_caches(["http://e2"], "k", tries=3, wait_s=0)
