@@ -6,7 +6,9 @@ events on socket files as the local launcher always starts them) are started onc
 normal pool on two). `--compare admission` (the default): one with `router.admission: on`, one
 with `off`. `--compare index`: both with admission on, one following the engines' KV events
 (`engines.kv_events` on: the prefix-cache index places requests and predicts prefills,
-docs/prefix_cache.md), one with it off. The committed
+docs/prefix_cache.md), one with it off. `--compare hold`: three routers, index-off, index-on,
+and index-hold (index-on with `admission.tool_pause_hold`: the paused runs' context blocks held
+on their home, docs/admission.md "Tool pauses"). The committed
 `agent-flood.yaml` workload (optionally scaled with `--rate-scale`) runs against each in turn,
 for `--rounds` rounds in alternating order. Around each run the engines' own `/metrics` are
 scraped (preemptions, prefix-cache hits) and sampled every 0.5 s (KV usage, running, waiting),
@@ -21,6 +23,8 @@ regression in agent run completion (p50, p90) or chat SLO attainment against it 
     python -m benchmarks.agent_flood_admission --out benchmarks/results/agent-flood-admission-DATE
     python -m benchmarks.agent_flood_admission --compare index \
         --out benchmarks/results/agent-flood-index-DATE
+    python -m benchmarks.agent_flood_admission --compare hold --rounds 1 \
+        --out benchmarks/results/agent-flood-pause-hold-DATE
 """
 
 from __future__ import annotations
@@ -49,9 +53,19 @@ from pools.testing.router_process import RouterProcess
 SCENARIO = "benchmarks/scenarios/agent-flood.yaml"
 KEY_ENV = "GPUPOOL_BENCH_ENGINE_KEY"
 ENGINE_BASE_PORT = 8401
-# the two routers each comparison runs, in their default order
-COMPARES = {"admission": ("admission-on", "admission-off"), "index": ("index-on", "index-off")}
-ROUTER_PORTS = {"admission-on": 8410, "admission-off": 8411, "index-on": 8412, "index-off": 8413}
+# the routers each comparison runs, in their default order
+COMPARES = {
+    "admission": ("admission-on", "admission-off"),
+    "index": ("index-on", "index-off"),
+    "hold": ("index-off", "index-on", "index-hold"),
+}
+ROUTER_PORTS = {
+    "admission-on": 8410,
+    "admission-off": 8411,
+    "index-on": 8412,
+    "index-off": 8413,
+    "index-hold": 8414,
+}
 BASELINE_CONFIG = Path("benchmarks/results/agent-flood-2026-11-29/gpupool-pools.yaml")
 
 T = TypeVar("T")
@@ -82,13 +96,14 @@ def router_config(
     baseline's pools and classes). admission-off: admission off; every other mode on.
     index-on: `engines.kv_events` on, each engine's KV events where the launcher says it
     publishes them (raises `ValueError` when one publishes none); index-off: off. The
-    admission modes leave it unset (static engines with no kv_events entries: off)."""
+    admission modes leave it unset (static engines with no kv_events entries: off).
+    index-hold: index-on with `admission.tool_pause_hold` on; every other mode sets it off."""
     if mode not in ROUTER_PORTS:
         raise ValueError(f"unknown mode {mode!r}; one of {sorted(ROUTER_PORTS)}")
     config = dict(base)
     static: dict[str, Any] = {"urls": [s.url for s in specs], "api_key_env": KEY_ENV}
     config["engines"] = {"launcher": "static", "static": static}
-    if mode == "index-on":
+    if mode in ("index-on", "index-hold"):
         static["kv_events"] = [_static_kv_events(s.url, s.kv_events) for s in specs]
         config["engines"]["kv_events"] = True
     elif mode == "index-off":
@@ -97,6 +112,10 @@ def router_config(
         "ledger_path": str(state / f"ledger-{mode}.sqlite"),
         "state_path": str(state / f"state-{mode}.json"),
         "admission": "off" if mode == "admission-off" else "on",
+    }
+    config["admission"] = {
+        **config.get("admission", {}),
+        "tool_pause_hold": mode == "index-hold",
     }
     return config
 
@@ -113,22 +132,26 @@ def _static_kv_events(url: str, events: KvEventsSpec | None) -> dict[str, Any]:
 
 
 def run_order(compare: str, first: str | None, rounds: int) -> list[str]:
-    """The modes in run order: `compare`'s pair (`first` first, default its first), the
-    order reversed every other round."""
-    pair = list(COMPARES[compare])
-    if first is not None and first not in pair:
-        raise ValueError(f"--first {first!r} is not one of --compare {compare}'s {pair}")
-    if first == pair[1]:
-        pair.reverse()
-    return [m for r in range(rounds) for m in (pair if r % 2 == 0 else pair[::-1])]
+    """The modes in run order: `compare`'s (`first` first, then the others in their order;
+    default its own order), the order reversed every other round."""
+    modes = list(COMPARES[compare])
+    if first is not None and first not in modes:
+        raise ValueError(f"--first {first!r} is not one of --compare {compare}'s {modes}")
+    if first is not None:
+        modes.remove(first)
+        modes.insert(0, first)
+    return [m for r in range(rounds) for m in (modes if r % 2 == 0 else modes[::-1])]
 
 
 class Sampler:
-    """Samples each engine's KV usage, running and waiting every 0.5 s (a thread)."""
+    """Samples each engine's KV usage, running and waiting every 0.5 s (a thread), and the
+    router's blocks held for paused runs (`gpupool_kv_pause_held_blocks`, all instances)."""
 
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], router: str | None = None) -> None:
         self.urls = urls
+        self.router = router
         self.peak: dict[str, dict[str, float]] = {u: {} for u in urls}
+        self.held_blocks: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -147,6 +170,12 @@ class Sampler:
                         ("waiting", "vllm:num_requests_waiting"),
                     ):
                         peak[key] = max(peak.get(key, 0.0), _metric(text, name))
+                if self.router is not None:
+                    try:
+                        text = client.get(f"{self.router}/metrics").text
+                    except httpx.HTTPError:
+                        continue
+                    self.held_blocks.append(_metric(text, "gpupool_kv_pause_held_blocks"))
 
     def __enter__(self) -> Sampler:
         self._thread.start()
@@ -213,7 +242,7 @@ def _run_one(
 ) -> dict[str, Any]:
     before = _engine_counters(engines)
     router_before = httpx.get(f"{url}/metrics", timeout=5).text
-    with Sampler(engines) as sampler:
+    with Sampler(engines, url) as sampler:
         harness = [sys.executable, "-m", "benchmarks", "--scenario", SCENARIO]
         harness += ["--target", url, "--target-name", mode, "--rate-scale", str(args.rate_scale)]
         if args.duration_s is not None:
@@ -275,6 +304,12 @@ def _run_one(
         },
         "engines": per_engine,
         "prefix_hit_frac": hits / queries_all if queries_all else None,
+        "pause_held_blocks": {
+            "peak": max(sampler.held_blocks, default=0.0),
+            "mean": sum(sampler.held_blocks) / len(sampler.held_blocks)
+            if sampler.held_blocks
+            else 0.0,
+        },
         "load_avg_1m": target.get("load_avg_1m"),
     }
 
@@ -284,23 +319,29 @@ def _num(value: float | None, spec: str) -> str:
 
 
 def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    title = {"admission": "admission on vs off", "index": "prefix-cache index on vs off"}
+    title = {
+        "admission": "admission on vs off",
+        "index": "prefix-cache index on vs off",
+        "hold": "prefix-cache index off, on, and on with the tool-pause hold",
+    }
     lines = [
         f"# agent-flood on 3 CPU engines: {title[args.compare]}",
         "",
         f"Command: `python -m benchmarks.agent_flood_admission {' '.join(sys.argv[1:])}`",
         "",
         f"Workload `{SCENARIO}` at rate scale {args.rate_scale:g}; the same three engines for"
-        " both routers (agent pool on one engine, normal pool on two); runs alternate.",
+        " every router (agent pool on one engine, normal pool on two); runs alternate.",
         "",
         "| run | mode | chat SLO | chat TTFT p50/p95/p99 ms | chat 429 | agent steps ok/sent"
         " | agent 429 | agent step TTFT p95 ms | agent out tok/s | run p50 / p90 s | agent-engine"
-        " preemptions | all preemptions | agent-engine KV peak | prefix hit | 429 reasons |",
-        "|" + " --- |" * 15,
+        " preemptions | all preemptions | agent-engine KV peak | prefix hit | 429 reasons |"
+        " agent-engine hit | agent-engine running peak | paused runs' held blocks peak / mean |",
+        "|" + " --- |" * 18,
     ]
     for i, r in enumerate(results, 1):
         chat, agent, runs = r["chat"], r["agent_steps"], r["agent_runs"]["completion_s"]
         agent_engine = next(e for e in r["engines"].values() if e["role"] == "agent")
+        held = r.get("pause_held_blocks", {})
         lines.append(
             f"| {i} | {r['mode']} | {_num(chat['slo_attainment'], '.1%')} | "
             f"{' / '.join(_num(v, '.0f') for v in chat['ttft_ms'].values())} | "
@@ -312,7 +353,10 @@ def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"{agent_engine['preemptions']:.0f} | "
             f"{sum(e['preemptions'] for e in r['engines'].values()):.0f} | "
             f"{agent_engine.get('peak_kv', 0):.0%} | {_num(r['prefix_hit_frac'], '.1%')} | "
-            f"{r['rejections_by_reason'] or '-'} |"
+            f"{r['rejections_by_reason'] or '-'} | "
+            f"{_num(agent_engine.get('prefix_hit_frac'), '.1%')} | "
+            f"{agent_engine.get('peak_running', 0):.0f} | "
+            f"{' / '.join(_num(v, '.0f') for v in held.values()) or '-'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -406,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(COMPARES),
         default="admission",
         help="admission: admission on vs off; index: both admission on, prefix-cache index"
-        " (engines.kv_events) on vs off",
+        " (engines.kv_events) on vs off; hold: index off, on, and on with"
+        " admission.tool_pause_hold",
     )
     parser.add_argument(
         "--first", choices=list(ROUTER_PORTS), default=None, help="mode run first (of --compare's)"

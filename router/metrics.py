@@ -212,6 +212,13 @@ class RouterMetrics:
             ["instance"],
             registry=r,
         )
+        self.kv_pause_held = Gauge(
+            "gpupool_kv_pause_held_blocks",
+            "KV blocks admission holds on the instance for runs paused between steps"
+            " (admission.tool_pause_hold)",
+            ["instance"],
+            registry=r,
+        )
         self.kv_capacity = Gauge(
             "gpupool_kv_capacity_blocks",
             "KV blocks of the instance (the engine's num_gpu_blocks)",
@@ -256,6 +263,7 @@ class RouterMetrics:
             self.telemetry_age,
             self.kv_reserved,
             self.kv_measured,
+            self.kv_pause_held,
             self.kv_capacity,
             self.op_limit,
             self.preemptions,

@@ -965,6 +965,18 @@ class AdmissionConfig:
     # a chat prompt shares steps with slices of a long agent prefill; null: vLLM's default (no
     # cap). pools/launchers/prefill_slice.py, docs/admission.md section 8
     prefill_slice_tokens: int | None = Field(default=None, ge=64)
+    # tool pauses: from an agent step's end until the run's next step arrives (or the pause
+    # predicted from the run's earlier pauses, times 1 + tool_pause_margin_frac, passes), the
+    # run's context blocks on its home count as used for every other sequence admitted there,
+    # so a fuller batch does not evict the paused run's cached context (router/admission/
+    # tool_pauses.py, docs/admission.md "Tool pauses")
+    tool_pause_hold: bool = False
+    # the longest pause held (also the prediction before any pause is learned)
+    tool_pause_max_s: float = Field(default=10.0, gt=0, le=600)
+    # the predicted pause is held this much longer (0.5: 1.5x)
+    tool_pause_margin_frac: float = Field(default=0.5, ge=0, le=10)
+    # the most held on an instance, as a fraction of its KV blocks
+    tool_pause_max_frac: float = Field(default=0.3, gt=0, le=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -985,6 +997,9 @@ class AdmissionConfig:
                 raise ValueError("prefill_hold_max_wait_s set without prefill_hold_min_tokens")
             if data.get("prefill_hold_serial") and hold is None:
                 raise ValueError("prefill_hold_serial set without prefill_hold_min_tokens")
+            pause = [k for k in data if k.startswith("tool_pause_") and k != "tool_pause_hold"]
+            if pause and not data.get("tool_pause_hold"):
+                raise ValueError(f"{', '.join(sorted(pause))} set without tool_pause_hold: true")
         return data
 
 

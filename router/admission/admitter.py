@@ -61,6 +61,7 @@ from router.admission.prefill_hold import (
 )
 from router.admission.queueing import AttainedService, PoolQueue, QueueEntry, QueueFull, RunUsage
 from router.admission.shared_reservations import SharedReservations
+from router.admission.tool_pauses import PauseHolds
 from router.errors import CapacityExceeded, NoHealthyInstance
 from router.metrics import RouterMetrics
 from router.request import RequestContext
@@ -200,6 +201,13 @@ class Admitter:
         fleet.on_capacity_change(lambda _iid: self.schedule_pump())
         # KV use by what the engine allocates (router/admission/engine_kv.py)
         self.engine_kv = EngineKV()
+        # admission.tool_pause_hold: paused runs' context blocks (router/admission/tool_pauses.py)
+        self.pauses: PauseHolds | None = None
+        if adm.tool_pause_hold:
+            self.pauses = PauseHolds(
+                adm.tool_pause_max_s, adm.tool_pause_margin_frac, adm.tool_pause_max_frac
+            )
+        self._lease_runs: dict[Lease, Hashable] = {}  # with pauses: each live lease's run
         fleet.on_lease_event(self._lease_event)
         pool_map.on_change(lambda _alloc: self.schedule_pump())
 
@@ -221,6 +229,9 @@ class Admitter:
         """`admit`'s synchronous step: a lease at once (the pool's queue is empty and the
         sequence fits), or None (it must queue: `enqueue`). Raises `CapacityExceeded` or
         `NoHealthyInstance` for a refusal."""
+        pauses, run = self.pauses, ctx.home_key
+        if pauses is not None and run is not None and pauses.arrived(run, now_s):
+            self.schedule_pump()  # its hold ended: others may fit
         if not self.enabled:
             lease = self._lease_unchecked(ctx, need, exclude)
             if lease is None:
@@ -331,7 +342,7 @@ class Admitter:
             fresh=self.fleet.is_fresh(state),
             capacity_blocks=state.capacity_blocks or 0,
             block_size=self._block_size(state),
-            used_blocks=self.engine_kv.used_blocks(state),
+            used_blocks=self.engine_kv.used_blocks(state) + self.pause_held_blocks(state, now_s),
             pool_reserved_blocks=state.reserved_by_pool.get(pool, 0),
             pool_running=state.running_by_pool.get(pool, 0),
             running=state.inflight,
@@ -536,6 +547,26 @@ class Admitter:
 
         self._wake = loop.call_later(max(0.0, at_s - self.clock()), wake)
 
+    def pause_held_blocks(self, state: InstanceState, now_s: float) -> int:
+        """KV blocks held on the instance for runs paused between steps (0 without
+        `admission.tool_pause_hold` or a known capacity)."""
+        if self.pauses is None or not state.capacity_blocks:
+            return 0
+        return self.pauses.held_blocks(state.spec.instance_id, state.capacity_blocks, now_s)
+
+    def _pause_started(self, lease: Lease) -> None:
+        """A run's step ended: hold its context on the instance (unless governance ended the
+        run), and look again when the hold passes."""
+        run = self._lease_runs.pop(lease, None)
+        if self.pauses is None or run is None or self.fleet.get(lease.instance_id) is None:
+            return
+        record = self.affinity.runs.get(run)
+        if record is not None and record.ended:
+            self.pauses.forget(run)
+            return
+        now = self.clock()
+        self._wake_at(self.pauses.ended(run, lease.instance_id, lease.blocks, lease.pool, now))
+
     def _lease_event(self, lease: Lease, event: str) -> None:
         """A lease's first token (a prefill hold may end: dispatch) or its release (its pool's
         forecaster learns the service time)."""
@@ -544,7 +575,10 @@ class Admitter:
                 self.schedule_pump()
             return
         self.engine_kv.released(lease)
+        self._pause_started(lease)
         if self.fleet.get(lease.instance_id) is None:  # its engine left: forget its forecasts
+            if self.pauses is not None:
+                self.pauses.forget_instance(lease.instance_id)
             for gone in [k for k in self._forecasts if k[1] == lease.instance_id]:
                 del self._forecasts[gone]
             return
@@ -636,7 +670,7 @@ class Admitter:
         if chosen is None:
             return None
         self.metrics.borrowed.labels(ctx.pool).inc()
-        return self._acquire(chosen.state, ctx.pool, need)
+        return self._acquire(chosen.state, ctx.pool, need, ctx.home_key)
 
     def _home_wait_s(self, pool: str, need: Need, awaited: Counter[str]) -> float | None:
         """Expected wait for a slot on the run's home (`expected_home_wait_s`): its running
@@ -697,9 +731,11 @@ class Admitter:
         chosen = self.picker.pick(req, cands)
         if chosen is None:
             return None
-        return self._acquire(chosen.state, ctx.pool, need)
+        return self._acquire(chosen.state, ctx.pool, need, ctx.home_key)
 
-    def _acquire(self, state: InstanceState, pool: str, need: Need) -> Lease:
+    def _acquire(
+        self, state: InstanceState, pool: str, need: Need, run: Hashable | None = None
+    ) -> Lease:
         rate = uncached_prefill_tokens_per_s(state.prefill_tokens_per_s, state.prefix_hit_frac)
         prefill = need.prefill_tokens(state.spec.instance_id)
         lease = self.fleet.acquire(
@@ -715,6 +751,8 @@ class Admitter:
         if self.reserve_forecast:
             forecaster = self.forecaster(pool, lease.instance_id)
             forecaster.arrived(lease.acquired_at_s, lease.blocks)
+        if self.pauses is not None and run is not None:
+            self._lease_runs[lease] = run
         return lease
 
     def _lease_unchecked(

@@ -89,6 +89,11 @@ class PoolsView:
                 # the engine-tracked one (router/admission/engine_kv.py)
                 "kv_used_blocks": round(self.admitter.engine_kv.used_blocks(state), 1),
                 "kv_used_blocks_by_reservations": round(state.used_blocks(), 1),
+                # held for runs paused between steps (admission.tool_pause_hold), counted in use
+                # for every other sequence; None: off
+                "kv_pause_held_blocks": None
+                if self.admitter.pauses is None
+                else self.admitter.pause_held_blocks(state, self.clock()),
                 "running_by_pool": dict(state.running_by_pool),
                 # owned vs borrowed KV and batch per pool, the forecast reserve (admission.reserve)
                 "capacity_by_pool": self.admitter.capacity_by_pool(state, self.clock()),
@@ -159,6 +164,10 @@ class PoolsView:
             m.healthy.labels(iid).set(1 if state.healthy else 0)
             m.set_inflight(iid, state.inflight)
             m.kv_reserved.labels(iid).set(state.reserved_blocks)
+            if self.admitter.pauses is not None:
+                m.kv_pause_held.labels(iid).set(
+                    self.admitter.pause_held_blocks(state, self.clock())
+                )
             m.op_limit.labels(iid).set(self.admitter.instance_limit(state))
             m.set_preemptions(iid, state.preemptions_seen)
             if state.reading is not None:

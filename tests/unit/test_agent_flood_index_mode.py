@@ -81,13 +81,33 @@ def test_other_modes_follow_no_kv_events(
     assert config.router.ledger_path.name == f"ledger-{mode}.sqlite"
 
 
+def test_index_hold_is_index_on_with_the_tool_pause_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _parsed("index-hold", monkeypatch)
+    assert config.engines.kv_events_on and config.router.admission == "on"
+    assert config.admission.tool_pause_hold
+    assert not _parsed("index-on", monkeypatch).admission.tool_pause_hold
+    assert not _parsed("index-off", monkeypatch).admission.tool_pause_hold
+
+
+def test_run_order_of_three_modes_puts_first_first_and_reverses_each_other_round() -> None:
+    assert run_order("hold", None, 2) == [
+        "index-off",
+        "index-on",
+        "index-hold",
+        "index-hold",
+        "index-on",
+        "index-off",
+    ]
+    assert run_order("hold", "index-hold", 1) == ["index-hold", "index-off", "index-on"]
+
+
 def test_index_on_refuses_an_engine_that_publishes_nothing() -> None:
     with pytest.raises(ValueError, match="publishes no KV events"):
         router_config("index-on", _specs(events=False), Path("/s"), BASE)
 
 
 def test_every_mode_has_its_own_router_port() -> None:
-    modes = [m for pair in COMPARES.values() for m in pair]
+    modes = {m for pair in COMPARES.values() for m in pair}
     assert sorted(modes) == sorted(ROUTER_PORTS)
     assert len(set(ROUTER_PORTS.values())) == len(ROUTER_PORTS)
 
