@@ -105,6 +105,10 @@ class ReplicaBudgets:
         # the loop (router/store/loop_connection.py) while that connection is idle, else in a
         # worker thread as every other call
         self._loop: LoopConnection | None = None
+        # the statements nobody waits for (a slot's release after its response) on one of
+        # their own: on the first, the next request's slot would find the release in flight
+        # (at c=1 one request in 5-20 did) and take the thread path
+        self._loop_background: LoopConnection | None = None
         if store.dialect == "postgresql":
             from router.store import PostgresStore
             from router.store.loop_connection import LoopConnection
@@ -112,6 +116,9 @@ class ReplicaBudgets:
             assert isinstance(store, PostgresStore)
             self._loop = LoopConnection(
                 store, "gpupool-governance", timeout_s=store.connect_timeout_s
+            )
+            self._loop_background = LoopConnection(
+                store, "gpupool-governance-background", timeout_s=store.connect_timeout_s
             )
         metrics.store_up.set(1)
 
@@ -124,16 +131,20 @@ class ReplicaBudgets:
             self._down(err)
             raise _Down from err
 
-    async def _statement(self, sql: str, params: Sequence[object], fn: Callable[[], T]) -> T | Row:
+    async def _statement(
+        self, sql: str, params: Sequence[object], fn: Callable[[], T], *, waited: bool = True
+    ) -> T | Row:
         """One statement on the loop's connection when it is idle (its first row; () when
         it returns none), else
         `fn` in a worker thread (also when the loop's call fails: the thread's call then
         decides whether the store is down; but a call the server did not answer within the
-        bound is an outage at once)."""
-        loop = self._loop
+        bound is an outage at once). `waited`: a request waits for the answer (polled for on
+        the loop, router/store/loop_connection.py); else it runs in the background, on a
+        connection of its own."""
+        loop = self._loop if waited else self._loop_background
         if loop is not None and loop.ready():
             try:
-                rows = await loop.execute(sql, params)
+                rows = await loop.execute(sql, params, spin=waited)
                 return rows[0] if rows else ()
             except TimeoutError as err:  # a hung server: the thread would wait as long again
                 self._down(err)
@@ -356,7 +367,10 @@ class ReplicaBudgets:
     async def _release(self, key: str, holder: str) -> None:
         with contextlib.suppress(_Down):
             await self._statement(
-                RELEASE_SLOT_SQL, (key, holder), lambda: self.db.release_slot(key, holder)
+                RELEASE_SLOT_SQL,
+                (key, holder),
+                lambda: self.db.release_slot(key, holder),
+                waited=False,
             )
 
     # ------------------------------------------------------------------ the sweep
@@ -419,8 +433,9 @@ class ReplicaBudgets:
         if self._closed:
             return
         self._closed = True
-        if self._loop is not None:
-            await self._loop.aclose()
+        for loop in (self._loop, self._loop_background):
+            if loop is not None:
+                await loop.aclose()
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         amounts = [(t, b, units) for (t, b), units in self.leases.items() if units != 0.0]

@@ -17,6 +17,18 @@ timeouts and `synchronous_commit`): one round trip, no thread.
 - A lost connection is replaced in the background, at most one attempt per `retry_s`; until
   then `ready()` is False. `ready()` checks an idle connection without a round trip (a
   readable socket: the server closed it, e.g. a restart), so a dead one is never used.
+- Lean: the statement goes straight to libpq (psycopg's documented `pgconn`), prepared on
+  its first use on the connection (a server-side plan), parameters in text format (the
+  server infers their types from the statement) and rows read back by psycopg's loaders;
+  no cursor, no task, no per-statement `asyncio.wait_for`. Measured at c=1 on this 2-CPU
+  machine with the cores idle between statements, an 18-column INSERT: 186-243 us p50 through
+  `AsyncConnection.execute`, 95-107 us this way (tests' server, unix socket).
+- The answer is polled, not slept on, for its first `spin_s` (0.3 ms by default): the loop
+  yields after each poll (`await asyncio.sleep(0)`: other callbacks and I/O run between two
+  polls), so the process does not go to sleep for a reply that comes within a round trip
+  (waking a sleeping process costs a quiet virtual CPU ~50 us, as much as the statement);
+  after `spin_s`, it waits for the socket to be readable as before. The price: up to
+  `spin_s` of CPU per statement, only while a statement a response waits for is in flight.
 """
 
 from __future__ import annotations
@@ -25,12 +37,17 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
+from psycopg import abc as pg_abc
+from psycopg import adapt, pq
+from psycopg import errors as pg_errors
+from psycopg.adapt import PyFormat
 
 from router.store.base import StoreError
 from router.store.postgres import PostgresStore
@@ -40,11 +57,22 @@ __all__ = ["LoopConnection"]
 logger = logging.getLogger(__name__)
 
 RETRY_S = 5.0  # between two attempts to (re)connect
+SPIN_S = 0.0003  # an answer is polled this long before the loop sleeps on the socket
+MAX_PREPARED = 64  # statements prepared per connection; others are sent unprepared
+
+_PLACEHOLDER = re.compile(r"\?")
 
 
 @functools.lru_cache(maxsize=256)
-def _psycopg_sql(sql: str) -> str:
-    return sql.replace("%", "%%").replace("?", "%s")
+def _libpq_sql(sql: str) -> bytes:
+    """`?` placeholders as libpq's `$1, $2, ...` (the statements have no literal `?`)."""
+    count = iter(range(1, 1 << 16))
+    return _PLACEHOLDER.sub(lambda _: f"${next(count)}", sql).encode()
+
+
+@functools.lru_cache(maxsize=64)
+def _text_formats(n: int) -> list[PyFormat]:
+    return [PyFormat.TEXT] * n
 
 
 class LoopConnection:
@@ -57,14 +85,18 @@ class LoopConnection:
         *,
         timeout_s: float,
         retry_s: float = RETRY_S,
+        spin_s: float = SPIN_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self._name = application_name
         self._timeout_s = timeout_s
         self._retry_s = retry_s
+        self._spin_s = spin_s
         self._clock = clock
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._prepared: dict[bytes, bytes] = {}  # statement -> its name on this connection
+        self._tx: pg_abc.Transformer | None = None  # the connection's dumpers and loaders
         self._busy = False
         self._closed = False
         self._next_try_s = 0.0
@@ -92,17 +124,21 @@ class LoopConnection:
             self._spawn(self._connect())
         return False
 
-    async def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    async def execute(
+        self, sql: str, params: Sequence[Any] = (), *, spin: bool = True
+    ) -> list[tuple[Any, ...]]:
         """Run one statement (`?` placeholders) and return its rows ([] when it returns none).
-        Call it only when `ready()`. Raises the driver's error, `TimeoutError` after
-        `timeout_s` (the connection is then dropped), or `StoreError` when not ready."""
+        `spin`: poll for the answer for `spin_s` first (a response waits for it); False for
+        one nobody waits for (a slot's release). Call it only when `ready()`. Raises the
+        driver's error, `TimeoutError` after `timeout_s` (the connection is then dropped), or
+        `StoreError` when not ready."""
         conn = self._conn
         if conn is None or self._busy:
             raise StoreError(f"{self._store.name}: no idle connection on the loop")
         self._busy = True
         try:
-            cur = await asyncio.wait_for(conn.execute(_psycopg_sql(sql), params), self._timeout_s)
-            rows = await cur.fetchall() if cur.description is not None else []
+            async with asyncio.timeout(self._timeout_s):
+                rows = await self._run(conn, _libpq_sql(sql), params, spin)
         except BaseException:
             self.failures += 1
             self._drop()
@@ -110,6 +146,56 @@ class LoopConnection:
         finally:
             self._busy = False
         self.statements += 1
+        return rows
+
+    async def _run(
+        self, conn: psycopg.AsyncConnection[Any], sql: bytes, params: Sequence[Any], spin: bool
+    ) -> list[tuple[Any, ...]]:
+        pgconn = conn.pgconn
+        tx = self._tx
+        if tx is None:
+            tx = self._tx = adapt.Transformer.from_context(conn)
+        values = tx.dump_sequence(params, _text_formats(len(params))) if params else None
+        name = self._prepared.get(sql)
+        if name is None and len(self._prepared) < MAX_PREPARED:
+            name = b"gpupool_%d" % len(self._prepared)
+            pgconn.send_prepare(name, sql)  # types unnamed: the server infers them
+            await self._answer(pgconn, tx, spin)
+            self._prepared[sql] = name
+        if name is None:
+            pgconn.send_query_params(sql, values)
+        else:
+            pgconn.send_query_prepared(name, values)
+        return await self._answer(pgconn, tx, spin)
+
+    async def _answer(
+        self, pgconn: pq.abc.PGconn, tx: pg_abc.Transformer, spin: bool
+    ) -> list[tuple[Any, ...]]:
+        """Send what is queued, wait for the statement's results; its rows (the last
+        result's). Raises the server's error as psycopg's exception."""
+        loop = asyncio.get_running_loop()
+        fd = pgconn.socket
+        while pgconn.flush():  # nonblocking: the rest when the socket can take it
+            await _ready(loop, fd, write=True)
+        spin_until = self._clock() + (self._spin_s if spin else 0.0)
+        while True:
+            pgconn.consume_input()
+            if not pgconn.is_busy():
+                break
+            if self._clock() < spin_until:
+                await asyncio.sleep(0)
+            else:
+                await _ready(loop, fd, write=False)
+        results = []
+        while (res := pgconn.get_result()) is not None:
+            results.append(res)
+        rows: list[tuple[Any, ...]] = []
+        for res in results:
+            if res.status == pq.ExecStatus.TUPLES_OK:
+                tx.set_pgresult(res)
+                rows = tx.load_rows(0, res.ntuples, tuple)
+            elif res.status != pq.ExecStatus.COMMAND_OK:
+                raise pg_errors.error_from_result(res, encoding=tx.encoding)
         return rows
 
     async def aclose(self) -> None:
@@ -142,6 +228,7 @@ class LoopConnection:
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
+        self._prepared, self._tx = {}, None
         self._next_try_s = self._clock() + self._retry_s
         if conn is not None:
             self._spawn(_close(conn))
@@ -150,6 +237,27 @@ class LoopConnection:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+async def _ready(loop: asyncio.AbstractEventLoop, fd: int, *, write: bool) -> None:
+    """Until the socket is readable (or writable)."""
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    if write:
+        loop.add_writer(fd, wake)
+    else:
+        loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        if write:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
 
 
 def _alive(conn: psycopg.AsyncConnection[Any]) -> bool:

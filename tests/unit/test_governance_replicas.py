@@ -25,6 +25,7 @@ from router.governance.governor import StepSignals
 from router.governance.store import GovernanceStore
 from router.request import RequestContext, RequestOutcome
 from router.store import PostgresStore
+from router.store.loop_connection import LoopConnection
 from tests.postgres import PASSWORD, PostgresServer, start_postgres
 
 T0 = 1_750_000_000.0
@@ -215,7 +216,16 @@ async def test_concurrency_slots_across_replicas_and_a_dead_replicas_expire(
 async def loop_ready(gov: Governor) -> int:
     """Wait until the replica's connection on the event loop is up; its statements so far."""
     assert gov._replica is not None and gov._replica._loop is not None
-    loop_conn = gov._replica._loop
+    return await _ready(gov._replica._loop)
+
+
+async def background_ready(gov: Governor) -> int:
+    """The same for the connection of the statements nobody waits for (releases)."""
+    assert gov._replica is not None and gov._replica._loop_background is not None
+    return await _ready(gov._replica._loop_background)
+
+
+async def _ready(loop_conn: LoopConnection) -> int:
     for _ in range(500):
         if loop_conn.ready():
             return loop_conn.statements
@@ -228,12 +238,14 @@ async def test_slots_and_step_numbers_on_the_loops_connection(
 ) -> None:
     """The calls a request waits for go on the event loop's connection when it is idle (no
     worker thread), with the same results: the tier's two slots across replicas, the third
-    refused, a release freeing one; a run's steps numbered across replicas."""
+    refused, a release (on the background connection, so the next slot never finds it in
+    flight) freeing one; a run's steps numbered across replicas."""
     url = postgres_server.create_database("replicas_loop")
     wall = Clock(T0)
     config = shared_config(url)
     async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
         before = {gov: await loop_ready(gov) for gov in (a, b)}
+        released_before = await background_ready(a)
         first = await enter(a, "s")
         await enter(b, "s")
         with pytest.raises(RateLimited):
@@ -247,7 +259,10 @@ async def test_slots_and_step_numbers_on_the_loops_connection(
             steps.append(outcome.step_index)
         assert steps == [0, 1, 2]
         used = {gov: await loop_ready(gov) - before[gov] for gov in (a, b)}
-        assert used == {a: 5, b: 3}  # a: 2 acquires (one refused), a release, 2 steps
+        assert used == {a: 4, b: 3}  # a: 2 acquires (one refused), 2 steps
+        assert a._replica is not None
+        await asyncio.gather(*a._replica._pending)  # the release, in the background
+        assert await background_ready(a) - released_before == 1
 
 
 async def test_a_statement_unanswered_on_the_loop_is_an_outage_at_once(

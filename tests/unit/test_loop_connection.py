@@ -30,9 +30,18 @@ async def test_lone_commits_go_on_the_loop_and_concurrent_ones_to_the_writer(
         for k in range(5):
             assert await ledger.commit(record(request_id=f"lone-{k}"))
         assert (loop_conn.statements, ledger.loop_commits, ledger.group_commits) == (5, 5, 5)
-        together = await asyncio.gather(
-            *(ledger.commit(record(request_id=f"many-{k}")) for k in range(8))
-        )
+        # the table locked by another session: the first INSERT waits in the server (a
+        # statement answered at once would finish before the next commit is even called)
+        async with await psycopg.AsyncConnection.connect(url, password=PASSWORD) as locker:
+            await locker.execute("LOCK TABLE requests IN ACCESS EXCLUSIVE MODE")
+            many = [
+                asyncio.ensure_future(ledger.commit(record(request_id=f"many-{k}")))
+                for k in range(8)
+            ]
+            await asyncio.sleep(0.05)
+            assert not any(commit.done() for commit in many)
+            await locker.rollback()
+        together = await asyncio.gather(*many)
         assert all(together)
         assert loop_conn.statements == 6  # the first; the seven others were not lone
         assert ledger.group_commits >= 7  # the writer's: at least one
