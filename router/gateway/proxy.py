@@ -435,7 +435,6 @@ class CompletionsHandler:
                     raise DeadlineExceeded(
                         "the request's deadline passed before dispatch", "deadline_exceeded"
                     )
-                self.metrics.set_inflight(instance_id, instance.inflight)
                 outcome.dispatched_at_s = self.clock()
                 self.settlement.dispatched(outcome)
                 upstream_headers = [
@@ -519,8 +518,7 @@ class CompletionsHandler:
             if waiter is not None:
                 waiter.cancel()  # cancelled (the client left) while waiting
             if lease is not None:
-                lease.release()
-                self.metrics.set_inflight(lease.instance_id, lease.state.inflight)
+                lease.release()  # the inflight gauge is set at each scrape (pools_view)
 
     @staticmethod
     async def _stop_waiting(waiter: WaitComments | None, outcome: RequestOutcome) -> None:
@@ -546,7 +544,6 @@ class CompletionsHandler:
         one that failed without refusing, else the queue again (never a refused instance).
         A pinned request (`pinned`: every instance but its own) only ever retries its own."""
         lease.release()
-        self.metrics.set_inflight(lease.instance_id, lease.state.inflight)
         if attempts > self._max_retries:
             raise EngineFailure(
                 f"could not reach an engine in pool {ctx.pool!r} after {attempts} attempt(s): "
