@@ -183,7 +183,7 @@ def classify(
     `max_priority`. Raises `BadRequest`/`ClassNotAllowed`."""
     assert protocol in PROTOCOLS, protocol
     run = run_identity(headers, body)
-    session = session_identity(headers, body)
+    session = None if headers.get(EXPLICIT_RUN_HEADER) else run  # session_identity, once
     turn = anchor(body, protocol) if session is not None else None
     class_name: str | None = None
     for rule_name in config.classification.rules:
