@@ -124,3 +124,62 @@ async def test_a_connection_the_server_closed_is_not_used(postgres_server: Postg
         assert conn.failures == 0  # never sent on the dead one
     finally:
         await conn.aclose()
+
+
+class SteppingClock:
+    """Each reading 1 ms later than the one before (a poll never outlasts two readings)."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        self.now_s += 0.001
+        return self.now_s
+
+
+async def test_an_answer_polled_in_vain_stops_the_polling_for_a_while(
+    postgres_server: PostgresServer,
+) -> None:
+    """An answer that does not come within `spin_s` (a busy machine) pauses the polling for
+    `spin_backoff_s`: the statements meanwhile wait on the socket; then it polls again."""
+    url = postgres_server.create_database("loop_spin")
+    store = PostgresStore(url, password=PASSWORD)
+    clock = SteppingClock()
+    conn = LoopConnection(
+        store, "gpupool-test", timeout_s=2.0, spin_s=0.0005, spin_backoff_s=0.1, clock=clock
+    )
+    await conn.open()
+    try:
+        slow = "SELECT pg_sleep(0.02)"
+        await conn.execute(slow)  # prepared, then polled in vain
+        assert conn.late_spins == 1
+        await conn.execute(slow)
+        await conn.execute(slow, spin=False)
+        assert conn.late_spins == 1  # within the backoff, or not asked to poll
+        clock.now_s += 0.1
+        await conn.execute(slow)
+        assert conn.late_spins == 2
+    finally:
+        await conn.aclose()
+
+
+async def test_the_servers_error_is_raised_and_types_round_trip(
+    postgres_server: PostgresServer,
+) -> None:
+    url = postgres_server.create_database("loop_types")
+    store = PostgresStore(url, password=PASSWORD)
+    conn = LoopConnection(store, "gpupool-test", timeout_s=2.0, retry_s=0.0)
+    await conn.open()
+    try:
+        await conn.execute("CREATE TABLE t (s TEXT, f DOUBLE PRECISION, n BIGINT, b BOOLEAN)")
+        await conn.execute("INSERT INTO t VALUES (?, ?, ?, ?)", ("it's 100%", 0.25, 2**40, True))
+        await conn.execute("INSERT INTO t VALUES (?, ?, ?, ?)", (None, None, None, None))
+        assert await conn.execute("SELECT s, f, n, b FROM t ORDER BY s") == [
+            ("it's 100%", 0.25, 2**40, True),
+            (None, None, None, None),
+        ]
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            await conn.execute("SELECT 1 / ?", (0,))
+        assert conn.failures == 1
+    finally:
+        await conn.aclose()
