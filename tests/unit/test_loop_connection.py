@@ -5,6 +5,9 @@ a failure or a timeout drops the connection and the record is still written. A r
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -14,6 +17,20 @@ from router.store import PostgresStore
 from router.store.loop_connection import LoopConnection
 from tests.postgres import PASSWORD, PostgresServer
 from tests.unit.ledger_records import record
+
+
+@contextlib.asynccontextmanager
+async def opened(
+    server: PostgresServer, database: str, **options: Any
+) -> AsyncIterator[LoopConnection]:
+    """A `LoopConnection` on a fresh database, connected; closed after."""
+    store = PostgresStore(server.create_database(database), password=PASSWORD)
+    conn = LoopConnection(store, "gpupool-test", **options)
+    await conn.open()
+    try:
+        yield conn
+    finally:
+        await conn.aclose()
 
 
 async def test_lone_commits_go_on_the_loop_and_concurrent_ones_to_the_writer(
@@ -142,14 +159,9 @@ async def test_an_answer_polled_in_vain_stops_the_polling_for_a_while(
 ) -> None:
     """An answer that does not come within `spin_s` (a busy machine) pauses the polling for
     `spin_backoff_s`: the statements meanwhile wait on the socket; then it polls again."""
-    url = postgres_server.create_database("loop_spin")
-    store = PostgresStore(url, password=PASSWORD)
     clock = SteppingClock()
-    conn = LoopConnection(
-        store, "gpupool-test", timeout_s=2.0, spin_s=0.0005, spin_backoff_s=0.1, clock=clock
-    )
-    await conn.open()
-    try:
+    options = {"timeout_s": 2.0, "spin_s": 0.0005, "spin_backoff_s": 0.1, "clock": clock}
+    async with opened(postgres_server, "loop_spin", **options) as conn:
         slow = "SELECT pg_sleep(0.02)"
         await conn.execute(slow)  # prepared, then polled in vain
         assert conn.late_spins == 1
@@ -159,18 +171,12 @@ async def test_an_answer_polled_in_vain_stops_the_polling_for_a_while(
         clock.now_s += 0.1
         await conn.execute(slow)
         assert conn.late_spins == 2
-    finally:
-        await conn.aclose()
 
 
 async def test_the_servers_error_is_raised_and_types_round_trip(
     postgres_server: PostgresServer,
 ) -> None:
-    url = postgres_server.create_database("loop_types")
-    store = PostgresStore(url, password=PASSWORD)
-    conn = LoopConnection(store, "gpupool-test", timeout_s=2.0, retry_s=0.0)
-    await conn.open()
-    try:
+    async with opened(postgres_server, "loop_types", timeout_s=2.0, retry_s=0.0) as conn:
         await conn.execute("CREATE TABLE t (s TEXT, f DOUBLE PRECISION, n BIGINT, b BOOLEAN)")
         await conn.execute("INSERT INTO t VALUES (?, ?, ?, ?)", ("it's 100%", 0.25, 2**40, True))
         await conn.execute("INSERT INTO t VALUES (?, ?, ?, ?)", (None, None, None, None))
@@ -181,5 +187,3 @@ async def test_the_servers_error_is_raised_and_types_round_trip(
         with pytest.raises(psycopg.errors.DivisionByZero):
             await conn.execute("SELECT 1 / ?", (0,))
         assert conn.failures == 1
-    finally:
-        await conn.aclose()
