@@ -17,6 +17,8 @@ counting at once, before the next scrape stops showing it.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -55,6 +57,13 @@ class InstanceState:
     released_since_reading: int = 0
     # the engine left its source (Kubernetes, Ray): no new work; removed once drained
     leaving: bool = False
+    # `pending_prefill_tokens` kept as leases come and go, not summed over them per call:
+    # the prompt tokens of leases still counted, those leases by predicted end of prefill
+    # (a heap, to uncount as time passes them) and the latest time asked about
+    prefill_tokens: int = 0
+    prefill_heap: list[tuple[float, int, Lease]] = field(default_factory=list)
+    prefill_asked_s: float = float("-inf")
+    first_token_leases: int = 0  # live leases that have sent their first token
 
     @property
     def instance_id(self) -> str:
@@ -91,8 +100,18 @@ class InstanceState:
         return max(float(self.reserved_blocks), measured, 0.0)
 
     def pending_prefill_tokens(self, now_s: float) -> int:
-        """Prompt tokens of this router's sequences still expected to be in prefill."""
-        return sum(lease.prompt_tokens for lease in self.leases if lease.in_prefill(now_s))
+        """Prompt tokens of this router's sequences still expected to be in prefill (no
+        first token yet, and `now_s` before the predicted end of their prefill). O(1) but
+        for the leases whose predicted end `now_s` passes; a time before one already asked
+        about is summed over the leases."""
+        if now_s < self.prefill_asked_s:
+            return sum(lease.prompt_tokens for lease in self.leases if lease.in_prefill(now_s))
+        self.prefill_asked_s = now_s
+        heap = self.prefill_heap
+        while heap and heap[0][0] <= now_s:
+            lease = heapq.heappop(heap)[2]
+            lease.uncount_prefill()
+        return self.prefill_tokens
 
 
 class Lease:
@@ -102,6 +121,7 @@ class Lease:
         "_fleet",
         "acquired_at_s",
         "blocks",
+        "counted_in_prefill",
         "first_token_at_s",
         "pool",
         "prefill_done_at_s",
@@ -129,6 +149,7 @@ class Lease:
         self.prefill_done_at_s = now_s + prefill_s  # predicted; the first token overrides
         self.first_token_at_s: float | None = None
         self.released = False
+        self.counted_in_prefill = False  # in its state's `prefill_tokens`
 
     @property
     def instance_id(self) -> str:
@@ -138,8 +159,17 @@ class Lease:
         return self.first_token_at_s is None and now_s < self.prefill_done_at_s
 
     def first_token(self, now_s: float) -> None:
+        if self.first_token_at_s is None and not self.released:
+            self.state.first_token_leases += 1
         self.first_token_at_s = now_s
+        self.uncount_prefill()
         self._fleet._first_token(self)
+
+    def uncount_prefill(self) -> None:
+        """Out of its state's pending prefill (first token, released, or predicted done)."""
+        if self.counted_in_prefill:
+            self.counted_in_prefill = False
+            self.state.prefill_tokens -= self.prompt_tokens
 
     def release(self) -> None:
         if self.released:
@@ -168,6 +198,7 @@ class Fleet:
         self._change_listeners: list[Callable[[str], None]] = []
         self._lease_listeners: list[Callable[[Lease, str], None]] = []
         self._warned_unknown_kv: set[str] = set()  # instances already warned about
+        self._lease_seq = itertools.count()  # the prefill heap's tie-break
 
     # -- membership at run time (engines discovered in Kubernetes or placed by Ray) ------------
 
@@ -233,6 +264,14 @@ class Fleet:
         state = self._states[instance_id]
         lease = Lease(self, state, pool, blocks, prompt_tokens, self._clock(), prefill_s)
         state.leases.add(lease)
+        if prompt_tokens:
+            heap = state.prefill_heap
+            if len(heap) > 2 * len(state.leases) + 64:  # released leases not yet passed
+                heap[:] = [e for e in heap if e[2].counted_in_prefill]
+                heapq.heapify(heap)
+            lease.counted_in_prefill = True
+            state.prefill_tokens += prompt_tokens
+            heapq.heappush(heap, (lease.prefill_done_at_s, next(self._lease_seq), lease))
         state.inflight += 1
         state.reserved_blocks += blocks
         state.added_since_reading += blocks
@@ -243,6 +282,9 @@ class Fleet:
     def _release(self, lease: Lease) -> None:
         state = lease.state
         state.leases.discard(lease)
+        lease.uncount_prefill()
+        if lease.first_token_at_s is not None:
+            state.first_token_leases -= 1
         state.inflight -= 1
         state.reserved_blocks -= lease.blocks
         state.released_since_reading += lease.blocks

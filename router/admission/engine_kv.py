@@ -61,6 +61,11 @@ class EngineKV:
         # fleet's bound (its measured term decides it), the loop below cannot come out lower
         if measured + state.added_since_reading - state.released_since_reading >= fleet:
             return fleet
+        if not state.first_token_leases:
+            # no lease has sent its first token: every one counts whole below, and measured +
+            # all reservations is never under the fleet's bound (added - released since the
+            # reading is at most what is reserved now): no pass over the leases per request
+            return fleet
         asked = reading.requested_at_s
         pending = 0
         for lease in state.leases:
