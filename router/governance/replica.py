@@ -243,18 +243,20 @@ class ReplicaBudgets:
         self, tenant: str, kind: str, name: str, limit: int
     ) -> tuple[bool, str | None]:
         """One of at most `limit` `kind` slots of `tenant` (requests, runs), held as
-        `<replica>:<name>`. Returns (admitted, the holder to release): (False, None) when
-        the limit is reached; (True, None) when the store is down and budgets fail open
-        (admitted without a slot); `StoreUnavailable` when they fail closed."""
+        `<replica>:<name>` and counted by `name` (a run whose steps run on two replicas holds
+        a slot on each, renewed and released by each, and takes one of the `limit`).
+        Returns (admitted, the holder to release): (False, None) when the limit is reached;
+        (True, None) when the store is down and budgets fail open (admitted without a slot);
+        `StoreUnavailable` when they fail closed."""
         holder = self.holder(name)
         if self.down_since_s is None:
             try:
                 now_s, key = self._wall(), f"{tenant}/{kind}"
                 got = await self._statement(
                     ACQUIRE_SLOT_SQL,
-                    (key, holder, limit, now_s, now_s + self.slot_lease_s),
+                    (key, holder, name, limit, now_s, now_s + self.slot_lease_s),
                     lambda: self.db.acquire_slot(
-                        key, holder, limit, now_s, lease_s=self.slot_lease_s
+                        key, holder, limit, now_s, lease_s=self.slot_lease_s, unit=name
                     ),
                 )
             except _Down:

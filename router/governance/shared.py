@@ -16,10 +16,12 @@ docs/replicas.md).
   takes up to `most` when the bucket holds more (a replica's chunk): (taken, level after).
 - `settle(tenant, bucket, reserved, used)`: gives back `reserved - used` (takes more when the
   request used more; the level may go below 0, never above capacity).
-- `acquire_slot(tenant, holder, limit, now_s, lease_s)`: one of at most `limit` slots, held
+- `acquire_slot(tenant, holder, limit, now_s, lease_s, unit)`: one of at most `limit` slots, held
   by `holder` until `now_s + lease_s` unless renewed (`renew_slots`) or released
   (`release_slot`); the slots of a holder that died expire with their lease. The tenant's
   bucket row is locked first, so concurrent acquisitions are counted one after another.
+  `unit` (default: the holder) is what the limit counts: holders of one unit (a run's slot
+  on each replica its steps run on) take one slot together (migration 9).
 
 - `next_step(tenant, run_id, now_s)`: the run's next step number (0, 1, 2, ...) and its home
   (`record_home`: the instance its latest answered step went to), one upsert;
@@ -140,12 +142,8 @@ RUN_HOMES = _migration(6, "run_steps.home (run homes across replicas)", _RUN_HOM
 # PostgreSQL's `acquire_slot` in one round trip: the same steps as the SQLite transaction in
 # a function (each statement of a volatile PL/pgSQL function sees what other transactions
 # committed before it, as the statements of a READ COMMITTED transaction do)
-_ACQUIRE_SLOT_FUNCTION = """
-CREATE OR REPLACE FUNCTION gpupool_acquire_slot(
-    p_tenant TEXT, p_holder TEXT, p_limit INTEGER, p_now DOUBLE PRECISION,
-    p_expires DOUBLE PRECISION
-) RETURNS BOOLEAN LANGUAGE plpgsql AS $fn$
-DECLARE
+# The functions' first steps: lock the tenant's slots, drop the expired ones.
+_LOCK_AND_EXPIRE = """DECLARE
     held INTEGER;
 BEGIN
     -- the upsert locks the tenant's slot row: its acquisitions are counted in turn
@@ -153,7 +151,16 @@ BEGIN
         VALUES (p_tenant, '__slots__', 0, 0, 0, p_now)
         ON CONFLICT (tenant, bucket) DO UPDATE SET capacity = excluded.capacity;
     DELETE FROM concurrency_slots WHERE tenant = p_tenant AND expires_at_s <= p_now;
-    SELECT COUNT(*) INTO held FROM concurrency_slots
+"""
+_ACQUIRE_SLOT_FUNCTION = (
+    """
+CREATE OR REPLACE FUNCTION gpupool_acquire_slot(
+    p_tenant TEXT, p_holder TEXT, p_limit INTEGER, p_now DOUBLE PRECISION,
+    p_expires DOUBLE PRECISION
+) RETURNS BOOLEAN LANGUAGE plpgsql AS $fn$
+"""
+    + _LOCK_AND_EXPIRE
+    + """    SELECT COUNT(*) INTO held FROM concurrency_slots
         WHERE tenant = p_tenant AND holder <> p_holder;
     IF held >= p_limit THEN
         RETURN FALSE;
@@ -165,6 +172,7 @@ BEGIN
 END
 $fn$
 """
+)
 
 
 def _create_acquire_slot(conn: Conn) -> None:
@@ -187,7 +195,54 @@ ALTER TABLE run_steps ADD COLUMN stop_code TEXT
 # governance's eighth migration: a run's settled tokens and GPU-seconds summed over the
 # replicas, and the guard that stopped it on any of them (its guards across replicas)
 RUN_COUNTERS = _migration(8, "run_steps tokens, gpu_seconds, stop_code (run guards)", _RUN_COUNTERS)
-ACQUIRE_SLOT_SQL = "SELECT gpupool_acquire_slot(?, ?, ?, ?, ?)"  # PostgreSQL only
+# governance's ninth migration: what a slot counts (`unit`) beside who holds it. A run's
+# `max_concurrent_runs` slot is held per replica where its steps run (`<replica>:run:<id>`:
+# each replica renews and releases its own), and counted once per run: the limit counts
+# distinct units, and a run that holds a slot on one replica is admitted on another.
+# Rows written before it (no unit) count by holder, as before. `acquire_slot` of older
+# routers (migration 7's function) counts holders: a run on two replicas counts twice there,
+# the cautious side.
+_SLOT_UNITS = (
+    """
+CREATE OR REPLACE FUNCTION gpupool_acquire_unit_slot(
+    p_tenant TEXT, p_holder TEXT, p_unit TEXT, p_limit INTEGER, p_now DOUBLE PRECISION,
+    p_expires DOUBLE PRECISION
+) RETURNS BOOLEAN LANGUAGE plpgsql AS $fn$
+"""
+    + _LOCK_AND_EXPIRE
+    + """    SELECT COUNT(DISTINCT COALESCE(unit, holder)) INTO held FROM concurrency_slots
+        WHERE tenant = p_tenant AND holder <> p_holder AND COALESCE(unit, holder) <> p_unit;
+    IF held >= p_limit THEN
+        RETURN FALSE;
+    END IF;
+    INSERT INTO concurrency_slots (tenant, holder, expires_at_s, unit)
+        VALUES (p_tenant, p_holder, p_expires, p_unit)
+        ON CONFLICT (tenant, holder) DO UPDATE
+        SET expires_at_s = excluded.expires_at_s, unit = excluded.unit;
+    RETURN TRUE;
+END
+$fn$
+"""
+)
+
+
+def _add_unit(conn: Conn) -> None:
+    conn.execute("ALTER TABLE concurrency_slots ADD COLUMN unit TEXT")
+
+
+def _add_unit_and_function(conn: Conn) -> None:
+    _add_unit(conn)
+    conn.execute(_SLOT_UNITS)  # one statement: its body holds `;`
+
+
+SLOT_UNITS = Migration(
+    "governance",
+    9,
+    "concurrency_slots.unit (a run's slot counted once across replicas)",
+    _add_unit,
+    _add_unit_and_function,
+)
+ACQUIRE_SLOT_SQL = "SELECT gpupool_acquire_unit_slot(?, ?, ?, ?, ?, ?)"  # PostgreSQL only
 RELEASE_SLOT_SQL = "DELETE FROM concurrency_slots WHERE tenant = ? AND holder = ?"
 NEXT_STEP_SQL = (
     "INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s)"
@@ -343,12 +398,22 @@ class SharedBudgets:
         return None if row is None else float(row[0])
 
     def acquire_slot(
-        self, tenant: str, holder: str, limit: int, now_s: float, *, lease_s: float
+        self,
+        tenant: str,
+        holder: str,
+        limit: int,
+        now_s: float,
+        *,
+        lease_s: float,
+        unit: str | None = None,
     ) -> bool:
+        """`unit`: what the slot counts (None: the holder). Holders of one unit (a run's
+        steps on several replicas) take one of the `limit` slots together."""
+        unit = holder if unit is None else unit
         if self.store.dialect == "postgresql":  # one call, one round trip (ACQUIRE_SLOT)
             with self.store.connection() as conn:
                 (got,) = conn.execute(
-                    ACQUIRE_SLOT_SQL, (tenant, holder, limit, now_s, now_s + lease_s)
+                    ACQUIRE_SLOT_SQL, (tenant, holder, unit, limit, now_s, now_s + lease_s)
                 ).fetchone()
             return bool(got)
         with self.store.connection() as conn, conn.transaction():
@@ -359,15 +424,17 @@ class SharedBudgets:
                 (tenant, now_s),
             )
             (held,) = conn.execute(
-                "SELECT COUNT(*) FROM concurrency_slots WHERE tenant = ? AND holder <> ?",
-                (tenant, holder),
+                "SELECT COUNT(DISTINCT COALESCE(unit, holder)) FROM concurrency_slots"
+                " WHERE tenant = ? AND holder <> ? AND COALESCE(unit, holder) <> ?",
+                (tenant, holder, unit),
             ).fetchone()
             if int(held) >= limit:
                 return False
             conn.execute(
-                "INSERT INTO concurrency_slots (tenant, holder, expires_at_s) VALUES (?, ?, ?)"
-                " ON CONFLICT (tenant, holder) DO UPDATE SET expires_at_s = excluded.expires_at_s",
-                (tenant, holder, now_s + lease_s),
+                "INSERT INTO concurrency_slots (tenant, holder, expires_at_s, unit)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT (tenant, holder) DO UPDATE"
+                " SET expires_at_s = excluded.expires_at_s, unit = excluded.unit",
+                (tenant, holder, now_s + lease_s, unit),
             )
             return True
 

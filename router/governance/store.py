@@ -30,6 +30,7 @@ from router.governance.shared import (
     RUN_HOMES,
     RUN_STEPS,
     SHARED_TABLES,
+    SLOT_UNITS,
 )
 from router.store import Conn, Migration, SqliteStore, Store, migrate, upsert
 
@@ -102,6 +103,7 @@ MIGRATIONS = (
     RUN_HOMES,
     ACQUIRE_SLOT,
     RUN_COUNTERS,
+    SLOT_UNITS,
 )
 
 

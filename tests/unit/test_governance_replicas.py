@@ -296,9 +296,16 @@ async def test_run_slots_and_cost_caps_across_replicas(postgres_server: Postgres
             await enter(b, "s", run_id="r2")  # the tier's one run slot is r1's, on a
         assert "agent runs active across the router replicas" in refused.value.message
         await finish(a, await enter(a, "s", run_id="r1"))  # r1's next step: its own slot
+        # r1's next step on b: the run's slot, counted once (a slot held on a and on b)
+        await finish(b, await enter(b, "s", run_id="r1"))
         assert a.end_run("s", "r1") is not None
         assert a._replica is not None
         await asyncio.gather(*a._replica._pending)
+        with pytest.raises(RateLimited):
+            await enter(a, "s", run_id="r2")  # r1 is still active on b
+        assert b.end_run("s", "r1") is not None
+        assert b._replica is not None
+        await asyncio.gather(*b._replica._pending)
         await finish(b, await enter(b, "s", run_id="r2"))
         # cost caps: a's request used 12 of c's 10 GPU-seconds an hour; b sees it after a
         # sweep on each (a publishes, b reads)

@@ -62,6 +62,22 @@ def test_slots_limit_expire_release_and_renew(any_store: Store) -> None:
     assert b.acquire_slot("t", "r3:x", 2, T0 + 16, lease_s=10)
 
 
+def test_holders_of_one_unit_take_one_slot(any_store: Store) -> None:
+    """A run's steps on two replicas: a slot held by each, one of the limit counted."""
+    b = _budgets(any_store)
+
+    def run_slot(replica: str, run: str) -> bool:
+        return b.acquire_slot("t", f"{replica}:run:{run}", 1, T0, lease_s=10, unit=f"run:{run}")
+
+    assert run_slot("r1", "x")
+    assert run_slot("r2", "x")  # the same run on another replica: not a second run
+    assert not run_slot("r2", "y")
+    b.release_slot("t", "r1:run:x")
+    assert not run_slot("r1", "y")  # x still holds its slot on r2
+    b.release_slot("t", "r2:run:x")
+    assert run_slot("r1", "y")
+
+
 def _race(
     clients: list[SharedBudgets], threads_each: int, attempt: Callable[[SharedBudgets, int], bool]
 ) -> int:
