@@ -414,7 +414,7 @@ def _main(args: argparse.Namespace) -> int:
         (agent_id,) = view["pools"]["agent"]["instances"]
         agent_engine = view["instances"][agent_id]["url"]
         for i, mode in enumerate(order):
-            round_ = i // 2 + 1
+            round_ = i // len(modes) + 1
             print(f"round {round_}: {mode}", flush=True)
             url = f"http://127.0.0.1:{ROUTER_PORTS[mode]}"
             reset_prefix_caches(engines, os.environ[KEY_ENV])  # no run starts warm from another
