@@ -655,21 +655,21 @@ class CompletionsHandler:
                 f"engine {outcome.instance_id} failed mid-response: {err}", "engine_error"
             ) from None
         outcome.ended_at_s = self.clock()  # a whole body: no first token to observe
-        extra_headers: list[tuple[bytes, bytes]] = []
-        data: Any = None
-        with contextlib.suppress(orjson.JSONDecodeError):
+        data: Any
+        try:
             data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            data = None
         if isinstance(data, dict):
-            with contextlib.suppress(TypeError, ValueError):
+            try:
                 tokens = adapter.body_usage(data)
                 if tokens is not None:
                     outcome.prompt_tokens, outcome.completion_tokens = tokens
+            except (TypeError, ValueError):
+                pass
             outcome.response_id = adapter.body_response_id(data)
         extra = self.settlement.usage_extra(outcome)
-        for key, value in extra.items():
-            extra_headers.append(
-                (f"x-gpupool-{key.replace('_', '-')}".encode(), str(value).encode())
-            )
+        extra_headers = [(_extra_header(key), str(value).encode()) for key, value in extra.items()]
         if (
             ctx.want_gpu_usage
             and extra
@@ -847,6 +847,17 @@ class _Splice:
         else:
             self.pending = buf
         return True
+
+
+_EXTRA_HEADERS: dict[str, bytes] = {}
+
+
+def _extra_header(key: str) -> bytes:
+    """The response header of a usage extra (`gpu_seconds` -> `x-gpupool-gpu-seconds`)."""
+    name = _EXTRA_HEADERS.get(key)
+    if name is None:
+        name = _EXTRA_HEADERS[key] = f"x-gpupool-{key.replace('_', '-')}".encode()
+    return name
 
 
 _FINDERS: dict[tuple[bytes, ...], Callable[[bytes], object]] = {}
