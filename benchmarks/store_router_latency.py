@@ -19,8 +19,9 @@ one at a time:
 - `agent`: the plain tenant's agent run steps (`x-gpupool-run-id`, 10 steps a run): the
   run's step number (and home) from the store.
 
-Each round sends `--requests` of every kind to each router in turn (the order of the two
-routers alternates by round), so both see the same machine load. Reported per kind and
+Each round sends `--requests` of every kind to each router, the two taking turns every
+`--block` requests (20; the first of each turn alternating), each on a keep-alive connection
+of its own for the whole run, so a change of the machine's load lands on both. Reported per kind and
 store: p50 / p90 / p99 over all rounds, the added p50 (PostgreSQL - SQLite) per round and
 over all, and the load average. The router processes, the engine and PostgreSQL share the
 machine's CPUs with this client, as a small deployment would.
@@ -98,19 +99,40 @@ def _headers(kind: str, k: int, tag: str) -> dict[str, str]:
     return headers
 
 
-async def _round(url: str, kind: str, requests: int, tag: str) -> list[float]:
-    """Latencies (ms) of `requests` requests, one at a time on one connection."""
+async def _send(
+    session: aiohttp.ClientSession, url: str, kind: str, ks: range, tag: str
+) -> list[float]:
+    """Latencies (ms) of requests `ks` (their numbers: an agent run is 10 of them), one at a
+    time on the session's one connection."""
     took: list[float] = []
-    connector = aiohttp.TCPConnector(limit=1)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        for k in range(requests):
-            headers = _headers(kind, k, tag)
-            started = time.perf_counter()
-            async with session.post(f"{url}/v1/chat/completions", json=BODY, headers=headers) as r:
-                await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"{kind}: HTTP {r.status}: {await r.text()}")
-            took.append((time.perf_counter() - started) * 1e3)
+    for k in ks:
+        headers = _headers(kind, k, tag)
+        started = time.perf_counter()
+        async with session.post(f"{url}/v1/chat/completions", json=BODY, headers=headers) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{kind}: HTTP {r.status}: {await r.text()}")
+        took.append((time.perf_counter() - started) * 1e3)
+    return took
+
+
+async def _round(
+    sessions: dict[str, aiohttp.ClientSession],
+    urls: dict[str, str],
+    kind: str,
+    requests: int,
+    block: int,
+    tag: str,
+) -> dict[str, list[float]]:
+    """`requests` requests of `kind` to each store's router, the stores taking turns every
+    `block` requests (so a change of the machine's load lands on both), the first store
+    alternating by block."""
+    took: dict[str, list[float]] = {store: [] for store in urls}
+    for b, first in enumerate(range(0, requests, block)):
+        ks = range(first, min(requests, first + block))
+        order = list(urls) if b % 2 == 0 else list(urls)[::-1]
+        for store in order:
+            took[store] += await _send(sessions[store], urls[store], kind, ks, f"{tag}-{store}")
     return took
 
 
@@ -123,29 +145,33 @@ async def _measure(
     urls: dict[str, str], args: argparse.Namespace
 ) -> tuple[dict[tuple[str, str], list[float]], dict[str, list[float]], list[float]]:
     kinds = args.kinds.split(",")
-    for store, url in urls.items():  # warm-up: connections, pools, leases, caches
-        for kind in kinds:
-            await _round(url, kind, 100, f"warm-{store}")
-    samples: dict[tuple[str, str], list[float]] = {(k, s): [] for k in kinds for s in STORES}
-    added: dict[str, list[float]] = {k: [] for k in kinds}
-    loads = []
-    for n in range(args.rounds):
-        for kind in kinds:
-            p50 = {}
-            order = STORES if n % 2 == 0 else STORES[::-1]
-            for store in order:
-                took = await _round(urls[store], kind, args.requests, f"r{n}-{store}")
-                samples[(kind, store)].extend(took)
-                p50[store] = statistics.median(took)
-            added[kind].append(p50["postgres"] - p50["sqlite"])
-        loads.append(os.getloadavg()[0])
-        print(
-            f"round {n + 1}: added p50 "
-            + ", ".join(f"{k} {added[k][-1]:+.3f} ms" for k in kinds)
-            + f" (load {loads[-1]:.1f})",
-            file=sys.stderr,
-            flush=True,
-        )
+    sessions = {
+        store: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) for store in urls
+    }
+    try:
+        for kind in kinds:  # warm-up: connections, pools, leases, caches
+            await _round(sessions, urls, kind, 100, args.block, "warm")
+        samples: dict[tuple[str, str], list[float]] = {(k, s): [] for k in kinds for s in STORES}
+        added: dict[str, list[float]] = {k: [] for k in kinds}
+        loads = []
+        for n in range(args.rounds):
+            for kind in kinds:
+                took = await _round(sessions, urls, kind, args.requests, args.block, f"r{n}")
+                for store in STORES:
+                    samples[(kind, store)].extend(took[store])
+                p50 = {store: statistics.median(took[store]) for store in STORES}
+                added[kind].append(p50["postgres"] - p50["sqlite"])
+            loads.append(os.getloadavg()[0])
+            print(
+                f"round {n + 1}: added p50 "
+                + ", ".join(f"{k} {added[k][-1]:+.3f} ms" for k in kinds)
+                + f" (load {loads[-1]:.1f})",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        for session in sessions.values():
+            await session.close()
     return samples, added, loads
 
 
@@ -162,7 +188,7 @@ def _report(
         f"`{command.strip()}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},"
         f" {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), load (1 min)"
         f" {min(loads):.1f}-{max(loads):.1f}; {args.rounds} rounds x {args.requests} requests"
-        " per kind and store, the stores in turns.",
+        f" per kind and store, the stores taking turns every {args.block} requests.",
         "",
         "| kind | store | p50 ms | p90 ms | p99 ms | added p50 ms (per-round range) |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -221,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=400, help="per kind, store and round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kinds", default="plain,governed,agent")
+    parser.add_argument(
+        "--block", type=int, default=20, help="the stores take turns every BLOCK requests"
+    )
     parser.add_argument(
         "--store", action="append", default=[], metavar="KEY=VALUE", help="a store.* setting"
     )
