@@ -21,8 +21,9 @@ timeouts and `synchronous_commit`): one round trip, no thread.
   its first use on the connection (a server-side plan), parameters in text format (the
   server infers their types from the statement) and rows read back by psycopg's loaders;
   no cursor, no task, no per-statement `asyncio.wait_for`. Measured at c=1 on this 2-CPU
-  machine with the cores idle between statements, an 18-column INSERT: 186-243 us p50 through
-  `AsyncConnection.execute`, 95-107 us this way (tests' server, unix socket).
+  machine (load 1.2) with the cores idle 1 ms between statements, an 18-column INSERT:
+  186-243 us p50 through `AsyncConnection.execute`, 151 us this way waiting on the socket,
+  95-107 us polled (below; tests' server, unix socket).
 - The answer is polled, not slept on, for its first `spin_s` (0.3 ms by default): the loop
   yields after each poll (`await asyncio.sleep(0)`: other callbacks and I/O run between two
   polls), so the process does not go to sleep for a reply that comes within a round trip
