@@ -19,7 +19,9 @@ counts its hold: the hold ends when that step arrives, before admission decides 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
+import itertools
+from collections import Counter, OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -29,7 +31,7 @@ __all__ = ["PauseHolds"]
 _ALPHA = 0.5
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Hold:
     instance_id: str
     blocks: int
@@ -40,7 +42,8 @@ class _Hold:
 
 class PauseHolds:
     """The paused runs' holds and the pauses learned (module docstring). Remembers at most
-    `max_runs` runs' pauses (least recently used forgotten first)."""
+    `max_runs` runs' pauses (least recently used forgotten first). Each call costs O(log n) in
+    the holds (per-instance totals, and the holds' ends in a heap), not a walk over them."""
 
     def __init__(
         self, max_pause_s: float, margin_frac: float, max_frac: float, max_runs: int = 100_000
@@ -52,6 +55,9 @@ class PauseHolds:
         self.max_frac = max_frac
         self.max_runs = max_runs
         self._holds: dict[Hashable, _Hold] = {}
+        self._held: Counter[str] = Counter()  # blocks held per instance
+        self._ends: list[tuple[float, int, Hashable, _Hold]] = []  # (until, seq, run, hold)
+        self._seq = itertools.count()
         self._run_pause_s: OrderedDict[Hashable, float] = OrderedDict()
         self._pool_pause_s: dict[str, float] = {}
 
@@ -67,13 +73,25 @@ class PauseHolds:
         the returned time (the predicted pause with its margin, at most `max_pause_s`)."""
         pause = self.predicted_pause_s(run, pool) * (1.0 + self.margin_frac)
         until = now_s + min(pause, self.max_pause_s)
-        self._holds[run] = _Hold(instance_id, max(0, blocks), now_s, until, pool)
+        self._end(run)
+        hold = _Hold(instance_id, max(0, blocks), now_s, until, pool)
+        self._holds[run] = hold
+        self._held[instance_id] += hold.blocks
+        heapq.heappush(self._ends, (until, next(self._seq), run, hold))
         return until
+
+    def _end(self, run: Hashable) -> _Hold | None:
+        hold = self._holds.pop(run, None)
+        if hold is not None:
+            self._held[hold.instance_id] -= hold.blocks
+            if self._held[hold.instance_id] <= 0:
+                del self._held[hold.instance_id]
+        return hold
 
     def arrived(self, run: Hashable, now_s: float) -> bool:
         """The run's next step arrived: its hold ends and its pause is learned. True when it
         held blocks (a queued sequence may fit now)."""
-        hold = self._holds.pop(run, None)
+        hold = self._end(run)
         if hold is None:
             return False
         pause = min(max(0.0, now_s - hold.ended_at_s), self.max_pause_s)
@@ -89,22 +107,26 @@ class PauseHolds:
 
     def forget(self, run: Hashable) -> None:
         """The run ended: no hold, no pause remembered."""
-        self._holds.pop(run, None)
+        self._end(run)
         self._run_pause_s.pop(run, None)
 
     def forget_instance(self, instance_id: str) -> None:
         """The instance left (its cache with it): its holds end."""
         for run in [r for r, h in self._holds.items() if h.instance_id == instance_id]:
-            del self._holds[run]
+            self._end(run)
 
     def held_blocks(self, instance_id: str, capacity_blocks: int, now_s: float) -> int:
         """Blocks held on the instance now for paused runs, at most `max_frac` of
         `capacity_blocks`. Drops the holds that have passed (anywhere)."""
-        expired = [r for r, h in self._holds.items() if h.until_s <= now_s]
-        for run in expired:
-            del self._holds[run]
-        total = sum(h.blocks for h in self._holds.values() if h.instance_id == instance_id)
-        return min(total, int(self.max_frac * capacity_blocks))
+        ends = self._ends
+        while ends and ends[0][0] <= now_s:
+            _, _, run, hold = heapq.heappop(ends)
+            if self._holds.get(run) is hold:  # not ended or replaced since
+                self._end(run)
+        if len(ends) > 2 * len(self._holds) + 64:  # ended holds' entries: drop them
+            self._ends = [e for e in ends if self._holds.get(e[2]) is e[3]]
+            heapq.heapify(self._ends)
+        return min(self._held[instance_id], int(self.max_frac * capacity_blocks))
 
     def holds(self) -> int:
         """How many runs hold blocks (expired ones included until the next `held_blocks`)."""

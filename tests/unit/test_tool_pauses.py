@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,27 @@ def test_the_settings_are_checked(tmp_path: Path) -> None:
         0.5,
         0.3,
     )
+
+
+def test_held_blocks_match_a_walk_over_the_holds_through_random_events() -> None:
+    """The per-instance totals and the heap of ends agree with summing the live holds."""
+    rng = random.Random(7)
+    holds = PauseHolds(max_pause_s=5.0, margin_frac=0.5, max_frac=1.0)
+    live: dict[str, tuple[str, int, float]] = {}  # run -> (instance, blocks, until)
+    now = 0.0
+    for _ in range(2000):
+        now += rng.random() * 0.5
+        run, instance = f"r{rng.randrange(30)}", f"e{rng.randrange(3)}"
+        event = rng.random()
+        if event < 0.5:
+            blocks = rng.randrange(1, 50)
+            live[run] = (instance, blocks, holds.ended(run, instance, blocks, "agent", now))
+        elif event < 0.9:
+            holds.arrived(run, now)
+            live.pop(run, None)
+        else:
+            holds.forget(run)
+            live.pop(run, None)
+        for i in ("e0", "e1", "e2"):
+            want = sum(b for inst, b, until in live.values() if inst == i and until > now)
+            assert holds.held_blocks(i, 10_000, now) == want
