@@ -31,6 +31,10 @@ workload (`kv-pressure.yaml`: Poisson chat and waves of K=6 growing agent runs w
 - `admission-forecast-slice-serial256`: the same with the hold's threshold fixed at the slice
   (256 tokens) instead of `auto` (~580 tokens at this engine's measured rate), so agent steps
   of 256-580 uncached tokens (two slices each) are serialized and held too;
+- `chat-alone-slice128`, `admission-forecast-slice128-serial`: `chat-alone` and
+  `admission-forecast-slice-serial` on an engine from `engine-slice128.yaml`
+  (`prefill_slice_tokens: 128`): a smaller agent slice beside each chat step, at the cost of
+  slicing more chat prompts (above 128 tokens) too;
 - `chat-alone-chunk512`, `admission-forecast-chunk512`: `chat-alone` and `admission-forecast`
   on an engine from `engine-chunk512.yaml`, which differs only by `--max-num-batched-tokens
   512` (vLLM's step budget; 2,048 otherwise): issue 26's chunk-size lever.
@@ -107,6 +111,7 @@ ENGINE_FILES = {
     "chunk512": HERE / "engine-chunk512.yaml",  # --max-num-batched-tokens 512
     # admission.prefill_slice_tokens: 256 (vLLM's --long-prefill-token-threshold 256)
     "slice": HERE / "engine-slice.yaml",
+    "slice128": HERE / "engine-slice128.yaml",  # the same with prefill_slice_tokens: 128
 }
 CHAT_CLASS = "normal"
 # the agents' output tok/s with admission against admission off: at least this (issue 26; it
@@ -243,6 +248,28 @@ CONFIGS: dict[str, RunSpec] = {
             {
                 "reserve": "forecast",
                 "prefill_hold_min_tokens": 256,
+                "prefill_hold_serial": True,
+            },
+        ),
+        RunSpec(
+            "chat-alone-slice128",
+            "slice128",
+            "off",
+            None,
+            False,
+            "chat only (no agent runs), admission off; engine with prefill_slice_tokens: 128",
+        ),
+        RunSpec(
+            "admission-forecast-slice128-serial",
+            "slice128",
+            "on",
+            None,
+            True,
+            "admission on, reserve: forecast, prefill_hold_min_tokens: auto,"
+            " prefill_hold_serial: true; engine with prefill_slice_tokens: 128",
+            {
+                "reserve": "forecast",
+                "prefill_hold_min_tokens": "auto",
                 "prefill_hold_serial": True,
             },
         ),
