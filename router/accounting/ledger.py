@@ -11,7 +11,8 @@ event loop never waits on the database for a lock or a checkpoint.
 - Durable (`durable=True`, `router.ledger_durable`, the default): `await ledger.commit(record)`
   returns once the record is committed to the WAL. With nothing queued for the writer, the
   loop commits it (embedded store): the first of a loop iteration at once (~30 us, no thread
-  round trip), the others of the iteration in one transaction at the start of the next; the
+  round trip), the others of the iteration in one transaction at the start of the next (after
+  an iteration that made more than one, under load, the first too: one commit an iteration); the
   write lock held elsewhere, an error or a slow disk send them to the thread. Otherwise commits
   are grouped: the thread writes every row queued while it was busy in one transaction and
   wakes their waiters in one callback, so concurrent requests share a commit. The router awaits
@@ -564,6 +565,10 @@ class Ledger:
         self._loop_group: list[_Row] = []
         self._loop_waiters: list[asyncio.Future[bool]] = []
         self._loop_group_armed = False  # `_commit_loop_group` is scheduled
+        # the last iteration's loop commits were more than one: under load, the first of an
+        # iteration joins its group too (one transaction an iteration, not two)
+        self._loop_busy = False
+        self._loop_lead = 0  # this iteration's commit made at once (0 or 1)
         if durable and isinstance(self.store, SqliteStore):
             self._loop_commit = LoopCommit(
                 self.store.path,
@@ -778,18 +783,24 @@ class Ledger:
         loop = asyncio.get_running_loop()
         # Nothing queued for the writer before it (whose order to keep) and healthy: committed
         # from the loop (ledger_loop.py). The first of a loop iteration at once; the others of
-        # the same iteration together, at the start of the next (one transaction). Locked, slow
-        # or failing, it goes to the writer thread.
+        # the same iteration together, at the start of the next (one transaction); after an
+        # iteration with more than one (under load), the first joins its group too. Locked,
+        # slow or failing, it goes to the writer thread.
         loop_commit = self._loop_commit
         group = self._loop_group
         if loop_commit is not None and self._queued - len(group) == 1 and not self._failing:
-            if not self._loop_group_armed:
-                if loop_commit.commit((row,)):
-                    self._committed([row], _NO_WAITER, 0, None)
+            armed = self._loop_group_armed
+            if not armed and not self._loop_busy and loop_commit.commit((row,)):
+                self._committed([row], _NO_WAITER, 0, None)
+                self._loop_lead = 1
+                self._loop_group_armed = True
+                loop.call_soon(self._commit_loop_group)
+                return True
+            if (armed or self._loop_busy) and loop_commit.active:
+                if not armed:  # under load: the first of the iteration waits for its group
+                    self._loop_lead = 0
                     self._loop_group_armed = True
                     loop.call_soon(self._commit_loop_group)
-                    return True
-            elif loop_commit.active:
                 waiter: asyncio.Future[bool] = loop.create_future()
                 group.append(row)
                 self._loop_waiters.append(waiter)
@@ -838,6 +849,7 @@ class Ledger:
         the writer thread."""
         self._loop_group_armed = False
         rows, waiters = self._loop_group, self._loop_waiters
+        self._loop_busy = self._loop_lead + len(rows) > 1
         if not rows:
             return
         self._loop_group, self._loop_waiters = [], []

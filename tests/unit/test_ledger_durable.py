@@ -230,6 +230,24 @@ async def test_the_commits_of_one_loop_iteration_after_the_first_share_one_trans
     assert len(rows(db)) == 20 and (ledger.buffered, ledger.written_records) == (0, 20)
 
 
+async def test_after_an_iteration_of_several_commits_the_first_joins_the_group_too(
+    make_ledger: Callable[..., Any], db: Path
+) -> None:
+    ledger: Ledger = await make_ledger()
+    assert all(await asyncio.gather(*(ledger.commit(record(request_id=f"a{i}")) for i in range(5))))
+    assert ledger.loop_commits == 2  # the first at once, the 4 others together
+    # under load: the next iteration's 5 are one transaction, the first not at once
+    assert all(await asyncio.gather(*(ledger.commit(record(request_id=f"b{i}")) for i in range(5))))
+    assert ledger.loop_commits == 3
+    # a lone commit after it waits one iteration (its group of one), then the next is at once
+    assert await ledger.commit(record(request_id="c0")) is True
+    assert ledger.loop_commits == 4
+    lone = asyncio.ensure_future(ledger.commit(record(request_id="c1")))
+    await asyncio.sleep(0)
+    assert lone.done() and lone.result() is True and ledger.loop_commits == 5
+    assert len(rows(db)) == 12 and (ledger.buffered, ledger.written_records) == (0, 12)
+
+
 async def test_a_loop_group_that_finds_the_file_locked_goes_to_the_writer(
     make_ledger: Callable[..., Any], db: Path
 ) -> None:
