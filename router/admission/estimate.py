@@ -25,7 +25,9 @@ which are counted as given. `θ` is
 tracked by a small Kalman filter with random-walk coefficients (`_OnlineLinear`): its steady
 state is an EWMA of the residual, and while few requests have been seen it spreads the residual
 over the coefficients by how sure it is of each, so the error falls within a few requests
-instead of a few dozen. `observe()` feeds it the `usage.prompt_tokens` vLLM returned.
+instead of a few dozen; past its first 64 observations it takes them by blocks of 128 (one
+numpy step, the same filter: ~0.7 µs a response instead of 7-12). `observe()` feeds it the
+`usage.prompt_tokens` vLLM returned.
 
 Output tokens: the request's `max_completion_tokens` (or `max_tokens`; 16 on /v1/completions
 when absent, as vLLM and OpenAI default), capped by the class's observed p95 of completion
@@ -140,7 +142,16 @@ class _OnlineLinear:
     small ones and the fit minimises relative error. A residual beyond 4 predicted standard
     deviations is clipped (an image part or a template surprise moves θ, but not wildly). A
     coefficient's variance never grows past its prior, so unused features do not wind up.
+
+    `observe` feeds `update` one observation at a time for the first `sequential` ones (the
+    error falls within a few requests); after that it keeps them and applies every `batch` of
+    them in one step (`update_batch`: the same filter's update by a block of observations,
+    numpy; a 7×7 update in Python on every response cost 7-12 µs, a block of 128 ~60 µs). So
+    past the first ones, θ lags by up to `batch` responses: the template it learns is fixed.
     """
+
+    sequential = 64  # observations applied one by one before batching starts
+    batch = 128  # observations kept before a block update
 
     def __init__(
         self,
@@ -160,9 +171,64 @@ class _OnlineLinear:
         self._noise_abs = noise_abs_sd**2
         self._noise_rel = noise_rel_sd**2
         self._bounds = list(bounds)
+        self._seen = 0
+        self._pending_x: list[Sequence[float]] = []
+        self._pending_y: list[float] = []
 
     def predict(self, x: Sequence[float]) -> float:
         return float(sum(map(mul, self.theta, x)))
+
+    def observe(self, x: Sequence[float], y: float) -> None:
+        """`update`, one by one at first, then by blocks of `batch` observations."""
+        if self._seen < self.sequential:
+            self._seen += 1
+            self.update(x, y)
+            return
+        if len(x) != len(self.theta) or not any(x):
+            return
+        self._pending_x.append(x)
+        self._pending_y.append(y)
+        if len(self._pending_y) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply the observations `observe` kept."""
+        xs, ys = self._pending_x, self._pending_y
+        if ys:
+            self._pending_x, self._pending_y = [], []
+            self.update_batch(xs, ys)
+
+    def update_batch(self, xs: Sequence[Sequence[float]], ys: Sequence[float]) -> None:
+        """The Kalman update by all of `xs`/`ys` at once (exact for a block without drift): the
+        residuals clipped at 4 predicted standard deviations from the block's start, the drift
+        of the block's observations added after it. Each x has the model's length."""
+        x = np.array(xs, dtype=float)
+        y = np.array(ys, dtype=float)
+        p = np.array(self._p)
+        theta = np.array(self.theta)
+        r = self._noise_abs + self._noise_rel * y * y
+        var = ((x @ p) * x).sum(axis=1) + r  # each one's predicted variance
+        if not var.min() > 0.0 or not math.isfinite(var.max()):
+            return
+        limit = 4.0 * np.sqrt(var)
+        e = np.clip(y - x @ theta, -limit, limit)
+        xw = x.T / r  # Xᵀ R⁻¹: the information form, 7×7 inverses whatever the block's size
+        try:
+            p = np.linalg.inv(np.linalg.inv(p) + xw @ x)
+        except np.linalg.LinAlgError:
+            return
+        theta = theta + p @ (xw @ e)
+        p = 0.5 * (p + p.T)
+        if not (math.isfinite(theta.sum()) and math.isfinite(p.sum())):
+            return
+        lo, hi = zip(*self._bounds, strict=True)
+        self.theta = np.clip(theta, lo, hi).tolist()
+        rows = p.tolist()
+        drift = len(ys)
+        for i in range(len(rows)):
+            if rows[i][i] < self._p_max[i]:
+                rows[i][i] = min(rows[i][i] + drift * self._q[i], self._p_max[i])
+        self._p = rows
 
     def update(self, x: Sequence[float], y: float) -> None:
         n = len(self.theta)
@@ -644,6 +710,7 @@ class TokenEstimator:
     @property
     def coefficients(self) -> dict[str, float]:
         """The learned θ: tokens per unit of each of `FEATURES` (per token or byte of content)."""
+        self._model.flush()
         return dict(zip(FEATURES, self._model.theta, strict=True))
 
     def estimate(self, body: dict[str, Any], *, chat: bool, class_name: str) -> Estimate:
@@ -690,7 +757,7 @@ class TokenEstimator:
         if prompt_tokens <= 0:
             return None
         if estimate.source == self.source and estimate.features:
-            self._model.update(estimate.features, prompt_tokens - estimate.exact_prompt_tokens)
+            self._model.observe(estimate.features, prompt_tokens - estimate.exact_prompt_tokens)
         return (estimate.prompt_tokens - prompt_tokens) / prompt_tokens
 
     def output_p95(self, class_name: str) -> int | None:

@@ -279,6 +279,48 @@ def test_heuristic_converges_to_a_linear_rule() -> None:
     assert learned["message"] == pytest.approx(7, abs=2)
 
 
+def test_the_learner_s_block_updates_fit_as_its_one_by_one_updates() -> None:
+    """Past its first observations the learner updates by blocks (`_OnlineLinear.observe`):
+    the same filter, so on one stream the two fit alike."""
+    rng = random.Random(7)
+    true = (0.27, 0.4, 6.0, 4.0, 9.0, 15.0, 1.0)
+    stream = []
+    for k in range(1500):
+        if k == 500:  # a new template (it does not happen, but the learner must follow it)
+            true = (0.3, 0.45, 10.0, 6.0, 9.0, 15.0, 1.0)
+        chat = rng.random() < 0.8
+        calls = rng.randint(0, 3) if chat and rng.random() < 0.3 else 0
+        tools = 1.0 if calls or (chat and rng.random() < 0.2) else 0.0
+        x = (
+            float(rng.randint(10, 20_000)),
+            float(rng.randint(50, 3000)) if tools else 0.0,
+            1.0 if chat else 0.0,
+            float(rng.randint(1, 20)) if chat else 0.0,
+            float(calls),
+            tools,
+            0.0 if chat else float(rng.randint(1, 2)),
+        )
+        y = sum(a * b for a, b in zip(true, x, strict=True)) * (1 + rng.gauss(0, 0.02))
+        stream.append((x, y))
+    one_by_one, blocks = estimator(None)._model, estimator(None)._model
+    first = blocks.sequential
+    for k, (x, y) in enumerate(stream):
+        one_by_one.update(x, y)
+        blocks.observe(x, y)
+        if k == first - 1:  # the first ones: one by one, the same numbers
+            assert blocks.theta == one_by_one.theta
+        if k == first + 5:  # then kept for the next block
+            assert blocks.theta != one_by_one.theta
+    blocks.flush()
+    tail = stream[-300:]
+    apart = max(abs(one_by_one.predict(x) - blocks.predict(x)) / y for x, y in tail)
+    assert apart < 0.03
+    error_one = sum(abs(one_by_one.predict(x) - y) / y for x, y in tail)
+    error_blocks = sum(abs(blocks.predict(x) - y) / y for x, y in tail)
+    assert error_blocks < 1.1 * error_one
+    assert blocks.theta[0] == pytest.approx(0.3, rel=0.02)
+
+
 def test_heuristic_against_the_real_template(oracle: Oracle) -> None:
     est = estimator(None)
     rng = random.Random(5)
