@@ -139,6 +139,22 @@ class _SharedTake:
     home: NextStep | None = None  # with the run's home there (any replica's latest answer)
 
 
+@dataclass(eq=False, slots=True)
+class _Early:
+    """A governed request's slot and its run's step number, asked for at `prepare` (the
+    statement sent then) and awaited at `enter`, where admission needs them: the round trip
+    overlaps the request's estimate and the gateway's work between the two."""
+
+    tenant: str
+    task: asyncio.Task[tuple[bool, str | None, NextStep | None]]
+    started_s: float
+    claimed: bool = False  # `enter` took its answer: its slot is the ticket's
+    dropped: bool = False  # given up: its slot is released when the answer comes
+
+
+EARLY_TTL_S = 10.0  # an early take nobody claimed (a request cancelled before `enter`)
+
+
 @dataclass(eq=False)
 class _Tenant:
     config: TenantConfig
@@ -190,6 +206,7 @@ class Governor:
         self._max_wait_s = {p.name: p.queue.max_wait_s for p in config.pools}
         self._tenants: dict[str, _Tenant] = {}
         self._tickets: dict[str, _Ticket] = {}
+        self._early: dict[str, _Early] = {}  # request id -> its slot and step under way
         self._sweep_loop = Periodic(
             "gpupool-governance-sweep", self._sweep_and_save, sweep_interval_s
         )
@@ -232,6 +249,9 @@ class Governor:
 
     async def aclose(self) -> None:
         await self._sweep_loop.aclose()
+        early = list(self._early)
+        for request_id in early:
+            self.abandon(request_id)
         if self._replica is not None:  # its leases and slots back before the last save
             await self._replica.aclose()
         if self._store is not None:
@@ -418,7 +438,10 @@ class Governor:
         now = self.clock()
         for st in self._tenants.values():
             self._expire_idle(st, now)
-            self.metrics.active_runs.labels(st.config.name).set(len(st.active))
+            self._export(st, now)
+        for request_id, early in list(self._early.items()):
+            if now - early.started_s > EARLY_TTL_S:
+                self.abandon(request_id)
 
     # ------------------------------------------------------------------ the request path
 
@@ -454,22 +477,80 @@ class Governor:
         weight = st.limits.queue_weight
         if weight != 1.0:
             ctx = dataclasses.replace(ctx, tenant_weight=ctx.tenant_weight * weight)
+        if self._replica is not None:
+            early = self._begin(st, ctx)
+            if early is not None:
+                self._early[ctx.request_id] = early
         return ctx, signals
+
+    def _begin(self, st: _Tenant, ctx: RequestContext) -> _Early | None:
+        """Ask the shared store for the request's slot and its run's step number now (None:
+        it needs neither)."""
+        replica = self._replica
+        assert replica is not None
+        limit = st.limits.max_concurrent_requests
+        if limit is None and ctx.run_id is None:
+            return None
+        task = replica.begin(st.config.name, ctx.request_id, limit, ctx.run_id)
+        return _Early(st.config.name, task, self.clock())
+
+    def abandon(self, request_id: str) -> None:
+        """The request ends before `enter` (refused or failed in the gateway): what
+        `prepare` asked the store for is given back when its answer comes."""
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            self._drop_early(early)
+
+    def _drop_early(self, early: _Early) -> None:
+        if early.claimed or early.dropped:
+            return
+        early.dropped = True
+        replica = self._replica
+        assert replica is not None
+
+        def release(task: asyncio.Task[tuple[bool, str | None, NextStep | None]]) -> None:
+            if task.cancelled() or task.exception() is not None:
+                return  # no slot taken (a refusal, an outage under `closed`)
+            _, holder, _ = task.result()
+            if holder is not None:
+                replica.release(early.tenant, "requests", holder)
+
+        early.task.add_done_callback(release)
 
     async def enter(self, ctx: RequestContext, estimate: Estimate, signals: StepSignals) -> float:
         """Let the request through its tenant's and run's limits, or raise `RunStopped` (403)
         or `RateLimited` (429). Holds a reservation until `finished(outcome)`. Returns the
         seconds it waited for the tenant's bucket (0.0 when it did not)."""
+        early = self._early.pop(ctx.request_id, None)
+        try:
+            return await self._enter(ctx, estimate, signals, early)
+        except BaseException:
+            if early is not None:
+                self._drop_early(early)  # not when `enter` took its slot (undone with it)
+            raise
+
+    async def _enter(
+        self,
+        ctx: RequestContext,
+        estimate: Estimate,
+        signals: StepSignals,
+        early: _Early | None,
+    ) -> float:
         st = self._state(signals.tenant)
         now = self.clock()
         self._apply_daily_budget(st, now)
         self._check(st, ctx, signals, now)
         need = float(estimate.total_tokens)
-        waited_s = await self._take_rate(st, ctx, need, now)
+
+        def on_wait() -> None:  # a request waiting for its budget holds no slot meanwhile
+            if early is not None:
+                self._drop_early(early)
+
+        waited_s = await self._take_rate(st, ctx, need, now, on_wait)
         shared: _SharedTake | None = None
         if self._replica is not None:
             try:
-                shared = await self._take_shared(st, ctx, need, now)
+                shared = await self._take_shared(st, ctx, need, now, early)
             except BaseException:
                 self._give_back(st, need, True, self.clock())
                 raise
@@ -505,15 +586,21 @@ class Governor:
             shared=shared,
         )
         self._adopt_home(ctx, None if shared is None else shared.home)
-        self._export(st, now)
         return waited_s
 
     async def _take_shared(
-        self, st: _Tenant, ctx: RequestContext, need: float, now_s: float
+        self,
+        st: _Tenant,
+        ctx: RequestContext,
+        need: float,
+        now_s: float,
+        early: _Early | None = None,
     ) -> _SharedTake:
         """Take the request's tokens and request from the shared buckets (waiting, as the
         local buckets do, while they refill within the deadline and the pool's max wait),
-        then its request slot and, for a run not active here, its run's slot."""
+        then its request slot and its run's step number (`early`: asked for at `prepare`;
+        given up, and asked for again after, when the request waits for its budget) and,
+        for a run not active here, its run's slot."""
         replica = self._replica
         assert replica is not None
         name = st.config.name
@@ -541,22 +628,32 @@ class Governor:
                             f" retry after {wait:.1f} s",
                             wait,
                         )
+                    if early is not None:
+                        self._drop_early(early)
                     await asyncio.sleep(wait)
                 if bucket == "tokens":
                     took.tokens = amount
                 else:
                     took.request = True
             limit = st.limits.max_concurrent_requests
-            if limit is not None:
-                admitted, took.slot = await replica.acquire(name, "requests", ctx.request_id, limit)
-                if not admitted:
-                    self._refuse(
-                        st,
-                        "tenant_concurrency",
-                        f"tenant {name!r} has {limit} requests in flight across the router"
-                        f" replicas, its tier's limit (max_concurrent_requests)",
-                        1.0,
-                    )
+            if early is None or early.dropped:
+                early = self._begin(st, ctx)
+            admitted, stored = True, None
+            if early is not None:
+                try:  # shielded: a request cancelled while it waits gives the slot back
+                    admitted, took.slot, stored = await asyncio.shield(early.task)
+                except BaseException:
+                    self._drop_early(early)
+                    raise
+                early.claimed = True
+            if not admitted:
+                self._refuse(
+                    st,
+                    "tenant_concurrency",
+                    f"tenant {name!r} has {limit} requests in flight across the router"
+                    f" replicas, its tier's limit (max_concurrent_requests)",
+                    1.0,
+                )
             run_limit = st.limits.max_concurrent_runs
             slot_id = ctx.session_id or ctx.run_id
             if slot_id is not None and run_limit is not None and slot_id not in _slot_ids(st):
@@ -572,8 +669,8 @@ class Governor:
                         1.0,
                     )
             if ctx.run_id is not None:
-                took.home = await replica.next_step(name, ctx.run_id)
-                took.step = None if took.home is None else took.home.step
+                took.home = stored
+                took.step = None if stored is None else stored.step
         except BaseException:
             self._undo_shared(st, took)
             raise
@@ -720,10 +817,15 @@ class Governor:
         )
 
     async def _take_rate(
-        self, st: _Tenant, ctx: RequestContext, need: float, now_s: float
+        self,
+        st: _Tenant,
+        ctx: RequestContext,
+        need: float,
+        now_s: float,
+        on_wait: Callable[[], None] | None = None,
     ) -> float:
-        """Reserve `need` tokens and one request, waiting (FIFO) while the buckets refill.
-        Returns the seconds waited."""
+        """Reserve `need` tokens and one request, waiting (FIFO) while the buckets refill
+        (`on_wait` called before it waits). Returns the seconds waited."""
         tokens, requests = st.tokens, st.requests
         if tokens is None and requests is None:
             return 0.0
@@ -748,6 +850,8 @@ class Governor:
         end_s = min(ctx.deadline_s, now_s + self._max_wait_s.get(ctx.pool, 0.0))
         if now_s + wait > end_s:
             self._refuse_rate(st, reason, need, wait)
+        if on_wait is not None:
+            on_wait()
         name = st.config.name
         self.metrics.waits.labels(name, reason).inc()
         waiting = self.metrics.waiting.labels(name, reason)
@@ -858,6 +962,7 @@ class Governor:
         GPU-seconds to its run and its tenant's cost windows."""
         ticket = self._tickets.pop(outcome.ctx.request_id, None)
         if ticket is None:
+            self.abandon(outcome.ctx.request_id)  # failed between `prepare` and `enter`
             return
         st = self._tenants[ticket.tenant]
         now = self.clock()
@@ -906,7 +1011,6 @@ class Governor:
                 self._session_run_ended(st, run.run_id)
         self._check_alert(st, now)
         st.refilled.set()
-        self._export(st, now)
 
     def _adopt_home(self, ctx: RequestContext, stored: NextStep | None) -> None:
         """Hand the store's home of the step's run to `on_home` (the run table keeps the later
@@ -1210,6 +1314,13 @@ class Governor:
         ):
             if bucket is not None and per_minute is not None:
                 bucket.set_rate(per_minute * frac, per_minute * frac / 60.0, now_s)
+
+    def refresh_gauges(self) -> None:
+        """Set each tenant's gauges (`GET /metrics` calls it; the sweep too, every second):
+        not per request (four `Gauge.set`, ~4 us of CPU)."""
+        now = self.clock()
+        for st in self._tenants.values():
+            self._export(st, now)
 
     def _export(self, st: _Tenant, now_s: float) -> None:
         series = self.metrics.tenant(st.config.name)

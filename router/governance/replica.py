@@ -132,7 +132,13 @@ class ReplicaBudgets:
             raise _Down from err
 
     async def _statement(
-        self, sql: str, params: Sequence[object], fn: Callable[[], T], *, waited: bool = True
+        self,
+        sql: str,
+        params: Sequence[object],
+        fn: Callable[[], T],
+        *,
+        waited: bool = True,
+        sent: asyncio.Task[list[Row]] | None = None,
     ) -> T | Row:
         """One statement on the loop's connection when it is idle (its first row; () when
         it returns none), else
@@ -140,11 +146,15 @@ class ReplicaBudgets:
         decides whether the store is down; but a call the server did not answer within the
         bound is an outage at once). `waited`: a request waits for the answer (polled for on
         the loop, router/store/loop_connection.py); else it runs in the background, on a
-        connection of its own."""
+        connection of its own. `sent`: the statement, sent already (`LoopConnection.begin`)."""
         loop = self._loop if waited else self._loop_background
-        if loop is not None and loop.ready():
+        if sent is not None or (loop is not None and loop.ready()):
             try:
-                rows = await loop.execute(sql, params, spin=waited)
+                if sent is not None:
+                    rows = await sent
+                else:
+                    assert loop is not None
+                    rows = await loop.execute(sql, params, spin=waited)
                 return rows[0] if rows else ()
             except TimeoutError as err:  # a hung server: the thread would wait as long again
                 self._down(err)
@@ -239,25 +249,87 @@ class ReplicaBudgets:
 
     # ------------------------------------------------------------------ slots
 
+    def begin(
+        self, tenant: str, request_id: str, limit: int | None, run_id: str | None
+    ) -> asyncio.Task[tuple[bool, str | None, NextStep | None]]:
+        """A request's slot (`limit`: its tier's `max_concurrent_requests`, None: no tier),
+        then, when admitted, its run's next step (`run_id`), as `acquire` and `next_step`:
+        (admitted, the slot's holder to release, the step). The first statement is sent
+        before this returns when the loop's connection is idle, so its round trip overlaps
+        what the request does before it awaits the task (router/governance/governor.py);
+        a holder the task got is the caller's to release, awaited or not."""
+        now_s = self._wall()
+        sent: asyncio.Task[list[Row]] | None = None
+        if self.down_since_s is None and self._loop is not None and self._loop.ready():
+            if limit is not None:
+                key = f"{tenant}/requests"
+                params: tuple[object, ...] = (
+                    key,
+                    self.holder(request_id),
+                    request_id,
+                    limit,
+                    now_s,
+                    now_s + self.slot_lease_s,
+                )
+                sent = self._loop.begin(ACQUIRE_SLOT_SQL, params)
+            elif run_id is not None:
+                sent = self._loop.begin(NEXT_STEP_SQL, (tenant, run_id, now_s))
+        return asyncio.get_running_loop().create_task(
+            self._slot_and_step(tenant, request_id, limit, run_id, now_s, sent)
+        )
+
+    async def _slot_and_step(
+        self,
+        tenant: str,
+        request_id: str,
+        limit: int | None,
+        run_id: str | None,
+        now_s: float,
+        sent: asyncio.Task[list[Row]] | None,
+    ) -> tuple[bool, str | None, NextStep | None]:
+        holder = None
+        if limit is not None:
+            admitted, holder = await self.acquire(
+                tenant, "requests", request_id, limit, now_s=now_s, sent=sent
+            )
+            if not admitted:
+                return False, None, None
+            sent = None
+        try:
+            step = None if run_id is None else await self.next_step(tenant, run_id, sent=sent)
+        except BaseException:
+            if holder is not None:
+                self.release(tenant, "requests", holder)
+            raise
+        return True, holder, step
+
     async def acquire(
-        self, tenant: str, kind: str, name: str, limit: int
+        self,
+        tenant: str,
+        kind: str,
+        name: str,
+        limit: int,
+        *,
+        now_s: float | None = None,
+        sent: asyncio.Task[list[Row]] | None = None,
     ) -> tuple[bool, str | None]:
         """One of at most `limit` `kind` slots of `tenant` (requests, runs), held as
         `<replica>:<name>` and counted by `name` (a run whose steps run on two replicas holds
         a slot on each, renewed and released by each, and takes one of the `limit`).
         Returns (admitted, the holder to release): (False, None) when the limit is reached;
         (True, None) when the store is down and budgets fail open (admitted without a slot);
-        `StoreUnavailable` when they fail closed."""
+        `StoreUnavailable` when they fail closed. `now_s` and `sent`: as `begin` sent it."""
         holder = self.holder(name)
-        if self.down_since_s is None:
+        if self.down_since_s is None or sent is not None:
             try:
-                now_s, key = self._wall(), f"{tenant}/{kind}"
+                at_s, key = self._wall() if now_s is None else now_s, f"{tenant}/{kind}"
                 got = await self._statement(
                     ACQUIRE_SLOT_SQL,
-                    (key, holder, name, limit, now_s, now_s + self.slot_lease_s),
+                    (key, holder, name, limit, at_s, at_s + self.slot_lease_s),
                     lambda: self.db.acquire_slot(
-                        key, holder, limit, now_s, lease_s=self.slot_lease_s, unit=name
+                        key, holder, limit, at_s, lease_s=self.slot_lease_s, unit=name
                     ),
+                    sent=sent,
                 )
             except _Down:
                 pass
@@ -267,10 +339,13 @@ class ReplicaBudgets:
         self._outage(tenant, f"concurrent {kind}")
         return True, None
 
-    async def next_step(self, tenant: str, run_id: str) -> NextStep | None:
+    async def next_step(
+        self, tenant: str, run_id: str, *, sent: asyncio.Task[list[Row]] | None = None
+    ) -> NextStep | None:
         """The run's next step number (and its home) from the store; None while it cannot be
-        reached (the ledger then numbers the step from this replica's memory)."""
-        if self.down_since_s is not None:
+        reached (the ledger then numbers the step from this replica's memory). `sent`: as
+        `begin` sent it."""
+        if self.down_since_s is not None and sent is None:
             return None
         now_s = self._wall()
         try:
@@ -278,6 +353,7 @@ class ReplicaBudgets:
                 NEXT_STEP_SQL,
                 (tenant, run_id, now_s),
                 lambda: self.db.next_step(tenant, run_id, now_s),
+                sent=sent,
             )
         except _Down:
             return None

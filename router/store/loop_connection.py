@@ -157,6 +157,47 @@ class LoopConnection:
         self.statements += 1
         return rows
 
+    def begin(
+        self, sql: str, params: Sequence[Any] = (), *, spin: bool = True
+    ) -> asyncio.Task[list[tuple[Any, ...]]] | None:
+        """`execute`, its statement sent before this returns and its answer awaited in the
+        task returned (a request asks at its arrival and awaits the answer where it needs it);
+        None when it cannot be sent now (not idle, or `sql` not yet prepared on this
+        connection: call `execute`). The connection stays busy until the task ends; a task
+        nobody awaits still reads its answer (and raises as `execute` would)."""
+        conn, tx = self._conn, self._tx
+        if conn is None or self._busy or tx is None:
+            return None
+        name = self._prepared.get(_libpq_sql(sql))
+        if name is None:
+            return None
+        pgconn = conn.pgconn
+        values = tx.dump_sequence(params, _text_formats(len(params))) if params else None
+        try:
+            pgconn.send_query_prepared(name, values)
+            pgconn.flush()  # nonblocking: whatever the socket did not take, `_answer` sends
+        except psycopg.Error:
+            self.failures += 1
+            self._drop()
+            return None
+        self._busy = True
+        return asyncio.get_running_loop().create_task(self._answer_sent(pgconn, tx, spin))
+
+    async def _answer_sent(
+        self, pgconn: pq.abc.PGconn, tx: pg_abc.Transformer, spin: bool
+    ) -> list[tuple[Any, ...]]:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                rows = await self._answer(pgconn, tx, spin)
+        except BaseException:
+            self.failures += 1
+            self._drop()
+            raise
+        finally:
+            self._busy = False
+        self.statements += 1
+        return rows
+
     async def _run(
         self, conn: psycopg.AsyncConnection[Any], sql: bytes, params: Sequence[Any], spin: bool
     ) -> list[tuple[Any, ...]]:

@@ -21,6 +21,7 @@ from router.admission.estimate import Estimate
 from router.admission.picking import RunAffinity
 from router.errors import RateLimited, RunStopped, StoreUnavailable
 from router.governance import GovernanceMetrics, Governor
+from router.governance import governor as governor_module
 from router.governance.governor import StepSignals
 from router.governance.store import GovernanceStore
 from router.request import RequestContext, RequestOutcome
@@ -284,6 +285,95 @@ async def test_a_statement_unanswered_on_the_loop_is_an_outage_at_once(
             await locker.close()
         assert 0.5 <= waited_s < 5.0  # the bound, not a second wait in a thread (10 s)
         assert sample(a, "gpupool_governance_store_up") == 0.0
+
+
+def prepare(gov: Governor, tenant: str, run_id: str | None = None) -> RequestContext:
+    """What the gateway does at a request's arrival: `prepare`, which asks the store for the
+    request's slot and its run's step number (awaited at `enter`)."""
+    signals = tenant_of(gov, tenant)
+    c, _ = gov.prepare(ctx(tenant, run_id), signals.tenant, {}, {"messages": []})
+    return c
+
+
+def busy(gov: Governor) -> bool:
+    """The loop's connection has a statement in flight."""
+    assert gov._replica is not None and gov._replica._loop is not None
+    return gov._replica._loop._busy
+
+
+async def test_the_slot_and_step_are_asked_for_at_prepare_and_awaited_at_enter(
+    postgres_server: PostgresServer,
+) -> None:
+    """`prepare` sends the slot's statement (or the step number's) before it returns, so its
+    round trip overlaps the request's preparation; `enter` awaits it: the same slots, the
+    same refusal, the same step numbers, one statement each."""
+    url = postgres_server.create_database("replicas_early")
+    wall = Clock(T0)
+    config = shared_config(url)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+        await loop_ready(a)
+        await finish(a, await enter(a, "s"))  # the statements prepared on the connection
+        await finish(a, await enter(a, "t", run_id="run-early"))
+        before = await loop_ready(a)
+        first = prepare(a, "s")
+        assert busy(a)  # sent, nothing awaited yet
+        await a.enter(first, ESTIMATE, tenant_of(a, "s"))
+        await enter(b, "s")  # the tier's second slot
+        third = prepare(a, "s")
+        assert busy(a)
+        with pytest.raises(RateLimited) as refused:
+            await a.enter(third, ESTIMATE, tenant_of(a, "s"))
+        assert refused.value.code == "tenant_concurrency"
+        assert "2 requests in flight across the router replicas" in refused.value.message
+        step = prepare(a, "t", run_id="run-early")
+        assert busy(a)
+        await a.enter(step, ESTIMATE, tenant_of(a, "t"))
+        outcome = RequestOutcome(ctx=step, estimate=ESTIMATE)
+        a.dispatched(outcome)
+        assert outcome.step_index == 1
+        assert await loop_ready(a) - before == 3  # one statement per request, not two
+        assert not a._early
+
+
+async def test_a_slot_asked_for_at_prepare_is_given_back_when_the_request_ends_before_enter(
+    postgres_server: PostgresServer,
+) -> None:
+    """A request refused or failed between `prepare` and `enter` (the gateway's `abandon`,
+    settlement's `finished` without a ticket, a cancelled `enter`, or nobody at all: the
+    sweep after EARLY_TTL_S) holds no slot: the tier's two stay free."""
+    url = postgres_server.create_database("replicas_early_leak")
+    wall = Clock(T0)
+    config = shared_config(url)
+    async with replica(config, url, wall, "a") as a:
+        await loop_ready(a)
+        assert a._replica is not None
+
+        async def released() -> None:  # the answers come, then the releases run
+            for _ in range(3):
+                await asyncio.sleep(0.05)
+                await asyncio.gather(*a._replica._pending) if a._replica else None
+
+        a.abandon(prepare(a, "s").request_id)
+        a.finished(RequestOutcome(ctx=prepare(a, "s"), estimate=ESTIMATE))
+        cancelled = prepare(a, "s")
+        entering = asyncio.create_task(a.enter(cancelled, ESTIMATE, tenant_of(a, "s")))
+        entering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await entering
+        forgotten = prepare(a, "s")
+        await released()
+        gov_clock = a.clock
+        assert isinstance(gov_clock, Clock)
+        gov_clock.now_s += governor_module.EARLY_TTL_S + 1
+        a.sweep()
+        assert forgotten.request_id not in a._early
+        await released()
+        held = [await enter(a, "s"), await enter(a, "s")]  # both slots free
+        with pytest.raises(RateLimited):
+            await enter(a, "s")
+        for outcome in held:
+            await finish(a, outcome)
+        assert not a._early
 
 
 async def test_run_slots_and_cost_caps_across_replicas(postgres_server: PostgresServer) -> None:

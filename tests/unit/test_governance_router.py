@@ -412,3 +412,17 @@ async def test_a_gateway_closes_twice_without_error(tmp_path: Path) -> None:
     async with gateway_over_fakes(config_for_test(tmp_path, tenants=TENANTS), 1) as rig:
         await rig.gateway.aclose()
         await rig.gateway.aclose()
+
+
+async def test_a_tenants_gauges_are_set_at_the_scrape_not_per_request(rig: Rig) -> None:
+    """`gpupool_tenant_tokens_reserved`, `..._inflight_requests`, `..._tokens_remaining` and
+    `..._active_runs` are set when `/metrics` is read (and each sweep), not by each request."""
+    governor = rig.gateway.governor
+    series = governor.metrics.tenant("slow")
+    series.inflight.set(-1)  # a value no request path writes
+    resp = await rig.post("slow", _body(max_tokens=5))
+    assert resp.status_code == 200
+    assert series.inflight._value.get() == -1  # the request did not set it
+    rig.gateway._refresh_metrics()  # what `GET /metrics` calls first
+    assert series.inflight._value.get() == 0
+    assert series.tokens_remaining._value.get() > 0
