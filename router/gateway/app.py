@@ -465,6 +465,7 @@ class Gateway:
     def _refresh_metrics(self) -> None:
         """Every gauge `GET /metrics` exports, set now."""
         self.ops_view.refresh_gauges()
+        self.governor.refresh_gauges()
         self.accounting_metrics.update(self.accountant.conservation(self.clock()))
 
     def _build_api(self) -> FastAPI:

@@ -216,6 +216,8 @@ class CompletionsHandler:
             self._check_servable(ctx, estimate)
         except GpupoolError as err:
             extra = [(b"x-gpupool-request-id", request_id.encode())]
+            if self.governor is not None:
+                self.governor.abandon(request_id)  # its slot, if `prepare` asked for one
             if self.governor is not None and tenant_name is not None:
                 extra += self.governor.rate_headers(tenant_name)
             await _send_error(send, err, extra, adapter)
