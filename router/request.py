@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from router.frozen import fast_init
+
 if TYPE_CHECKING:
     from router.accounting.accountant import SequenceToken
     from router.admission.estimate import Estimate
@@ -41,6 +43,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RequestContext:
     """Everything the router decided about one request before admitting it."""

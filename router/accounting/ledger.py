@@ -74,6 +74,7 @@ from router.accounting.ledger_queries import (
     top_runs_report,
     totals,
 )
+from router.frozen import fast_init
 from router.runtable import RunTable
 from router.store import Conn, Migration, SqliteStore, Store, StoreError, migrate, savepoint, upsert
 
@@ -119,6 +120,7 @@ class LedgerError(StoreError):
     """The ledger cannot be used (unreadable, or written by a newer gpupool)."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestRecord:
     """One finished (or rejected) request. Times are unix seconds; durations seconds.

@@ -49,6 +49,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from router.frozen import fast_init
+
 __all__ = [
     "CachedPrefix",
     "Grant",
@@ -77,6 +79,7 @@ class CachedPrefix:
     exact: frozenset[str] = frozenset()
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Need:
     """What one sequence asks for."""
@@ -102,6 +105,7 @@ class Need:
         return self.prompt_tokens
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class InstanceView:
     """One instance as admission sees it for one pool, at one moment."""

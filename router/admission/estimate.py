@@ -59,6 +59,7 @@ import numpy as np
 from kvcache_model import blocks_for_tokens
 from pools.config import Config
 from router.admission.decision import CachedPrefix
+from router.frozen import fast_init
 
 __all__ = [
     "ASYNC_TEXT_CHARS",
@@ -106,6 +107,7 @@ _OVERHEAD_PRIOR_SD = (50.0, 30.0, 30.0, 100.0)  # wide: templates differ a lot b
 _OVERHEAD_DRIFT_SD = 0.1  # per observation: the template does not change
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Estimate:
     """One request's estimate. `output_tokens` covers all its sequences (`n`, batched prompts).
