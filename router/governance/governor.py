@@ -249,9 +249,11 @@ class Governor:
 
     async def aclose(self) -> None:
         await self._sweep_loop.aclose()
-        early = list(self._early)
-        for request_id in early:
+        early = [e.task for e in self._early.values()]
+        for request_id in list(self._early):
             self.abandon(request_id)
+        if early:  # their slots' releases start before the replica leaves
+            await asyncio.gather(*early, return_exceptions=True)
         if self._replica is not None:  # its leases and slots back before the last save
             await self._replica.aclose()
         if self._store is not None:

@@ -53,6 +53,13 @@ def shared_config(url: str, **store: object) -> Config:
             # free: 2 requests in flight, 1 run active
             {"name": "s", "api_key_sha256": "1" * 64, "tier": "free"},
             {"name": "c", "api_key_sha256": "2" * 64, "cost_cap_gpu_seconds_per_hour": 10},
+            # a tier and a budget: refused by its own bucket before its slot is awaited
+            {
+                "name": "st",
+                "api_key_sha256": "3" * 64,
+                "tier": "free",
+                "tokens_per_minute": TOKENS_PER_MINUTE,
+            },
         ],
         store={"url": url, "password_env": PASSWORD_ENV, **store},
     )
@@ -340,7 +347,8 @@ async def test_a_slot_asked_for_at_prepare_is_given_back_when_the_request_ends_b
 ) -> None:
     """A request refused or failed between `prepare` and `enter` (the gateway's `abandon`,
     settlement's `finished` without a ticket, a cancelled `enter`, or nobody at all: the
-    sweep after EARLY_TTL_S) holds no slot: the tier's two stay free."""
+    sweep after EARLY_TTL_S; a refusal by its own bucket inside `enter`) holds no slot: the
+    tier's two stay free."""
     url = postgres_server.create_database("replicas_early_leak")
     wall = Clock(T0)
     config = shared_config(url)
@@ -353,6 +361,14 @@ async def test_a_slot_asked_for_at_prepare_is_given_back_when_the_request_ends_b
                 await asyncio.sleep(0.05)
                 await asyncio.gather(*a._replica._pending) if a._replica else None
 
+        big = Estimate(prompt_tokens=400, output_tokens=100, source="heuristic")
+        spent = prepare(a, "st")
+        await a.enter(spent, big, tenant_of(a, "st"))
+        await finish(a, RequestOutcome(ctx=spent, estimate=big), used=500)  # 100 left
+        refused = prepare(a, "st")
+        with pytest.raises(RateLimited) as over:
+            await a.enter(refused, big, tenant_of(a, "st"))
+        assert over.value.code == "token_rate"  # before `enter` awaited the slot
         a.abandon(prepare(a, "s").request_id)
         a.finished(RequestOutcome(ctx=prepare(a, "s"), estimate=ESTIMATE))
         cancelled = prepare(a, "s")
@@ -373,6 +389,9 @@ async def test_a_slot_asked_for_at_prepare_is_given_back_when_the_request_ends_b
             await enter(a, "s")
         for outcome in held:
             await finish(a, outcome)
+        held = [await enter(a, "st"), await enter(a, "st")]  # and "st"'s
+        with pytest.raises(RateLimited):
+            await enter(a, "st")
         assert not a._early
 
 
