@@ -118,9 +118,10 @@ def test_the_hold_ends_when_the_predicted_pause_passes(tmp_path: Path) -> None:
     assert a.admit_now(_ctx("agent", "z"), BIG, clock.now) is not None
 
 
-def test_off_by_default_nothing_is_held(tmp_path: Path) -> None:
+def test_off_nothing_is_held(tmp_path: Path) -> None:
+    assert config_for_test(tmp_path).admission.tool_pause_hold is False  # the default
     clock = Clock()
-    core = _core(tmp_path, clock)
+    core = _core(tmp_path, clock, tool_pause_hold=False)
     assert core.admitter.pauses is None
     lease = core.admitter.admit_now(_ctx("agent", "r"), BIG, 0.0)
     assert lease is not None
@@ -131,12 +132,11 @@ def test_off_by_default_nothing_is_held(tmp_path: Path) -> None:
 
 
 def test_the_settings_are_checked(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="tool_pause_max_s set without tool_pause_hold"):
-        config_for_test(tmp_path, admission={"tool_pause_max_s": 5.0})
+    with pytest.raises(ConfigError, match="tool_pause_max_s set with tool_pause_hold: false"):
+        config_for_test(tmp_path, admission={"tool_pause_hold": False, "tool_pause_max_s": 5.0})
     with pytest.raises(ConfigError, match="tool_pause_max_frac"):
         config_for_test(tmp_path, admission={"tool_pause_hold": True, "tool_pause_max_frac": 0})
-    config = config_for_test(tmp_path, admission={"tool_pause_hold": True})
-    adm = config.admission
+    adm = config_for_test(tmp_path, admission={"tool_pause_hold": True}).admission
     assert (adm.tool_pause_max_s, adm.tool_pause_margin_frac, adm.tool_pause_max_frac) == (
         10.0,
         0.5,
