@@ -1,4 +1,4 @@
-"""agent-flood on 3 CPU engines, two routers side by side on the same engines.
+"""agent-flood on 3 CPU engines, two or three routers side by side on the same engines.
 
 Three real CPU vLLM engines (the local launcher's flags, 64 MiB KV each, publishing KV cache
 events on socket files as the local launcher always starts them) are started once. Two
