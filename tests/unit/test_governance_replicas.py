@@ -356,27 +356,37 @@ async def test_a_slot_asked_for_at_prepare_is_given_back_when_the_request_ends_b
         await loop_ready(a)
         assert a._replica is not None
 
-        async def released() -> None:  # the answers come, then the releases run
-            for _ in range(3):
-                await asyncio.sleep(0.05)
-                await asyncio.gather(*a._replica._pending) if a._replica else None
+        asked: list[asyncio.Task[object]] = []  # the store calls `prepare` started
+
+        def prepared(tier: str) -> RequestContext:
+            ctx = prepare(a, tier)
+            asked.append(a._early[ctx.request_id].task)
+            return ctx
+
+        async def released() -> None:
+            """Every answer has come and every release it started has run: waited for, not
+            slept on (a loaded machine answers late)."""
+            await asyncio.gather(*asked, return_exceptions=True)
+            await asyncio.sleep(0)  # the answers' callbacks have started the releases
+            while a._replica is not None and a._replica._pending:
+                await asyncio.gather(*a._replica._pending, return_exceptions=True)
 
         big = Estimate(prompt_tokens=400, output_tokens=100, source="heuristic")
-        spent = prepare(a, "st")
+        spent = prepared("st")
         await a.enter(spent, big, tenant_of(a, "st"))
         await finish(a, RequestOutcome(ctx=spent, estimate=big), used=500)  # 100 left
-        refused = prepare(a, "st")
+        refused = prepared("st")
         with pytest.raises(RateLimited) as over:
             await a.enter(refused, big, tenant_of(a, "st"))
         assert over.value.code == "token_rate"  # before `enter` awaited the slot
-        a.abandon(prepare(a, "s").request_id)
-        a.finished(RequestOutcome(ctx=prepare(a, "s"), estimate=ESTIMATE))
-        cancelled = prepare(a, "s")
+        a.abandon(prepared("s").request_id)
+        a.finished(RequestOutcome(ctx=prepared("s"), estimate=ESTIMATE))
+        cancelled = prepared("s")
         entering = asyncio.create_task(a.enter(cancelled, ESTIMATE, tenant_of(a, "s")))
         entering.cancel()
         with pytest.raises(asyncio.CancelledError):
             await entering
-        forgotten = prepare(a, "s")
+        forgotten = prepared("s")
         await released()
         gov_clock = a.clock
         assert isinstance(gov_clock, Clock)
