@@ -4,7 +4,7 @@ usage stripping, retries on refused connections, engine failures, deadlines, err
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,14 @@ def _look_fresh(gateway: Gateway) -> None:
         )
 
 
-def _dead_url() -> str:
+@pytest.fixture
+def dead_url() -> Iterator[str]:
+    """A port bound and never listened on, kept for the test: connections to it are refused,
+    and no other test (another xdist worker's server) can take it meanwhile, as it could a
+    port closed again."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connections refused
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 @dataclass
@@ -164,10 +168,10 @@ async def test_deadline_gives_504(rig: Rig) -> None:
     assert resp.status_code == 504 and resp.json()["error"]["code"] == "deadline_exceeded"
 
 
-async def test_refused_connection_retries_another_instance(tmp_path: Path) -> None:
+async def test_refused_connection_retries_another_instance(tmp_path: Path, dead_url: str) -> None:
     state = FakeEngineState()
     async with serve_asgi(make_fake_engine(state)) as live:
-        specs = [InstanceSpec("dead", _dead_url(), 1), InstanceSpec("live", live, 1)]
+        specs = [InstanceSpec("dead", dead_url, 1), InstanceSpec("live", live, 1)]
         config = config_for_test(tmp_path, pools=one_pool(), router={"scrape_interval_s": 60})
         gateway = create_app(config, specs, scrape=False)
         _look_fresh(gateway)  # both look healthy and empty until the proxy learns otherwise
@@ -184,8 +188,8 @@ async def test_refused_connection_retries_another_instance(tmp_path: Path) -> No
         await gateway.aclose()
 
 
-async def test_no_healthy_instance_is_503_and_ready_says_so(tmp_path: Path) -> None:
-    specs = [InstanceSpec("dead", _dead_url(), 1)]
+async def test_no_healthy_instance_is_503_and_ready_says_so(tmp_path: Path, dead_url: str) -> None:
+    specs = [InstanceSpec("dead", dead_url, 1)]
     gateway = create_app(config_for_test(tmp_path, router={"scrape_timeout_s": 0.5}), specs)
     await gateway.start()
     async with httpx.AsyncClient(
