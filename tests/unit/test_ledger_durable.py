@@ -260,7 +260,9 @@ async def test_a_loop_group_that_finds_the_file_locked_goes_to_the_writer(
     assert not any(c.done() for c in commits[1:])  # with the writer thread, waiting for the lock
     lock.release()
     assert all(await asyncio.gather(*commits))
-    assert (ledger.loop_commits, ledger.group_commits) == (1, 2)
+    # the 4 went to the writer thread: one transaction or more (how many of them the thread
+    # finds handed over when it wakes is the threads' timing), none on the loop
+    assert ledger.loop_commits == 1 and 2 <= ledger.group_commits <= 5
     assert len(rows(db)) == 5
 
 
