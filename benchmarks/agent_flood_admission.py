@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import psutil
 import yaml
 
 from benchmarks.outputs import bulk_path
@@ -210,6 +211,9 @@ def _engine_counters(urls: list[str]) -> dict[str, dict[str, float]]:
             "preemptions": _metric(text, "vllm:num_preemptions_total"),
             "prefix_hits": _metric(text, "vllm:prefix_cache_hits_total"),
             "prefix_queries": _metric(text, "vllm:prefix_cache_queries_total"),
+            # the engine process's CPU (with VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core
+            # runs in it): on 2 cores shared by 3 engines and the routers, CPU is the currency
+            "cpu_s": _metric(text, "process_cpu_seconds_total"),
         }
     return out
 
@@ -237,10 +241,30 @@ def _quantiles(dist: dict[str, float] | None, keys: tuple[str, ...]) -> dict[str
     return {k: (dist or {}).get(k) for k in keys}
 
 
+def process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process has used so far (0.0 for one that is gone)."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            out[name] = 0.0
+        else:
+            out[name] = times.user + times.system
+    return out
+
+
 def _run_one(
-    mode: str, url: str, engines: list[str], agent_engine: str, out: Path, args: argparse.Namespace
+    mode: str,
+    url: str,
+    engines: list[str],
+    agent_engine: str,
+    out: Path,
+    args: argparse.Namespace,
+    routers: dict[str, int],
 ) -> dict[str, Any]:
     before = _engine_counters(engines)
+    routers_before = process_cpu_s(routers)
     router_before = httpx.get(f"{url}/metrics", timeout=5).text
     with Sampler(engines, url) as sampler:
         harness = [sys.executable, "-m", "benchmarks", "--scenario", SCENARIO]
@@ -249,6 +273,7 @@ def _run_one(
             harness += ["--duration-s", str(args.duration_s)]
         subprocess.run([*harness, "--no-progress", "--out", str(out)], check=True)
     after = _engine_counters(engines)
+    routers_after = process_cpu_s(routers)
     router_after = httpx.get(f"{url}/metrics", timeout=5).text
     report = json.loads((out / "report.json").read_text())
     target = report["targets"][0]
@@ -267,6 +292,7 @@ def _run_one(
         per_engine[engine] = {
             "role": "agent" if engine == agent_engine else "normal",
             "preemptions": a["preemptions"] - b["preemptions"],
+            "cpu_s": a["cpu_s"] - b["cpu_s"],
             "prefix_hit_frac": (a["prefix_hits"] - b["prefix_hits"]) / queries if queries else None,
             **{f"peak_{k}": v for k, v in sampler.peak[engine].items()},
         }
@@ -303,6 +329,9 @@ def _run_one(
             for k, v in _labelled(router_after, f"gpupool_queue_wait_seconds_{series}").items()
         },
         "engines": per_engine,
+        # every router's CPU over the run: the one serving it and the idle ones (which still
+        # follow the engines' KV events when theirs are on)
+        "router_cpu_s": {k: routers_after[k] - routers_before[k] for k in routers},
         "prefix_hit_frac": hits / queries_all if queries_all else None,
         "pause_held_blocks": {
             "peak": max(sampler.held_blocks, default=0.0),
@@ -312,6 +341,20 @@ def _run_one(
         },
         "load_avg_1m": target.get("load_avg_1m"),
     }
+
+
+def _cpu_cell(result: dict[str, Any]) -> str:
+    """The run's CPU seconds: the agent engine, the chat engines together, the router that
+    served the run, the other routers together ('-' for a result recorded before they were)."""
+    engines = result["engines"].values()
+    if "router_cpu_s" not in result or any("cpu_s" not in e for e in engines):
+        return "-"
+    agent = sum(e["cpu_s"] for e in engines if e["role"] == "agent")
+    chat = sum(e["cpu_s"] for e in engines if e["role"] != "agent")
+    routers = result["router_cpu_s"]
+    serving = routers.get(result["mode"], 0.0)
+    idle = sum(v for k, v in routers.items() if k != result["mode"])
+    return " / ".join(f"{v:.0f}" for v in (agent, chat, serving, idle))
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -335,8 +378,9 @@ def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "| run | mode | chat SLO | chat TTFT p50/p95/p99 ms | chat 429 | agent steps ok/sent"
         " | agent 429 | agent step TTFT p95 ms | agent out tok/s | run p50 / p90 s | agent-engine"
         " preemptions | all preemptions | agent-engine KV peak | prefix hit | 429 reasons |"
-        " agent-engine hit | agent-engine running peak | paused runs' held blocks peak / mean |",
-        "|" + " --- |" * 18,
+        " agent-engine hit | agent-engine running peak | paused runs' held blocks peak / mean |"
+        " CPU s: agent engine / chat engines / serving router / idle routers |",
+        "|" + " --- |" * 19,
     ]
     for i, r in enumerate(results, 1):
         chat, agent, runs = r["chat"], r["agent_steps"], r["agent_runs"]["completion_s"]
@@ -356,7 +400,8 @@ def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"{r['rejections_by_reason'] or '-'} | "
             f"{_num(agent_engine.get('prefix_hit_frac'), '.1%')} | "
             f"{agent_engine.get('peak_running', 0):.0f} | "
-            f"{' / '.join(_num(v, '.0f') for v in held.values()) or '-'} |"
+            f"{' / '.join(_num(v, '.0f') for v in held.values()) or '-'} | "
+            f"{_cpu_cell(r)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -418,7 +463,10 @@ def _main(args: argparse.Namespace) -> int:
             print(f"round {round_}: {mode}", flush=True)
             url = f"http://127.0.0.1:{ROUTER_PORTS[mode]}"
             reset_prefix_caches(engines, os.environ[KEY_ENV])  # no run starts warm from another
-            result = _run_one(mode, url, engines, agent_engine, out / f"r{round_}-{mode}", args)
+            pids = {m: r.proc.pid for m, r in routers.items()}
+            result = _run_one(
+                mode, url, engines, agent_engine, out / f"r{round_}-{mode}", args, pids
+            )
             result["round"] = round_
             results.append(result)
             print(json.dumps(result), flush=True)

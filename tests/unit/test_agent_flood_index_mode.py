@@ -11,9 +11,11 @@ import pytest
 from benchmarks.agent_flood_admission import (
     COMPARES,
     ROUTER_PORTS,
+    _cpu_cell,
     _markdown,
     _quantiles,
     main,
+    process_cpu_s,
     router_config,
     run_order,
 )
@@ -163,6 +165,32 @@ def test_a_run_without_agent_runs_reports_dashes_not_a_crash() -> None:
     row = _markdown([result], args).splitlines()[-1]
     assert row.startswith("| 1 | index-on | 100.0% | 10 / 20 / 30 | 0 | 0/0 | 0 | - | 0 | - / - |")
     assert "| 25.0% |" in row
+
+
+def test_the_cpu_cell_splits_engines_by_role_and_routers_by_who_served() -> None:
+    result = {
+        "mode": "index-on",
+        "engines": {
+            "a": {"role": "agent", "cpu_s": 100.4},
+            "n0": {"role": "normal", "cpu_s": 30.0},
+            "n1": {"role": "normal", "cpu_s": 12.0},
+        },
+        "router_cpu_s": {"index-off": 1.0, "index-on": 25.2, "index-hold": 4.0},
+    }
+    assert _cpu_cell(result) == "100 / 42 / 25 / 5"
+    del result["router_cpu_s"]
+    assert _cpu_cell(result) == "-"  # a result recorded before routers' CPU was
+
+
+def test_process_cpu_counts_this_process_and_zero_for_one_gone() -> None:
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    cpu = process_cpu_s({"me": os.getpid(), "gone": gone.pid})
+    assert cpu["me"] > 0.0 and cpu["gone"] == 0.0
 
 
 def test_prefix_caches_are_emptied_before_a_run_with_retries_while_vllm_refuses(
