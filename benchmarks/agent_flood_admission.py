@@ -121,6 +121,14 @@ def router_config(
     return config
 
 
+def fresh_router_state(state: Path, mode: str) -> None:
+    """Remove `mode`'s router's ledger (with SQLite's side files) and state file, so its
+    router starts as on a new machine, not from an earlier run's runs, homes and settings."""
+    for name in (f"ledger-{mode}.sqlite", f"state-{mode}.json"):
+        for path in state.glob(name + "*"):
+            path.unlink()
+
+
 def _static_kv_events(url: str, events: KvEventsSpec | None) -> dict[str, Any]:
     if events is None:
         raise ValueError(f"engine {url} publishes no KV events (vLLM without the flags?)")
@@ -451,22 +459,34 @@ def _main(args: argparse.Namespace) -> int:
         for mode in modes:
             path = out / f"router-{mode}.yaml"
             path.write_text(yaml.safe_dump(router_config(mode, specs, state, base)))
-            log_path = bulk_path(out, f"router-{mode}.log")
-            routers[mode] = RouterProcess(path, log_path, port=ROUTER_PORTS[mode])
-        for router in routers.values():
-            router.wait_ready(60)
-        view = httpx.get(f"http://127.0.0.1:{ROUTER_PORTS[modes[0]]}/admin/pools").json()
-        (agent_id,) = view["pools"]["agent"]["instances"]
-        agent_engine = view["instances"][agent_id]["url"]
         for i, mode in enumerate(order):
             round_ = i // len(modes) + 1
             print(f"round {round_}: {mode}", flush=True)
+            # each run gets a router of its own, started on empty state just before it and
+            # stopped after: a router left running beside another's run learns the engines'
+            # operating point from load it did not send (the first run of an invocation was
+            # the fastest whatever its mode while every router ran throughout)
+            fresh_router_state(state, mode)
+            log_path = bulk_path(out, f"router-r{round_}-{mode}.log")
+            router = RouterProcess(out / f"router-{mode}.yaml", log_path, port=ROUTER_PORTS[mode])
+            routers[mode] = router
+            router.wait_ready(60)
             url = f"http://127.0.0.1:{ROUTER_PORTS[mode]}"
+            view = httpx.get(f"{url}/admin/pools").json()
+            (agent_id,) = view["pools"]["agent"]["instances"]
+            agent_engine = view["instances"][agent_id]["url"]
             reset_prefix_caches(engines, os.environ[KEY_ENV])  # no run starts warm from another
-            pids = {m: r.proc.pid for m, r in routers.items()}
             result = _run_one(
-                mode, url, engines, agent_engine, out / f"r{round_}-{mode}", args, pids
+                mode,
+                url,
+                engines,
+                agent_engine,
+                out / f"r{round_}-{mode}",
+                args,
+                {mode: router.proc.pid},
             )
+            router.stop(30)
+            del routers[mode]
             result["round"] = round_
             results.append(result)
             print(json.dumps(result), flush=True)

@@ -216,3 +216,17 @@ def test_prefix_caches_are_emptied_before_a_run_with_retries_while_vllm_refuses(
     assert calls == [("http://e0", "Bearer k")] * 2 + [("http://e1", "Bearer k")]
     with pytest.raises(RuntimeError, match="http://e2 did not empty its prefix cache in 3 tries"):
         afa.reset_prefix_caches(["http://e2"], "k", tries=3, wait_s=0)
+
+
+def test_a_runs_router_starts_on_empty_state_and_leaves_other_modes_alone(tmp_path: Path) -> None:
+    from benchmarks.agent_flood_admission import fresh_router_state
+
+    names = ["ledger-index-on.sqlite", "ledger-index-on.sqlite-wal", "state-index-on.json"]
+    names += ["ledger-index-off.sqlite", "state-index-off.json"]
+    for name in names:
+        (tmp_path / name).write_text("x")
+    fresh_router_state(tmp_path, "index-on")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ledger-index-off.sqlite",
+        "state-index-off.json",
+    ]
