@@ -44,7 +44,7 @@ import logging
 import re
 import select
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import psycopg
@@ -145,17 +145,7 @@ class LoopConnection:
         if conn is None or self._busy:
             raise StoreError(f"{self._store.name}: no idle connection on the loop")
         self._busy = True
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                rows = await self._run(conn, _libpq_sql(sql), params, spin)
-        except BaseException:
-            self.failures += 1
-            self._drop()
-            raise
-        finally:
-            self._busy = False
-        self.statements += 1
-        return rows
+        return await self._answered(self._run(conn, _libpq_sql(sql), params, spin))
 
     def begin(
         self, sql: str, params: Sequence[Any] = (), *, spin: bool = True
@@ -181,14 +171,17 @@ class LoopConnection:
             self._drop()
             return None
         self._busy = True
-        return asyncio.get_running_loop().create_task(self._answer_sent(pgconn, tx, spin))
+        answer = self._answer(pgconn, tx, spin)
+        return asyncio.get_running_loop().create_task(self._answered(answer))
 
-    async def _answer_sent(
-        self, pgconn: pq.abc.PGconn, tx: pg_abc.Transformer, spin: bool
+    async def _answered(
+        self, answer: Coroutine[Any, Any, list[tuple[Any, ...]]]
     ) -> list[tuple[Any, ...]]:
+        """`answer` within `timeout_s`, counted; the connection idle again after it and
+        dropped when it fails."""
         try:
             async with asyncio.timeout(self._timeout_s):
-                rows = await self._answer(pgconn, tx, spin)
+                rows = await answer
         except BaseException:
             self.failures += 1
             self._drop()
