@@ -330,6 +330,11 @@ def _run_one(
             ),
         },
         "rejections_by_reason": rejections,
+        # why queued requests waited (the first dispatch pass finding each waiting per reason)
+        "admission_waits": {
+            k: v - _labelled(router_before, "gpupool_admission_waits_total").get(k, 0.0)
+            for k, v in _labelled(router_after, "gpupool_admission_waits_total").items()
+        },
         "router_queue_wait": {
             f"{series}{k}": v
             - _labelled(router_before, f"gpupool_queue_wait_seconds_{series}").get(k, 0)

@@ -200,6 +200,15 @@ class RouterMetrics:
             ["pool", "reason"],
             registry=r,
         )
+        self.admission_waits = Counter(
+            "gpupool_admission_waits_total",
+            "Why the head of a pool's admission queue waits: counted once per queued request"
+            " and reason, when a dispatch pass first finds it waiting for that reason (kv,"
+            " operating_point, ttft, prefill, stale, unhealthy, home: it fits but waits for"
+            " its run's home instance)",
+            ["pool", "reason"],
+            registry=r,
+        )
         self.kv_reserved = Gauge(
             "gpupool_kv_reserved_blocks",
             "KV blocks reserved by the router's sequences in flight on the instance",
@@ -344,6 +353,9 @@ class RouterMetrics:
 
     def rejected(self, pool: str, reason: str) -> None:
         self.rejections.labels(pool, reason).inc()
+
+    def admission_waited(self, pool: str, reason: str) -> None:
+        self.admission_waits.labels(pool, reason).inc()
 
     def observe_estimate_error(self, source: str, error_frac: float) -> None:
         key = ("est", source)

@@ -192,6 +192,8 @@ class Admitter:
             )
         # queued entries a prefill hold keeps waiting: since when (the first pass that held)
         self._held_since: dict[QueueEntry, float] = {}
+        # the reasons a queued entry has been found waiting for (gpupool_admission_waits_total)
+        self._wait_reasons: dict[QueueEntry, set[str]] = {}
         self._hold_spent: set[QueueEntry] = set()  # held max_wait_s already: no more holds
         self._ttft_target_s = {p.name: p.slo.ttft_p95_ms / 1e3 for p in config.pools}
         self._forecasts: dict[tuple[str, str], DemandForecaster] = {}
@@ -878,6 +880,7 @@ class Admitter:
         held (idempotent)."""
         self._unhold(pool, entry, self.clock() if now_s is None else now_s)
         self._hold_spent.discard(entry)
+        self._wait_reasons.pop(entry, None)
         home = self._homebound[pool].pop(entry, None)
         if home is not None:
             awaited = self._awaited[pool]
@@ -915,6 +918,14 @@ class Admitter:
                 self._wake_at(now_s + hold.max_wait_s)
         else:
             self._unhold(pool, entry, now_s)
+
+    def _waited(self, pool: str, entry: QueueEntry, reason: str) -> None:
+        """A dispatch pass found `entry` waiting for `reason`: counted the first time per
+        entry and reason."""
+        seen = self._wait_reasons.setdefault(entry, set())
+        if reason not in seen:
+            seen.add(reason)
+            self.metrics.admission_waited(pool, reason)
 
     def _shed(self, entry: QueueEntry, queue: PoolQueue, now_s: float) -> None:
         self._left(queue.pool, entry)
@@ -995,8 +1006,11 @@ class Admitter:
                     waiter.refused(self._capacity(result, 1.0))
                     continue
                 if isinstance(result, _WaitsForHome):
+                    self._waited(queue.pool, entry, "home")
                     homebound.add(entry)
                     continue
+                if isinstance(result, Wait):
+                    self._waited(queue.pool, entry, result.reason)
                 break
             self.metrics.queue_depth(queue.pool, len(queue))
         return dispatched and (self.borrow_max_frac > 0 or self.reserve_forecast)

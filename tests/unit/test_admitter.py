@@ -141,6 +141,24 @@ async def test_a_request_that_does_not_fit_waits_and_is_served(make_rig: Any) ->
     assert waits._sum.get() > 0.2  # type: ignore[attr-defined]
 
 
+async def test_why_a_queued_request_waits_is_counted_once_per_reason(make_rig: Any) -> None:
+    """gpupool_admission_waits_total: a dispatch pass finding the queue's head waiting counts
+    its reason once, however many passes find it so."""
+    rig = await make_rig()
+    admitter = rig.gateway.admitter
+    body = {**CHAT, "max_tokens": 100}  # ~0.4 s each on the fake engine; two do not fit in KV
+    first = asyncio.ensure_future(asgi_post(rig.gateway, body))
+    await _wait_until(lambda: _leases(rig)[0] == 1)
+    second = asyncio.ensure_future(asgi_post(rig.gateway, body))
+    await _wait_until(lambda: len(admitter.queues["normal"]) == 1)
+    for _ in range(3):  # the first still runs: each pass finds the second waiting for KV
+        admitter.dispatch_once(admitter.clock())
+    assert (await first).status == 200 and (await second).status == 200
+    counted = rig.gateway.metrics.admission_waits.labels("normal", "kv")._value.get()  # type: ignore[attr-defined]
+    assert counted == 1
+    assert admitter._wait_reasons == {}  # forgotten once it left the queue
+
+
 async def test_nothing_waiting_schedules_no_dispatch_pass(make_rig: Any) -> None:
     """A lease's release asks for a dispatch pass; with every queue empty there is none (a
     callback per request, issue 28); with a request waiting there is."""
