@@ -210,6 +210,7 @@ class Admitter:
                 adm.tool_pause_max_s, adm.tool_pause_margin_frac, adm.tool_pause_max_frac
             )
         self._lease_runs: dict[Lease, Hashable] = {}  # with pauses: each live lease's run
+        self._streamed: set[Lease] = set()  # with a prefill hold: live leases that stream
         fleet.on_lease_event(self._lease_event)
         pool_map.on_change(lambda _alloc: self.schedule_pump())
 
@@ -515,7 +516,13 @@ class Admitter:
             if threshold is not None:
                 ends = serial_hold_ends(
                     (
-                        (lease.prompt_tokens, self._lease_target_s(lease), lease.prefill_done_at_s)
+                        (
+                            lease.prompt_tokens,
+                            self._lease_target_s(lease),
+                            lease.acquired_at_s,
+                            lease.prefill_done_at_s,
+                            lease in self._streamed,
+                        )
                         for lease in in_prefill
                     ),
                     own_s,
@@ -576,6 +583,7 @@ class Admitter:
             if self.prefill_hold is not None:
                 self.schedule_pump()
             return
+        self._streamed.discard(lease)
         self.engine_kv.released(lease)
         self._pause_started(lease)
         if self.fleet.get(lease.instance_id) is None:  # its engine left: forget its forecasts
@@ -672,7 +680,7 @@ class Admitter:
         if chosen is None:
             return None
         self.metrics.borrowed.labels(ctx.pool).inc()
-        return self._acquire(chosen.state, ctx.pool, need, ctx.home_key)
+        return self._acquire(chosen.state, ctx.pool, need, ctx.home_key, ctx.stream)
 
     def _home_wait_s(self, pool: str, need: Need, awaited: Counter[str]) -> float | None:
         """Expected wait for a slot on the run's home (`expected_home_wait_s`): its running
@@ -733,10 +741,15 @@ class Admitter:
         chosen = self.picker.pick(req, cands)
         if chosen is None:
             return None
-        return self._acquire(chosen.state, ctx.pool, need, ctx.home_key)
+        return self._acquire(chosen.state, ctx.pool, need, ctx.home_key, ctx.stream)
 
     def _acquire(
-        self, state: InstanceState, pool: str, need: Need, run: Hashable | None = None
+        self,
+        state: InstanceState,
+        pool: str,
+        need: Need,
+        run: Hashable | None = None,
+        stream: bool = False,
     ) -> Lease:
         rate = uncached_prefill_tokens_per_s(state.prefill_tokens_per_s, state.prefix_hit_frac)
         prefill = need.prefill_tokens(state.spec.instance_id)
@@ -755,6 +768,8 @@ class Admitter:
             forecaster.arrived(lease.acquired_at_s, lease.blocks)
         if self.pauses is not None and run is not None:
             self._lease_runs[lease] = run
+        if stream and self.prefill_hold is not None:
+            self._streamed.add(lease)
         return lease
 
     def _lease_unchecked(

@@ -22,10 +22,15 @@ another pool is not dispatched there, so the two do not share engine steps
   ahead of a chat prompt in every step. So on an instance where a pool with a stricter TTFT
   target is allocated, a request with at least the hold's threshold of tokens to prefill also
   waits while a lease of a pool that is not stricter than its own, with at least that many
-  tokens to prefill, is in its prefill there: until its first token or, failing that (a
-  non-streaming request shows none), its predicted prefill end (its tokens at the measured
-  rate: `Lease.prefill_done_at_s`, the same bound the TTFT check counts pending prefill by):
-  `serial_hold_ends`. The threshold is the hold's, for the strictest such pool's target.
+  tokens to prefill, is in its prefill there: a streaming one until its first token (at most
+  its pool's TTFT target from its admission, past which that target is missed anyway), one
+  that will show none (not streamed) until its predicted prefill end (its tokens at the
+  measured rate: `Lease.prefill_done_at_s`, the same bound the TTFT check counts pending
+  prefill by): `serial_hold_ends`. The prediction is no bound for a streaming one: it counts
+  the measured rate of prefill alone, while a sliced prefill beside decodes and chat prompts
+  takes several of the engine's steps, each longer than its slice alone, so a second long
+  prefill started at the predicted end would often run beside the first. The threshold is
+  the hold's, for the strictest such pool's target.
 
 Limits: a hold only stops new long prefills from starting; one already running when the
 latency-sensitive request arrives goes on and shares its steps.
@@ -42,6 +47,7 @@ __all__ = [
     "hold_applies",
     "hold_min_tokens",
     "holding_target_s",
+    "serial_bound_s",
     "serial_hold_ends",
 ]
 
@@ -80,20 +86,34 @@ def holding_target_s(
 
 
 def serial_hold_ends(
-    in_prefill: Iterable[tuple[int, float, float]],
+    in_prefill: Iterable[tuple[int, float, float, float, bool]],
     own_target_s: float,
     min_tokens: int,
     now_s: float,
 ) -> float | None:
-    """`in_prefill`: (tokens to prefill, TTFT target, when its prefill ends at the latest) of
-    the instance's leases with no first token. Those of a pool no stricter than `own_target_s`
-    with at least `min_tokens` to prefill and within their bound hold (`serial`); returns when
-    the last of them ends (None: nothing holds)."""
+    """`in_prefill`: (tokens to prefill, TTFT target, admitted at, predicted prefill end,
+    streams) of the instance's leases with no first token. Those of a pool no stricter than
+    `own_target_s` with at least `min_tokens` to prefill hold (`serial`) until their
+    `serial_bound_s`; returns when the last of them ends (None: nothing holds; a first token
+    ends a streaming lease's hold before its bound, by leaving `in_prefill`)."""
     ends = -math.inf
-    for tokens, target_s, bound_s in in_prefill:
+    for tokens, target_s, acquired_at_s, prefill_done_at_s, streams in in_prefill:
+        bound_s = serial_bound_s(acquired_at_s, prefill_done_at_s, target_s, streams)
         if target_s >= own_target_s and tokens >= min_tokens and now_s < bound_s:
             ends = max(ends, bound_s)
     return None if ends == -math.inf else ends
+
+
+def serial_bound_s(
+    acquired_at_s: float, prefill_done_at_s: float, target_s: float, streams: bool
+) -> float:
+    """When a long prefill in flight stops holding others (`serial`) at the latest: a
+    streaming lease at its pool's TTFT target from its admission (its first token comes
+    first, unless the target is missed), never before its predicted prefill end; one that
+    shows no first token at its predicted prefill end."""
+    if not streams:
+        return prefill_done_at_s
+    return max(prefill_done_at_s, acquired_at_s + target_s)
 
 
 def hold_min_tokens(

@@ -5,6 +5,7 @@ time (`prefill_hold_serial`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,11 @@ from router.admission.prefill_hold import (
     hold_applies,
     hold_min_tokens,
     holding_target_s,
+    serial_bound_s,
     serial_hold_ends,
 )
 from router.core import Core
+from router.request import RequestContext
 from tests.unit.test_forecast_admission import CHAT, SPEC, Clock, _core, _ctx, _Waiter
 
 AUTO = PrefillHold(None, 0.025, 0.5)
@@ -36,14 +39,32 @@ def test_only_a_stricter_pool_in_its_prefill_holds() -> None:
 
 
 def test_serial_one_long_prefill_of_a_pool_no_stricter_holds() -> None:
-    # (tokens to prefill, TTFT target, prefill ends at the latest); own target 3 s, 512 tokens
-    agent_long, agent_short, chat_long = (1500, 3.0, 1.4), (300, 3.0, 1.6), (900, 0.8, 1.7)
+    # (tokens to prefill, TTFT target, admitted at, predicted prefill end, streams), none
+    # streamed: each holds until its predicted end; own target 3 s, 512 tokens
+    agent_long = (1500, 3.0, 1.0, 1.4, False)
+    agent_short = (300, 3.0, 1.0, 1.6, False)
+    chat_long = (900, 0.8, 1.0, 1.7, False)
     assert serial_hold_ends([agent_long, agent_short], 3.0, 512, 1.0) == 1.4
-    assert serial_hold_ends([agent_long, (600, 5.0, 1.5)], 3.0, 512, 1.0) == 1.5
+    assert serial_hold_ends([agent_long, (600, 5.0, 1.0, 1.5, False)], 3.0, 512, 1.0) == 1.5
     assert serial_hold_ends([agent_short], 3.0, 512, 1.0) is None  # short: no hold
     assert serial_hold_ends([chat_long], 3.0, 512, 1.0) is None  # stricter: the other hold's
     assert serial_hold_ends([agent_long], 3.0, 512, 1.4) is None  # past its prefill end
     assert serial_hold_ends([], 3.0, 512, 1.0) is None
+
+
+def test_a_streamed_long_prefill_holds_past_its_predicted_end_until_its_target() -> None:
+    # admitted at 1.0, predicted to end at 1.4, its pool's target 3 s: streamed, it holds
+    # until its first token (which takes it out of the leases in prefill) or 4.0
+    streamed = (1500, 3.0, 1.0, 1.4, True)
+    assert serial_hold_ends([streamed], 3.0, 512, 1.4) == 4.0
+    assert serial_hold_ends([streamed], 3.0, 512, 3.99) == 4.0
+    assert serial_hold_ends([streamed], 3.0, 512, 4.0) is None  # its target passed
+    # with the other, not streamed, the later end counts
+    assert serial_hold_ends([streamed, (900, 3.0, 1.0, 1.2, False)], 3.0, 512, 1.1) == 4.0
+    assert serial_bound_s(1.0, 1.4, 3.0, streams=False) == 1.4
+    assert serial_bound_s(1.0, 1.4, 3.0, streams=True) == 4.0
+    # a prediction beyond the target (a slow engine) is not cut short
+    assert serial_bound_s(1.0, 5.0, 3.0, streams=True) == 5.0
 
 
 def test_the_threshold_is_fixed_or_the_budget_at_the_measured_rate() -> None:
@@ -99,9 +120,9 @@ def _held_seconds(core: object) -> tuple[float, float]:
 
 def _held_until_first_token(
     core: Core, clock: Clock, need: Need, holder: Lease, first_token_s: float
-) -> None:
+) -> Lease:
     """A queued agent request, held from the first pass at 0 until `holder`'s first token at
-    `first_token_s`, then admitted; the one hold observed for as long."""
+    `first_token_s`, then admitted (its lease returned); the one hold observed for as long."""
     a = core.admitter
     waiter = _Waiter(_ctx("agent", 0.0), need)
     a.enqueue(waiter, 0.0)
@@ -115,6 +136,7 @@ def _held_until_first_token(
     assert waiter.lease is not None
     count, total = _held_seconds(core)
     assert count == 1 and total == pytest.approx(first_token_s)
+    return waiter.lease
 
 
 def test_auto_holds_long_prefills_by_the_measured_rate_and_for_a_bounded_wait(
@@ -184,16 +206,28 @@ def test_serial_lets_one_long_agent_prefill_run_at_a_time(tmp_path: Path) -> Non
     chat = a.admit_now(_ctx("normal", 0.0), CHAT, 0.0)  # the stricter pool is not held
     assert chat is not None
     chat.first_token(0.0)
-    _held_until_first_token(core, clock, long_agent, first, 0.06)
-    # a lease that shows no first token (not streamed) holds until its predicted prefill end
-    # (admitted at 0.06, 0.15 s); its release ends the hold at once
-    clock.now = 0.1
-    assert a.admit_now(_ctx("agent", 0.1), long_agent, 0.1) is None
-    clock.now = 0.21
-    assert a.admit_now(_ctx("agent", 0.21), long_agent, 0.21) is not None
-    clock.now = 0.4  # that one's prefill ended at 0.36
-    quiet = a.admit_now(_ctx("agent", 0.4), long_agent, 0.4)
+    second = _held_until_first_token(core, clock, long_agent, first, 0.06)
+    # a streamed one (admitted at 0.06) holds past its predicted prefill end (0.21) until its
+    # first token, however late
+    clock.now = 1.0
+    assert a.admit_now(_ctx("agent", 1.0), long_agent, 1.0) is None
+    second.first_token(1.0)
+    first.release()  # the two first ones are done: room in the agent pool's half
+    second.release()
+    assert a.admit_now(_unstreamed("agent"), long_agent, 1.0) is not None
+    # one that shows no first token (not streamed) holds until its predicted prefill end
+    # (admitted at 1.0, 0.15 s); its release ends the hold at once
+    clock.now = 1.1
+    assert a.admit_now(_ctx("agent", 1.1), long_agent, 1.1) is None
+    clock.now = 1.16
+    assert a.admit_now(_unstreamed("agent"), long_agent, 1.16) is not None
+    clock.now = 1.4  # that one's prefill ended at 1.31
+    quiet = a.admit_now(_unstreamed("agent"), long_agent, 1.4)
     assert quiet is not None
-    assert a.admit_now(_ctx("agent", 0.4), long_agent, 0.4) is None
+    assert a.admit_now(_ctx("agent", 1.4), long_agent, 1.4) is None
     quiet.release()
-    assert a.admit_now(_ctx("agent", 0.4), long_agent, 0.4) is not None
+    assert a.admit_now(_ctx("agent", 1.4), long_agent, 1.4) is not None
+
+
+def _unstreamed(pool: str) -> RequestContext:
+    return dataclasses.replace(_ctx(pool, 0.0), stream=False)
