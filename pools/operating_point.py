@@ -23,8 +23,28 @@ The engine's own ceiling is learned too, because the router may not know the eng
 (static engines) and its KV may bind first: the most sequences seen running while the engine
 also had requests waiting is where it stops taking more (`saturation`). The limit is then at
 most one above it, so at most one request waits inside the engine, in the engine's FIFO order,
-and the rest wait in the router's queue, in the router's order. Seeing more running than that
-(with none waiting) forgets the ceiling until the engine saturates again.
+and the rest wait in the router's queue, in the router's order. Seeing that one more run with
+none waiting forgets the ceiling until the engine saturates again.
+
+Nothing learned may hold the limit down for good, because the limit decides what the router
+will ever measure again. The batch sizes are the engine's (`vllm:num_requests_running`: every
+sequence on it), so load this router did not send (another router on the same engines, any
+other client) is learned for what it is. But that load can run batch sizes this router then
+never reaches itself, in conditions that pass (its prefills, a busy machine); and a request
+also waits inside vLLM when the engine is not full (not yet scheduled behind a prefill).
+Either can hold a router at a handful of sequences for good: s38 saw one held at 5 on an
+engine that took 21 (benchmarks/results/agent-flood-index-cpu-2026-12-02; which of the two,
+the run did not record; tests/unit/test_operating_point_foreign_load.py replays both). So:
+- when a sample leaves its batch size's bucket `_FASTER` times faster than the line said
+  there (the engine is plainly faster now than what the line was fitted to), the other
+  buckets age: their weight halves every `_HALF_LIFE_SAMPLES` such samples, and one under
+  `_MIN_WEIGHT` (about one sample's worth) is forgotten, never the last two. The line is then
+  fitted to what runs now; where that extrapolates too high (up to max_num_seqs, as at the
+  start), the samples there bring it down. Only on such a contradiction: a busy router runs
+  only the few batch sizes next to its limit, and a line fitted to those alone is too noisy
+  to extrapolate (ageing on every sample swung it between 1 and 64 with ±20 % noise).
+- the ceiling is forgotten as soon as the engine runs the one more that the limit lets
+  through with nothing waiting (a ceiling forgotten only above that would never be).
 """
 
 from __future__ import annotations
@@ -37,6 +57,10 @@ __all__ = ["OperatingPoint", "TpotLine"]
 _EWMA_ALPHA = 0.3  # weight of a new sample in its batch-size bucket
 _MIN_TOKENS_PER_SAMPLE = 8  # a scrape interval with fewer decode steps is noise
 _OUTLIER_FACTOR = 2.0  # one sample moves its bucket toward at most 2x what it expected
+_FASTER = 1.5  # a batch size this much faster than the line says ages the other buckets
+_HALF_LIFE_SAMPLES = 5  # ageing halves a bucket's weight in this many such samples
+_AGEING = 0.5 ** (1.0 / _HALF_LIFE_SAMPLES)
+_MIN_WEIGHT = 0.5  # an aged bucket lighter than this (about one sample's worth) is forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +103,7 @@ class OperatingPoint:
         """One scrape's running and waiting counts."""
         if waiting > 0 and running > 0:
             self.saturation = max(self.saturation or 0, running)
-        elif self.saturation is not None and running > self.saturation + 1:
+        elif self.saturation is not None and running > self.saturation:
             self.saturation = None  # it took more than it used to: the ceiling moved
 
     def observe(self, running_mean: float, itl_s: float, tokens: float) -> None:
@@ -97,8 +121,20 @@ class OperatingPoint:
             itl_s = min(itl_s, _OUTLIER_FACTOR * bucket.tpot_s)
             bucket.tpot_s += _EWMA_ALPHA * (itl_s - bucket.tpot_s)
             bucket.weight = min(bucket.weight + 1.0, 20.0)
+        if self._line is not None and self._line.tpot_s(n) > _FASTER * self._buckets[n].tpot_s:
+            self._age(n)  # faster here than the line says: what holds the line up ages
         self.samples += 1
         self._line = self._fit()
+
+    def _age(self, measured: int) -> None:
+        """Age every bucket but `measured`'s; forget those under `_MIN_WEIGHT`, lightest
+        first, while more than two remain (see the module docstring)."""
+        for n, bucket in self._buckets.items():
+            if n != measured:
+                bucket.weight *= _AGEING
+        light = sorted((b.weight, n) for n, b in self._buckets.items() if b.weight < _MIN_WEIGHT)
+        for _, n in light[: max(0, len(self._buckets) - 2)]:
+            del self._buckets[n]
 
     def _fit(self) -> TpotLine | None:
         if len(self._buckets) < 2:

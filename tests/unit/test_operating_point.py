@@ -48,10 +48,54 @@ def test_the_engines_own_ceiling_is_learned_from_waiting_requests() -> None:
     op.observe_queue(running=2, waiting=1)  # a momentary reading
     op.observe_queue(running=4, waiting=5)  # the engine's --max-num-seqs 4
     assert op.saturation == 4 and op.limit(0.1) == 5  # one may wait inside the engine
-    op.observe_queue(running=5, waiting=0)
-    assert op.limit(0.1) == 5  # within the one allowed above
-    op.observe_queue(running=7, waiting=0)  # it takes more now (shorter sequences, say)
+    op.observe_queue(running=4, waiting=1)  # the one allowed above waits there
+    op.observe_queue(running=3, waiting=0)  # fewer running says nothing about the ceiling
+    assert op.saturation == 4 and op.limit(0.1) == 5
+    op.observe_queue(running=5, waiting=0)  # it took the one more with none waiting
     assert op.saturation is None and op.limit(0.1) == 256
+
+
+def test_a_wait_that_was_no_ceiling_lets_go_once_the_one_above_runs() -> None:
+    # a request waits inside vLLM behind a prefill at 4 running: taken for a ceiling; the
+    # limit (5) then lets exactly one more through, and the engine runs it with none waiting
+    op = OperatingPoint(max_num_seqs=64)
+    op.observe_queue(running=4, waiting=2)
+    assert op.limit(0.1) == 5
+    op.observe_queue(running=5, waiting=0)
+    assert op.saturation is None and op.limit(0.1) == 64
+
+
+def test_batch_sizes_no_longer_run_stop_shaping_the_line() -> None:
+    op = OperatingPoint(max_num_seqs=64)
+    for n in range(1, 22):  # someone else's load ran every batch size to 21, slowly
+        for _ in range(4):
+            op.observe(n, 3 * (0.02 + 0.005 * n), 50)
+    assert op.limit(0.157) == 6  # 0.06 + 0.015 n <= 0.157  ->  n <= 6.5
+    # now 1 to 6 run (the limit allows no more), at the engine's own speed, 3x what the line
+    # says: the batch sizes above, which nothing re-measures, age out
+    for i in range(120):
+        n = 1 + i % 6
+        op.observe(n, 0.02 + 0.005 * n, 50)
+    assert sorted(op._buckets) == [1, 2, 3, 4, 5, 6]
+    line = op.line
+    assert line is not None
+    assert abs(line.intercept_s - 0.02) < 1e-3 and abs(line.slope_s - 0.005) < 1e-4
+    assert op.limit(0.157) == 27  # 0.02 + 0.005 n <= 0.157  ->  n <= 27.4
+
+
+def test_nothing_ages_while_the_line_holds_and_the_last_two_are_kept() -> None:
+    op = OperatingPoint(max_num_seqs=64)
+    for _ in range(200):  # 20 ms + 5 ms per sequence, measured at 2 and at 20 only
+        op.observe(2, 0.03, 50)
+    op.observe(20, 0.12, 50)  # once, long ago: still holds, since nothing contradicts it
+    for _ in range(300):
+        op.observe(2, 0.03, 50)
+    assert sorted(op._buckets) == [2, 20] and op.limit(0.157) == 27
+    op.observe(10, 0.07, 50)
+    for _ in range(300):  # 10 and then 2 now run far faster than the line says
+        op.observe(2, 0.005, 50)
+        op.observe(10, 0.01, 50)
+    assert len(op._buckets) == 2 and op.source == "measured"
 
 
 def test_one_stall_does_not_collapse_the_limit_but_a_lasting_slowdown_lowers_it() -> None:
