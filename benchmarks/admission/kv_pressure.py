@@ -35,6 +35,10 @@ workload (`kv-pressure.yaml`: Poisson chat and waves of K=6 growing agent runs w
   `admission-forecast-slice-serial` on an engine from `engine-slice128.yaml`
   (`prefill_slice_tokens: 128`): a smaller agent slice beside each chat step, at the cost of
   slicing more chat prompts (above 128 tokens) too;
+- `chat-alone-slice512`, `admission-forecast-slice512-serial`: the same on an engine from
+  `engine-slice512.yaml` (`prefill_slice_tokens: 512`): with the serial hold at most one long
+  agent prefill runs beside chat, so the slice's size mostly decides how many steps chat's own
+  prompts take beside the agents' decodes (at 512 only those above 512 tokens take two);
 - `chat-alone-chunk512`, `admission-forecast-chunk512`: `chat-alone` and `admission-forecast`
   on an engine from `engine-chunk512.yaml`, which differs only by `--max-num-batched-tokens
   512` (vLLM's step budget; 2,048 otherwise): issue 26's chunk-size lever.
@@ -112,6 +116,7 @@ ENGINE_FILES = {
     # admission.prefill_slice_tokens: 256 (vLLM's --long-prefill-token-threshold 256)
     "slice": HERE / "engine-slice.yaml",
     "slice128": HERE / "engine-slice128.yaml",  # the same with prefill_slice_tokens: 128
+    "slice512": HERE / "engine-slice512.yaml",  # the same with prefill_slice_tokens: 512
 }
 CHAT_CLASS = "normal"
 # the agents' output tok/s with admission against admission off: at least this (issue 26; it
@@ -267,6 +272,28 @@ CONFIGS: dict[str, RunSpec] = {
             True,
             "admission on, reserve: forecast, prefill_hold_min_tokens: auto,"
             " prefill_hold_serial: true; engine with prefill_slice_tokens: 128",
+            {
+                "reserve": "forecast",
+                "prefill_hold_min_tokens": "auto",
+                "prefill_hold_serial": True,
+            },
+        ),
+        RunSpec(
+            "chat-alone-slice512",
+            "slice512",
+            "off",
+            None,
+            False,
+            "chat only (no agent runs), admission off; engine with prefill_slice_tokens: 512",
+        ),
+        RunSpec(
+            "admission-forecast-slice512-serial",
+            "slice512",
+            "on",
+            None,
+            True,
+            "admission on, reserve: forecast, prefill_hold_min_tokens: auto,"
+            " prefill_hold_serial: true; engine with prefill_slice_tokens: 512",
             {
                 "reserve": "forecast",
                 "prefill_hold_min_tokens": "auto",

@@ -18,4 +18,5 @@ def test_every_config_names_a_loadable_engine_with_its_own_ports() -> None:
         assert len(set(values)) == len(values)
     assert configs["slice"].admission.prefill_slice_tokens == 256
     assert configs["slice128"].admission.prefill_slice_tokens == 128
+    assert configs["slice512"].admission.prefill_slice_tokens == 512
     assert configs["fcfs"].admission.prefill_slice_tokens is None
