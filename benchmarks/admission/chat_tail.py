@@ -16,7 +16,10 @@ For each chat request, over its TTFT window [sent, first token]:
   step emits one token per running sequence) and the longest gap between two of them.
 
 Prints the slowest chat requests of each run, then chat TTFT percentiles grouped by prompt
-size and by agent prefills sharing the window, over all the runs given.
+size, by agent prefills ending inside the window and by agents decoding, over all the runs
+given; and the engine's step times by what ended in them (`step_gaps`): every agent
+inter-token gap (one engine step as one decoding agent saw it), classed by whether another
+agent's or a chat request's first token (the end of its prefill) came inside it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ChatWindow", "chat_windows", "main"]
+__all__ = ["ChatWindow", "chat_windows", "main", "step_gaps"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,38 @@ def chat_windows(rows: Iterable[dict[str, object]]) -> list[ChatWindow]:
     return out
 
 
+# (an agent's prefill ended in the gap, a chat request's did) -> the gap's class
+_GAP_KINDS = {
+    (False, False): "decode only",
+    (True, False): "agent prefill",
+    (False, True): "chat prefill",
+    (True, True): "both",
+}
+
+
+def step_gaps(rows: Iterable[dict[str, object]]) -> dict[str, list[float]]:
+    """Every agent inter-token gap (ms) of `rows` (a records file's lines), by what ended
+    inside it: "agent prefill", "chat prefill", "both" or "decode only" (nothing did)."""
+    requests = [r for r in rows if r.get("type", "request") == "request"]
+    agents = [a for r in requests if r.get("kind") == "agent" and (a := _agent(r)) is not None]
+    chat_firsts = sorted(
+        float(r["send_s"]) + float(r["ttft_ms"]) / 1e3  # type: ignore[arg-type]
+        for r in requests
+        if r.get("kind") == "chat" and isinstance(r.get("ttft_ms"), float | int)
+    )
+    agent_firsts = sorted(a.first_s for a in agents)
+
+    def ended(firsts: list[float], lo: float, hi: float) -> bool:
+        return bisect.bisect_right(firsts, hi) > bisect.bisect_right(firsts, lo)
+
+    gaps: dict[str, list[float]] = {}
+    for a in agents:
+        for lo, hi in itertools.pairwise(a.token_s):
+            kind = _GAP_KINDS[ended(agent_firsts, lo, hi), ended(chat_firsts, lo, hi)]
+            gaps.setdefault(kind, []).append((hi - lo) * 1e3)
+    return gaps
+
+
 def _pct(values: Sequence[float], q: float) -> float:
     """The q-quantile by linear interpolation (numpy's default); nan when empty."""
     if not values:
@@ -144,7 +179,7 @@ def _decoding(w: ChatWindow) -> str:
     return "0" if w.agents_decoding == 0 else "1-3" if w.agents_decoding <= 3 else "4+"
 
 
-def report(runs: dict[str, list[ChatWindow]], top: int) -> str:
+def report(runs: dict[str, list[ChatWindow]], gaps: dict[str, list[float]], top: int) -> str:
     lines = []
     for name, windows in runs.items():
         lines += [
@@ -168,6 +203,17 @@ def report(runs: dict[str, list[ChatWindow]], top: int) -> str:
     lines += _grouped(every, _firsts, ["0", "1", "2+"])
     lines += ["", "## By agents decoding when sent", ""]
     lines += _grouped(every, _decoding, ["0", "1-3", "4+"])
+    lines += [
+        "",
+        "## Engine steps (agent inter-token gaps) by what ended in them",
+        "",
+        "| ended | n | p50 | p90 | p99 (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for kind in ("decode only", "agent prefill", "chat prefill", "both"):
+        if ms := gaps.get(kind):
+            p50, p90, p99 = (_pct(ms, q) for q in (0.5, 0.9, 0.99))
+            lines.append(f"| {kind} | {len(ms)} | {p50:.1f} | {p90:.1f} | {p99:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -177,16 +223,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", default="", help="substring a run's name must contain")
     parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args(argv)
-    runs = {}
+    runs: dict[str, list[ChatWindow]] = {}
+    gaps: dict[str, list[float]] = {}
     for path in sorted(args.harness_dir.glob("records-*.jsonl")):
         name = path.stem.removeprefix("records-")
         if args.runs in name:
             with path.open() as f:
-                runs[name] = chat_windows(json.loads(line) for line in f if line.strip())
+                rows = [json.loads(line) for line in f if line.strip()]
+            runs[name] = chat_windows(rows)
+            for kind, ms in step_gaps(rows).items():
+                gaps.setdefault(kind, []).extend(ms)
     if not runs:
         print(f"no records-*.jsonl matching {args.runs!r} in {args.harness_dir}", file=sys.stderr)
         return 1
-    sys.stdout.write(report(runs, args.top))
+    sys.stdout.write(report(runs, gaps, args.top))
     return 0
 
 

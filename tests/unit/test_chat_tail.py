@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.admission.chat_tail import ChatWindow, chat_windows, main
+from benchmarks.admission.chat_tail import ChatWindow, chat_windows, main, step_gaps
 
 
 def _req(kind: str, send_s: float, ttft_ms: float | None, **extra: object) -> dict[str, object]:
@@ -47,6 +47,18 @@ def test_a_chat_window_counts_the_agents_around_it() -> None:
     assert w.step_max_ms == pytest.approx(60.0)
 
 
+def test_each_agent_gap_is_classed_by_the_first_tokens_inside_it() -> None:
+    # the first agent's gaps: (0.50, 0.52], (0.52, 0.54], (0.54, 0.60], (0.60, 0.62]; the
+    # second agent's first token (0.55) ends inside the third, the chat's (0.61) in the fourth;
+    # the other agents emit one token each: no gaps
+    gaps = step_gaps(ROWS)
+    assert {k: [round(g, 6) for g in v] for k, v in gaps.items()} == {
+        "decode only": [20.0, 20.0],
+        "agent prefill": [60.0],
+        "chat prefill": [20.0],
+    }
+
+
 def test_the_report_lists_the_slow_ones_and_groups(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -55,4 +67,5 @@ def test_the_report_lists_the_slow_ones_and_groups(
     out = capsys.readouterr().out
     assert "| 0.51 | 100 | 300 | 1 | 1 | 2 | 3 | 60 |" in out
     assert "| 257-512 | 1 | 100 | 100 | 100 | 100 |" in out
+    assert "| agent prefill | 1 | 60.0 | 60.0 | 60.0 |" in out
     assert main([str(tmp_path), "--runs", "nope"]) == 1
