@@ -96,6 +96,8 @@ log = logging.getLogger(__name__)
 _SSE_SEP = b"\n\n"
 _DEFAULT_BLOCK_SIZE = 16  # vLLM's, until an engine reports its own
 _ID_MASK = (1 << 64) - 1  # request ids: 64 bits
+_NO_PINS: frozenset[str] = frozenset()
+_CLASS_HEADERS_KEPT = 1024  # (pool, class, priority) header sets kept encoded
 
 
 def request_headers(scope: Scope) -> dict[str, str]:
@@ -150,6 +152,7 @@ class CompletionsHandler:
         self._max_body_bytes = rc.max_body_bytes
         self._body_timeout_s = rc.body_read_timeout_s
         self._engine_priority = {p.name: p.engine_priority for p in config.pools}
+        self._class_heads: dict[tuple[str, str, int], tuple[tuple[bytes, bytes], ...]] = {}
 
     # ----------------------------------------------------------------------------- entry
 
@@ -369,12 +372,8 @@ class CompletionsHandler:
         stored: StoredResponse | None = None,
         client: ClientLink | None = None,
     ) -> None:
-        gp_headers = [
-            (b"x-gpupool-request-id", ctx.request_id.encode()),
-            (b"x-gpupool-pool", ctx.pool.encode()),
-            (b"x-gpupool-class", ctx.class_name.encode()),
-            (b"x-gpupool-priority", str(ctx.priority).encode()),
-        ]
+        request_id = ctx.request_id.encode()
+        gp_headers = [(b"x-gpupool-request-id", request_id), *self._class_headers(ctx)]
         changed = adapter.prepare(body, ctx)
         engine_priority = self._engine_priority.get(ctx.pool)
         if engine_priority is not None and "priority" not in body and adapter.engine_priority:
@@ -387,7 +386,7 @@ class CompletionsHandler:
         pinned = (
             frozenset(s.spec.instance_id for s in self.fleet) - {stored.instance_id}
             if stored is not None
-            else frozenset()
+            else _NO_PINS
         )
         estimate = outcome.estimate
         assert estimate is not None
@@ -417,7 +416,8 @@ class CompletionsHandler:
                 waiter.reason = "queue"
             admit_start_s = outcome.admission_started_at_s = self.clock()
             lease = await self.admitter.admit(ctx, estimate, exclude=pinned)
-            await self._stop_waiting(waiter, outcome)
+            if waiter is not None:
+                await self._stop_waiting(waiter, outcome)
             outcome.admitted_at_s = self.clock()
             queued_s = outcome.admitted_at_s - admit_start_s + governed_s
             self.metrics.overhead.observe(outcome.admitted_at_s - read_s - queued_s)
@@ -439,20 +439,21 @@ class CompletionsHandler:
                     )
                 outcome.dispatched_at_s = self.clock()
                 self.settlement.dispatched(outcome)
-                upstream_headers = [
-                    ("content-type", "application/json"),
-                    ("x-request-id", ctx.request_id),
-                ]
+                # the engine request's header lines, encoded once
+                upstream_head = b"content-type: application/json\r\nx-request-id: %b\r\n" % (
+                    request_id
+                )
                 if instance.spec.api_key:
-                    upstream_headers.append(("authorization", "Bearer " + instance.spec.api_key))
+                    key = instance.spec.api_key.encode("latin-1")
+                    upstream_head += b"authorization: Bearer %b\r\n" % key
                 if (trace := outcome.trace) is not None and trace.traceparent is not None:
-                    upstream_headers.append(("traceparent", trace.traceparent))
+                    upstream_head += b"traceparent: %b\r\n" % trace.traceparent.encode("latin-1")
                 try:
                     resp = await self.upstream.post(
                         instance.spec.url,
                         path,
                         body_bytes,
-                        upstream_headers,
+                        upstream_head,
                         total_s=min(remaining_s, self._upstream_timeout_s),
                         connect_s=self._connect_timeout_s,
                     )
@@ -521,6 +522,22 @@ class CompletionsHandler:
                 waiter.cancel()  # cancelled (the client left) while waiting
             if lease is not None:
                 lease.release()  # the inflight gauge is set at each scrape (pools_view)
+
+    def _class_headers(self, ctx: RequestContext) -> tuple[tuple[bytes, bytes], ...]:
+        """The response headers naming the request's pool, class and priority, encoded once
+        per combination (a few per config; cleared past `_CLASS_HEADERS_KEPT`, as a client's
+        priority header may name any number)."""
+        key = (ctx.pool, ctx.class_name, ctx.priority)
+        found = self._class_heads.get(key)
+        if found is None:
+            if len(self._class_heads) >= _CLASS_HEADERS_KEPT:
+                self._class_heads.clear()
+            found = self._class_heads[key] = (
+                (b"x-gpupool-pool", ctx.pool.encode()),
+                (b"x-gpupool-class", ctx.class_name.encode()),
+                (b"x-gpupool-priority", str(ctx.priority).encode()),
+            )
+        return found
 
     @staticmethod
     async def _stop_waiting(waiter: WaitComments | None, outcome: RequestOutcome) -> None:
@@ -679,7 +696,8 @@ class CompletionsHandler:
             and adapter.add_body_usage(data, extra)
         ):
             raw = orjson.dumps(data)
-        self._remember_response(outcome, ctx, stored)
+        if outcome.response_id is not None:
+            self._remember_response(outcome, ctx, stored)
         await self.settlement.settle(outcome)
         outcome.response_started = True
         head = [(b"content-type", b"application/json"), *headers, *extra_headers]

@@ -380,13 +380,15 @@ class Upstream:
         url: str,
         path: str,
         body: bytes,
-        headers: Iterable[tuple[str, str]],
+        headers: Iterable[tuple[str, str]] | bytes,
         *,
         total_s: float,
         connect_s: float,
     ) -> Response:
         """POST `body` (JSON) to `url` + `path`; returns once the response head has arrived.
-        `total_s` bounds everything from here to the body's last byte."""
+        `headers`: name-value pairs, or their lines already encoded (`name: value` and CRLF
+        each, in latin-1: what the proxy builds once per request). `total_s` bounds everything
+        from here to the body's last byte."""
         if self._closed:
             raise ConnectFailed("the upstream client is closed")
         origin = self._origin(url, path)
@@ -398,7 +400,10 @@ class Upstream:
             if loop.time() >= deadline:
                 raise TimeoutError from None
             raise
-        head = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
+        if isinstance(headers, bytes):
+            head = headers
+        else:
+            head = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
         request = b"%b%bcontent-length: %d\r\n\r\n%b" % (origin.prefix, head, len(body), body)
         response = Response(conn)
         conn.start(request, response, deadline)
