@@ -118,6 +118,12 @@ class RequestOutcome:
     step_index: int | None = None
     # its span tree (router.ops.tracing.RequestTrace); None: tracing is off
     trace: TraceHooks | None = None
+    # settlement's marks, kept here rather than in tables keyed by request id:
+    # settled before its final bytes (router.settlement), and the (outcome, status) of the
+    # record committed then, and metered by `AccountingObserver.settling` (router.accounting)
+    settled: bool = False
+    committed_as: tuple[str, int] | None = None
+    metered: bool = False
 
     @property
     def queue_s(self) -> float:

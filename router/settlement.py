@@ -117,7 +117,6 @@ class Settlement:
         self.observers = observers or []
         self._clock = clock
         self._wall_clock = wall_clock
-        self._settled: set[str] = set()  # request ids settled before their final bytes
 
     # ------------------------------------------------------------------ dispatch
 
@@ -148,54 +147,52 @@ class Settlement:
         """The response's final bytes are next: meter, governance, ledger (a durable commit).
         The learners wait for `finish` (the client may still leave during the final send).
         Never raises: a failing part is logged and the response still ends."""
-        request_id = outcome.ctx.request_id
-        if request_id in self._settled:
+        if outcome.settled:
             return
-        self._settled.add(request_id)
+        outcome.settled = True
         if (trace := outcome.trace) is not None:
             trace.settling(self._clock())
-        for part in ORDER[:3]:
-            try:
-                if part == "meter":
-                    self._meter(outcome, final_bytes_next=True)
-                elif part == "governance":
-                    self._govern(outcome)
-                else:
-                    await self.accounting.commit(outcome)
-            except Exception:
-                log.exception("settling %s (%s) failed", request_id, part)
+        # ORDER's first three parts, each on its own (a failing one is logged, the rest run)
+        self._meter_and_govern(outcome, final_bytes_next=True)
+        try:
+            await self.accounting.commit(outcome)
+        except Exception:
+            self._failed(outcome, "ledger")
         if trace is not None:
             trace.settled(self._clock())
 
     def finish(self, outcome: RequestOutcome) -> None:
         """After the response, exactly once: what `settle` did not do, then the learners."""
-        ctx = outcome.ctx
         if outcome.outcome == "ok" and outcome.status != 200:
             outcome.outcome = outcome_of(outcome.status)
             outcome.reason = str(outcome.status)
-        settled = ctx.request_id in self._settled
-        self._settled.discard(ctx.request_id)
-        for part in ORDER:
-            if settled and part in ("meter", "governance"):
-                continue
-            try:
-                if part == "meter":
-                    self._meter(outcome, final_bytes_next=False)
-                elif part == "governance":
-                    self._govern(outcome)
-                elif part == "ledger":
-                    self.accounting.record(outcome)
-                else:
-                    self._learn(outcome)
-            except Exception:
-                log.exception("settling %s (%s) failed", ctx.request_id, part)
+        # ORDER, each part on its own (a failing one is logged, the rest run)
+        if not outcome.settled:
+            self._meter_and_govern(outcome, final_bytes_next=False)
+        try:
+            self.accounting.record(outcome)
+        except Exception:
+            self._failed(outcome, "ledger")
+        try:
+            self._learn(outcome)
+        except Exception:
+            self._failed(outcome, "learners")
 
-    def _meter(self, outcome: RequestOutcome, *, final_bytes_next: bool) -> None:
-        self.accounting.meter(outcome, final_bytes_next=final_bytes_next)
-
-    def _govern(self, outcome: RequestOutcome) -> None:
+    def _meter_and_govern(self, outcome: RequestOutcome, *, final_bytes_next: bool) -> None:
+        """ORDER's first two parts: stop the clock, then governance charges what it metered."""
+        try:
+            self.accounting.meter(outcome, final_bytes_next=final_bytes_next)
+        except Exception:
+            self._failed(outcome, "meter")
         if self.governance is not None:
-            self.governance.finished(outcome)
+            try:
+                self.governance.finished(outcome)
+            except Exception:
+                self._failed(outcome, "governance")
+
+    @staticmethod
+    def _failed(outcome: RequestOutcome, part: str) -> None:
+        log.exception("settling %s (%s) failed", outcome.ctx.request_id, part)
 
     def _learn(self, outcome: RequestOutcome) -> None:
         ctx = outcome.ctx

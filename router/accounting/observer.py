@@ -55,9 +55,6 @@ class AccountingObserver:
         metrics.watch_ledger(ledger)
         self._clock = clock
         self._wall_clock = wall_clock
-        # request id -> (outcome, status) of its settled record, until `finished`
-        self._settled: dict[str, tuple[str, int]] = {}
-        self._metered: set[str] = set()  # settled through `settling`, until `finished`
 
     def dispatched(self, outcome: RequestOutcome) -> None:
         now = self._clock()
@@ -118,13 +115,13 @@ class AccountingObserver:
         """Commit the request's record durably (the response's final bytes are next). Never
         raises for the ledger."""
         record = self._record(outcome)
-        self._settled[outcome.ctx.request_id] = (record.outcome, record.status_code)
+        outcome.committed_as = (record.outcome, record.status_code)
         await self.ledger.commit(record)
 
     def record(self, outcome: RequestOutcome) -> None:
         """After the response: queue the record of a request that was not committed, or whose
         outcome changed since it was."""
-        settled = self._settled.pop(outcome.ctx.request_id, None)
+        settled, outcome.committed_as = outcome.committed_as, None
         if settled != (outcome.outcome, outcome.status):
             self.ledger.submit(self._record(outcome))
 
@@ -136,13 +133,13 @@ class AccountingObserver:
     async def settling(self, outcome: RequestOutcome) -> None:
         """Without a settlement: the response's final bytes are next (meter, commit)."""
         self.meter(outcome, final_bytes_next=True)
-        self._metered.add(outcome.ctx.request_id)
+        outcome.metered = True
         await self.commit(outcome)
 
     def finished(self, outcome: RequestOutcome) -> None:
         """Without a settlement: after the response (meter unless settled, record, observe)."""
-        if outcome.ctx.request_id in self._metered:
-            self._metered.discard(outcome.ctx.request_id)
+        if outcome.metered:
+            outcome.metered = False
         else:
             self.meter(outcome, final_bytes_next=False)
         self.record(outcome)
