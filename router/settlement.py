@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from router.admission.estimate import TokenEstimator
@@ -55,7 +55,7 @@ class Meter(Protocol):
 
     def meter(self, outcome: RequestOutcome, *, final_bytes_next: bool) -> float: ...
 
-    async def commit(self, outcome: RequestOutcome) -> None: ...
+    def commit(self, outcome: RequestOutcome) -> Awaitable[object]: ...
 
     def record(self, outcome: RequestOutcome) -> None: ...
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from router.accounting.accountant import Accountant, SequenceToken
@@ -111,12 +111,13 @@ class AccountingObserver:
         self.note_step(outcome)
         return gpu_s
 
-    async def commit(self, outcome: RequestOutcome) -> None:
-        """Commit the request's record durably (the response's final bytes are next). Never
-        raises for the ledger."""
+    def commit(self, outcome: RequestOutcome) -> Awaitable[bool]:
+        """Commit the request's record durably (the response's final bytes are next): the
+        ledger's commit, for the caller to await (one coroutine fewer in the await chain a
+        group commit resumes). Never raises for the ledger."""
         record = self._record(outcome)
         outcome.committed_as = (record.outcome, record.status_code)
-        await self.ledger.commit(record)
+        return self.ledger.commit(record)
 
     def record(self, outcome: RequestOutcome) -> None:
         """After the response: queue the record of a request that was not committed, or whose

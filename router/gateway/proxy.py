@@ -598,7 +598,7 @@ class CompletionsHandler:
                 return True
         return False
 
-    async def _relay(
+    def _relay(
         self,
         ctx: RequestContext,
         resp: Response,
@@ -609,48 +609,59 @@ class CompletionsHandler:
         adapter: ProtocolAdapter,
         stored: StoredResponse | None = None,
         client: ClientLink | None = None,
-    ) -> None:
-        status = resp.status
-        outcome.status = status
-        if status != 200:
-            raw = await _read_upstream(resp)
-            if status >= 500:
-                detail = _engine_message(raw)
-                # this request's failure, not the engine's health: a client's bad input that
-                # the engine did not catch must not take it out (scrapes and connects decide)
-                log.warning("engine %s answered %d", outcome.instance_id, status)
-                raise EngineFailure(
-                    f"engine {outcome.instance_id} failed: {detail}", "engine_error"
-                )
-            if status == 404 and stored is not None:
-                # the engine no longer holds the response (it restarted since): never a 404
-                # that reads like a wrong path, nor a silent answer without the history
-                outcome.status = 400
-                raise _engine_gone(None, outcome.instance_id or "?")
-            outcome.outcome, outcome.reason = "client_error", str(status)
-            raw = adapter.engine_error(status, raw)
-            if outcome.wait_stream_open:  # the engine's refusal, as the stream's one event
-                outcome.wait_stream_open = False
-                body = adapter.refusal_event(raw)
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-                return
-            ctype = (resp.content_type or "application/json").encode()
-            outcome.response_started = True
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": [(b"content-type", ctype), *headers],
-                }
-            )
-            await send({"type": "http.response.body", "body": raw})
-            return
+    ) -> Coroutine[Any, Any, None]:
+        """The relay of the engine's answer, for the caller to await: a refusal, a stream or
+        a whole body (returned, not awaited here: one coroutine fewer in the await chain that
+        every later wake-up of the request resumes)."""
+        outcome.status = resp.status
+        if resp.status != 200:
+            return self._relay_refusal(resp, send, headers, outcome, adapter, stored)
         if ctx.stream:
-            await self._relay_stream(
+            return self._relay_stream(
                 ctx, resp, send, headers, outcome, lease, adapter, stored, client
             )
-        else:
-            await self._relay_body(ctx, resp, send, headers, outcome, adapter, stored, client)
+        return self._relay_body(ctx, resp, send, headers, outcome, adapter, stored, client)
+
+    async def _relay_refusal(
+        self,
+        resp: Response,
+        send: Send,
+        headers: list[tuple[bytes, bytes]],
+        outcome: RequestOutcome,
+        adapter: ProtocolAdapter,
+        stored: StoredResponse | None,
+    ) -> None:
+        """An engine's answer other than 200: a 5xx as our 502, a 4xx passed through."""
+        status = resp.status
+        raw = await _read_upstream(resp)
+        if status >= 500:
+            detail = _engine_message(raw)
+            # this request's failure, not the engine's health: a client's bad input that
+            # the engine did not catch must not take it out (scrapes and connects decide)
+            log.warning("engine %s answered %d", outcome.instance_id, status)
+            raise EngineFailure(f"engine {outcome.instance_id} failed: {detail}", "engine_error")
+        if status == 404 and stored is not None:
+            # the engine no longer holds the response (it restarted since): never a 404
+            # that reads like a wrong path, nor a silent answer without the history
+            outcome.status = 400
+            raise _engine_gone(None, outcome.instance_id or "?")
+        outcome.outcome, outcome.reason = "client_error", str(status)
+        raw = adapter.engine_error(status, raw)
+        if outcome.wait_stream_open:  # the engine's refusal, as the stream's one event
+            outcome.wait_stream_open = False
+            body = adapter.refusal_event(raw)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        ctype = (resp.content_type or "application/json").encode()
+        outcome.response_started = True
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", ctype), *headers],
+            }
+        )
+        await send({"type": "http.response.body", "body": raw})
 
     async def _relay_body(
         self,

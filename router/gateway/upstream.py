@@ -348,14 +348,22 @@ class Upstream:
             self._origins[key] = origin
         return origin
 
+    def _pooled(self, origin: _Origin) -> _Conn | None:
+        """An idle pooled connection to `origin` (the most recently used: the least likely to
+        be stale), None when there is none; the stale ones met on the way are closed."""
+        pool = self._idle.get(origin)
+        if pool:
+            now_s = time.monotonic()
+            while pool:
+                conn = pool.pop()
+                if conn.open and now_s - conn.idle_since_s < self.keepalive_s:
+                    return conn
+                conn.drop()
+        return None
+
     async def _connect(self, origin: _Origin, connect_s: float) -> _Conn:
+        """A new connection to `origin`."""
         pool = self._idle.setdefault(origin, deque())
-        now_s = time.monotonic()
-        while pool:
-            conn = pool.pop()  # the most recently used: the least likely to be stale
-            if conn.open and now_s - conn.idle_since_s < self.keepalive_s:
-                return conn
-            conn.drop()
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_s):
@@ -394,12 +402,14 @@ class Upstream:
         origin = self._origin(url, path)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + total_s
-        try:
-            conn = await self._connect(origin, min(connect_s, total_s))
-        except ConnectFailed:
-            if loop.time() >= deadline:
-                raise TimeoutError from None
-            raise
+        conn = self._pooled(origin)
+        if conn is None:
+            try:
+                conn = await self._connect(origin, min(connect_s, total_s))
+            except ConnectFailed:
+                if loop.time() >= deadline:
+                    raise TimeoutError from None
+                raise
         if isinstance(headers, bytes):
             head = headers
         else:
