@@ -386,7 +386,9 @@ def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"Command: `python -m benchmarks.agent_flood_admission {' '.join(sys.argv[1:])}`",
         "",
         f"Workload `{SCENARIO}` at rate scale {args.rate_scale:g}; the same three engines for"
-        " every router (agent pool on one engine, normal pool on two); runs alternate.",
+        " every router (agent pool on one engine, normal pool on two"
+        + ("; restarted before every run" if args.fresh_engines else "")
+        + "); runs alternate.",
         "",
         "| run | mode | chat SLO | chat TTFT p50/p95/p99 ms | chat 429 | agent steps ok/sent"
         " | agent 429 | agent step TTFT p95 ms | agent out tok/s | run p50 / p90 s | agent-engine"
@@ -446,14 +448,18 @@ def _main(args: argparse.Namespace) -> int:
             "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
         }
     )
-    launcher = LocalLauncher(  # kv_events on (its default): index-on follows them
-        config.engines.local,
-        config.model,
-        progress=lambda m: print(f"[engines] {m}"),
-        gpu_count=0,
-        kv_events=True,
-        environ={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache
-    )
+
+    def launcher_() -> LocalLauncher:
+        return LocalLauncher(  # kv_events on (its default): index-on follows them
+            config.engines.local,
+            config.model,
+            progress=lambda m: print(f"[engines] {m}"),
+            gpu_count=0,
+            kv_events=True,
+            environ={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache
+        )
+
+    launcher = launcher_()
     loop = Loop()
     specs: list[InstanceSpec] = loop.run(launcher.start())
     engines = [s.url for s in specs]
@@ -467,6 +473,14 @@ def _main(args: argparse.Namespace) -> int:
         for i, mode in enumerate(order):
             round_ = i // len(modes) + 1
             print(f"round {round_}: {mode}", flush=True)
+            if args.fresh_engines and i > 0:
+                # engines that served a run come out of it slower for the next (s40: the
+                # first run of an invocation was the fastest in 4 of 5 invocations, whatever
+                # its mode, though every prefix cache is emptied between runs)
+                loop.run(launcher.aclose())
+                launcher = launcher_()
+                if [s.url for s in loop.run(launcher.start())] != engines:
+                    raise RuntimeError("restarted engines came up on other URLs")
             # each run gets a router of its own, started on empty state just before it and
             # stopped after: a router left running beside another's run learns the engines'
             # operating point from load it did not send (the first run of an invocation was
@@ -513,6 +527,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--pause-s", type=float, default=10.0)
+    parser.add_argument(
+        "--fresh-engines",
+        action="store_true",
+        help="restart the three engines before every run but the first (~40 s each), so no"
+        " run inherits engines another run has used",
+    )
     parser.add_argument(
         "--pin",
         action="store_true",
