@@ -161,7 +161,7 @@ def test_a_run_without_agent_runs_reports_dashes_not_a_crash() -> None:
         "prefix_hit_frac": 0.25,
         "rejections_by_reason": {},
     }
-    args = argparse.Namespace(compare="index", rate_scale=1.0)
+    args = argparse.Namespace(compare="index", rate_scale=1.0, fresh_engines=False)
     row = _markdown([result], args).splitlines()[-1]
     assert row.startswith("| 1 | index-on | 100.0% | 10 / 20 / 30 | 0 | 0/0 | 0 | - | 0 | - / - |")
     assert "| 25.0% |" in row
