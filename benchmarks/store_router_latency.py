@@ -3,7 +3,7 @@ concurrency 1, against the embedded SQLite store, side by side in one run (issue
 p50 within 0.3 ms).
 
     .venv/bin/python -m benchmarks.store_router_latency [--requests 400] [--rounds 5]
-        [--kinds plain,governed,agent] [--out FILE]
+        [--kinds plain,governed,agent,governed-agent] [--baseline-tree DIR] [--out FILE]
 
 It starts a real PostgreSQL (tests/postgres.py's server: unix socket, fsync off), one fake
 engine process (`pools.testing.fake_engine`, no delays) and two `gpupool serve` processes
@@ -17,9 +17,18 @@ one at a time:
 - `governed`: a tenant with a tokens-per-minute budget and a concurrency tier: shared
   budgets (a lease top-up now and then) and a request slot (acquired before dispatch);
 - `agent`: the plain tenant's agent run steps (`x-gpupool-run-id`, 10 steps a run): the
-  run's step number (and home) from the store.
+  run's step number (and home) from the store;
+- `governed-agent`: the governed tenant's agent run steps: a request slot, the step number
+  and, at each run's first step, a run slot.
 
-Each round sends `--requests` of every kind to each router, the two taking turns every
+`--baseline-tree DIR`: a third router, on the PostgreSQL store too (a database of its own),
+runs the router code of DIR (a checkout of another commit, e.g. `git worktree add DIR
+<commit>`: `PYTHONPATH=DIR`), in the same turns: before and after a change in one run, each
+against the same SQLite router. Its rows are `postgres-base`. `--gap-ms G`: each measured
+request waits G ms first (a tenant whose requests do not follow each other at once: a
+request slot's hand-over, 10 ms, does not reach the next one).
+
+Each round sends `--requests` of every kind to each router, the routers taking turns every
 `--block` requests (20; the first of each turn alternating), each on a keep-alive connection
 of its own for the whole run, so a change of the machine's load lands on both. Reported per kind and
 store: p50 / p90 / p99 over all rounds, the added p50 (PostgreSQL - SQLite) per round and
@@ -48,12 +57,14 @@ import aiohttp
 
 from pools.testing.router_process import RouterProcess, free_port
 
-MODEL = Path(__file__).resolve().parents[1] / ".gpupool" / "models" / "tiny"
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / ".gpupool" / "models" / "tiny"
 PASSWORD_ENV = "GPUPOOL_BENCH_STORE_PASSWORD"
 KEYS = {"plain": "plain-" + "p" * 24, "governed": "governed-" + "g" * 24}
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 STEPS_PER_RUN = 10
 STORES = ("sqlite", "postgres")
+BASELINE = "postgres-base"  # the --baseline-tree router
 
 
 def _config(
@@ -92,20 +103,22 @@ def _config(
 
 
 def _headers(kind: str, k: int, tag: str) -> dict[str, str]:
-    tenant = "governed" if kind == "governed" else "plain"
+    tenant = "governed" if kind.startswith("governed") else "plain"
     headers = {"authorization": f"Bearer {KEYS[tenant]}"}
-    if kind == "agent":
+    if kind.endswith("agent"):
         headers["x-gpupool-run-id"] = f"{tag}-{k // STEPS_PER_RUN}"
     return headers
 
 
 async def _send(
-    session: aiohttp.ClientSession, url: str, kind: str, ks: range, tag: str
+    session: aiohttp.ClientSession, url: str, kind: str, ks: range, tag: str, gap_s: float
 ) -> list[float]:
     """Latencies (ms) of requests `ks` (their numbers: an agent run is 10 of them), one at a
-    time on the session's one connection."""
+    time on the session's one connection, `gap_s` apart."""
     took: list[float] = []
     for k in ks:
+        if gap_s > 0:
+            await asyncio.sleep(gap_s)
         headers = _headers(kind, k, tag)
         started = time.perf_counter()
         async with session.post(f"{url}/v1/chat/completions", json=BODY, headers=headers) as r:
@@ -123,16 +136,18 @@ async def _round(
     requests: int,
     block: int,
     tag: str,
+    gap_s: float = 0.0,
 ) -> dict[str, list[float]]:
-    """`requests` requests of `kind` to each store's router, the stores taking turns every
-    `block` requests (so a change of the machine's load lands on both), the first store
-    alternating by block."""
+    """`requests` requests of `kind` to each router, the routers taking turns every `block`
+    requests (so a change of the machine's load lands on all), the order reversed every
+    other block."""
     took: dict[str, list[float]] = {store: [] for store in urls}
     for b, first in enumerate(range(0, requests, block)):
         ks = range(first, min(requests, first + block))
         order = list(urls) if b % 2 == 0 else list(urls)[::-1]
         for store in order:
-            took[store] += await _send(sessions[store], urls[store], kind, ks, f"{tag}-{store}")
+            tagged = f"{tag}-{store}"
+            took[store] += await _send(sessions[store], urls[store], kind, ks, tagged, gap_s)
     return took
 
 
@@ -143,7 +158,7 @@ def _pct(values: list[float], q: float) -> float:
 
 async def _measure(
     urls: dict[str, str], args: argparse.Namespace
-) -> tuple[dict[tuple[str, str], list[float]], dict[str, list[float]], list[float]]:
+) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], list[float]], list[float]]:
     kinds = args.kinds.split(",")
     sessions = {
         store: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) for store in urls
@@ -151,20 +166,27 @@ async def _measure(
     try:
         for kind in kinds:  # warm-up: connections, pools, leases, caches
             await _round(sessions, urls, kind, 100, args.block, "warm")
-        samples: dict[tuple[str, str], list[float]] = {(k, s): [] for k in kinds for s in STORES}
-        added: dict[str, list[float]] = {k: [] for k in kinds}
+        samples: dict[tuple[str, str], list[float]] = {(k, s): [] for k in kinds for s in urls}
+        added: dict[tuple[str, str], list[float]] = {(k, s): [] for k in kinds for s in urls}
         loads = []
         for n in range(args.rounds):
             for kind in kinds:
-                took = await _round(sessions, urls, kind, args.requests, args.block, f"r{n}")
-                for store in STORES:
+                took = await _round(
+                    sessions, urls, kind, args.requests, args.block, f"r{n}", args.gap_ms / 1e3
+                )
+                for store in urls:
                     samples[(kind, store)].extend(took[store])
-                p50 = {store: statistics.median(took[store]) for store in STORES}
-                added[kind].append(p50["postgres"] - p50["sqlite"])
+                    p50 = statistics.median(took[store]) - statistics.median(took["sqlite"])
+                    added[(kind, store)].append(p50)
             loads.append(os.getloadavg()[0])
             print(
                 f"round {n + 1}: added p50 "
-                + ", ".join(f"{k} {added[k][-1]:+.3f} ms" for k in kinds)
+                + ", ".join(
+                    f"{k} {added[(k, s)][-1]:+.3f} ms ({s})"
+                    for k in kinds
+                    for s in urls
+                    if s != "sqlite"
+                )
                 + f" (load {loads[-1]:.1f})",
                 file=sys.stderr,
                 flush=True,
@@ -177,7 +199,7 @@ async def _measure(
 
 def _report(
     samples: dict[tuple[str, str], list[float]],
-    added: dict[str, list[float]],
+    added: dict[tuple[str, str], list[float]],
     loads: list[float],
     args: argparse.Namespace,
 ) -> str:
@@ -188,39 +210,64 @@ def _report(
         f"`{command.strip()}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},"
         f" {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), load (1 min)"
         f" {min(loads):.1f}-{max(loads):.1f}; {args.rounds} rounds x {args.requests} requests"
-        f" per kind and store, the stores taking turns every {args.block} requests.",
+        f" per kind and router, the routers taking turns every {args.block} requests"
+        + (f", {args.gap_ms:g} ms idle before each." if args.gap_ms else ".")
+        + (
+            f" `{BASELINE}`: the router code of {args.baseline_tree}"
+            f" ({_commit(args.baseline_tree)}) beside this tree's ({_commit(ROOT)})."
+            if args.baseline_tree
+            else ""
+        ),
         "",
         "| kind | store | p50 ms | p90 ms | p99 ms | added p50 ms (per-round range) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for kind, per_round in added.items():
-        for store in STORES:
-            values = samples[(kind, store)]
-            extra = ""
-            if store == "postgres":
-                whole = statistics.median(values) - statistics.median(samples[(kind, "sqlite")])
-                extra = f"{whole:+.3f} ({min(per_round):+.3f}..{max(per_round):+.3f})"
-            lines.append(
-                f"| {kind} | {store} | {statistics.median(values):.3f} |"
-                f" {_pct(values, 0.9):.3f} | {_pct(values, 0.99):.3f} | {extra} |"
-            )
+    for kind, store in samples:
+        values = samples[(kind, store)]
+        extra = ""
+        if store != "sqlite":
+            per_round = added[(kind, store)]
+            whole = statistics.median(values) - statistics.median(samples[(kind, "sqlite")])
+            extra = f"{whole:+.3f} ({min(per_round):+.3f}..{max(per_round):+.3f})"
+        lines.append(
+            f"| {kind} | {store} | {statistics.median(values):.3f} |"
+            f" {_pct(values, 0.9):.3f} | {_pct(values, 0.99):.3f} | {extra} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-async def _run(args: argparse.Namespace, url: str, password: str, folder: Path, port: int) -> str:
+def _commit(tree: Path) -> str:
+    """The tree's commit, `+` when it has uncommitted changes to tracked files."""
+    head = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(tree), "diff", "--quiet", "HEAD", "--", "router", "pools"]
+    ).returncode
+    return (head or "?") + ("+" if dirty else "")
+
+
+async def _run(
+    args: argparse.Namespace, urls: dict[str, str], password: str, folder: Path, port: int
+) -> str:
     env = {**os.environ, PASSWORD_ENV: password}
     for tenant, key in KEYS.items():
         env[f"GPUPOOL_BENCH_{tenant.upper()}_KEY"] = key
     routers: dict[str, RouterProcess] = {}
     try:
-        for store in STORES:
-            shared = None
-            if store == "postgres":
-                shared = {"url": url, "password_env": PASSWORD_ENV, **_options(args.store)}
-            data = _config(folder, f"http://127.0.0.1:{port}", shared, _options(args.router))
-            config = folder / f"config-{store}.json"
+        for store in (*STORES, BASELINE) if args.baseline_tree else STORES:
+            shared, router_env = None, env
+            if store != "sqlite":
+                options = {"password_env": PASSWORD_ENV, **_options(args.store)}
+                shared = {"url": urls[store], **options}
+            if store == BASELINE:
+                router_env = {**env, "PYTHONPATH": str(args.baseline_tree)}
+            folder_of = folder / store
+            folder_of.mkdir()
+            data = _config(folder_of, f"http://127.0.0.1:{port}", shared, _options(args.router))
+            config = folder_of / "config.json"
             config.write_text(json.dumps(data))
-            routers[store] = RouterProcess(config, folder / f"router-{store}.log", env=env)
+            routers[store] = RouterProcess(config, folder_of / "router.log", env=router_env)
         for router in routers.values():
             await router.wait_ready_async(120)
         samples, added, loads = await _measure({s: r.url for s, r in routers.items()}, args)
@@ -260,18 +307,31 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="a router.* setting, for both routers",
     )
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="idle time before each measured request (a tenant's sparse requests)",
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a third router (PostgreSQL) running the router code of this checkout",
+    )
     parser.add_argument("--out", type=Path, help="write the report (Markdown) here too")
     args = parser.parse_args(argv)
     pg = importlib.import_module("tests.postgres")  # test support, not the product
     with pg.start_postgres() as server, tempfile.TemporaryDirectory() as tmp:
-        url = server.create_database("store_router_latency")
+        urls = {"postgres": server.create_database("store_router_latency")}
+        if args.baseline_tree:
+            urls[BASELINE] = server.create_database("store_router_latency_base")
         port = free_port()
         engine = subprocess.Popen(
             [sys.executable, "-m", "pools.testing.fake_engine", "--port", str(port)],
             stdout=subprocess.DEVNULL,
         )
         try:
-            report = asyncio.run(_run(args, url, pg.PASSWORD, Path(tmp), port))
+            report = asyncio.run(_run(args, urls, pg.PASSWORD, Path(tmp), port))
         finally:
             engine.terminate()
             engine.wait(10)

@@ -1276,6 +1276,8 @@ class Governor:
             st.requests = _rebucket(st.requests, limits.requests_per_minute, now)
             st.allowance = _rebucket(st.allowance, tpm * frac if tpm and frac else None, now)
             self._export(st, now)
+        if self._replica is not None:  # a parked slot would skip a lowered limit's check
+            self._replica.release_parked()
         log.info("governance settings reloaded for %d tenants", len(config.tenants))
         return [t.name for t in config.tenants]
 

@@ -14,7 +14,14 @@ each tenant's token and request budgets, concurrency slots and cost windows.
   the price is that up to one chunk per replica may sit in a lease, unused, for a second.
 - Slots: `max_concurrent_requests` and `max_concurrent_runs` are slots in the database, held
   by `<replica>:<request or run>`, renewed every sweep, released when the request or run
-  ends; a replica that dies gives them back after `store.slot_lease_s`.
+  ends; a replica that dies gives them back after `store.slot_lease_s`. A request's slot is
+  handed over: when the request ends, its slot waits `HANDOVER_S` (10 ms) for the tenant's
+  next request on this replica, which takes it without a round trip (the database's count
+  does not change: one request in flight ends, the next begins); nobody came, it is released
+  then. So a tenant's requests that follow each other on one replica take no round trip
+  for their slot (and release none), and the others see a freed slot up to `HANDOVER_S`
+  later: the limit is never exceeded, and a request may be refused for at most that long
+  after a slot freed on another replica (docs/replicas.md).
 - Step numbers: a run's steps are numbered in the store as they are admitted, so steps that
   go to different replicas never share a number (a step refused after it was numbered leaves
   a gap; during an outage the ledger numbers from the replica's memory).
@@ -47,7 +54,9 @@ from router.governance.metrics import GovernanceMetrics
 from router.governance.shared import (
     ACQUIRE_SLOT_SQL,
     NEXT_STEP_SQL,
+    RECORD_HOME_SQL,
     RELEASE_SLOT_SQL,
+    SLOT_AND_STEP_SQL,
     NextStep,
     SharedBudgets,
     Slices,
@@ -66,6 +75,9 @@ T = TypeVar("T")
 Row = tuple[Any, ...]
 OutagePolicy = Literal["open", "closed"]
 OUTAGE_RETRY_AFTER_S = 1.0  # what a refusal under `closed` tells the client (one sweep)
+# how long a finished request's slot waits for its tenant's next request on this replica (the
+# hand-over) before it is released: the longest a freed slot stays unseen by the others
+HANDOVER_S = 0.01
 
 
 class _Down(Exception):
@@ -83,6 +95,7 @@ class ReplicaBudgets:
         slot_lease_s: float,
         wall_clock: Callable[[], float],
         replica_id: str | None = None,
+        handover_s: float = HANDOVER_S,
     ) -> None:
         self.db = SharedBudgets(store)
         self.replica = replica_id or new_replica_id()
@@ -97,6 +110,11 @@ class ReplicaBudgets:
         self._pending: set[asyncio.Task[None]] = set()  # slot releases, homes under way
         self._topping: dict[tuple[str, str], asyncio.Lock] = {}  # a top-up under way
         self._unreleased: list[tuple[str, str]] = []  # (slot key, holder) for the next sweep
+        # finished requests' slots waiting for their tenant's next request here (the
+        # hand-over): slot key -> (holder, the timer that releases it), oldest first
+        self.handover_s = handover_s
+        self._parked: dict[str, list[tuple[str, asyncio.TimerHandle]]] = {}
+        self.handovers = 0  # requests that took a parked slot (no round trip for it)
         # runs' settled usage not yet added to the shared counters: (tenant, run) -> (tokens,
         # GPU-seconds), added by the next sweep
         self.run_usage: dict[tuple[str, str], tuple[int, float]] = {}
@@ -167,6 +185,13 @@ class ReplicaBudgets:
         if self.down_since_s is not None:
             return
         self.down_since_s = self._wall()
+        # a parked slot is not handed over while the store is down (its row is not renewed
+        # and may expire): released by the reconnecting sweep
+        for key, holders in self._parked.items():
+            for holder, timer in holders:
+                timer.cancel()
+                self._unreleased.append((key, holder))
+        self._parked.clear()
         self.metrics.store_up.set(0)
         log.error(
             "the governance store %s cannot be reached (%s): budgets fail %s until it answers (%s)",
@@ -257,21 +282,27 @@ class ReplicaBudgets:
         (admitted, the slot's holder to release, the step). The first statement is sent
         before this returns when the loop's connection is idle, so its round trip overlaps
         what the request does before it awaits the task (router/governance/governor.py);
-        a holder the task got is the caller's to release, awaited or not."""
+        a holder the task got is the caller's to release, awaited or not. A slot parked by
+        the tenant's previous request here is taken at once (the hand-over): then only the
+        step number, if any, is asked for."""
         now_s = self._wall()
         sent: asyncio.Task[list[Row]] | None = None
+        handed = None if limit is None else self._take_parked(f"{tenant}/requests")
+        if handed is not None:
+            self.handovers += 1
+            if run_id is not None and self._loop is not None and self._loop.ready():
+                sent = self._loop.begin(NEXT_STEP_SQL, (tenant, run_id, now_s))
+            return asyncio.get_running_loop().create_task(
+                self._handed_over(tenant, handed, run_id, sent)
+            )
         if self.down_since_s is None and self._loop is not None and self._loop.ready():
             if limit is not None:
-                key = f"{tenant}/requests"
-                params: tuple[object, ...] = (
-                    key,
-                    self.holder(request_id),
-                    request_id,
-                    limit,
-                    now_s,
-                    now_s + self.slot_lease_s,
-                )
-                sent = self._loop.begin(ACQUIRE_SLOT_SQL, params)
+                params = self._slot_params(tenant, request_id, limit, now_s)
+                if run_id is None:
+                    sent = self._loop.begin(ACQUIRE_SLOT_SQL, params)
+                else:  # both in one round trip
+                    both = (*params, tenant, run_id, now_s)
+                    sent = self._loop.begin(SLOT_AND_STEP_SQL, both)
             elif run_id is not None:
                 sent = self._loop.begin(NEXT_STEP_SQL, (tenant, run_id, now_s))
         return asyncio.get_running_loop().create_task(
@@ -288,6 +319,13 @@ class ReplicaBudgets:
         sent: asyncio.Task[list[Row]] | None,
     ) -> tuple[bool, str | None, NextStep | None]:
         holder = None
+        if limit is not None and run_id is not None:
+            together = await self._slot_and_step_together(
+                tenant, request_id, limit, run_id, now_s, sent
+            )
+            if together is not None:
+                return together
+            sent = None  # not answered on the loop: one call after the other, as below
         if limit is not None:
             admitted, holder = await self.acquire(
                 tenant, "requests", request_id, limit, now_s=now_s, sent=sent
@@ -302,6 +340,88 @@ class ReplicaBudgets:
                 self.release(tenant, "requests", holder)
             raise
         return True, holder, step
+
+    def _slot_params(
+        self, tenant: str, request_id: str, limit: int, now_s: float
+    ) -> tuple[object, ...]:
+        """`ACQUIRE_SLOT_SQL`'s parameters for a request's slot."""
+        holder = self.holder(request_id)
+        key = f"{tenant}/requests"
+        return (key, holder, request_id, limit, now_s, now_s + self.slot_lease_s)
+
+    async def _slot_and_step_together(
+        self,
+        tenant: str,
+        request_id: str,
+        limit: int,
+        run_id: str,
+        now_s: float,
+        sent: asyncio.Task[list[Row]] | None,
+    ) -> tuple[bool, str | None, NextStep | None] | None:
+        """A run's step that needs a request slot: the slot and, when granted, the step
+        number in one statement on the loop's connection (`SLOT_AND_STEP_SQL`), as `acquire`
+        then `next_step` would answer. None when the loop's connection did not answer it
+        (busy, or an error other than a timeout): the caller asks one after the other."""
+        loop = self._loop
+        if sent is None and (self.down_since_s is not None or loop is None or not loop.ready()):
+            return None
+        both = (*self._slot_params(tenant, request_id, limit, now_s), tenant, run_id, now_s)
+        try:
+            if sent is not None:
+                rows = await sent
+            else:
+                assert loop is not None
+                rows = await loop.execute(SLOT_AND_STEP_SQL, both)
+        except TimeoutError as err:  # a hung server: the outage's answer, as `acquire` gives
+            self._down(err)
+            self._outage(tenant, "concurrent requests")
+            return True, None, None
+        except self._errors:
+            return None
+        ok, *step = rows[0]
+        if not ok:
+            return False, None, None
+        return True, self.holder(request_id), NextStep.from_row(step)
+
+    async def _handed_over(
+        self, tenant: str, holder: str, run_id: str | None, sent: asyncio.Task[list[Row]] | None
+    ) -> tuple[bool, str | None, NextStep | None]:
+        """`_slot_and_step` for a request that took a parked slot (`holder`)."""
+        try:
+            step = None if run_id is None else await self.next_step(tenant, run_id, sent=sent)
+        except BaseException:
+            self.release(tenant, "requests", holder)
+            raise
+        return True, holder, step
+
+    def _take_parked(self, key: str) -> str | None:
+        """A slot of `key` parked here (the newest; its release timer stopped), or None."""
+        if self.down_since_s is not None or self._closed:
+            return None
+        holders = self._parked.get(key)
+        if not holders:
+            return None
+        holder, timer = holders.pop()
+        timer.cancel()
+        if not holders:
+            del self._parked[key]
+        return holder
+
+    def release_parked(self) -> int:
+        """Release every parked slot now (a config reload may have lowered a limit; a test
+        that wants a freed slot seen at once). Returns how many."""
+        parked = [(key, holder) for key, hs in self._parked.items() for holder, _ in hs]
+        for holders in self._parked.values():
+            for _, timer in holders:
+                timer.cancel()
+        self._parked.clear()
+        for key, holder in parked:
+            self._release_now(key, holder)
+        return len(parked)
+
+    def parked(self) -> int:
+        """Slots parked here, waiting for their tenant's next request."""
+        return sum(len(holders) for holders in self._parked.values())
 
     async def acquire(
         self,
@@ -397,10 +517,14 @@ class ReplicaBudgets:
     async def _record_home(
         self, tenant: str, run_id: str, home: str, step: int, context_tokens: int
     ) -> None:
-        try:
-            await asyncio.to_thread(self.db.record_home, tenant, run_id, home, step, context_tokens)
-        except self._errors as err:
-            self._down(err)
+        params = (home, step, context_tokens, tenant, run_id, step)
+        with contextlib.suppress(_Down):  # on the background connection when idle: no thread
+            await self._statement(
+                RECORD_HOME_SQL,
+                params,
+                lambda: self.db.record_home(tenant, run_id, home, step, context_tokens),
+                waited=False,
+            )
 
     def add_run_usage(self, tenant: str, run_id: str, tokens: int, gpu_seconds: float) -> None:
         """A step of the run settled: its usage, for the shared counters at the next sweep."""
@@ -431,25 +555,54 @@ class ReplicaBudgets:
             self._down(err)
 
     def release(self, tenant: str, kind: str, holder: str) -> None:
-        """Give a slot back (in the background; if that fails, its lease ends it). Called
-        outside the event loop, it is left to the next sweep."""
+        """Give a slot back (in the background; if that fails, the next sweep that gets
+        through does). A request's slot is parked first: the tenant's next request here
+        within `handover_s` takes it, else it is released then. Called outside the event
+        loop, it is left to the next sweep."""
+        key = f"{tenant}/{kind}"
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self._unreleased.append((f"{tenant}/{kind}", holder))
+            self._unreleased.append((key, holder))
             return
-        task = loop.create_task(self._release(f"{tenant}/{kind}", holder))
+        parking = self.handover_s > 0 and self.down_since_s is None and not self._closed
+        if kind == "requests" and parking:
+            timer = loop.call_later(self.handover_s, self._unpark, key, holder)
+            self._parked.setdefault(key, []).append((holder, timer))
+            return
+        self._release_now(key, holder)
+
+    def _unpark(self, key: str, holder: str) -> None:
+        """Nobody took the parked slot within `handover_s`: release it."""
+        holders = self._parked.get(key, [])
+        for i, (parked, _) in enumerate(holders):
+            if parked == holder:
+                del holders[i]
+                break
+        if not holders:
+            self._parked.pop(key, None)
+        self._release_now(key, holder)
+
+    def _release_now(self, key: str, holder: str) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._unreleased.append((key, holder))
+            return
+        task = loop.create_task(self._release(key, holder))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
     async def _release(self, key: str, holder: str) -> None:
-        with contextlib.suppress(_Down):
+        try:
             await self._statement(
                 RELEASE_SLOT_SQL,
                 (key, holder),
                 lambda: self.db.release_slot(key, holder),
                 waited=False,
             )
+        except _Down:  # the reconnecting sweep releases it (its renewals would keep it)
+            self._unreleased.append((key, holder))
 
     # ------------------------------------------------------------------ the sweep
 
@@ -511,6 +664,10 @@ class ReplicaBudgets:
         if self._closed:
             return
         self._closed = True
+        for holders in self._parked.values():  # released below with every slot of this replica
+            for _, timer in holders:
+                timer.cancel()
+        self._parked.clear()
         for loop in (self._loop, self._loop_background):
             if loop is not None:
                 await loop.aclose()

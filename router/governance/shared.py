@@ -49,11 +49,13 @@ __all__ = [
     "ADMISSION_RESERVATIONS",
     "COST_WINDOWS",
     "NEXT_STEP_SQL",
+    "RECORD_HOME_SQL",
     "RELEASE_SLOT_SQL",
     "RUN_COUNTERS",
     "RUN_HOMES",
     "RUN_STEPS",
     "SHARED_TABLES",
+    "SLOT_AND_STEP_SQL",
     "NextStep",
     "SharedBudgets",
 ]
@@ -249,6 +251,21 @@ NEXT_STEP_SQL = (
     " VALUES (?, ?, 1, ?) ON CONFLICT (tenant, run_id) DO UPDATE SET"
     " next_step = run_steps.next_step + 1, updated_at_s = excluded.updated_at_s"
     " RETURNING next_step, home, home_step, context_tokens, tokens, gpu_seconds, stop_code"
+)
+RECORD_HOME_SQL = (
+    "UPDATE run_steps SET home = ?, home_step = ?, context_tokens = ?"
+    " WHERE tenant = ? AND run_id = ? AND (home_step IS NULL OR home_step < ?)"
+)
+# a request's slot and, when it gets one, its run's next step, in one round trip (PostgreSQL
+# only: the slot function's row, then NEXT_STEP_SQL's columns, NULL when refused)
+SLOT_AND_STEP_SQL = (
+    "WITH slot AS (SELECT gpupool_acquire_unit_slot(?, ?, ?, ?, ?, ?) AS ok),"
+    " step AS (INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s)"
+    " SELECT CAST(? AS TEXT), CAST(? AS TEXT), 1, CAST(? AS DOUBLE PRECISION) FROM slot"
+    " WHERE ok ON CONFLICT (tenant, run_id) DO UPDATE SET"
+    " next_step = run_steps.next_step + 1, updated_at_s = excluded.updated_at_s"
+    " RETURNING next_step, home, home_step, context_tokens, tokens, gpu_seconds, stop_code)"
+    " SELECT slot.ok, step.* FROM slot LEFT JOIN step ON TRUE"
 )
 _ADD_RUN_USAGE = (
     "UPDATE run_steps SET tokens = tokens + ?, gpu_seconds = gpu_seconds + ?"
@@ -531,9 +548,7 @@ class SharedBudgets:
         with self.store.connection() as conn:
             return (
                 conn.execute(
-                    "UPDATE run_steps SET home = ?, home_step = ?, context_tokens = ?"
-                    " WHERE tenant = ? AND run_id = ? AND (home_step IS NULL OR home_step < ?)",
-                    (home, step, context_tokens, tenant, run_id, step),
+                    RECORD_HOME_SQL, (home, step, context_tokens, tenant, run_id, step)
                 ).rowcount
                 == 1
             )

@@ -133,6 +133,7 @@ async def finish(gov: Governor, outcome: RequestOutcome, used: int = 10) -> None
     gov.finished(outcome)
     replica = gov._replica
     assert replica is not None
+    replica.release_parked()  # as when no request takes the slot within HANDOVER_S
     await asyncio.gather(*replica._pending)  # the slot's release, in the background
 
 
@@ -405,6 +406,157 @@ async def test_a_slot_asked_for_at_prepare_is_given_back_when_the_request_ends_b
         assert not a._early
 
 
+async def slot_holders(url: str, tenant: str) -> list[str]:
+    """The holders of `tenant`'s request slots in the database, sorted."""
+    async with await psycopg.AsyncConnection.connect(url, password=PASSWORD) as conn:
+        cur = await conn.execute(
+            "SELECT holder FROM concurrency_slots WHERE tenant = %s ORDER BY holder",
+            (f"{tenant}/requests",),
+        )
+        return [str(row[0]) for row in await cur.fetchall()]
+
+
+def parked(gov: Governor) -> int:
+    assert gov._replica is not None
+    return gov._replica.parked()
+
+
+async def test_a_finished_requests_slot_is_handed_to_the_tenants_next_request(
+    postgres_server: PostgresServer,
+) -> None:
+    """A request's slot, when it ends, waits for the tenant's next request on its replica
+    (HANDOVER_S), which takes it without a statement: the database keeps counting it, so the
+    tier's limit (2) holds across replicas exactly as before; another replica sees it free
+    once nobody took it within the window (released by its timer)."""
+    url = postgres_server.create_database("replicas_handover")
+    wall = Clock(T0)
+    config = shared_config(url)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+        assert a._replica is not None
+        a._replica.handover_s = 60.0  # parked slots wait for the test, not a timer
+        await loop_ready(a)
+        first = await enter(a, "s")
+        before = await loop_ready(a)
+        outcome = first
+        for _ in range(5):  # one request after another on a: the same slot, no statement
+            outcome.dispatched_at_s = outcome.ended_at_s = 1000.0
+            outcome.status = 200
+            a.finished(outcome)
+            assert parked(a) == 1
+            assert await slot_holders(url, "s") == [f"{HOLDER_PREFIX}-a:{first.ctx.request_id}"]
+            outcome = await enter(a, "s")
+            assert parked(a) == 0
+        assert a._replica.handovers == 5
+        assert await loop_ready(a) == before  # no acquire, no release sent
+        assert not a._replica._pending
+        second = await enter(b, "s")  # the tier's other slot
+        with pytest.raises(RateLimited):
+            await enter(b, "s")  # a's slot is held: 2 of 2
+        a.finished(outcome)  # parked on a: still counted, b is still refused
+        with pytest.raises(RateLimited):
+            await enter(b, "s")
+        a._replica.handover_s = 0.02  # the next park's window, short for the test
+        await finish(b, second)  # b's own slot, released at once by the helper
+        third = await enter(a, "s")  # takes a's parked slot
+        third.dispatched_at_s = third.ended_at_s = 1000.0
+        third.status = 200
+        a.finished(third)
+        assert a._replica.handovers == 6
+        for _ in range(1000):  # nobody came: its timer releases it (waited for, not slept on)
+            if not (parked(a) or a._replica._pending):
+                break
+            await asyncio.sleep(0.01)
+        assert await slot_holders(url, "s") == []
+        await enter(b, "s")
+        await enter(b, "s")  # both slots on b now
+
+
+async def test_a_handed_over_slot_still_numbers_the_runs_step(
+    postgres_server: PostgresServer,
+) -> None:
+    """A governed run's step that takes a parked slot asks the store for its step number
+    only: one statement, the numbering across replicas unchanged."""
+    url = postgres_server.create_database("replicas_handover_step")
+    wall = Clock(T0)
+    config = shared_config(url)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+        for gov in (a, b):
+            assert gov._replica is not None
+            gov._replica.handover_s = 60.0  # parked slots wait for the test, not a timer
+        steps: list[tuple[int | None, int]] = []
+        for gov in (a, a, b, a):
+            before = await loop_ready(gov)
+            outcome = await enter(gov, "s", run_id="run-handover")
+            gov.dispatched(outcome)
+            steps.append((outcome.step_index, await loop_ready(gov) - before))
+            outcome.dispatched_at_s = outcome.ended_at_s = 1000.0
+            outcome.status = 200
+            gov.finished(outcome)  # its slot parked on `gov`
+        assert [n for n, _ in steps] == [0, 1, 2, 3]
+        # a: the request slot and the step in one statement, the run's slot (tier "free":
+        # one run); a again: the parked slot, the step; b: as a's first; a: the slot parked
+        # two steps ago, the step
+        assert [sent for _, sent in steps] == [2, 1, 2, 1]
+        assert a._replica is not None and a._replica.handovers == 2
+
+
+async def test_a_governed_steps_slot_and_number_are_one_statement(
+    postgres_server: PostgresServer,
+) -> None:
+    """A run's step that needs a request slot asks for the slot and its step number in one
+    statement (sent at `prepare` once prepared on the connection); refused, it numbers no
+    step, so the run's next granted step takes the next number."""
+    url = postgres_server.create_database("replicas_slot_and_step")
+    wall = Clock(T0)
+    config = shared_config(url)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+        assert a._replica is not None
+        a._replica.handover_s = 0.0  # every slot asked for: no hand-over here
+        await loop_ready(a)
+        numbers: list[int | None] = []
+        sent: list[int] = []
+        for n in range(3):
+            before = await loop_ready(a)
+            step = prepare(a, "s", run_id="run-both")
+            assert busy(a) == (n > 0)  # sent at `prepare` once the statement is prepared
+            await a.enter(step, ESTIMATE, tenant_of(a, "s"))
+            outcome = RequestOutcome(ctx=step, estimate=ESTIMATE)
+            a.dispatched(outcome)
+            numbers.append(outcome.step_index)
+            sent.append(await loop_ready(a) - before)
+            await finish(a, outcome)
+        assert numbers == [0, 1, 2]
+        assert sent == [2, 1, 1]  # the first also takes the run's slot (tier "free")
+        held = [await enter(b, "s"), await enter(b, "s")]  # the tier's two slots, on b
+        with pytest.raises(RateLimited) as refused:
+            await a.enter(prepare(a, "s", run_id="run-both"), ESTIMATE, tenant_of(a, "s"))
+        assert refused.value.code == "tenant_concurrency"
+        for outcome in held:
+            await finish(b, outcome)
+        outcome = await enter(a, "s", run_id="run-both")
+        a.dispatched(outcome)
+        assert outcome.step_index == 3  # the refused step took no number
+
+
+async def test_a_reload_releases_the_parked_slots(postgres_server: PostgresServer) -> None:
+    """A parked slot skips the limit's check, so a reload (which may lower a tier's limit)
+    releases them."""
+    url = postgres_server.create_database("replicas_handover_reload")
+    config = shared_config(url)
+    async with replica(config, url, Clock(T0), "a") as a:
+        assert a._replica is not None
+        a._replica.handover_s = 60.0
+        done = await enter(a, "s")
+        done.dispatched_at_s = done.ended_at_s = 1000.0
+        done.status = 200
+        a.finished(done)
+        assert parked(a) == 1
+        a.reload(config)
+        assert parked(a) == 0
+        await asyncio.gather(*a._replica._pending)
+        assert await slot_holders(url, "s") == []
+
+
 async def test_run_slots_and_cost_caps_across_replicas(postgres_server: PostgresServer) -> None:
     url = postgres_server.create_database("replicas_runs")
     config = shared_config(url)
@@ -611,6 +763,13 @@ async def test_an_outage_fails_open_or_closed_and_reconciles(
             await enter(gov, "t")  # each takes a chunk of 30: 20 left in its lease
             await gov.sync_replicas()  # and gives it back (10 tokens spent each)
         assert await shared_level(o, "t") == TOKENS_PER_MINUTE - 20
+        assert o._replica is not None
+        o._replica.handover_s = 60.0
+        tier = await enter(o, "s")
+        tier.dispatched_at_s = tier.ended_at_s = 1000.0
+        tier.status = 200
+        o.finished(tier)  # its slot parked on o when the store goes away
+        assert parked(o) == 1
         own_server.stop()
         # fail closed: nothing in the lease, no decision without the database
         with pytest.raises(StoreUnavailable) as refused:
@@ -621,6 +780,7 @@ async def test_an_outage_fails_open_or_closed_and_reconciles(
         # fail open: admitted on the replica's own bucket, the lease runs into debt
         spent = [await enter(o, "t") for _ in range(5)]
         assert lease(o, "t") == -50
+        assert parked(o) == 0  # not handed over while the store is down: left to the sweep
         assert sample(o, "gpupool_governance_outage_requests_total", tenant="t", policy="open")
         assert "budgets fail OPEN" in caplog.text and "budgets fail CLOSED" in caplog.text
         await o.sync_replicas()  # still down: the debt is kept
@@ -635,6 +795,7 @@ async def test_an_outage_fails_open_or_closed_and_reconciles(
         assert sample(o, "gpupool_governance_store_up") == 1
         assert sample(c, "gpupool_governance_store_up") == 1
         assert "answers again" in caplog.text
+        assert await slot_holders(url, "s") == []  # the parked slot released by the sweep
         await enter(c, "t")  # closed: served again once the store answers
 
 
