@@ -71,6 +71,29 @@ _COMPONENTS: tuple[tuple[str, str], ...] = (
     ("(queue.h", _LOOP_UVLOOP),
     ("(heap-inl.h", _LOOP_UVLOOP),
 )
+# The parts of gpupool a busy sample belongs to: the innermost frame whose file matches, within
+# one frame the first match in this order (a sample under none of them: "outside gpupool").
+# The request path's own frames hold what the C they call costs, and the resumes of the await
+# chain at their `await` lines.
+_PARTS: tuple[tuple[str, str], ...] = (
+    ("router/admission/estimate.py", "estimation"),
+    ("router/admission/", "admission (router/admission, pools/)"),
+    ("pools/", "admission (router/admission, pools/)"),
+    ("router/gateway/upstream.py", "engine client (its socket writes included)"),
+    ("router/gateway/http_protocol.py", "client link (its socket writes included)"),
+    ("router/gateway/classify.py", "classify"),
+    ("router/gateway/", "request path (router/gateway)"),
+    ("router/accounting/", "ledger and accounting (router/accounting, router/store)"),
+    ("router/store/", "ledger and accounting (router/accounting, router/store)"),
+    ("router/settlement.py", "settlement and rebalancer signals"),
+    ("router/rebalancer/", "settlement and rebalancer signals"),
+    ("router/governance/", "governance"),
+    ("router/metrics.py", "metrics (router/metrics, prometheus_client)"),
+    ("prometheus_client/", "metrics (router/metrics, prometheus_client)"),
+    ("uvicorn/", "uvicorn"),
+    ("router/cli/", "event loop (uvloop's C loop under the CLI's run)"),
+    ("router/", "other gpupool"),
+)
 _SYSCALLS = re.compile(
     r"^(__libc_)?(read|write|writev|send|sendmsg|sendto|recv|recvfrom|recvmsg) \(libc"
 )
@@ -116,6 +139,14 @@ def _component(frames: list[str]) -> str:
     return "other"
 
 
+def _part(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for needle, name in _PARTS:
+            if needle in frame:
+                return name
+    return "outside gpupool"
+
+
 def _innermost_python(frames: list[str]) -> str:
     for frame in reversed(frames):
         m = _FRAME.match(frame)
@@ -140,12 +171,13 @@ def _self_frame(frames: list[str]) -> str:
 
 
 def fold(samples: Iterable[tuple[list[str], int]], top_n: int = 15) -> dict[str, Any]:
-    """Busy samples by component (innermost matching frame), by self frame (native or Python),
-    by innermost Python function, and inclusively for a few layers. Idle waits (epoll, locks)
-    are dropped."""
+    """Busy samples by component (innermost matching frame), by part of gpupool (`_PARTS`), by
+    self frame (native or Python), by innermost Python function, and inclusively for a few
+    layers. Idle waits (epoll, locks) are dropped."""
     busy = 0
     idle = 0
     comps: Counter[str] = Counter()
+    parts: Counter[str] = Counter()
     funcs: Counter[str] = Counter()
     selfs: Counter[str] = Counter()
     incl: Counter[str] = Counter()
@@ -162,6 +194,7 @@ def fold(samples: Iterable[tuple[list[str], int]], top_n: int = 15) -> dict[str,
             continue
         busy += n
         comps[_component(frames)] += n
+        parts[_part(frames)] += n
         funcs[_innermost_python(frames)] += n
         selfs[_self_frame(frames)] += n
         joined = ";".join(frames)
@@ -176,6 +209,7 @@ def fold(samples: Iterable[tuple[list[str], int]], top_n: int = 15) -> dict[str,
         "busy_samples": busy,
         "idle_samples": idle,
         "components": frac(comps),
+        "parts": frac(parts),
         "top_self": frac(selfs, top_n),
         "top_python": frac(funcs, top_n),
         "inclusive": frac(incl),

@@ -199,7 +199,8 @@ def _latency_table(targets: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _profile(prof: dict[str, Any], title: str) -> list[str]:
+def _profile(prof: dict[str, Any], title: str, cpu_us: float | None = None) -> list[str]:
+    """One profile's tables; `cpu_us`: the phase's CPU per unit, to put µs beside the parts."""
     if not prof:
         return []
     if "skipped" in prof:
@@ -243,6 +244,15 @@ def _profile(prof: dict[str, Any], title: str) -> list[str]:
             "",
             "Inclusive: " + "; ".join(f"{name} {frac:.0%}" for name, _, frac in prof["inclusive"]),
         ]
+    if prof.get("parts"):
+        lines += [
+            "",
+            "| by part of gpupool (innermost frame) | share | µs of CPU per unit |",
+            "| --- | --- | --- |",
+        ]
+        for name, _, frac in prof["parts"]:
+            us = "—" if cpu_us is None else f"{frac * cpu_us:.0f}"
+            lines.append(f"| {name} | {frac:.1%} | {us} |")
     return [*lines, ""]
 
 
@@ -337,9 +347,18 @@ def render(res: dict[str, Any]) -> str:
         "",
     ]
     prof = res.get("profile") or {}
-    out += _profile(prof.get("c1", {}), "non-streaming, c=1")
-    out += _profile(prof.get("hi", {}), f"non-streaming, c={plan['hi_concurrency']}")
-    out += _profile(prof.get("stream", {}), f"streaming, c={plan['stream_concurrency']}")
+    cpu = {
+        phase: _get(t, phase, "cpu_us_per_unit")
+        for t in res.get("targets", [])
+        if t.get("name") == "gpupool" and t.get("status") == "ok"
+        for phase in ("c1", "hi", "stream")
+    }
+    out += _profile(prof.get("c1", {}), "non-streaming, c=1", cpu.get("c1"))
+    hi_title = f"non-streaming, c={plan['hi_concurrency']}"
+    out += _profile(prof.get("hi", {}), hi_title, cpu.get("hi"))
+    out += _profile(
+        prof.get("stream", {}), f"streaming, c={plan['stream_concurrency']}", cpu.get("stream")
+    )
     out += ["## gpupool in front of a real CPU vLLM engine", "", *_real(res.get("real_vllm", {}))]
     out += [
         "## How it was measured",

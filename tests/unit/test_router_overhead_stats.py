@@ -134,6 +134,34 @@ def test_profile_fold_drops_idle_and_groups_components() -> None:
     assert out["top_python"][0] == ("post (aiohttp/client.py:9)", 5, 0.5)
 
 
+def test_profile_fold_splits_gpupool_by_its_innermost_part() -> None:
+    raw = "\n".join(
+        [
+            # the innermost gpupool frame decides: estimate.py under the proxy is estimation
+            "run_router (router/cli/stack.py:1);__call__ (router/gateway/proxy.py:10);"
+            "count (router/admission/estimate.py:3) 4",
+            # router/admission but estimate.py, and pools/, are admission
+            "run_router (router/cli/stack.py:1);admit (router/admission/admitter.py:5);"
+            "acquire (pools/fleet.py:7) 3",
+            # a C call made by the request path counts for the request path
+            "run_router (router/cli/stack.py:1);__call__ (router/gateway/proxy.py:10);"
+            "0x1 (orjson/orjson.so) 2",
+            # nothing of gpupool's but the loop's own run: the event loop
+            "run_router (router/cli/stack.py:1);0x2 (uvloop/loop.so) 1",
+            "_bootstrap (threading.py:1);run (threading.py:2) 1",
+            "run_router (router/cli/stack.py:1);epoll_wait (libc.so.6) 9",
+        ]
+    )
+    parts = {name: n for name, n, _ in fold(parse_raw(raw))["parts"]}
+    assert parts == {
+        "estimation": 4,
+        "admission (router/admission, pools/)": 3,
+        "request path (router/gateway)": 2,
+        "event loop (uvloop's C loop under the CLI's run)": 1,
+        "outside gpupool": 1,
+    }
+
+
 def test_perf_report_folds_by_shared_object() -> None:
     by_dso = "\n".join(
         [
