@@ -8,7 +8,10 @@ with `off`. `--compare index`: both with admission on, one following the engines
 (`engines.kv_events` on: the prefix-cache index places requests and predicts prefills,
 docs/prefix_cache.md), one with it off. `--compare hold`: three routers, index-off, index-on,
 and index-hold (index-on with `admission.tool_pause_hold`: the paused runs' context blocks held
-on their home, docs/admission.md "Tool pauses"). The committed
+on their home, docs/admission.md "Tool pauses"). `--compare gate`: index-off, index-on and
+index-gate (index-on with the hold against new runs only, `tool_pause_hold_against:
+new_runs`, up to half the engine). `--fresh-engines` restarts the engines before every run but
+the first (runs on engines that served a run before came out slower). The committed
 `agent-flood.yaml` workload (optionally scaled with `--rate-scale`) runs against each in turn,
 for `--rounds` rounds in alternating order. Around each run the engines' own `/metrics` are
 scraped (preemptions, prefix-cache hits) and sampled every 0.5 s (KV usage, running, waiting),
@@ -59,6 +62,7 @@ COMPARES = {
     "admission": ("admission-on", "admission-off"),
     "index": ("index-on", "index-off"),
     "hold": ("index-off", "index-on", "index-hold"),
+    "gate": ("index-off", "index-on", "index-gate"),
 }
 ROUTER_PORTS = {
     "admission-on": 8410,
@@ -66,6 +70,7 @@ ROUTER_PORTS = {
     "index-on": 8412,
     "index-off": 8413,
     "index-hold": 8414,
+    "index-gate": 8415,
 }
 BASELINE_CONFIG = Path("benchmarks/results/agent-flood-2026-11-29/gpupool-pools.yaml")
 
@@ -98,13 +103,14 @@ def router_config(
     index-on: `engines.kv_events` on, each engine's KV events where the launcher says it
     publishes them (raises `ValueError` when one publishes none); index-off: off. The
     admission modes leave it unset (static engines with no kv_events entries: off).
-    index-hold: index-on with `admission.tool_pause_hold` on; every other mode sets it off."""
+    index-hold: index-on with `admission.tool_pause_hold` on; index-gate: that hold against
+    new runs only, up to half the engine; every other mode sets it off."""
     if mode not in ROUTER_PORTS:
         raise ValueError(f"unknown mode {mode!r}; one of {sorted(ROUTER_PORTS)}")
     config = dict(base)
     static: dict[str, Any] = {"urls": [s.url for s in specs], "api_key_env": KEY_ENV}
     config["engines"] = {"launcher": "static", "static": static}
-    if mode in ("index-on", "index-hold"):
+    if mode in ("index-on", "index-hold", "index-gate"):
         static["kv_events"] = [_static_kv_events(s.url, s.kv_events) for s in specs]
         config["engines"]["kv_events"] = True
     elif mode == "index-off":
@@ -116,8 +122,13 @@ def router_config(
     }
     config["admission"] = {
         **config.get("admission", {}),
-        "tool_pause_hold": mode == "index-hold",
+        "tool_pause_hold": mode in ("index-hold", "index-gate"),
     }
+    if mode == "index-gate":
+        # the paused runs' contexts count only against new runs' first steps, up to half the
+        # engine: the runs in progress keep their cache, new ones start when there is room
+        config["admission"]["tool_pause_hold_against"] = "new_runs"
+        config["admission"]["tool_pause_max_frac"] = 0.5
     return config
 
 
@@ -379,6 +390,7 @@ def _markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "admission": "admission on vs off",
         "index": "prefix-cache index on vs off",
         "hold": "prefix-cache index off, on, and on with the tool-pause hold",
+        "gate": "prefix-cache index off, on, and on with the tool-pause hold against new runs",
     }
     lines = [
         f"# agent-flood on 3 CPU engines: {title[args.compare]}",

@@ -983,6 +983,11 @@ class AdmissionConfig:
     tool_pause_margin_frac: float = Field(default=0.5, ge=0, le=10)
     # the most held on an instance, as a fraction of its KV blocks
     tool_pause_max_frac: float = Field(default=0.3, gt=0, le=1)
+    # what the held blocks count against: all (every other sequence, the later steps of
+    # other runs too) or new_runs (only sequences with no home yet: a run's first step, a
+    # request outside a run), so new runs wait for room beyond the paused runs' contexts and
+    # the runs in progress do not wait for each other's
+    tool_pause_hold_against: Literal["all", "new_runs"] = "all"
 
     @model_validator(mode="before")
     @classmethod

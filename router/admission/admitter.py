@@ -205,6 +205,9 @@ class Admitter:
         self.engine_kv = EngineKV()
         # admission.tool_pause_hold: paused runs' context blocks (router/admission/tool_pauses.py)
         self.pauses: PauseHolds | None = None
+        # new_runs: the holds count only against sequences with no home yet (a run's first
+        # step, a request outside a run), not against the later steps of other runs
+        self._pauses_against_new_only = adm.tool_pause_hold_against == "new_runs"
         if adm.tool_pause_hold:
             self.pauses = PauseHolds(
                 adm.tool_pause_max_s, adm.tool_pause_margin_frac, adm.tool_pause_max_frac
@@ -292,9 +295,12 @@ class Admitter:
             prefix=estimate.prefix,
         )
 
-    def _views(self, pool: str, now_s: float, *, hold: bool = True) -> list[InstanceView]:
+    def _views(
+        self, pool: str, now_s: float, *, hold: bool = True, paused: bool = True
+    ) -> list[InstanceView]:
         """`hold`: a prefill hold may keep the request waiting (False once it has been held
-        for `admission.prefill_hold_max_wait_s`)."""
+        for `admission.prefill_hold_max_wait_s`); `paused`: the paused runs' held blocks
+        count as used (`_pauses_apply`)."""
         allocation = self.pool_map.current
         views = []
         for instance_id in allocation.instances_for(pool):
@@ -302,7 +308,7 @@ class Admitter:
             if state is None:
                 continue
             frac = allocation.frac(instance_id, pool)
-            views.append(self._view(pool, state, frac, now_s, hold=hold))
+            views.append(self._view(pool, state, frac, now_s, hold=hold, paused=paused))
         return views
 
     def _borrow_views(self, pool: str, now_s: float) -> list[InstanceView]:
@@ -333,6 +339,7 @@ class Admitter:
         *,
         lent: bool = True,
         hold: bool = True,
+        paused: bool = True,
     ) -> InstanceView:
         """`pool`'s view of the instance with `frac` of it; `lent`: past `frac` it may use
         what the reserves of `reserve: forecast` leave (not on another pool's instance, where
@@ -345,7 +352,8 @@ class Admitter:
             fresh=self.fleet.is_fresh(state),
             capacity_blocks=state.capacity_blocks or 0,
             block_size=self._block_size(state),
-            used_blocks=self.engine_kv.used_blocks(state) + self.pause_held_blocks(state, now_s),
+            used_blocks=self.engine_kv.used_blocks(state)
+            + (self.pause_held_blocks(state, now_s) if paused else 0),
             pool_reserved_blocks=state.reserved_by_pool.get(pool, 0),
             pool_running=state.running_by_pool.get(pool, 0),
             running=state.inflight,
@@ -556,6 +564,15 @@ class Admitter:
 
         self._wake = loop.call_later(max(0.0, at_s - self.clock()), wake)
 
+    def _pauses_apply(self, ctx: RequestContext) -> bool:
+        """Whether the paused runs' held blocks count against this request: always, or with
+        `admission.tool_pause_hold_against: new_runs` only while it has no home (a run's
+        first step, a request outside a run): new runs wait for room beyond the paused runs'
+        contexts, the runs in progress do not wait for each other's."""
+        if not self._pauses_against_new_only:
+            return True
+        return ctx.home_key is None or self.affinity.get(ctx.home_key) is None
+
     def pause_held_blocks(self, state: InstanceState, now_s: float) -> int:
         """KV blocks held on the instance for runs paused between steps (0 without
         `admission.tool_pause_hold` or a known capacity)."""
@@ -628,7 +645,7 @@ class Admitter:
         placement rule keeps it for its run's home instance, full now); or a `Wait` (it fits
         nowhere; why). `queued`: the request is in its pool's queue (it is then among the
         steps counted as waiting for its home); `hold`: a prefill hold may keep it."""
-        views = self._views(ctx.pool, now_s, hold=hold)
+        views = self._views(ctx.pool, now_s, hold=hold, paused=self._pauses_apply(ctx))
         decision = decide(views, need, now_s)
         if not isinstance(decision, Grant):
             if isinstance(decision, Reject):

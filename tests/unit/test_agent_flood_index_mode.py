@@ -91,6 +91,15 @@ def test_index_hold_is_index_on_with_the_tool_pause_hold(monkeypatch: pytest.Mon
     assert not _parsed("index-off", monkeypatch).admission.tool_pause_hold
 
 
+def test_index_gate_holds_the_paused_runs_against_new_runs_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    adm = _parsed("index-gate", monkeypatch).admission
+    assert adm.tool_pause_hold and adm.tool_pause_hold_against == "new_runs"
+    assert adm.tool_pause_max_frac == 0.5
+    assert _parsed("index-hold", monkeypatch).admission.tool_pause_hold_against == "all"
+
+
 def test_run_order_of_three_modes_puts_first_first_and_reverses_each_other_round() -> None:
     assert run_order("hold", None, 2) == [
         "index-off",

@@ -76,10 +76,10 @@ def test_learned_pauses_are_bounded_per_run() -> None:
     assert holds.predicted_pause_s("c", "agent") == 3.0
 
 
-def _paused_run_and_a_full_engine(tmp_path: Path, clock: Clock) -> Core:
+def _paused_run_and_a_full_engine(tmp_path: Path, clock: Clock, **admission: str) -> Core:
     """Run "r"'s step (150 blocks) ends at 10 s; then 3 chat sequences of 150 blocks and 2 agent
     sequences of other runs run: 750 blocks in use, 150 held for "r"."""
-    core = _core(tmp_path, clock, tool_pause_hold=True, tool_pause_max_s=4.0)
+    core = _core(tmp_path, clock, tool_pause_hold=True, tool_pause_max_s=4.0, **admission)
     a = core.admitter
     lease = a.admit_now(_ctx("agent", "r"), BIG, clock.now)
     assert lease is not None
@@ -106,6 +106,38 @@ def test_a_paused_runs_context_is_held_against_others_not_its_own_next_step(
     clock.now = 11.0
     assert a.admit_now(_ctx("agent", "r"), BIG, clock.now) is not None
     assert a.pause_held_blocks(state, clock.now) == 0
+
+
+def test_held_against_new_runs_only_a_run_in_progress_goes_and_a_new_one_waits(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    core = _paused_run_and_a_full_engine(tmp_path, clock, tool_pause_hold_against="new_runs")
+    a = core.admitter
+    state = core.fleet.get(SPEC.instance_id)
+    assert state is not None
+    assert a.pause_held_blocks(state, clock.now) == 150
+    # a new run's first step: 750 + 150 held + 150 > 949, it waits
+    assert a.admit_now(_ctx("agent", "z"), BIG, clock.now) is None
+    # run "x" has its home here (its first step was answered there, as settlement records):
+    # its next step counts no one's hold, 750 + 150 <= 949
+    x = _ctx("agent", "x")
+    a.affinity.record(x.home_key, SPEC.instance_id, context_tokens=2400)
+    assert a.admit_now(x, BIG, clock.now) is not None
+    # a request outside any run is gated like a new run: 2 blocks fit beside the 900 in use
+    # (949), not beside the 150 held too
+    small = Need(16, 32, 1e9)
+    assert a.admit_now(_ctx("agent", None), small, clock.now) is None
+    clock.now = 14.0  # "r"'s hold passes (tool_pause_max_s 4 s from 10 s)
+    assert a.admit_now(_ctx("agent", None), small, clock.now) is not None
+
+
+def test_held_against_all_a_run_in_progress_waits_too(tmp_path: Path) -> None:
+    clock = Clock()
+    core = _paused_run_and_a_full_engine(tmp_path, clock)  # the default: all
+    x = _ctx("agent", "x")
+    core.admitter.affinity.record(x.home_key, SPEC.instance_id, context_tokens=2400)
+    assert core.admitter.admit_now(x, BIG, clock.now) is None
 
 
 def test_the_hold_ends_when_the_predicted_pause_passes(tmp_path: Path) -> None:
@@ -136,12 +168,19 @@ def test_the_settings_are_checked(tmp_path: Path) -> None:
         config_for_test(tmp_path, admission={"tool_pause_hold": False, "tool_pause_max_s": 5.0})
     with pytest.raises(ConfigError, match="tool_pause_max_frac"):
         config_for_test(tmp_path, admission={"tool_pause_hold": True, "tool_pause_max_frac": 0})
+    with pytest.raises(ConfigError, match="tool_pause_hold_against set with tool_pause_hold"):
+        config_for_test(tmp_path, admission={"tool_pause_hold_against": "new_runs"})
+    with pytest.raises(ConfigError, match="tool_pause_hold_against"):
+        config_for_test(
+            tmp_path, admission={"tool_pause_hold": True, "tool_pause_hold_against": "old"}
+        )
     adm = config_for_test(tmp_path, admission={"tool_pause_hold": True}).admission
-    assert (adm.tool_pause_max_s, adm.tool_pause_margin_frac, adm.tool_pause_max_frac) == (
-        10.0,
-        0.5,
-        0.3,
-    )
+    assert (
+        adm.tool_pause_max_s,
+        adm.tool_pause_margin_frac,
+        adm.tool_pause_max_frac,
+        adm.tool_pause_hold_against,
+    ) == (10.0, 0.5, 0.3, "all")
 
 
 def test_held_blocks_match_a_walk_over_the_holds_through_random_events() -> None:
