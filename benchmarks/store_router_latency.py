@@ -85,7 +85,8 @@ def _config(
         "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
         "router": router,
         "governance": {
-            "tiers": {"wide": {"max_concurrent_runs": 100, "max_concurrent_requests": 100}}
+            # runs are not ended (they go idle): room for every governed-agent run
+            "tiers": {"wide": {"max_concurrent_runs": 100_000, "max_concurrent_requests": 100}}
         },
         "tenants": [
             {"name": "plain", "api_key_env": "GPUPOOL_BENCH_PLAIN_KEY"},
@@ -242,7 +243,8 @@ def _commit(tree: Path) -> str:
         ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     dirty = subprocess.run(
-        ["git", "-C", str(tree), "diff", "--quiet", "HEAD", "--", "router", "pools"]
+        ["git", "-C", str(tree), "diff", "--quiet", "HEAD", "--", "router", "pools"],
+        capture_output=True,
     ).returncode
     return (head or "?") + ("+" if dirty else "")
 

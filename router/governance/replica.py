@@ -35,10 +35,11 @@ each tenant's token and request budgets, concurrency slots and cost windows.
   reconciliation) and the request path uses the database again.
 
 Every call runs in a worker thread (`asyncio.to_thread`), bounded by the store's
-`connect_timeout_s` and `statement_timeout_s`, but for the two a request waits for on
-PostgreSQL (its tier's slot, an agent step's number): one statement each, sent from the event
-loop on a connection of their own when it is idle (no thread hand-over), bounded by
-`connect_timeout_s`. Lease arithmetic happens on the event loop only.
+`connect_timeout_s` and `statement_timeout_s`, but for those a request waits for on
+PostgreSQL (its tier's slot, an agent step's number, or both in one statement for a governed
+step) and the small ones after it (a slot's release, a run's home): one statement each, sent
+from the event loop on a connection of their own when it is idle (no thread hand-over),
+bounded by `connect_timeout_s`. Lease arithmetic happens on the event loop only.
 """
 
 from __future__ import annotations
