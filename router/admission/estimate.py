@@ -435,6 +435,8 @@ class EstimateInput:
 
 
 def _positive_int(value: Any) -> int | None:
+    if value is None:  # the common case: a field the body leaves out
+        return None
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -734,12 +736,26 @@ class TokenEstimator:
 
     async def estimate_input_async(self, parsed: EstimateInput, *, class_name: str) -> Estimate:
         """`estimate_async` of an input a protocol adapter read (`EstimateInput`)."""
+        estimate = self.estimate_input_now(parsed, class_name=class_name)
+        if estimate is not None:
+            return estimate
+        return await self.estimate_input_thread(parsed, class_name=class_name)
+
+    async def estimate_input_thread(self, parsed: EstimateInput, *, class_name: str) -> Estimate:
+        """The estimate with its text counted in a worker thread (what `estimate_input_now`
+        declined)."""
+        return self._finish(parsed, await asyncio.to_thread(self._content, parsed), class_name)
+
+    def estimate_input_now(self, parsed: EstimateInput, *, class_name: str) -> Estimate | None:
+        """`estimate_input_async` without a coroutine when it needs no worker thread (no more
+        than `ASYNC_TEXT_CHARS` of never-counted text, the request path's common case); None
+        when it does: then await `estimate_input_thread`."""
         counter = self._counter
         if counter is None or parsed.chars <= ASYNC_TEXT_CHARS:
             return self._finish(parsed, self._content(parsed), class_name)
         counts = counter.count((parsed.pieces, parsed.json_pieces), ASYNC_TEXT_CHARS)
         if counts is None:
-            return self._finish(parsed, await asyncio.to_thread(self._content, parsed), class_name)
+            return None
         return self._finish(parsed, (counts[0], counts[1]), class_name)
 
     def observe(

@@ -201,9 +201,11 @@ class CompletionsHandler:
                 if self.governor is not None:
                     ctx, signals = self.governor.prepare(ctx, tenant, headers, body)
                 wait_after_s = wait_comments_after_s(headers.get(WAIT_COMMENTS_HEADER))
-                estimate = await self.estimator.estimate_input_async(
-                    parsed, class_name=ctx.class_name
-                )
+                estimate = self.estimator.estimate_input_now(parsed, class_name=ctx.class_name)
+                if estimate is None:  # more never-counted text than the loop should count
+                    estimate = await self.estimator.estimate_input_thread(
+                        parsed, class_name=ctx.class_name
+                    )
             except RecursionError:  # it re-encodes JSON it reads (tools): a body nested too deep
                 raise _too_deep() from None
             if self.prefix_lookup is not None and adapter.name == "chat":

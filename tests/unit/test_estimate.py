@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from pools.devmodel import make_dev_model
 from pools.testing.config import config_for_test, even_pools
-from router.admission.estimate import Estimate, TokenEstimator
+from router.admission.estimate import Estimate, TokenEstimator, read_openai
 
 _WORD_TEXT = (
     "the model reads a file and calls a tool to search the cache for the block it needs "
@@ -375,6 +375,20 @@ async def test_estimate_async_matches_sync(model_dir: Path, oracle: Oracle) -> N
     got = await estimator(model_dir).estimate_async(fresh, chat=True, class_name="normal")
     actual = oracle.chat(fresh)
     assert abs(got.prompt_tokens - actual) / actual < 0.05
+
+
+async def test_estimate_now_declines_only_what_needs_a_thread(model_dir: Path) -> None:
+    rng = random.Random(11)
+    small = {"messages": [{"role": "user", "content": words(rng, 50)}]}
+    unseen = " ".join(f"id{k:05d}q{rng.randint(0, 9)}" for k in range(3000))  # 30 KB, all new
+    fresh = {"messages": [{"role": "user", "content": unseen}]}
+    est = estimator(model_dir)
+    now = est.estimate_input_now(read_openai(small, chat=True), class_name="normal")
+    assert now == estimator(model_dir).estimate(small, chat=True, class_name="normal")
+    # 30 KB never counted: declined (None), then counted in a worker thread as the sync path
+    assert est.estimate_input_now(read_openai(fresh, chat=True), class_name="normal") is None
+    threaded = await est.estimate_input_thread(read_openai(fresh, chat=True), class_name="normal")
+    assert threaded == estimator(model_dir).estimate(fresh, chat=True, class_name="normal")
 
 
 # -- output tokens ------------------------------------------------------------------------------
