@@ -132,6 +132,26 @@ def router_config(
     return config
 
 
+# --pin: each engine's CPUs, by engine index; gpupool's default plan gives the agent pool
+# (a third of three engines) the last engine
+PIN_CPUS: tuple[tuple[int, ...], ...] = ((0,), (0,), (1,))
+
+
+def check_pinned(agent_engine: str, engines: list[str]) -> None:
+    """Raise unless the router put the agent pool on the engine `PIN_CPUS` gives a CPU of its
+    own (a plan that changed would otherwise pin a normal engine alone, silently)."""
+    alone = [
+        url
+        for i, (url, cpus) in enumerate(zip(engines, PIN_CPUS, strict=True))
+        if all(set(cpus).isdisjoint(other) for j, other in enumerate(PIN_CPUS) if j != i)
+    ]
+    if alone != [agent_engine]:
+        raise RuntimeError(
+            f"--pin: the agent pool's engine is {agent_engine}, but the engine pinned to a CPU"
+            f" of its own is {alone}: change PIN_CPUS to the plan"
+        )
+
+
 def fresh_router_state(state: Path, mode: str) -> None:
     """Remove `mode`'s router's ledger (with SQLite's side files) and state file, so its
     router starts as on a new machine, not from an earlier run's runs, homes and settings."""
@@ -453,8 +473,8 @@ def _main(args: argparse.Namespace) -> int:
                     "api_key_env": KEY_ENV,
                     "run_dir": str(state / "run"),
                     "vllm_args": ["--max-num-seqs", "64"],
-                    # the agent pool's engine (engine-1 in gpupool's default plan) on its own core
-                    "cpu_affinity": [[0], [1], [0]] if args.pin else None,
+                    # the agent pool's engine on its own core (checked once a router names it)
+                    "cpu_affinity": [list(c) for c in PIN_CPUS] if args.pin else None,
                 },
             },
             "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
@@ -475,6 +495,10 @@ def _main(args: argparse.Namespace) -> int:
     loop = Loop()
     specs: list[InstanceSpec] = loop.run(launcher.start())
     engines = [s.url for s in specs]
+    if args.pin:
+        # the routers and the load generator start from here: they share CPU 0 with the
+        # normal engines, so the agent engine has CPU 1 to itself, as on its own device
+        os.sched_setaffinity(0, {0})
     routers: dict[str, RouterProcess] = {}
     results = []
     try:
@@ -506,6 +530,8 @@ def _main(args: argparse.Namespace) -> int:
             view = httpx.get(f"{url}/admin/pools").json()
             (agent_id,) = view["pools"]["agent"]["instances"]
             agent_engine = view["instances"][agent_id]["url"]
+            if args.pin:
+                check_pinned(agent_engine, engines)
             reset_prefix_caches(engines, os.environ[KEY_ENV])  # no run starts warm from another
             result = _run_one(
                 mode,
@@ -548,7 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pin",
         action="store_true",
-        help="pin the agent engine to CPU 1 and both normal engines to CPU 0",
+        help="pin the agent engine to CPU 1 and both normal engines, the routers and the load"
+        " generator to CPU 0 (the agent engine owns its core, as a GPU engine owns its device;"
+        " Linux only)",
     )
     parser.add_argument(
         "--compare",

@@ -10,10 +10,12 @@ import pytest
 
 from benchmarks.agent_flood_admission import (
     COMPARES,
+    PIN_CPUS,
     ROUTER_PORTS,
     _cpu_cell,
     _markdown,
     _quantiles,
+    check_pinned,
     main,
     process_cpu_s,
     router_config,
@@ -239,3 +241,13 @@ def test_a_runs_router_starts_on_empty_state_and_leaves_other_modes_alone(tmp_pa
         "ledger-index-off.sqlite",
         "state-index-off.json",
     ]
+
+
+def test_pin_check_accepts_the_agent_engine_alone_on_its_cpu() -> None:
+    urls = [f"http://127.0.0.1:{8401 + i}" for i in range(3)]
+    # PIN_CPUS puts engines 0 and 1 on CPU 0 and engine 2 alone on CPU 1
+    assert PIN_CPUS == ((0,), (0,), (1,))
+    check_pinned(urls[2], urls)
+    for shared in urls[:2]:  # a plan that gave the agent pool a shared engine is refused
+        with pytest.raises(RuntimeError, match="--pin: the agent pool's engine is"):
+            check_pinned(shared, urls)
