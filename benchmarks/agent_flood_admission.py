@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -135,6 +136,22 @@ def router_config(
 # --pin: each engine's CPUs, by engine index; gpupool's default plan gives the agent pool
 # (a third of three engines) the last engine
 PIN_CPUS: tuple[tuple[int, ...], ...] = ((0,), (0,), (1,))
+
+
+@contextlib.contextmanager
+def spawn_on_cpu0(pin: bool) -> Iterator[None]:
+    """With --pin, what starts inside (a router, the load generator) runs on CPU 0, beside
+    the normal engines, so the agent engine has CPU 1 to itself, as on its own device. The
+    benchmark itself keeps both CPUs: the launcher it restarts engines with needs CPU 1."""
+    if not pin:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def check_pinned(agent_engine: str, engines: list[str]) -> None:
@@ -310,7 +327,8 @@ def _run_one(
         harness += ["--target", url, "--target-name", mode, "--rate-scale", str(args.rate_scale)]
         if args.duration_s is not None:
             harness += ["--duration-s", str(args.duration_s)]
-        subprocess.run([*harness, "--no-progress", "--out", str(out)], check=True)
+        with spawn_on_cpu0(args.pin):
+            subprocess.run([*harness, "--no-progress", "--out", str(out)], check=True)
     after = _engine_counters(engines)
     routers_after = process_cpu_s(routers)
     router_after = httpx.get(f"{url}/metrics", timeout=5).text
@@ -495,10 +513,6 @@ def _main(args: argparse.Namespace) -> int:
     loop = Loop()
     specs: list[InstanceSpec] = loop.run(launcher.start())
     engines = [s.url for s in specs]
-    if args.pin:
-        # the routers and the load generator start from here: they share CPU 0 with the
-        # normal engines, so the agent engine has CPU 1 to itself, as on its own device
-        os.sched_setaffinity(0, {0})
     routers: dict[str, RouterProcess] = {}
     results = []
     try:
@@ -523,7 +537,10 @@ def _main(args: argparse.Namespace) -> int:
             # the fastest whatever its mode while every router ran throughout)
             fresh_router_state(state, mode)
             log_path = bulk_path(out, f"router-r{round_}-{mode}.log")
-            router = RouterProcess(out / f"router-{mode}.yaml", log_path, port=ROUTER_PORTS[mode])
+            with spawn_on_cpu0(args.pin):
+                router = RouterProcess(
+                    out / f"router-{mode}.yaml", log_path, port=ROUTER_PORTS[mode]
+                )
             routers[mode] = router
             router.wait_ready(60)
             url = f"http://127.0.0.1:{ROUTER_PORTS[mode]}"
