@@ -37,7 +37,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pools.allocation import PoolMap
+from pools.allocation import Allocation, PoolMap
 from pools.config import Config, PoolConfig
 from pools.fleet import Fleet, InstanceState, Lease
 from router.admission.decision import Grant, InstanceView, Need, Reject, Wait, decide, fill_frac
@@ -174,6 +174,7 @@ class Admitter:
             if p.queue.order == "run_las" and run_usage is not None
         }
         self._tpot_target_s = {p.name: p.slo.tpot_p95_ms / 1e3 for p in config.pools}
+        self._allocation_cache: _ByAllocation | None = None
         # per pool: the queued entries of runs with a home, and how many wait for each home
         self._homebound: dict[str, dict[QueueEntry, str]] = {p.name: {} for p in config.pools}
         self._awaited: dict[str, Counter[str]] = {p.name: Counter() for p in config.pools}
@@ -244,9 +245,9 @@ class Admitter:
                 raise self._no_instance(ctx.pool)
             return lease
         queue = self.queues[ctx.pool]
-        wait_s = queue.expected_wait_s(len(queue), now_s, default_s=0.0)
         result: Lease | Grant | Wait | Reject | _WaitsForHome | None
         if len(queue) == 0:
+            wait_s = 0.0  # what `expected_wait_s` answers for nobody ahead
             result = self._try(ctx, need, now_s, exclude)
             if isinstance(result, Lease):
                 log.debug(
@@ -258,6 +259,7 @@ class Admitter:
                 )
                 return result
         else:  # others wait: never jump the queue, only check the deadline can be met
+            wait_s = queue.expected_wait_s(len(queue), now_s, default_s=0.0)
             result = decide(self._views(ctx.pool, now_s), need, now_s, queue_wait_s=wait_s)
         if isinstance(result, Reject):
             raise self._reject(ctx, result, wait_s)
@@ -301,15 +303,24 @@ class Admitter:
         """`hold`: a prefill hold may keep the request waiting (False once it has been held
         for `admission.prefill_hold_max_wait_s`); `paused`: the paused runs' held blocks
         count as used (`_pauses_apply`)."""
-        allocation = self.pool_map.current
+        by_allocation = self._by_allocation()
+        allocation = by_allocation.allocation
         views = []
-        for instance_id in allocation.instances_for(pool):
+        for instance_id in by_allocation.instances_for(pool):
             state = self.fleet.get(instance_id)
             if state is None:
                 continue
             frac = allocation.frac(instance_id, pool)
             views.append(self._view(pool, state, frac, now_s, hold=hold, paused=paused))
         return views
+
+    def _by_allocation(self) -> _ByAllocation:
+        """What depends only on the current allocation, kept until the pool map replaces it."""
+        allocation = self.pool_map.current
+        cached = self._allocation_cache
+        if cached is None or cached.allocation is not allocation:
+            cached = self._allocation_cache = _ByAllocation(allocation, self._tpot_target_s)
+        return cached
 
     def _borrow_views(self, pool: str, now_s: float) -> list[InstanceView]:
         """Other pools' instances that `pool`'s overflow may borrow: `rebalancer.borrow_max_frac`
@@ -344,58 +355,55 @@ class Admitter:
         """`pool`'s view of the instance with `frac` of it; `lent`: past `frac` it may use
         what the reserves of `reserve: forecast` leave (not on another pool's instance, where
         `frac` is `rebalancer.borrow_max_frac`'s cap); `hold`: a prefill hold may apply."""
-        p = self.pools[pool]
+        reserve_forecast, others_blocks, others_slots = False, 0.0, 0
+        if self.reserve_forecast and lent:
+            reserve_forecast = True
+            others_blocks, others_slots = self._others_reserve(pool, state, now_s)
+        hold_min = None
+        if self.prefill_hold is not None and hold:
+            hold_min = self._prefill_hold(pool, state, now_s, self.prefill_hold)
+        reading = state.reading
+        # the fields in their order, positional: half the cost of naming each (issue 28)
         view = InstanceView(
-            instance_id=state.spec.instance_id,
-            frac=frac,
-            healthy=state.healthy,
-            fresh=self.fleet.is_fresh(state),
-            capacity_blocks=state.capacity_blocks or 0,
-            block_size=self._block_size(state),
-            used_blocks=self.engine_kv.used_blocks(state)
+            state.spec.instance_id,
+            frac,
+            state.healthy,
+            self.fleet.is_fresh(state),  # fresh
+            state.capacity_blocks or 0,  # capacity_blocks
+            (reading.block_size if reading else None) or _DEFAULT_BLOCK_SIZE,  # block_size
+            self.engine_kv.used_blocks(state)  # used_blocks
             + (self.pause_held_blocks(state, now_s) if paused else 0),
-            pool_reserved_blocks=state.reserved_by_pool.get(pool, 0),
-            pool_running=state.running_by_pool.get(pool, 0),
-            running=state.inflight,
-            pool_limit=state.op.limit(self._tpot_target_s[pool]),
-            instance_limit=self.instance_limit(state),
-            pending_prefill_tokens=state.pending_prefill_tokens(now_s),
-            prefill_tokens_per_s=uncached_prefill_tokens_per_s(
-                state.prefill_tokens_per_s, state.prefix_hit_frac
-            ),
-            ttft_target_s=p.slo.ttft_p95_ms / 1e3,
-            margin_frac=self.margin_frac,
-            step_s=_step_s(state),
-            kv_known=state.kv_capacity != "unknown",
-            **self._sharing(pool, state, now_s, lent=lent, hold=hold),
+            state.reserved_by_pool.get(pool, 0),  # pool_reserved_blocks
+            state.running_by_pool.get(pool, 0),  # pool_running
+            state.inflight,  # running
+            state.op.limit(self._tpot_target_s[pool]),  # pool_limit
+            self.instance_limit(state),  # instance_limit
+            state.pending_prefill_tokens(now_s),  # pending_prefill_tokens
+            uncached_prefill_tokens_per_s(state.prefill_tokens_per_s, state.prefix_hit_frac),
+            self._ttft_target_s[pool],  # ttft_target_s
+            self.margin_frac,  # margin_frac
+            _step_s(state),  # step_s
+            # kv_known: the engine reports its KV capacity (`InstanceState.kv_capacity`)
+            reading is None or reading.num_gpu_blocks is not None,
+            reserve_forecast,
+            others_blocks,  # others_reserve_blocks
+            others_slots,  # others_reserve_slots
+            hold_min,  # hold_prefill_min_tokens
         )
         # other router replicas' reservations there (router/admission/shared_reservations.py)
         return view if self.peers is None else self.peers.adjust(pool, state, view)
 
     # ------------------------------------------------------------------ sharing a split instance
 
-    def _sharing(
-        self, pool: str, state: InstanceState, now_s: float, *, lent: bool, hold: bool
-    ) -> dict[str, Any]:
-        """The `InstanceView` fields of `admission.reserve: forecast` (when `lent`) and
-        `admission.prefill_hold_*` (when `hold`; none when both are off)."""
-        out: dict[str, Any] = {}
-        if self.reserve_forecast and lent:
-            blocks, slots = 0.0, 0
-            for reserve in self.reserves(state, now_s).values():
-                if reserve.pool != pool:
-                    blocks += reserve.blocks
-                    slots += reserve.slots
-            out = {
-                "reserve_forecast": True,
-                "others_reserve_blocks": blocks,
-                "others_reserve_slots": slots,
-            }
-        if self.prefill_hold is not None and hold:
-            threshold = self._prefill_hold(pool, state, now_s, self.prefill_hold)
-            if threshold is not None:
-                out["hold_prefill_min_tokens"] = threshold
-        return out
+    def _others_reserve(self, pool: str, state: InstanceState, now_s: float) -> tuple[float, int]:
+        """What `admission.reserve: forecast` keeps free on the instance for the pools other
+        than `pool`: (KV blocks, batch places)."""
+        blocks, slots = 0.0, 0
+        for reserve in self.reserves(state, now_s).values():
+            if reserve.pool != pool:
+                blocks += reserve.blocks
+                slots += reserve.slots
+        return blocks, slots
 
     def forecaster(self, pool: str, instance_id: str) -> DemandForecaster:
         """`pool`'s demand forecaster on the instance (made at first use)."""
@@ -618,9 +626,8 @@ class Admitter:
         """The operating point for the strictest TPOT target among the instance's pools; on an
         engine that does not report its KV capacity, at most `unknown_kv_max_concurrency`
         (nothing else keeps it short of running out of KV blocks)."""
-        pools = self.pool_map.current.pools_of(state.spec.instance_id)
-        targets = [self._tpot_target_s[p] for p, f in pools.items() if f > 0]
-        limit = state.op.limit(min(targets)) if targets else state.op.limit(1e9)
+        target_s = self._by_allocation().strictest_tpot_s(state.spec.instance_id)
+        limit = state.op.limit(1e9 if target_s is None else target_s)
         if state.kv_capacity == "unknown":
             return min(limit, self.unknown_kv_max_concurrency)
         return limit
@@ -731,7 +738,10 @@ class Admitter:
     ) -> Lease | None:
         """`fill`: each instance's `fill_frac` for the cached-prefix score (None with a
         prefix lookup: computed here, as for admission off)."""
-        cands = self.picker.candidates(self.pool_map.current, ctx.pool)
+        by_allocation = self._by_allocation()
+        cands = self.picker.candidates(
+            by_allocation.allocation, ctx.pool, by_allocation.instances_for(ctx.pool)
+        )
         if need.prefix is not None and fill is None:
             fill = _fills(self._views(ctx.pool, self.clock() if now_s is None else now_s))
         awaited = self._awaited[ctx.pool]
@@ -1064,6 +1074,39 @@ class Admitter:
         return NoHealthyInstance(
             f"no healthy instance in pool {pool!r} ({total} allocated)", "no_healthy_instance"
         )
+
+
+class _ByAllocation:
+    """What the admitter reads from one allocation on every request and what depends on it
+    alone: each pool's instances taking new work, each instance's strictest TPOT target. An
+    allocation is a frozen snapshot (`PoolMap.replace` puts a new one in its place), so this
+    holds until the pool map's current allocation is another object."""
+
+    __slots__ = ("_instances", "_strictest_s", "_tpot_target_s", "allocation")
+
+    def __init__(self, allocation: Allocation, tpot_target_s: dict[str, float]) -> None:
+        self.allocation = allocation
+        self._tpot_target_s = tpot_target_s
+        self._instances: dict[str, tuple[str, ...]] = {}
+        self._strictest_s: dict[str, float | None] = {}
+
+    def instances_for(self, pool: str) -> tuple[str, ...]:
+        ids = self._instances.get(pool)
+        if ids is None:
+            ids = self._instances[pool] = self.allocation.instances_for(pool)
+        return ids
+
+    def strictest_tpot_s(self, instance_id: str) -> float | None:
+        """The strictest TPOT target among the pools with a part of the instance (None:
+        none has)."""
+        try:
+            return self._strictest_s[instance_id]
+        except KeyError:
+            pass
+        pools = self.allocation.pools_of(instance_id)
+        targets = [self._tpot_target_s[p] for p, f in pools.items() if f > 0]
+        target_s = self._strictest_s[instance_id] = min(targets) if targets else None
+        return target_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,12 +27,13 @@ import logging
 import math
 import random
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pools.allocation import Allocation
 from pools.config import Config
 from pools.fleet import Fleet, InstanceState
 from router.admission.decision import CachedPrefix
+from router.frozen import fast_init
 from router.prefix.score import cached_prefix_scores
 from router.runtable import RunTable
 
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 _MAX_HIT_FRAC = 0.9
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PickRequest:
     pool: str
@@ -76,14 +78,16 @@ class PickRequest:
     now_s: float | None = None  # for the destinations' pending prefill (None: count none)
     # slots free now for the pool on each instance (None: unknown, no spare-room check)
     free_slots: Mapping[str, int] | None = None
-    # queued steps waiting for each instance as their run's home (this request not counted)
-    awaited: Mapping[str, int] = field(default_factory=dict)
+    # queued steps waiting for each instance as their run's home (this request not counted;
+    # None: none)
+    awaited: Mapping[str, int] | None = None
     # the prompt's cached prefix per instance (router/prefix; None: no lookup) and each
     # candidate's fill in [0, 1] (`decision.fill_frac`), for `score_cached_prefix`
     prefix: CachedPrefix | None = None
     fill_frac: Mapping[str, float] | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Candidate:
     state: InstanceState
@@ -255,7 +259,7 @@ def richer_than_home(req: PickRequest, home: str, cands: Sequence[Candidate]) ->
         if iid not in req.allowed or prefix.tokens.get(iid, 0) - at_home < more:
             continue
         free = None if req.free_slots is None else req.free_slots.get(iid)
-        if free is not None and free <= 1 + req.awaited.get(iid, 0):
+        if free is not None and free <= 1 + (req.awaited or {}).get(iid, 0):
             continue
         out.append(c)
     return out
@@ -297,7 +301,7 @@ def filter_affinity_or_move(affinity: RunAffinity) -> Filter:
                 dest_running=state.inflight,
                 dest_pending_prefill_tokens=pending,
                 dest_free_slots=free,
-                dest_awaited=req.awaited.get(c.instance_id, 0),
+                dest_awaited=(req.awaited or {}).get(c.instance_id, 0),
             ):
                 moves.append(c)
         moved = {c.instance_id for c in moves}
@@ -395,9 +399,15 @@ class Picker:
         self._scorers = list(scorers)
         self._rng = rng
 
-    def candidates(self, allocation: Allocation, pool: str) -> list[Candidate]:
+    def candidates(
+        self, allocation: Allocation, pool: str, instance_ids: Sequence[str] | None = None
+    ) -> list[Candidate]:
+        """The pool's instances in the fleet with their fracs; `instance_ids`: the
+        allocation's `instances_for(pool)` when the caller has it already."""
         out = []
-        for instance_id in allocation.instances_for(pool):
+        if instance_ids is None:
+            instance_ids = allocation.instances_for(pool)
+        for instance_id in instance_ids:
             state = self._fleet.get(instance_id)
             if state is not None:
                 out.append(Candidate(state, allocation.frac(instance_id, pool)))
