@@ -6,9 +6,13 @@ the first byte; Kludex/uvicorn#157), and httptools no limit on their size. A cli
 trickles its headers therefore holds a connection for as long as it likes, and
 `router.max_connections` such clients lock everyone else out. Here:
 
-- the head of every request (and the first byte of a new connection) must arrive within
-  `head_timeout_s` of the connection opening or the previous response ending, else the
-  connection gets a 408 and is closed;
+- a new connection's first request head must arrive within `head_timeout_s` of the
+  connection opening, and on a kept-alive connection a head must be complete within
+  `head_timeout_s` of its first byte, else the connection gets a 408 and is closed. A
+  kept-alive connection idle between requests is closed by the keep-alive timeout
+  (`CLIENT_KEEP_ALIVE_S`, router/cli/stack.py) without an answer, as uvicorn does: a 408
+  written to an idle connection can cross the client's next request on the wire, and the
+  client then reads it as that request's answer (an agent whose tool ran ~10 s got one);
 - a head over `max_head_bytes` gets a 431 and the connection is closed;
 - uvicorn's own answers, a 400 for bytes that are not HTTP and the 503 beyond
   `limit_concurrency` (`router.max_connections`), are OpenAI-shaped JSON too instead of its
@@ -222,6 +226,8 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.loop.time() < self._head_deadline_s:  # a later head's deadline
             self._head_timer = self.loop.call_at(self._head_deadline_s, self._head_check)
             return
+        if self._head_bytes == 0 and self._idle_since_s is not None:
+            return  # idle between requests: the keep-alive's timer closes it, quietly
         message = f"the request head did not arrive within {self.head_timeout_s:g} s"
         self.transport.write(_error(408, "Request Timeout", message, "head_timeout"))
         self.transport.close()
@@ -243,6 +249,11 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
+            if self._head_bytes == 0 and self._idle_since_s is not None:
+                # a kept-alive connection's next request begins: its head is due from now
+                self._head_deadline_s = self.loop.time() + self.head_timeout_s
+                if self._head_timer is None:
+                    self._head_timer = self.loop.call_at(self._head_deadline_s, self._head_check)
             room = self.max_head_bytes - self._head_bytes
             self._head_bytes += len(data)
             end = data.find(b"\r\n\r\n")
@@ -303,7 +314,8 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self.timeout_keep_alive_task = self.loop.call_at(
                     now_s + self.timeout_keep_alive, self._keep_alive_check
                 )
-        # the next request's head (on a kept-alive connection) gets its own deadline
+        # the next request's head on a kept-alive connection: due within head_timeout_s of
+        # its first byte (data_received moves the deadline there)
         self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:

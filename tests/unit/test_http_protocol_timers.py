@@ -1,7 +1,9 @@
 """gpupool's server protocol (router/gateway/http_protocol.py) keeps one head timer and one
 keep-alive timer per connection, not one of each per request: a request moves the deadline,
 and a timer that fires before the deadline it finds re-arms itself for it. Driven here on a
-fake loop clock (no sockets, no sleeping): the 408 comes at the moved deadline and not before,
+fake loop clock (no sockets, no sleeping): the 408 comes at the moved deadline and not before
+(a new connection's from its opening, a kept-alive connection's from its next head's first
+byte: an idle one gets none),
 the keep-alive closes an idle connection at its moved deadline and never one in use. And
 `ClientLink.respond`, which checks all header names and all values in one search each: it
 refuses what uvicorn's `send` refuses and writes everything else in one write."""
@@ -106,16 +108,55 @@ def _served(protocol: Any) -> None:
     protocol.on_response_complete()
 
 
-def test_the_head_deadline_moves_with_each_response_and_one_timer_serves_it() -> None:
-    protocol, loop, transport = _connection(head_timeout_s=10.0, keep_alive_s=1000.0)
-    loop.advance(4.0)
-    _served(protocol)  # the next head is due at 14, not 10
-    assert loop.armed() == 2  # the head's and the keep-alive's, no more after a request
-    loop.advance(13.9)  # the timer armed for 10 found a later deadline: re-armed, no answer
-    assert not transport.closed and transport.written == b""
-    loop.advance(14.0)
+def test_a_new_connection_that_sends_nothing_gets_a_408() -> None:
+    _, loop, transport = _connection(head_timeout_s=10.0, keep_alive_s=1000.0)
+    loop.advance(9.9)
+    assert not transport.closed
+    loop.advance(10.0)
     assert transport.closed
     assert transport.written.startswith(b"HTTP/1.1 408 ")
+
+
+def test_the_head_deadline_moves_with_each_request_and_one_timer_serves_it() -> None:
+    protocol, loop, transport = _connection(head_timeout_s=10.0, keep_alive_s=1000.0)
+    loop.advance(4.0)
+    _served(protocol)
+    assert loop.armed() == 2  # the head's and the keep-alive's, no more after a request
+    loop.advance(6.0)
+    protocol.data_received(b"POST /v1/chat/completions HTTP/1.1\r\n")  # due at 16, not 10
+    assert loop.armed() == 2
+    loop.advance(15.9)  # the timer armed for 10 found a later deadline: re-armed, no answer
+    assert not transport.closed and transport.written == b""
+    loop.advance(16.0)
+    assert transport.closed
+    assert transport.written.startswith(b"HTTP/1.1 408 ")
+
+
+def test_an_idle_kept_alive_connection_gets_no_408_and_a_later_head_its_full_time() -> None:
+    """An agent's tool ran longer than head_timeout_s between two steps on one connection:
+    no 408 is written to the idle connection (it could cross the next request on the wire
+    and be read as its answer); the next head, begun at 25, has until 35."""
+    protocol, loop, transport = _connection(head_timeout_s=10.0, keep_alive_s=75.0)
+    loop.advance(1.0)
+    _served(protocol)  # idle from 1
+    loop.advance(25.0)
+    assert not transport.closed and transport.written == b""
+    protocol.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+    loop.advance(34.9)
+    assert not transport.closed and transport.written == b""
+    loop.advance(35.0)  # a head trickled for 10 s: the slowloris guard still answers
+    assert transport.closed
+    assert transport.written.startswith(b"HTTP/1.1 408 ")
+
+
+def test_an_idle_kept_alive_connection_is_closed_quietly_by_the_keep_alive() -> None:
+    protocol, loop, transport = _connection(head_timeout_s=10.0, keep_alive_s=75.0)
+    _served(protocol)  # idle from 0
+    loop.advance(74.9)
+    assert not transport.closed
+    loop.advance(75.0)
+    assert transport.closed
+    assert transport.written == b""
 
 
 def test_many_requests_arm_no_more_timers() -> None:
@@ -218,8 +259,11 @@ def test_a_pipelined_request_being_served_is_not_timed_out_as_a_head() -> None:
     assert started == ["cycle-2"]
     loop.advance(60.0)  # request 2 is served for a long time
     assert not transport.closed and transport.written == b""
-    protocol.on_response_complete()  # request 2's response ends: the next head is due at 70
-    loop.advance(69.9)
-    assert not transport.closed
+    protocol.on_response_complete()  # request 2's response ends: idle, no head due
     loop.advance(70.0)
+    assert not transport.closed and transport.written == b""
+    protocol.data_received(b"GET /health HTTP/1.1\r\n")  # the next head: due at 80
+    loop.advance(79.9)
+    assert not transport.closed
+    loop.advance(80.0)
     assert transport.closed and transport.written.startswith(b"HTTP/1.1 408 ")

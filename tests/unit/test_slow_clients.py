@@ -189,3 +189,35 @@ async def test_header_slowloris_cannot_hold_max_connections(tmp_path: Path) -> N
                 stop.set()
                 await asyncio.gather(*trickling)
         assert status == 200
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    lines = head.decode("latin-1").split("\r\n")
+    fields = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    length = int({k.lower(): v for k, v in fields.items()}["content-length"])
+    return int(lines[0].split()[1]), await reader.readexactly(length)
+
+
+async def test_a_kept_alive_connection_idle_past_the_head_timeout_serves_its_next_request(
+    tmp_path: Path,
+) -> None:
+    """An agent's tool runs longer than `router.head_timeout_s` between two steps sent on one
+    kept-alive connection: the second step is answered, not met by a 408 the router wrote to
+    the idle connection (before, it wrote one at head_timeout_s, which the client read as the
+    next request's answer when the two crossed)."""
+    config = hostile_config(tmp_path, body_read_timeout_s=0.5, head_timeout_s=0.5)
+    with live_router(config) as live:
+        reader, writer = await asyncio.open_connection(live.host, live.port)
+        try:
+            writer.write(_head(live, len(BODY)) + BODY)
+            assert (await _read_response(reader))[0] == 200
+            await asyncio.sleep(1.2)  # idle for more than twice the head timeout
+            assert not reader.at_eof()  # nothing written, nothing closed
+            writer.write(_head(live, len(BODY)) + BODY)
+            status, body = await _read_response(reader)
+            assert status == 200, body
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
