@@ -32,8 +32,10 @@ Each round sends `--requests` of every kind to each router, the routers taking t
 `--block` requests (20; the first of each turn alternating), each on a keep-alive connection
 of its own for the whole run, so a change of the machine's load lands on both. Reported per kind and
 store: p50 / p90 / p99 over all rounds, the added p50 (PostgreSQL - SQLite) per round and
-over all, and the load average. The router processes, the engine and PostgreSQL share the
-machine's CPUs with this client, as a small deployment would.
+over all, the load average, and each PostgreSQL router's agent steps sent on before the
+store's answer (`gpupool_governance_step_speculated_total`, by outcome; none before s41).
+The router processes, the engine and PostgreSQL share the machine's CPUs with this client,
+as a small deployment would.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / ".gpupool" / "models" / "tiny"
 PASSWORD_ENV = "GPUPOOL_BENCH_STORE_PASSWORD"
 KEYS = {"plain": "plain-" + "p" * 24, "governed": "governed-" + "g" * 24}
+METRICS_KEY = "metrics-" + "m" * 24  # GET /metrics (router.metrics_api_key_env)
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 STEPS_PER_RUN = 10
 STORES = ("sqlite", "postgres")
@@ -75,6 +78,7 @@ def _config(
         "state_path": str(folder / f"state-{name}.json"),
         "log_level": "warning",
         "ledger_durable": True,
+        "metrics_api_key_env": "GPUPOOL_BENCH_METRICS_KEY",
         **router_options,
     }
     if store is None:
@@ -198,11 +202,32 @@ async def _measure(
     return samples, added, loads
 
 
+SPECULATED = "gpupool_governance_step_speculated_total"
+
+
+async def _speculated(urls: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Each router's `SPECULATED` samples by outcome (empty: the metric is not there)."""
+    out: dict[str, dict[str, float]] = {}
+    async with aiohttp.ClientSession() as session:
+        for store, url in urls.items():
+            headers = {"authorization": f"Bearer {METRICS_KEY}"}
+            async with session.get(f"{url}/metrics", headers=headers) as r:
+                text = await r.text()
+            out[store] = {}
+            for line in text.splitlines():
+                if line.startswith(SPECULATED + "{"):
+                    labels, _, value = line.rpartition(" ")
+                    outcome = labels.partition('outcome="')[2].partition('"')[0]
+                    out[store][outcome] = float(value)
+    return out
+
+
 def _report(
     samples: dict[tuple[str, str], list[float]],
     added: dict[tuple[str, str], list[float]],
     loads: list[float],
     args: argparse.Namespace,
+    speculated: dict[str, dict[str, float]] | None = None,
 ) -> str:
     command = "python -m benchmarks.store_router_latency " + shlex.join(sys.argv[1:])
     lines = [
@@ -234,6 +259,10 @@ def _report(
             f"| {kind} | {store} | {statistics.median(values):.3f} |"
             f" {_pct(values, 0.9):.3f} | {_pct(values, 0.99):.3f} | {extra} |"
         )
+    for store, outcomes in (speculated or {}).items():
+        if store != "sqlite":
+            counts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(outcomes.items())) or "none"
+            lines.append(f"\n`{store}`: agent steps sent on before the store's answer: {counts}")
     return "\n".join(lines) + "\n"
 
 
@@ -255,6 +284,7 @@ async def _run(
     env = {**os.environ, PASSWORD_ENV: password}
     for tenant, key in KEYS.items():
         env[f"GPUPOOL_BENCH_{tenant.upper()}_KEY"] = key
+    env["GPUPOOL_BENCH_METRICS_KEY"] = METRICS_KEY
     routers: dict[str, RouterProcess] = {}
     try:
         for store in (*STORES, BASELINE) if args.baseline_tree else STORES:
@@ -273,10 +303,11 @@ async def _run(
         for router in routers.values():
             await router.wait_ready_async(120)
         samples, added, loads = await _measure({s: r.url for s, r in routers.items()}, args)
+        speculated = await _speculated({s: r.url for s, r in routers.items()})
     finally:
         for router in routers.values():
             router.stop()
-    return _report(samples, added, loads, args)
+    return _report(samples, added, loads, args, speculated)
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:

@@ -72,6 +72,7 @@ from router.gateway.upstream import ConnectFailed, Response, Upstream
 from router.gateway.wait_comments import HEADER as WAIT_COMMENTS_HEADER
 from router.gateway.wait_comments import WaitComments, wait_comments_after_s
 from router.governance import Governor, StepSignals
+from router.governance.speculation import Speculation
 from router.identity import Tenants
 from router.metrics import RouterMetrics
 from router.prefix.lookup import PrefixLookup
@@ -397,6 +398,7 @@ class CompletionsHandler:
         attempts = 0
         lease: Lease | None = None
         waiter: WaitComments | None = None
+        spec: Speculation | None = None  # a run's step sent on before the store's answer
         if ctx.stream and wait_after_s is not None:
             waiter = WaitComments(send, gp_headers, wait_after_s, clock=self.clock)
             waiter.start()
@@ -411,9 +413,17 @@ class CompletionsHandler:
                 if waiter is not None:
                     waiter.reason = "token budget"
                 try:
-                    governed_s = await self.governor.enter(ctx, estimate, signals)
+                    # a known run's step may go on before the shared store's answer, which
+                    # is awaited before the response's first byte (not with wait comments:
+                    # they may send bytes before dispatch)
+                    governed_s = await self.governor.enter(
+                        ctx, estimate, signals, speculate=waiter is None
+                    )
                 finally:
                     gp_headers.extend(self.governor.rate_headers(ctx.tenant))
+                spec = self.governor.speculation(ctx.request_id)
+                if spec is not None:  # its refusal cancels this task (the engine request)
+                    spec.watch(asyncio.current_task())
             if waiter is not None:
                 waiter.reason = "queue"
             admit_start_s = outcome.admission_started_at_s = self.clock()
@@ -479,6 +489,8 @@ class CompletionsHandler:
                     )
                     continue
                 try:
+                    if spec is not None:  # the store's answer, before the first byte
+                        await _confirmed(spec, outcome)
                     self.settlement.answered(outcome)
                     await self._relay(
                         ctx, resp, send, headers, outcome, lease, adapter, stored, client
@@ -489,10 +501,23 @@ class CompletionsHandler:
                 else:
                     resp.release()  # fully read: the connection goes back to the pool
                 return
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
+            caught: BaseException = exc
+            if isinstance(exc, asyncio.CancelledError):  # a refused speculation's, or raise
+                refusal = None if spec is None else spec.refusal(asyncio.current_task())
+                if refusal is None:
+                    raise
+                caught = refusal
+            if spec is not None and caught is not spec.error:  # failed before the answer:
+                spec.unwatch()  # the store's refusal is the answer the client would have got
+                await spec.wait()
+                if spec.error is not None:
+                    caught = spec.error
+            if spec is not None and caught is spec.error:  # refused as `enter` would have
+                outcome.instance_id = outcome.step_index = outcome.dispatched_at_s = None
             await self._stop_waiting(waiter, outcome)
-            if isinstance(exc, GpupoolError):
-                failure = exc
+            if isinstance(caught, GpupoolError):
+                failure = caught
             else:  # a bug: answer in OpenAI's shape, never with a stack trace
                 log.exception("%s: internal error", ctx.request_id)
                 failure = GpupoolError(
@@ -965,6 +990,16 @@ async def read_request_body(receive: Receive, max_bytes: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body"):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _confirmed(spec: Speculation, outcome: RequestOutcome) -> None:
+    """The store's answer to a step sent on before it: its refusal raised (the caller closes
+    the engine's response), else its number is the step's."""
+    spec.unwatch()
+    await spec.wait()
+    if spec.error is not None:
+        raise spec.error
+    outcome.step_index = spec.step
 
 
 async def _serve_in_this_task(

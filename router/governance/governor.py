@@ -49,7 +49,7 @@ from typing import Any
 from pools.config import Config, TenantConfig
 from pools.periodic import Periodic
 from router.admission.estimate import Estimate
-from router.errors import BadRequest, RateLimited, RunStopped
+from router.errors import BadRequest, GpupoolError, RateLimited, RunStopped
 from router.governance.borrowing import LenderView, pick_lender
 from router.governance.bucket import TokenBucket, WindowSum
 from router.governance.guards import (
@@ -73,6 +73,7 @@ from router.governance.metrics import GovernanceMetrics
 from router.governance.replica import ReplicaBudgets
 from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
 from router.governance.shared import NextStep
+from router.governance.speculation import SPECULATE_WITHIN_S, Speculation
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
 
@@ -137,6 +138,8 @@ class _SharedTake:
     run_slot: str | None = None  # `<session or run id>` whose slot was taken
     step: int | None = None  # the run's step number, from the store
     home: NextStep | None = None  # with the run's home there (any replica's latest answer)
+    # the step went on before the store answered (`step`: the known number until it does)
+    speculation: Speculation | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -519,13 +522,24 @@ class Governor:
 
         early.task.add_done_callback(release)
 
-    async def enter(self, ctx: RequestContext, estimate: Estimate, signals: StepSignals) -> float:
+    async def enter(
+        self,
+        ctx: RequestContext,
+        estimate: Estimate,
+        signals: StepSignals,
+        *,
+        speculate: bool = False,
+    ) -> float:
         """Let the request through its tenant's and run's limits, or raise `RunStopped` (403)
         or `RateLimited` (429). Holds a reservation until `finished(outcome)`. Returns the
-        seconds it waited for the tenant's bucket (0.0 when it did not)."""
+        seconds it waited for the tenant's bucket (0.0 when it did not).
+
+        `speculate` (a caller that awaits `speculation(request_id)` before the response's
+        first byte): a step of a run this replica knows returns without the shared store's
+        answer, which may still refuse it (router/governance/speculation.py)."""
         early = self._early.pop(ctx.request_id, None)
         try:
-            return await self._enter(ctx, estimate, signals, early)
+            return await self._enter(ctx, estimate, signals, early, speculate)
         except BaseException:
             if early is not None:
                 self._drop_early(early)  # not when `enter` took its slot (undone with it)
@@ -537,6 +551,7 @@ class Governor:
         estimate: Estimate,
         signals: StepSignals,
         early: _Early | None,
+        speculate: bool = False,
     ) -> float:
         st = self._state(signals.tenant)
         now = self.clock()
@@ -552,7 +567,9 @@ class Governor:
         shared: _SharedTake | None = None
         if self._replica is not None:
             try:
-                shared = await self._take_shared(st, ctx, need, now, early)
+                shared = await self._take_shared(
+                    st, ctx, need, now, early, signals if speculate else None
+                )
             except BaseException:
                 self._give_back(st, need, True, self.clock())
                 raise
@@ -575,6 +592,9 @@ class Governor:
             st.runs.move_to_end(run.run_id)
             touch(run, now, self._idle_timeout_s)
             run.inflight += 1
+            if shared is not None and shared.step is not None and shared.speculation is None:
+                # the store's number of this step: the next one here may go on as this + 1
+                run.store_step = max(shared.step, -1 if run.store_step is None else run.store_step)
             self._dirty[(st.config.name, run.run_id)] = run
             self._forget_old_runs(st, now)
         st.inflight += 1
@@ -597,12 +617,14 @@ class Governor:
         need: float,
         now_s: float,
         early: _Early | None = None,
+        speculate: StepSignals | None = None,
     ) -> _SharedTake:
         """Take the request's tokens and request from the shared buckets (waiting, as the
         local buckets do, while they refill within the deadline and the pool's max wait),
         then its request slot and its run's step number (`early`: asked for at `prepare`;
         given up, and asked for again after, when the request waits for its budget) and,
-        for a run not active here, its run's slot."""
+        for a run not active here, its run's slot. `speculate` (the step's signals): a
+        known run's step does not wait for its slot and number (`_speculate`)."""
         replica = self._replica
         assert replica is not None
         name = st.config.name
@@ -637,9 +659,15 @@ class Governor:
                     took.tokens = amount
                 else:
                     took.request = True
-            limit = st.limits.max_concurrent_requests
             if early is None or early.dropped:
                 early = self._begin(st, ctx)
+            if (
+                speculate is not None
+                and early is not None
+                and (spec := self._speculate(st, ctx, early, took, speculate)) is not None
+            ):
+                took.speculation = spec
+                return took
             admitted, stored = True, None
             if early is not None:
                 try:  # shielded: a request cancelled while it waits gives the slot back
@@ -649,13 +677,7 @@ class Governor:
                     raise
                 early.claimed = True
             if not admitted:
-                self._refuse(
-                    st,
-                    "tenant_concurrency",
-                    f"tenant {name!r} has {limit} requests in flight across the router"
-                    f" replicas, its tier's limit (max_concurrent_requests)",
-                    1.0,
-                )
+                raise self._slot_refusal(st)
             run_limit = st.limits.max_concurrent_runs
             slot_id = ctx.session_id or ctx.run_id
             if slot_id is not None and run_limit is not None and slot_id not in _slot_ids(st):
@@ -678,12 +700,135 @@ class Governor:
             raise
         return took
 
+    def _speculate(
+        self,
+        st: _Tenant,
+        ctx: RequestContext,
+        early: _Early,
+        took: _SharedTake,
+        signals: StepSignals,
+    ) -> Speculation | None:
+        """Send a known run's step on before the store answers (None: it waits, as before).
+        Known: this replica took the run's previous step within `SPECULATE_WITHIN_S` (so it
+        knows the store's number of it), the run is neither stopped nor ended here, its
+        steps and those in flight are under `max_steps`, and it holds its run slot here
+        (none is asked for). The step takes the known number plus one until the answer."""
+        replica = self._replica
+        assert replica is not None
+        run = None if ctx.run_id is None else st.runs.get(ctx.run_id)
+        if (
+            run is None
+            or run.store_step is None
+            or run.stopped is not None
+            or run.ended is not None
+            or early.task.done()  # answered already: nothing to gain
+            or replica.down_since_s is not None
+            or self.clock() - run.last_seen_s > SPECULATE_WITHIN_S
+        ):
+            return None
+        max_steps = run.limits.max_steps
+        if max_steps is not None and run.steps + run.inflight + 1 >= max_steps:
+            return None  # its last step (or past it) waits for the store's count
+        slot_id = ctx.session_id or ctx.run_id
+        if st.limits.max_concurrent_runs is not None and slot_id not in _slot_ids(st):
+            return None
+        early.claimed = True  # its answer (and slot) is the ticket's
+        replica.unhurry(early.task)  # its answer is read while the engine works: not polled
+        predicted = run.store_step = run.store_step + 1
+        took.step = predicted
+
+        def on_answer(spec: Speculation) -> None:
+            try:
+                self._answered(st, ctx, signals, run, took, spec)
+            except Exception as err:  # a bug: the client gets a 500, not a hang
+                log.exception("%s: reading the store's answer failed", ctx.request_id)
+                spec.error = err
+
+        return Speculation(early.task, predicted, on_answer)
+
+    def _answered(
+        self,
+        st: _Tenant,
+        ctx: RequestContext,
+        signals: StepSignals,
+        run: RunState,
+        took: _SharedTake,
+        spec: Speculation,
+    ) -> None:
+        """The store answered a step sent on before it (`_speculate`): take its slot, number
+        and home, or refuse the step as `enter` would have (`spec.error`)."""
+        replica = self._replica
+        assert replica is not None
+        name = st.config.name
+        if spec.task.cancelled():  # the governor closing: the known number stands
+            spec.label = "unanswered"
+            return
+        if (err := spec.task.exception()) is not None:  # StoreUnavailable (fail closed)
+            spec.error, spec.label = err, "refused"
+            self.metrics.speculated.labels("refused").inc()
+            self._refused_speculation(ctx)
+            return
+        admitted, holder, stored = spec.task.result()
+        if spec.closed:  # the request ended first: give the slot back, count nothing
+            if holder is not None:
+                replica.release(name, "requests", holder)
+            return
+        took.slot = holder
+        error: GpupoolError | None = None
+        if not admitted:
+            error = self._slot_refusal(st)
+        elif stored is not None:
+            took.home = stored
+            run.store_step = max(run.store_step or 0, stored.step)
+            ticket = self._tickets.get(ctx.request_id)
+            counted = 1 if ticket is not None and ticket.counted else 0
+            now = self.clock()
+            run.steps -= counted  # the steps before this one, as `enter` counts them
+            try:
+                stored_stop = self._merge_stored(st, run, stored)
+                stop = check_step(run, now, None, self._idle_timeout_s) or stored_stop
+            finally:
+                run.steps += counted
+            if stop is not None:
+                self._stop(st, run, stop, now)
+                if signals.run_end:
+                    self._release(st, run)
+                error = RunStopped(stop.message, stop.code, param=stop.setting)
+            else:
+                spec.step = took.step = stored.step
+                self._adopt_home(ctx, stored)
+        if error is not None:
+            spec.error, spec.label = error, "refused"
+            self._refused_speculation(ctx)
+        elif stored is None:
+            spec.label = "unanswered"  # failed open: the known number stands
+        else:
+            spec.label = "confirmed" if stored.step == spec.predicted else "renumbered"
+        self.metrics.speculated.labels(spec.label).inc()
+
+    def _refused_speculation(self, ctx: RequestContext) -> None:
+        """A step the store's answer refused: as a step refused at `enter`, it does not end
+        its run (`x-gpupool-run-end` only ends a run whose step was served)."""
+        ticket = self._tickets.get(ctx.request_id)
+        if ticket is not None:
+            ticket.run_end = False
+
+    def speculation(self, request_id: str) -> Speculation | None:
+        """The request's step went on before the store's answer (`enter(speculate=True)`):
+        what the caller awaits before the response's first byte. None: nothing to await."""
+        ticket = self._tickets.get(request_id)
+        if ticket is None or ticket.shared is None:
+            return None
+        return ticket.shared.speculation
+
     def _undo_shared(self, st: _Tenant, took: _SharedTake) -> None:
         """Give back what `_take_shared` took for a request refused after all."""
         replica = self._replica
         if replica is None:
             return
         name = st.config.name
+        if took.speculation is not None and not took.speculation.resolved:
+            took.speculation.closed = True  # its slot, if the answer brings one, goes back
         replica.give(name, "tokens", took.tokens)
         replica.give(name, "requests", 1.0 if took.request else 0.0)
         if took.slot is not None:
@@ -931,8 +1076,21 @@ class Governor:
         self._refuse(st, reason, f"{message}; retry after {wait_s:.1f} s", wait_s)
 
     def _refuse(self, st: _Tenant, code: str, message: str, retry_after_s: float) -> None:
+        raise self._refusal(st, code, message, retry_after_s)
+
+    def _slot_refusal(self, st: _Tenant) -> RateLimited:
+        """The store refused the request a `max_concurrent_requests` slot."""
+        return self._refusal(
+            st,
+            "tenant_concurrency",
+            f"tenant {st.config.name!r} has {st.limits.max_concurrent_requests} requests in"
+            " flight across the router replicas, its tier's limit (max_concurrent_requests)",
+            1.0,
+        )
+
+    def _refusal(self, st: _Tenant, code: str, message: str, retry_after_s: float) -> RateLimited:
         self.metrics.refusals.labels(st.config.name, code).inc()
-        raise RateLimited(message, code, retry_after_s=max(retry_after_s, 0.001))
+        return RateLimited(message, code, retry_after_s=max(retry_after_s, 0.001))
 
     def _stop(self, st: _Tenant, run: RunState, stop: Stop, now_s: float) -> None:
         self.metrics.refusals.labels(st.config.name, stop.code).inc()
@@ -978,6 +1136,10 @@ class Governor:
             st.requests.settle(1, 0, now)  # never reached an engine: the request is given back
         st.inflight -= 1
         took = ticket.shared
+        if took is not None and (spec := took.speculation) is not None:
+            spec.closed = True  # an answer still to come gives its slot back
+            if spec.resolved and spec.error is None and outcome.step_index is not None:
+                outcome.step_index = took.step  # the store's number, for the ledger
         if took is not None and self._replica is not None:
             self._replica.give(ticket.tenant, "tokens", took.tokens - used if took.tokens else 0.0)
             if took.request and outcome.dispatched_at_s is None:

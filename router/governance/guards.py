@@ -81,6 +81,9 @@ class RunState:
     # guard field (max_steps, ...) -> the setting it came from; absent: run_guards.<field>
     settings: dict[str, str] = field(default_factory=dict)
     session_id: str | None = None  # the session it is a run of (None: an explicit run id)
+    # with a shared store: the store's number of this run's latest step here (its next step
+    # here may go on as this + 1 before the store answers: router/governance/speculation.py)
+    store_step: int | None = None
 
     def setting(self, name: str) -> str:
         return self.settings.get(name, f"run_guards.{name}")

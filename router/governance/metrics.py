@@ -141,6 +141,18 @@ class GovernanceMetrics:
             registry=r,
         )
 
+        self.speculated = Counter(
+            "gpupool_governance_step_speculated_total",
+            "Agent steps sent on to an engine on the run's step number this replica knew,"
+            " before the shared store's answer, by what the answer was: confirmed (as"
+            " known), renumbered (another replica took steps: the store's number kept),"
+            " refused (stopped, at max_steps or no concurrency slot: the engine request"
+            " cancelled, the client refused as before), unanswered (the store failed"
+            " meanwhile: the known number kept)",
+            ["outcome"],
+            registry=r,
+        )
+
     def tenant(self, name: str) -> TenantSeries:
         """`name`'s per-request series (tenants come from the config: the cache is bounded)."""
         series = self._tenants.get(name)

@@ -120,6 +120,8 @@ class ReplicaBudgets:
         # GPU-seconds), added by the next sweep
         self.run_usage: dict[tuple[str, str], tuple[int, float]] = {}
         self._closed = False
+        # the latest `begin`: (its task, the statement it sent on the loop's connection)
+        self._begun: tuple[asyncio.Task[Any], asyncio.Task[list[Row]]] | None = None
         # PostgreSQL: a request's slot and its step number are one statement each, awaited on
         # the loop (router/store/loop_connection.py) while that connection is idle, else in a
         # worker thread as every other call
@@ -293,9 +295,11 @@ class ReplicaBudgets:
             self.handovers += 1
             if run_id is not None and self._loop is not None and self._loop.ready():
                 sent = self._loop.begin(NEXT_STEP_SQL, (tenant, run_id, now_s))
-            return asyncio.get_running_loop().create_task(
+            task = asyncio.get_running_loop().create_task(
                 self._handed_over(tenant, handed, run_id, sent)
             )
+            self._begun = None if sent is None else (task, sent)
+            return task
         if self.down_since_s is None and self._loop is not None and self._loop.ready():
             if limit is not None:
                 params = self._slot_params(tenant, request_id, limit, now_s)
@@ -306,9 +310,11 @@ class ReplicaBudgets:
                     sent = self._loop.begin(SLOT_AND_STEP_SQL, both)
             elif run_id is not None:
                 sent = self._loop.begin(NEXT_STEP_SQL, (tenant, run_id, now_s))
-        return asyncio.get_running_loop().create_task(
+        task = asyncio.get_running_loop().create_task(
             self._slot_and_step(tenant, request_id, limit, run_id, now_s, sent)
         )
+        self._begun = None if sent is None else (task, sent)
+        return task
 
     async def _slot_and_step(
         self,
@@ -479,6 +485,13 @@ class ReplicaBudgets:
         except _Down:
             return None
         return NextStep.from_row(got) if isinstance(got, tuple) else got
+
+    def unhurry(self, task: asyncio.Task[Any]) -> None:
+        """The request `task` (`begin`'s) answers went on without its answer: its statement,
+        when it is the one in flight on the loop's connection, is not polled for
+        (`LoopConnection.unhurry`)."""
+        if self._loop is not None and self._begun is not None and self._begun[0] is task:
+            self._loop.unhurry(self._begun[1])
 
     def holder(self, name: str) -> str:
         return f"{self.replica}:{name}"

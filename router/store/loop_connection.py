@@ -102,6 +102,8 @@ class LoopConnection:
         self._spin_backoff_s = spin_backoff_s
         self._no_spin_until = 0.0  # the last polled answer came late: no polling until then
         self.late_spins = 0  # polls that ended without the answer (each paused polling)
+        self._unhurried = False  # the statement in flight is not waited for now: no polling
+        self._begun: asyncio.Task[list[tuple[Any, ...]]] | None = None  # `begin`'s latest
         self._clock = clock
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._prepared: dict[bytes, bytes] = {}  # statement -> its name on this connection
@@ -145,6 +147,7 @@ class LoopConnection:
         if conn is None or self._busy:
             raise StoreError(f"{self._store.name}: no idle connection on the loop")
         self._busy = True
+        self._unhurried = False
         return await self._answered(self._run(conn, _libpq_sql(sql), params, spin))
 
     def begin(
@@ -171,8 +174,19 @@ class LoopConnection:
             self._drop()
             return None
         self._busy = True
+        self._unhurried = False
         answer = self._answer(pgconn, tx, spin)
-        return asyncio.get_running_loop().create_task(self._answered(answer))
+        task = self._begun = asyncio.get_running_loop().create_task(self._answered(answer))
+        return task
+
+    def unhurry(self, task: asyncio.Task[list[tuple[Any, ...]]]) -> None:
+        """Nothing waits for `task`'s statement now (`begin`'s; a request went on without
+        its answer, router/governance/speculation.py): while it is the one in flight, its
+        answer is no longer polled for but waited for on the socket, so the poll does not
+        take a core the work going on beside it needs (at c=1 on two cores: the engine's,
+        beside the server's)."""
+        if task is self._begun and not task.done():
+            self._unhurried = True
 
     async def _answered(
         self, answer: Coroutine[Any, Any, list[tuple[Any, ...]]]
@@ -228,10 +242,10 @@ class LoopConnection:
             if not pgconn.is_busy():
                 break
             now = self._clock()
-            if now < spin_until:
+            if now < spin_until and not self._unhurried:
                 await asyncio.sleep(0)
                 continue
-            if spinning:  # polled in vain: the machine is busy, or the server slow
+            if spinning and not self._unhurried:  # polled in vain: busy, or the server slow
                 spinning = False
                 self._no_spin_until = now + self._spin_backoff_s
                 self.late_spins += 1

@@ -173,6 +173,30 @@ async def test_an_answer_polled_in_vain_stops_the_polling_for_a_while(
         assert conn.late_spins == 2
 
 
+async def test_a_begun_statement_nobody_waits_for_is_not_polled(
+    postgres_server: PostgresServer,
+) -> None:
+    """`unhurry(task)` (a request went on without the answer): that statement's answer is
+    waited for on the socket, so a slow one pauses no polling; another task's is untouched."""
+    options = {"timeout_s": 2.0, "spin_s": 0.0005, "spin_backoff_s": 0.1, "clock": SteppingClock()}
+    async with opened(postgres_server, "loop_unhurried", **options) as conn:
+        slow = "SELECT pg_sleep(0.02)"
+        with_spin_off = "SELECT pg_sleep(0.02) WHERE TRUE"
+        await conn.execute(slow, spin=False)  # both prepared, not polled
+        await conn.execute(with_spin_off, spin=False)
+        task = conn.begin(with_spin_off)
+        assert task is not None
+        other = asyncio.get_running_loop().create_future()
+        conn.unhurry(other)  # not the statement in flight: nothing changes
+        conn.unhurry(task)
+        assert await task == [("",)]
+        assert conn.late_spins == 0  # not polled in vain: no backoff
+        task = conn.begin(slow)
+        assert task is not None
+        await task
+        assert conn.late_spins == 1  # polled as before
+
+
 async def test_the_servers_error_is_raised_and_types_round_trip(
     postgres_server: PostgresServer,
 ) -> None:
