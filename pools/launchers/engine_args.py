@@ -137,10 +137,12 @@ KV_EVENTS_SOCKET_MAX_CHARS = 100  # a unix socket path: 107 bytes on Linux, 103 
 
 def kv_events_socket(run_dir: Path, index: int, kind: str) -> Path:
     """The socket file where local engine `index` publishes its KV events (`kind` "pub") or
-    answers replay requests ("replay"): in `run_dir`, or where that path is too long for a
-    unix socket, in `/tmp/gpupool-<uid>-<hash of run_dir>/` (`private_socket_dir` makes it)."""
+    answers replay requests ("replay"): in `run_dir`, or where the longer of the two paths
+    would be too long for a unix socket, both in `/tmp/gpupool-<uid>-<hash of run_dir>/`
+    (`private_socket_dir` makes it; one folder for both, so that a run_dir between the two
+    lengths cannot put the replay socket in a folder nobody made)."""
     name = f"engine-{index}.kv-{kind}"
-    if len(str(run_dir / name)) <= KV_EVENTS_SOCKET_MAX_CHARS:
+    if len(str(run_dir / f"engine-{index}.kv-replay")) <= KV_EVENTS_SOCKET_MAX_CHARS:
         return run_dir / name
     digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
     return Path("/tmp") / f"gpupool-{os.getuid()}-{digest}" / name

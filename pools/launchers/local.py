@@ -402,16 +402,26 @@ class LocalLauncher:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(e.stop() for e in self._engines), return_exceptions=True)
-        await asyncio.to_thread(_remove_kv_event_sockets, [e.spec for e in self._engines])
+        await asyncio.to_thread(
+            _remove_kv_event_sockets, [e.spec for e in self._engines], self._local.run_dir
+        )
 
 
-def _remove_kv_event_sockets(specs: list[InstanceSpec]) -> None:
-    """The socket files a stopped engine leaves (vLLM does not close its publisher on exit)."""
+def _remove_kv_event_sockets(specs: list[InstanceSpec], run_dir: Path) -> None:
+    """The socket files a stopped engine leaves (vLLM does not close its publisher on exit),
+    and the private folder under /tmp that held them when `run_dir` was too long for them,
+    once it is empty."""
+    folders: set[Path] = set()
     for spec in specs:
         events = spec.kv_events
         for endpoint in () if events is None else (events.endpoint, events.replay_endpoint):
             if endpoint is not None and endpoint.startswith("ipc://"):
-                Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+                path = Path(endpoint.removeprefix("ipc://"))
+                path.unlink(missing_ok=True)
+                folders.add(path.parent)
+    for folder in folders - {run_dir}:
+        with contextlib.suppress(OSError):  # not empty: another launcher's sockets are there
+            folder.rmdir()
 
 
 def _tail(path: Path, lines: int = 15) -> str:

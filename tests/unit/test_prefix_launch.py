@@ -62,6 +62,13 @@ def test_a_run_dir_too_long_for_a_socket_puts_them_in_a_private_tmp_dir(tmp_path
     assert long.name == "engine-3.kv-replay" and len(str(long)) <= 100
     assert long.parent == kv_events_socket(run_dir, 0, "pub").parent  # one per run_dir
     assert long.parent != kv_events_socket(tmp_path / ("e" * 90), 0, "pub").parent
+    # a run_dir where the pub socket's path would fit and the replay socket's would not: both
+    # go to the one private folder (the replay socket once went to a folder nobody made)
+    between = Path("/" + "b" * (100 - len("/engine-3.kv-pub") - 1))
+    assert len(str(between / "engine-3.kv-pub")) <= 100 < len(str(between / "engine-3.kv-replay"))
+    pub, replay = (kv_events_socket(between, 3, kind) for kind in ("pub", "replay"))
+    assert pub.parent == replay.parent != between
+    assert pub.name == "engine-3.kv-pub" and replay.name == "engine-3.kv-replay"
     folder = tmp_path / "sockets"
     private_socket_dir(folder)
     assert folder.stat().st_mode & 0o777 == 0o700
@@ -144,3 +151,32 @@ async def test_closing_the_launcher_removes_the_socket_files(tmp_path: Path) -> 
         path.touch()
     await launcher.aclose()
     assert not any(path.exists() for path in files)
+
+
+async def test_closing_the_launcher_removes_its_private_socket_folder(tmp_path: Path) -> None:
+    config = default_config()
+    model = dataclasses.replace(config.model, path=make_dev_model(tmp_path / "tiny"))
+    run_dir = tmp_path / ("r" * 90)  # too long for a socket path: sockets under /tmp
+    local = dataclasses.replace(config.engines.local, count=2, run_dir=run_dir)
+    launcher = LocalLauncher(local, model, gpu_count=0)
+    host = HostFacts(
+        gpu_count=0,
+        cpu_flags=frozenset({"avx2"}),
+        cpu_ids=frozenset(range(4)),
+        available_memory_bytes=16 * 1024**3,
+    )
+    launcher.prepare(host, FLAGS | {"--dtype", "--kv-cache-memory-bytes"})
+    files = [kv_events_socket(run_dir, i, k) for i in (0, 1) for k in ("pub", "replay")]
+    (folder,) = {path.parent for path in files}
+    assert str(folder).startswith("/tmp/gpupool-")
+    private_socket_dir(folder)
+    try:
+        for path in files:
+            path.touch()
+        await launcher.aclose()
+        assert not folder.exists()
+    finally:
+        for path in files:
+            path.unlink(missing_ok=True)
+        if folder.exists():
+            folder.rmdir()
