@@ -115,7 +115,11 @@ async def test_a_known_runs_steps_are_confirmed_and_renumbered(
                 a.gateway.affinity.record(KEY, "engine-0")  # a's home for the run
                 served = [s.served for s in a.states]
                 first = await post(a.client)
-                second = await post(a.client, stream=True)
+                async with row_locked(url):  # step 1's answer waits: it goes on without it
+                    request = asyncio.create_task(post(a.client, stream=True))
+                    await until(lambda: a.states[0].served == served[0] + 2, "engine-0 answered")
+                    assert not request.done()  # held until the store's answer
+                second = await asyncio.wait_for(request, 5)
                 assert (first.status_code, second.status_code) == (200, 200)
                 assert [s.served - n for s, n in zip(a.states, served, strict=True)] == [2, 0]
                 page = (await a.client.get("/metrics")).text
