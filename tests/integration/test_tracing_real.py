@@ -173,9 +173,14 @@ def test_a_queued_step_a_refused_one_and_a_cancelled_stream(
         f" {(client_s - queue.duration_s - engine.duration_s) * 1e3:.3f} ms;"
         f" { ({s.name: round(s.duration_s * 1e3, 3) for s in children}) }"
     )
+    # inside the router the children cover the server span (both clocks are the router's);
+    # what the client measured also holds the test process's own scheduling: its waiting
+    # thread shares the GIL and two busy cores with the engines, and in one CI run (s41) it
+    # saw the answer 56 ms after the server span ended (~3 ms otherwise), hence a looser
+    # bound there, one that still catches a wait no span covers by a whole engine step
     assert 0 <= server.duration_s - spanned_s < 0.05
-    assert 0 <= client_s - server.duration_s < 0.05
-    assert client_s - (queue.duration_s + engine.duration_s) < 0.05
+    assert 0 <= client_s - server.duration_s < 0.25
+    assert client_s - (queue.duration_s + engine.duration_s) < 0.25
 
     # the cancelled stream: aborted by its client, its engine call marked so
     gone = _tree(receiver, cancelled, {ROUTE, "gpupool.engine"})
