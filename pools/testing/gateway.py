@@ -27,7 +27,7 @@ from pools.testing.serve import serve_asgi
 if TYPE_CHECKING:
     from router.gateway.app import Gateway
 
-__all__ = ["GatewayOverFakes", "gateway_over_fakes"]
+__all__ = ["GatewayOverFakes", "another_router", "gateway_over_fakes"]
 
 
 @dataclass
@@ -71,3 +71,25 @@ async def gateway_over_fakes(
             )
         )
         yield GatewayOverFakes(gateway, client, list(states), specs)
+
+
+@contextlib.asynccontextmanager
+async def another_router(
+    rig: GatewayOverFakes, config: Config, *, client_timeout_s: float = 5.0
+) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
+    """A second router, `create_app(config, ...)` over `rig`'s engines (replicas on one shared
+    store), started; it and its in-process client (base URL http://gw) are yielded, and the
+    router is closed on exit."""
+    from router.gateway.app import create_app
+
+    gateway = create_app(config, list(rig.specs))
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=gateway),
+            base_url="http://gw",
+            timeout=client_timeout_s,
+        ) as client:
+            yield gateway, client
+    finally:
+        await gateway.aclose()

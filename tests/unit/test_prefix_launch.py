@@ -133,30 +133,10 @@ def test_serve_without_launching_follows_local_engines_events(tmp_path: Path) ->
     assert [s.kv_events for s in instances_without_launching(off)] == [None, None]
 
 
-async def test_closing_the_launcher_removes_the_socket_files(tmp_path: Path) -> None:
+def _prepared_launcher(tmp_path: Path, run_dir: Path) -> LocalLauncher:
+    """A two-engine local launcher on the dev model, planned for a 4-CPU host (nothing started)."""
     config = default_config()
     model = dataclasses.replace(config.model, path=make_dev_model(tmp_path / "tiny"))
-    local = dataclasses.replace(config.engines.local, count=2, run_dir=tmp_path / "run")
-    launcher = LocalLauncher(local, model, gpu_count=0)
-    host = HostFacts(
-        gpu_count=0,
-        cpu_flags=frozenset({"avx2"}),
-        cpu_ids=frozenset(range(4)),
-        available_memory_bytes=16 * 1024**3,
-    )
-    launcher.prepare(host, FLAGS | {"--dtype", "--kv-cache-memory-bytes"})
-    files = [kv_events_socket(local.run_dir, i, k) for i in (0, 1) for k in ("pub", "replay")]
-    local.run_dir.mkdir()
-    for path in files:  # what engines stopped by SIGTERM leave behind
-        path.touch()
-    await launcher.aclose()
-    assert not any(path.exists() for path in files)
-
-
-async def test_closing_the_launcher_removes_its_private_socket_folder(tmp_path: Path) -> None:
-    config = default_config()
-    model = dataclasses.replace(config.model, path=make_dev_model(tmp_path / "tiny"))
-    run_dir = tmp_path / ("r" * 90)  # too long for a socket path: sockets under /tmp
     local = dataclasses.replace(config.engines.local, count=2, run_dir=run_dir)
     launcher = LocalLauncher(local, model, gpu_count=0)
     host = HostFacts(
@@ -166,6 +146,23 @@ async def test_closing_the_launcher_removes_its_private_socket_folder(tmp_path: 
         available_memory_bytes=16 * 1024**3,
     )
     launcher.prepare(host, FLAGS | {"--dtype", "--kv-cache-memory-bytes"})
+    return launcher
+
+
+async def test_closing_the_launcher_removes_the_socket_files(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = _prepared_launcher(tmp_path, run_dir)
+    files = [kv_events_socket(run_dir, i, k) for i in (0, 1) for k in ("pub", "replay")]
+    run_dir.mkdir()
+    for path in files:  # what engines stopped by SIGTERM leave behind
+        path.touch()
+    await launcher.aclose()
+    assert not any(path.exists() for path in files)
+
+
+async def test_closing_the_launcher_removes_its_private_socket_folder(tmp_path: Path) -> None:
+    run_dir = tmp_path / ("r" * 90)  # too long for a socket path: sockets under /tmp
+    launcher = _prepared_launcher(tmp_path, run_dir)
     files = [kv_events_socket(run_dir, i, k) for i in (0, 1) for k in ("pub", "replay")]
     (folder,) = {path.parent for path in files}
     assert str(folder).startswith("/tmp/gpupool-")

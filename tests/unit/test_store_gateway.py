@@ -14,8 +14,7 @@ import pytest
 
 from pools.config import Config
 from pools.testing.config import REMOVE, config_for_test, even_pools, one_pool
-from pools.testing.gateway import gateway_over_fakes
-from router.gateway.app import create_app
+from pools.testing.gateway import another_router, gateway_over_fakes
 from router.store import PostgresStore, applied_versions
 from tests.postgres import PASSWORD, PostgresServer
 
@@ -90,31 +89,23 @@ async def test_a_runs_steps_keep_their_home_on_the_next_replica(
         store={"url": url, "password_env": ENV},
     )
     homes = {f"run-{i}": f"engine-{i % 2}" for i in range(6)}
-    async with gateway_over_fakes(config) as a:
-        b = create_app(config, list(a.specs))
-        await b.start()
-        try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=b), base_url="http://gw", timeout=5
-            ) as b_client:
+    async with gateway_over_fakes(config) as a, another_router(a, config) as (_, b_client):
 
-                async def placed(client: httpx.AsyncClient, run: str) -> str:
-                    before = [s.served for s in a.states]
-                    headers = {"x-gpupool-run-id": run}
-                    resp = await client.post("/v1/chat/completions", json=BODY, headers=headers)
-                    assert resp.status_code == 200
-                    return next(
-                        spec.instance_id
-                        for spec, state, n in zip(a.specs, a.states, before, strict=True)
-                        if state.served > n
-                    )
+        async def placed(client: httpx.AsyncClient, run: str) -> str:
+            before = [s.served for s in a.states]
+            headers = {"x-gpupool-run-id": run}
+            resp = await client.post("/v1/chat/completions", json=BODY, headers=headers)
+            assert resp.status_code == 200
+            return next(
+                spec.instance_id
+                for spec, state, n in zip(a.specs, a.states, before, strict=True)
+                if state.served > n
+            )
 
-                for run, home in homes.items():
-                    a.gateway.affinity.record(("default", run), home)
-                    assert await placed(a.client, run) == home
-                replica = a.gateway.governor._replica
-                assert replica is not None
-                await asyncio.gather(*replica._pending)  # the homes written, in the background
-                assert {run: await placed(b_client, run) for run in homes} == homes
-        finally:
-            await b.aclose()
+        for run, home in homes.items():
+            a.gateway.affinity.record(("default", run), home)
+            assert await placed(a.client, run) == home
+        replica = a.gateway.governor._replica
+        assert replica is not None
+        await asyncio.gather(*replica._pending)  # the homes written, in the background
+        assert {run: await placed(b_client, run) for run in homes} == homes

@@ -26,7 +26,7 @@ from pools.config import Config
 from pools.launchers import InstanceSpec
 from pools.testing.config import REMOVE, config_for_test, one_pool
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
-from pools.testing.gateway import gateway_over_fakes
+from pools.testing.gateway import another_router, gateway_over_fakes
 from pools.testing.serve import serve_asgi
 from router.gateway.app import Gateway, create_app
 from router.store import PostgresStore
@@ -105,44 +105,36 @@ async def test_a_known_runs_steps_are_confirmed_and_renumbered(
     url = postgres_server.create_database("speculation_renumbered")
     monkeypatch.setenv(ENV, PASSWORD)
     config = _config(tmp_path, url)
-    async with gateway_over_fakes(config) as a:
-        b = create_app(config, list(a.specs))
-        await b.start()
-        try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=b), base_url="http://gw", timeout=5
-            ) as b_client:
-                a.gateway.affinity.record(KEY, "engine-0")  # a's home for the run
-                served = [s.served for s in a.states]
-                first = await post(a.client)
-                async with row_locked(url):  # step 1's answer waits: it goes on without it
-                    request = asyncio.create_task(post(a.client, stream=True))
-                    await until(lambda: a.states[0].served == served[0] + 2, "engine-0 answered")
-                    assert not request.done()  # held until the store's answer
-                second = await asyncio.wait_for(request, 5)
-                assert (first.status_code, second.status_code) == (200, 200)
-                assert [s.served - n for s, n in zip(a.states, served, strict=True)] == [2, 0]
-                page = (await a.client.get("/metrics")).text
-                assert (speculated(page, "confirmed"), speculated(page, "renumbered")) == (1, 0)
+    async with gateway_over_fakes(config) as a, another_router(a, config) as (b, b_client):
+        a.gateway.affinity.record(KEY, "engine-0")  # a's home for the run
+        served = [s.served for s in a.states]
+        first = await post(a.client)
+        async with row_locked(url):  # step 1's answer waits: it goes on without it
+            request = asyncio.create_task(post(a.client, stream=True))
+            await until(lambda: a.states[0].served == served[0] + 2, "engine-0 answered")
+            assert not request.done()  # held until the store's answer
+        second = await asyncio.wait_for(request, 5)
+        assert (first.status_code, second.status_code) == (200, 200)
+        assert [s.served - n for s, n in zip(a.states, served, strict=True)] == [2, 0]
+        page = (await a.client.get("/metrics")).text
+        assert (speculated(page, "confirmed"), speculated(page, "renumbered")) == (1, 0)
 
-                await _written(a.gateway)
-                b.affinity.record(KEY, "engine-1", step=99)  # b's own, later home: engine-1
-                assert (await post(b_client)).status_code == 200  # step 2, on engine-1
-                await _written(b)
-                served = [s.served for s in a.states]
-                engine = a.states[0]
-                engine.gate = asyncio.Event()  # holds the step until the answer is let through
-                async with row_locked(url):  # the store's answer waits for the engine to have it
-                    request = asyncio.create_task(post(a.client))  # a knows step 1: goes on as 2
-                    await until(lambda: engine.running == 1, "the step reached engine-0")
-                engine.gate.set()
-                third = await asyncio.wait_for(request, 5)
-                assert third.status_code == 200
-                assert [s.served - n for s, n in zip(a.states, served, strict=True)] == [1, 0]
-                page = (await a.client.get("/metrics")).text
-                assert (speculated(page, "confirmed"), speculated(page, "renumbered")) == (1, 1)
-        finally:
-            await b.aclose()
+        await _written(a.gateway)
+        b.affinity.record(KEY, "engine-1", step=99)  # b's own, later home: engine-1
+        assert (await post(b_client)).status_code == 200  # step 2, on engine-1
+        await _written(b)
+        served = [s.served for s in a.states]
+        engine = a.states[0]
+        engine.gate = asyncio.Event()  # holds the step until the answer is let through
+        async with row_locked(url):  # the store's answer waits for the engine to have it
+            request = asyncio.create_task(post(a.client))  # a knows step 1: goes on as 2
+            await until(lambda: engine.running == 1, "the step reached engine-0")
+        engine.gate.set()
+        third = await asyncio.wait_for(request, 5)
+        assert third.status_code == 200
+        assert [s.served - n for s, n in zip(a.states, served, strict=True)] == [1, 0]
+        page = (await a.client.get("/metrics")).text
+        assert (speculated(page, "confirmed"), speculated(page, "renumbered")) == (1, 1)
     records = ledger(url)
     steps = [(step, status, instance) for _, step, status, _, instance in records]
     assert steps == [(0, 200, "engine-0"), (1, 200, "engine-0"), (2, 200, "engine-1"),
