@@ -314,6 +314,11 @@ class Admitter:
             views.append(self._view(pool, state, frac, now_s, hold=hold, paused=paused))
         return views
 
+    def instances_for(self, pool: str) -> tuple[str, ...]:
+        """The instances taking new work for `pool` under the current allocation (read once
+        per allocation)."""
+        return self._by_allocation().instances_for(pool)
+
     def _by_allocation(self) -> _ByAllocation:
         """What depends only on the current allocation, kept until the pool map replaces it."""
         allocation = self.pool_map.current

@@ -347,7 +347,7 @@ class CompletionsHandler:
         """The most tokens one sequence may hold on any healthy instance of `pool` (its KV
         blocks less admission's margin); None while any of them has not reported its blocks."""
         largest: int | None = None
-        for instance_id in self.admitter.pool_map.current.instances_for(pool):
+        for instance_id in self.admitter.instances_for(pool):
             state = self.fleet.get(instance_id)
             if state is None or not state.healthy:
                 continue
@@ -619,7 +619,7 @@ class CompletionsHandler:
 
     def _others_healthy(self, pool: str, tried: set[str]) -> bool:
         """A healthy instance of `pool` this request has not tried (it may be busy now)."""
-        for instance_id in self.admitter.pool_map.current.instances_for(pool):
+        for instance_id in self.admitter.instances_for(pool):
             state = self.fleet.get(instance_id)
             if instance_id not in tried and state is not None and state.healthy:
                 return True
