@@ -420,10 +420,16 @@ def summarize(
     hit_frac: float | None,
     predicted: dict[str, tuple[str, int]] | None,
     oracle: tuple[int, int, int],
+    warmup_s: float = 0.0,
 ) -> dict[str, Any]:
     ok = [r for r in results if r.status == 200 and r.ttft_s is not None]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    mid_s = max((r.sent_s for r in results), default=0.0) / 2
+    # the steady part: requests sent after the warm-up, when every tenant's prompt has had
+    # its first (cold, for every target and the oracle alike) prefill
+    steady = [r for r in ok if r.sent_s >= warmup_s]
+    steady_ttft = [r.ttft_s for r in steady if r.ttft_s is not None]
+    end_s = max((r.sent_s for r in results), default=0.0)
+    mid_s = warmup_s + (end_s - warmup_s) / 2
     out: dict[str, Any] = {
         "target": name,
         "requests": len(results),
@@ -435,13 +441,20 @@ def summarize(
             "p99": _q(ttft, 0.99),
             "mean": statistics.fmean(ttft) if ttft else None,
         },
-        # a steady run's p90 is the same in both halves; one that grows is queueing up
-        # (overloaded: not the moderate load the bar is about)
+        "warmup_s": warmup_s,
+        "steady_requests": len(steady),
+        "ttft_steady_s": {
+            "p50": _q(steady_ttft, 0.5),
+            "p90": _q(steady_ttft, 0.9),
+            "p99": _q(steady_ttft, 0.99),
+        },
+        # a steady run's p90 is the same in both halves of its steady part; one that grows is
+        # queueing up (overloaded: not the moderate load the bar is about)
         "ttft_p90_by_half_s": [
             _q([r.ttft_s for r in half if r.ttft_s is not None], 0.9)
             for half in (
-                [r for r in ok if r.sent_s < mid_s],
-                [r for r in ok if r.sent_s >= mid_s],
+                [r for r in steady if r.sent_s < mid_s],
+                [r for r in steady if r.sent_s >= mid_s],
             )
         ],
         "engine_hit_frac": hit_frac,
@@ -553,7 +566,7 @@ async def _run_target(
     async with aiohttp.ClientSession() as http:
         after = await prefix_counters(http, urls, key)
     overall, per_engine = hit_rate(before, after)
-    row = summarize(name, results, overall, predicted, oracle_hits(results))
+    row = summarize(name, results, overall, predicted, oracle_hits(results), args.warmup_s)
     row["engine_hit_frac_per_engine"] = per_engine
     row["wall_s"] = wall_s
     row["load_avg_1m"] = [load_before, os.getloadavg()[0]]
@@ -657,6 +670,7 @@ async def _main(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any
             ],
             "levels": levels,  # load_frac, rate_sessions_per_s, sessions: one per level
             "duration_s": args.duration_s,
+            "warmup_s": args.warmup_s,
             "calibration": calibration,
             "order": targets,
         },
@@ -670,16 +684,20 @@ def render_markdown(report: dict[str, Any]) -> str:
 
     lines = [
         "| load frac | target | ok/requests | TTFT p50 s | TTFT p90 s | TTFT p99 s "
-        "| p90 1st / 2nd half s | engine hit | oracle hit | hit / oracle "
+        "| steady: requests, TTFT p50 / p90 / p99 s "
+        "| steady p90 1st / 2nd half s | engine hit | oracle hit | hit / oracle "
         "| prefill error p50 / p95 (tokens) | engine CPU | load avg |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in report["targets"]:
         err = row.get("prefill_prediction_abs_error_tokens") or {}
+        steady = row.get("ttft_steady_s") or {}
         lines.append(
             f"| {row['load_frac']:g} | {row['target']} | {row['ok']}/{row['requests']} "
             f"| {f(row['ttft_s']['p50'])} "
             f"| {f(row['ttft_s']['p90'])} | {f(row['ttft_s']['p99'])} "
+            f"| {row.get('steady_requests', '-')}: {f(steady.get('p50'))} / "
+            f"{f(steady.get('p90'))} / {f(steady.get('p99'))} "
             f"| {' / '.join(f(v) for v in row.get('ttft_p90_by_half_s', [None, None]))} "
             f"| {f(row['engine_hit_frac'], '.1%')} | {f(row['oracle_hit_frac'], '.1%')} "
             f"| {f(row.get('hit_vs_oracle'), '.1%')} "
@@ -687,16 +705,22 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {f(row['engine_cpu_frac'], '.0%')} "
             f"| {row['load_avg_1m'][0]:.1f}-{row['load_avg_1m'][1]:.1f} |"
         )
-    lines += ["", "TTFT p90, the other target's over gpupool-prefix's, per load level:", ""]
-    for level in report["setup"]["levels"]:
-        rows = [r for r in report["targets"] if r["load_frac"] == level["load_frac"]]
-        ours = next((r["ttft_s"]["p90"] for r in rows if r["target"] == "gpupool-prefix"), None)
-        ratios = [
-            f"{r['target']} {r['ttft_s']['p90'] / ours:.2f}x"
-            for r in rows
-            if r["target"] != "gpupool-prefix" and ours and r["ttft_s"]["p90"] is not None
+    for key, what in (("ttft_s", "whole run"), ("ttft_steady_s", "after the warm-up")):
+        lines += [
+            "",
+            f"TTFT p90 ({what}), the other target's over gpupool-prefix's, per load level:",
+            "",
         ]
-        lines.append(f"- load {level['load_frac']:g}: " + (", ".join(ratios) or "-"))
+        for level in report["setup"]["levels"]:
+            rows = [r for r in report["targets"] if r["load_frac"] == level["load_frac"]]
+            p90 = {r["target"]: (r.get(key) or {}).get("p90") for r in rows}
+            ours = p90.get("gpupool-prefix")
+            ratios = [
+                f"{name} {value / ours:.2f}x"
+                for name, value in p90.items()
+                if name != "gpupool-prefix" and ours and value is not None
+            ]
+            lines.append(f"- load {level['load_frac']:g}: " + (", ".join(ratios) or "-"))
     return "\n".join(lines) + "\n"
 
 
@@ -715,6 +739,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="several load levels in one run, e.g. 0.4,0.8 (overrides --load-frac)",
     )
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.0,
+        help="leave requests sent in the first S seconds out of the steady TTFT figures "
+        "(each tenant's first prompt is a cold prefill for every target)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rotate", type=int, default=0)
     parser.add_argument("--pause-s", type=float, default=2.0)
@@ -726,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     args.load_fracs = args.load_fracs or [args.load_frac]
     if args.rate_per_s is not None and len(args.load_fracs) > 1:
         parser.error("--rate-per-s fixes the rate: give one load level, not --load-fracs")
+    if not 0 <= args.warmup_s < args.duration_s:
+        parser.error("--warmup-s must be at least 0 and less than --duration-s")
     if not VLLM_ROUTER.exists():
         raise SystemExit(
             f"{VLLM_ROUTER} missing: python3 -m venv .venv-peers/vllmrouter && "

@@ -36,7 +36,8 @@ def test_the_report_gives_each_load_levels_p90_ratios() -> None:
     text = render_markdown({"setup": {"levels": levels}, "targets": rows})
     assert "- load 0.4: vllm-router-round_robin 2.50x" in text
     assert "- load 0.8: vllm-router-round_robin 3.50x" in text
-    assert "| 0.8 | vllm-router-round_robin | 10/10 | 0.35 | 0.70 | 1.40 | - / - |" in text
+    row = "| 0.8 | vllm-router-round_robin | 10/10 | 0.35 | 0.70 | 1.40 | -: - / - / - | - / - |"
+    assert row in text
     assert "| 62% |" in text
 
 
@@ -56,3 +57,23 @@ def test_engine_cpu_seconds_come_from_the_pid_files(tmp_path: Path) -> None:
         pass
     assert engine_cpu_s(tmp_path) - before >= 0.04
     assert engine_cpu_s(tmp_path / "none") == 0.0
+
+
+def test_the_steady_figures_leave_the_warm_up_out() -> None:
+    # ten cold first prompts (1 s each) in the first 10 s, then 40 cached ones (0.1 s)
+    cold = [Result(i, 0, float(i), [], status=200, ttft_s=1.0) for i in range(10)]
+    warm = [Result(10 + i, 0, 10.0 + i, [], status=200, ttft_s=0.1) for i in range(40)]
+    row = summarize("t", cold + warm, None, None, (0, 0, 0), warmup_s=10.0)
+    assert row["steady_requests"] == 40
+    assert row["ttft_steady_s"]["p90"] == 0.1
+    assert row["ttft_s"]["p90"] == 1.0  # the whole run keeps them
+    # the halves split the steady part (10-30 s, 30-50 s), not the whole run
+    assert row["ttft_p90_by_half_s"] == [0.1, 0.1]
+    rows = [
+        {**_row("gpupool-prefix", 0.5, 1.0), "ttft_steady_s": {"p90": 0.1}},
+        {**_row("vllm-router-round_robin", 0.5, 1.2), "ttft_steady_s": {"p90": 0.35}},
+    ]
+    text = render_markdown({"setup": {"levels": [{"load_frac": 0.5}]}, "targets": rows})
+    whole, steady = text.split("after the warm-up")
+    assert "vllm-router-round_robin 1.20x" in whole
+    assert "vllm-router-round_robin 3.50x" in steady
