@@ -3,7 +3,15 @@
 
 - `uvicorn-gpupool`: uvicorn + httptools on uvloop with gpupool's guarded protocol, configured
   as `gpupool serve` configures it (router/cli/stack.py);
+- `uvicorn-gpupool-link`: the same, the app taking the body and answering through the
+  `ClientLink` as gpupool's request path does (no `receive`, one write);
 - `uvicorn-plain`: uvicorn + httptools on uvloop, its defaults (proxy headers on);
+- `raw-httptools-task`: the ceiling of a server protocol of our own: an `asyncio.Protocol` fed
+  to httptools' parser, each request served by a task running a coroutine that writes the
+  answer (what the gateway would need: its handler awaits the engine), no ASGI scope, cycle,
+  `receive` or `send`;
+- `raw-httptools`: the same with the answer written from the parser's callback (no task):
+  the floor, below anything a handler that awaits can reach;
 - `granian`: granian's ASGI interface on uvloop, one worker, one runtime thread, when it is
   installed in `.venv-peers/granian` (`pip install granian uvloop`);
 
@@ -11,7 +19,7 @@ each pinned to CPU 1, the load generator (aiohttp, closed loop) on CPU 0, rounds
 The figure is each server's CPU per request at c=64: what the HTTP server costs gpupool before
 its own code runs. (issue 28: "consider the server layer with numbers, not taste")
 
-`python -m benchmarks.router_overhead.servers [--rounds 3] [--window-s 2.5]`
+`python -m benchmarks.router_overhead.servers [--rounds 3] [--window-s 2.5] [--baseline PATH]`
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ __all__ = ["main"]
 # stay inside the functions that run in gpupool's venv
 
 _PORT = 8570
-_BODY = (
+BODY = (
     b'{"id":"chatcmpl-fake","object":"chat.completion","created":0,"model":"tiny","choices":'
     b'[{"index":0,"message":{"role":"assistant","content":" tok"},"finish_reason":"length"}],'
     b'"usage":{"prompt_tokens":12,"completion_tokens":1,"total_tokens":13}}'
@@ -55,13 +63,27 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             "headers": [(b"content-type", b"application/json")],
         }
     )
-    await send({"type": "http.response.body", "body": _BODY})
+    await send({"type": "http.response.body", "body": BODY})
+
+
+_HEADERS = [(b"content-type", b"application/json")]
+
+
+async def link_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """`app` as gpupool's request path answers: the body taken and the response written
+    through the scope's `ClientLink` (router/gateway/http_protocol.py), `receive`/`send` only
+    where it says so."""
+    from router.gateway.http_protocol import CLIENT_LINK
+
+    link = scope.get(CLIENT_LINK)
+    if link is None or link.take_body() is None or not link.respond(200, _HEADERS, BODY):
+        await app(scope, receive, send)
 
 
 _UVICORN_GPUPOOL = """
 import asyncio, socket, uvicorn, uvloop
 from router.gateway.http_protocol import guarded_protocol
-from benchmarks.router_overhead.servers import app
+from benchmarks.router_overhead.servers import {app} as app
 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 sock.bind(("127.0.0.1", {port})); sock.listen(2048); sock.setblocking(False)
@@ -71,17 +93,61 @@ config = uvicorn.Config(app, log_level="warning", access_log=False, proxy_header
 uvloop.run(uvicorn.Server(config).serve(sockets=[sock]))
 """
 
+_RAW_HTTPTOOLS = """
+import asyncio, socket, httptools, uvloop
+from benchmarks.router_overhead.servers import BODY
+ANSWER = (b"HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\ncontent-length: %d\\r\\n\\r\\n"
+          % len(BODY)) + BODY
+TASK = {task}
 
-def _servers(repo: Path) -> dict[str, list[str]]:
+class Proto(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+        self.parser = httptools.HttpRequestParser(self)
+        self.loop = asyncio.get_running_loop()
+    def data_received(self, data):
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+    def on_message_begin(self):
+        self.url = b""; self.headers = []; self.body = []
+    def on_url(self, url): self.url += url
+    def on_header(self, name, value): self.headers.append((name.lower(), value))
+    def on_body(self, body): self.body.append(body)
+    def on_message_complete(self):
+        if TASK:
+            self.loop.create_task(self.serve(b"".join(self.body)))
+        else:
+            self.transport.write(ANSWER)
+    async def serve(self, body):
+        self.transport.write(ANSWER)
+
+async def main():
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", {port})); sock.listen(2048); sock.setblocking(False)
+    server = await loop.create_server(Proto, sock=sock)
+    await server.serve_forever()
+uvloop.run(main())
+"""
+
+
+def _servers(repo: Path, baseline: Path | None = None) -> dict[str, tuple[list[str], Path]]:
+    """Each server's command line and the checkout it runs from (its PYTHONPATH)."""
     py = str(repo / ".venv" / "bin" / "python")
     granian = repo / ".venv-peers" / "granian" / "bin" / "granian"
     out = {
-        "uvicorn-gpupool": [py, "-c", _UVICORN_GPUPOOL.format(port=_PORT)],
+        "uvicorn-gpupool": [py, "-c", _UVICORN_GPUPOOL.format(port=_PORT, app="app")],
+        "uvicorn-gpupool-link": [py, "-c", _UVICORN_GPUPOOL.format(port=_PORT, app="link_app")],
         "uvicorn-plain": [
             *(py, "-m", "uvicorn", "benchmarks.router_overhead.servers:app"),
             *("--port", str(_PORT), "--http", "httptools", "--loop", "uvloop"),
             *("--no-access-log", "--log-level", "warning", "--lifespan", "off"),
         ],
+        "raw-httptools-task": [py, "-c", _RAW_HTTPTOOLS.format(port=_PORT, task=True)],
+        "raw-httptools": [py, "-c", _RAW_HTTPTOOLS.format(port=_PORT, task=False)],
     }
     if granian.exists():
         out["granian"] = [
@@ -89,10 +155,15 @@ def _servers(repo: Path) -> dict[str, list[str]]:
             *("--runtime-threads", "1", "--port", str(_PORT), "--no-ws"),
             *("--log-level", "warning", "benchmarks.router_overhead.servers:app"),
         ]
-    return out
+    servers = {name: (argv, repo) for name, argv in out.items()}
+    if baseline is not None:  # gpupool's protocol as that checkout has it, the same apps
+        for name in ("uvicorn-gpupool", "uvicorn-gpupool-link"):
+            servers[name + "-baseline"] = (out[name], baseline)
+    return servers
 
 
 async def _round(name: str, argv: list[str], repo: Path, window_s: float) -> tuple[float, float]:
+    # `repo`: the checkout the server runs from (its cwd and PYTHONPATH)
     """(CPU µs per request, requests per second) of one server over one c=64 window."""
     from benchmarks.router_overhead.load import LoadClient, chat_body
     from benchmarks.router_overhead.procs import start_proc, wait_ready
@@ -125,13 +196,16 @@ async def _round(name: str, argv: list[str], repo: Path, window_s: float) -> tup
         proc.stop()
 
 
-async def _run(rounds: int, window_s: float, repo: Path) -> dict[str, list[tuple[float, float]]]:
-    servers = _servers(repo)
+async def _run(
+    rounds: int, window_s: float, repo: Path, baseline: Path | None
+) -> dict[str, list[tuple[float, float]]]:
+    servers = _servers(repo, baseline)
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}
     names = list(servers)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate the order
-            results[name].append(await _round(name, servers[name], repo, window_s))
+            argv, checkout = servers[name]
+            results[name].append(await _round(name, argv, checkout, window_s))
     return results
 
 
@@ -140,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--window-s", type=float, default=2.5)
     p.add_argument("--repo", type=Path, default=Path.cwd())
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout: its gpupool protocol also runs (`-baseline`), in the same rounds "
+        "(the apps are this checkout's; put this servers.py there too)",
+    )
     args = p.parse_args(argv)
     from benchmarks.router_overhead.procs import pin_self
 
@@ -147,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         pin_self(frozenset({0}), -10)
     import uvloop
 
-    results = uvloop.run(_run(args.rounds, args.window_s, args.repo.resolve()))
+    baseline = args.baseline.resolve() if args.baseline else None
+    results = uvloop.run(_run(args.rounds, args.window_s, args.repo.resolve(), baseline))
     print("| server | CPU µs per request at c=64 (median; rounds) | req/s (median) |")
     print("| --- | --- | --- |")
     for name, rows in results.items():

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Coroutine, Hashable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
@@ -440,6 +440,21 @@ class Gateway:
             await self._lifespan(receive, send)
             return
         await self.api(scope, receive, send)
+
+    def hot_route(
+        self, scope: Scope, receive: Receive, send: Send
+    ) -> Coroutine[Any, Any, None] | None:
+        """The handler's coroutine for a POST to a generation endpoint, exactly what
+        `__call__` awaits for it, for gpupool's server (router/gateway/http_protocol.py) to
+        run as the request's task itself: a frame fewer on every wake-up of every request.
+        None for anything else (`__call__` serves it)."""
+        handler = self.handler
+        if handler is None or scope["method"] != "POST":
+            return None
+        adapter = ADAPTERS.get(scope["path"])
+        if adapter is None or _basic_credentials_on_a_change(scope):
+            return None
+        return handler(scope, receive, send, adapter=adapter)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

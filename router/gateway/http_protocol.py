@@ -35,15 +35,20 @@ and the caller `send`s, which waits.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
+import urllib.parse
 from typing import Any, cast
 
+import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
     STATUS_LINE,
     HttpToolsProtocol,
+    RequestResponseCycle,
 )
 
 __all__ = ["CLIENT_LINK", "ClientLink", "guarded_protocol"]
@@ -83,6 +88,29 @@ def _error(status: int, reason: str, message: str, code: str) -> bytes:
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     ).encode("ascii") + body
+
+
+_500 = (
+    STATUS_LINE[500] + b"content-type: text/plain; charset=utf-8\r\ncontent-length: 21\r\n"
+    b"connection: close\r\n\r\nInternal Server Error"
+)
+
+
+def _answer_500(cycle: RequestResponseCycle) -> None:
+    """uvicorn's `send_500_response`, written at once: the connection then closes."""
+    if cycle.disconnected:
+        return
+    head = b"".join(b"%b: %b\r\n" % pair for pair in cycle.default_headers)
+    cycle.response_started = cycle.response_complete = True
+    cycle.keep_alive = False
+    cycle.transport.write(_500.replace(b"\r\n", b"\r\n" + head, 1) if head else _500)
+    cycle.message_event.set()
+    cycle.transport.close()
+    cycle.on_response()
+
+
+def _nothing() -> None:
+    pass
 
 
 CLIENT_LINK = "gpupool.client_link"  # the scope key of a request's ClientLink
@@ -273,20 +301,109 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._start_head()
 
     def on_headers_complete(self) -> None:
+        # uvicorn's, with the path read without `parse_url` when it is plain, the cap's answer
+        # ours, and the request's `ClientLink` in its scope
         self._in_head = False
         self._head_bytes = 0
+        parser = self.parser
+        http_version = parser.get_http_version()
+        scope = cast(dict[str, Any], self.scope)
+        scope["method"] = parser.get_method().decode("ascii")
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        if parser.should_upgrade() and self._should_upgrade():
+            return
+        url = self.url
+        if url[:1] == b"/" and b"?" not in url and b"%" not in url and b"#" not in url:
+            raw_path, query = url, b""  # what parse_url would find in it
+            path = url.decode("ascii")
+        else:
+            parsed = httptools.parse_url(url)
+            raw_path, query = parsed.path, parsed.query or b""
+            path = raw_path.decode("ascii")
+            if "%" in path:
+                path = urllib.parse.unquote(path)
+        root_path = self.root_path
+        if root_path:
+            path = root_path + path
+            raw_path = root_path.encode("ascii") + raw_path
+        scope["path"] = path
+        scope["raw_path"] = raw_path
+        scope["query_string"] = query
         cap = self._max_concurrency
+        app: Any = self.app
         if cap is not None and (len(self.connections) >= cap or len(self.tasks) >= cap):
             log.warning("over router.max_connections (%d): 503", cap)
-            app, self.app = self.app, _overloaded
-            try:
-                super().on_headers_complete()
-            finally:
-                self.app = app
-            return
-        super().on_headers_complete()
-        cycle = self.cycle
-        cast(dict[str, Any], cycle.scope)[CLIENT_LINK] = ClientLink(cycle)
+            app = _overloaded
+        existing = self.cycle
+        self.cycle = cycle = RequestResponseCycle(
+            self.scope,
+            self.transport,
+            self.flow,
+            self.logger,
+            self.access_logger,
+            self.access_log,
+            self.server_state.default_headers,
+            asyncio.Event(),
+            self.expect_100_continue,
+            http_version != "1.0" and parser.should_keep_alive(),
+            self.on_response_complete,
+        )
+        if app is not _overloaded:
+            scope[CLIENT_LINK] = ClientLink(cycle)
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(cycle, app)
+        else:  # pipelined behind a request still being served: it starts after
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, app))
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        """The request's task runs the application itself, not uvicorn's `run_asgi` wrapper
+        around it, and for the gateway's generation endpoints its handler's coroutine
+        (`hot_route`) instead of the application's dispatch: two coroutine frames fewer on
+        every wake-up of the request. What `run_asgi` does after the application returns or
+        raises is `_app_done`, the task's one done callback (which also takes it out of the
+        server's tasks)."""
+        coro = None
+        hot_route = getattr(app, "hot_route", None)  # the gateway's (router/gateway/app.py)
+        if hot_route is not None:
+            coro = hot_route(cycle.scope, cycle.receive, cycle.send)
+        if coro is None:
+            coro = app(cycle.scope, cycle.receive, cycle.send)
+        if self.config.reset_contextvars:
+            task = self.loop.create_task(coro, context=contextvars.Context())
+        else:
+            task = self.loop.create_task(coro)
+        task.add_done_callback(functools.partial(self._app_done, cycle))
+        self.tasks.add(task)
+
+    def _app_done(self, cycle: RequestResponseCycle, task: asyncio.Task[Any]) -> None:
+        """uvicorn's `run_asgi` after the application: a 500 when it failed or returned before
+        its response started, the connection closed when it failed or returned after that but
+        before the response's end (the client cannot tell a cut response from a whole one)."""
+        self.tasks.discard(task)
+        error: BaseException | None
+        error = asyncio.CancelledError() if task.cancelled() else task.exception()
+        try:
+            if error is not None:
+                cycle.logger.error("Exception in ASGI application\n", exc_info=error)
+                if not cycle.response_started:
+                    _answer_500(cycle)
+                else:
+                    cycle.transport.close()
+            elif task.result() is not None:
+                cycle.logger.error(
+                    "ASGI callable should return None, but returned '%s'.", task.result()
+                )
+                cycle.transport.close()
+            elif not cycle.response_started and not cycle.disconnected:
+                cycle.logger.error("ASGI callable returned without starting response.")
+                _answer_500(cycle)
+            elif not cycle.response_complete and not cycle.disconnected:
+                cycle.logger.error("ASGI callable returned without completing response.")
+                cycle.transport.close()
+        finally:
+            cycle.on_response = _nothing
 
     def send_400_response(self, msg: str) -> None:
         body = _error_body(f"not a valid HTTP request: {msg}", "invalid_http")

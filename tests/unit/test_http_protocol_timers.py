@@ -17,6 +17,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from router.gateway.http_protocol import guarded_protocol
+from tests.unit.recording_transport import RecordingTransport
 
 
 class _Timer:
@@ -61,42 +62,18 @@ class _Loop:
         return sum(1 for t in self.timers if not t.cancelled)
 
 
-class _Transport:
-    def __init__(self) -> None:
-        self.written = b""
-        self.closed = False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 50000)}.get(
-            name, default
-        )
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
 async def _app(scope: Any, receive: Any, send: Any) -> None:  # never run here
     raise AssertionError
 
 
-def _connection(head_timeout_s: float, keep_alive_s: float) -> tuple[Any, _Loop, _Transport]:
+def _connection(
+    head_timeout_s: float, keep_alive_s: float
+) -> tuple[Any, _Loop, RecordingTransport]:
     cls = guarded_protocol(head_timeout_s=head_timeout_s, max_head_bytes=64 * 1024)
     config = uvicorn.Config(_app, http=cls, timeout_keep_alive=keep_alive_s, log_level="error")
     loop = _Loop()
     protocol = cls(config=config, server_state=ServerState(), app_state={}, _loop=loop)  # type: ignore[call-arg,arg-type]
-    transport = _Transport()
+    transport = RecordingTransport()
     protocol.connection_made(transport)
     return protocol, loop, transport
 
@@ -211,7 +188,7 @@ class _Cycle:
         self.keep_alive = True
         self.scope = {"method": "POST"}
         self.default_headers = [(b"date", b"Wed, 02 Dec 2026 14:00:00 GMT")]
-        self.transport = _Transport()
+        self.transport = RecordingTransport()
         self.completed = 0
 
         class _Flow:
