@@ -156,10 +156,21 @@ async def _one(session: aiohttp.ClientSession, url: str, reply: Reply, max_token
         "messages": [{"role": "user", "content": "drill " * 8}],
         "max_tokens": max_tokens,
     }
+    await send(session, url, reply, body, {"Authorization": f"Bearer {KEYS[reply.tenant]}"})
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    reply: Reply,
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> None:
+    """POST a chat completion `body` (streamed with usage when `reply.stream`) and note in
+    `reply` what the client saw: status, request id, error code, `usage` tokens, whether the
+    answer came whole. A broken connection or a timeout is noted in `reply.error`."""
     if reply.stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    headers = {"Authorization": f"Bearer {KEYS[reply.tenant]}"}
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
             reply.status = r.status
@@ -263,7 +274,7 @@ def _env(password: str, mark: str) -> dict[str, str]:
     return env
 
 
-def _marked(mark: str) -> list[int]:
+def marked(mark: str) -> list[int]:
     """Live processes whose environment carries `mark` (the supervisor, fork server, routers)."""
     found = []
     for entry in Path("/proc").iterdir():
@@ -278,7 +289,7 @@ def _marked(mark: str) -> list[int]:
 
 def _stop_router(router: RouterProcess, mark: str) -> None:
     router.stop()
-    for pid in _marked(mark):
+    for pid in marked(mark):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
