@@ -6,14 +6,21 @@ The prediction's inputs: the 64 MiB `kv_cache_bytes` the fixture configures, the
 config.json at the dtype gpupool told each engine to run (`--dtype` on its command line: float32
 or bfloat16 by the CPU), and vLLM's CPU block size (128 tokens). The engine's labels
 (`vllm:cache_config_info`) are only the measurement.
+
+The refusal is vLLM's own: the command lines gpupool builds for the two KV sizes go through
+vLLM's server flag parser into vLLM's `EngineCore` (`pools.testing.engine_init`), the
+constructor whose KV check refuses a cache too small for one `max_model_len` sequence. Both
+engines are built after one import of vLLM instead of two whole API servers (20 s, not 40-55 s).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import json
 import math
-import time
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +31,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcache_model.capacity import capacity_from_kv_cache_bytes
 from kvcache_model.geometry import ModelGeometry
 from pools.config import parse_config
-from pools.launchers import InstanceSpec
-from pools.launchers.engine_args import build_engine_command, supported_vllm_flags
+from pools.launchers.engine_args import build_engine_command, engine_environ, supported_vllm_flags
 from pools.launchers.engine_plan import arg_value, engine_problems, probe_host
-from pools.launchers.health import wait_healthy
-from pools.launchers.local import EngineProcess
-from tests.e2e.stack import seed_vllm_flags
+from pools.testing.engine_init import RESULT_PREFIX
+from tests.e2e.stack import REPO, seed_vllm_flags
 from tests.integration.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MODEL_DIR, EngineFleet
 
 pytestmark = pytest.mark.integration
@@ -73,39 +78,49 @@ def test_predicted_kv_blocks_match_real_engines(engine_fleet: EngineFleet) -> No
         print(f"{spec.url} ({dtype}): {engine_blocks} blocks, predicted {predicted.num_blocks}")
 
 
-async def _starts(kv_cache_bytes: int, port: int, run_dir: Path, flags: frozenset[str]) -> bool:
-    """Whether a real engine with this KV size becomes healthy (False: it exits at start)."""
-    config = _config(kv_cache_bytes, port, run_dir)
-    command = build_engine_command(
-        model=config.model,
-        local=config.engines.local,
-        index=0,
-        gpu_ids=None,
-        flags=flags,
-        api_key="calibration",
-    )
-    spec = InstanceSpec(instance_id=f"kv-{port}", url=f"http://127.0.0.1:{port}", gpus=1)
-    engine = EngineProcess(
-        spec,
-        command,
-        log_path=run_dir / f"kv-{port}.log",
-        pid_path=run_dir / f"kv-{port}.pid",
-        cpus=None,
-        backoff_s=600.0,  # never restarted within the test
-        backoff_max_s=600.0,
-        grace_s=10.0,
-    )
-    try:
-        await engine.spawn()
-        missing = await wait_healthy(
-            {spec.instance_id: spec.url},
-            time.monotonic() + 300,
-            alive=lambda _: engine.down_reason(),
-            poll_s=0.2,  # (the default 1 s) the refusal and the start are seen sooner
+def _starts(configs: list[Any], run_dir: Path) -> list[dict[str, Any]]:
+    """Whether real engines with these configs would start: the command lines gpupool builds,
+    through vLLM's own server flag parser into vLLM's `EngineCore` (`pools.testing.engine_init`:
+    one import of vLLM for both, no HTTP server). `{"started": true}`, or `{"started": false,
+    "error": <what vLLM raised>}`, per config."""
+    seed_vllm_flags(run_dir)
+    flags = supported_vllm_flags(run_dir)
+    commands = [
+        build_engine_command(
+            model=config.model,
+            local=config.engines.local,
+            index=0,
+            gpu_ids=None,
+            flags=flags,
+            api_key="calibration",
         )
-        return not missing
-    finally:
-        await engine.stop()
+        for config in configs
+    ]
+    assert len({tuple(sorted(c.env.items())) for c in commands}) == 1, "one environment for all"
+    log_path = run_dir / "engine-init.log"
+    with log_path.open("wb") as log:
+        out = subprocess.run(
+            [sys.executable, "-m", "pools.testing.engine_init"]
+            + [json.dumps(list(c.argv)) for c in commands],
+            cwd=REPO,
+            env=engine_environ(os.environ, commands[0]),
+            stdout=subprocess.PIPE,  # vLLM's log and the results
+            stderr=log,
+            timeout=300,
+            check=False,
+        )
+    lines = [
+        line.removeprefix(RESULT_PREFIX)
+        for line in out.stdout.decode().splitlines()
+        if line.startswith(RESULT_PREFIX)
+    ]
+    assert out.returncode == 0 and len(lines) == len(configs), (
+        out.returncode,
+        lines,
+        out.stdout.decode()[-3000:],
+        log_path.read_text()[-3000:],
+    )
+    return [json.loads(line) for line in lines]
 
 
 def _config(kv_cache_bytes: int, port: int, run_dir: Path) -> Any:
@@ -140,17 +155,9 @@ def test_check_config_refuses_exactly_what_vllm_refuses(tmp_path: Path) -> None:
     assert engine_problems(_config(fits, 8170, tmp_path), host) == []
     (problem,) = engine_problems(_config(short, 8171, tmp_path), host)
     assert "less than one 4096-token sequence" in problem
-    seed_vllm_flags(tmp_path)
-    flags = supported_vllm_flags(tmp_path)
-
-    async def both() -> list[bool]:
-        return list(
-            await asyncio.gather(
-                _starts(fits, 8170, tmp_path, flags), _starts(short, 8171, tmp_path, flags)
-            )
-        )
-
-    started_fits, started_short = asyncio.run(both())
-    assert started_fits, (tmp_path / "kv-8170.log").read_text()[-2000:]
-    assert not started_short, "vLLM started a cache check-config refuses"
-    assert "estimated maximum model length is 3968" in (tmp_path / "kv-8171.log").read_text()
+    fits_start, short_start = _starts(
+        [_config(fits, 8170, tmp_path), _config(short, 8171, tmp_path)], tmp_path
+    )
+    assert fits_start == {"started": True}, fits_start
+    assert not short_start["started"], "vLLM started a cache check-config refuses"
+    assert "estimated maximum model length is 3968" in short_start["error"], short_start
