@@ -125,6 +125,9 @@ def _refused_while_draining(url: str, proc: subprocess.Popen[bytes]) -> tuple[in
 
 def test_up_on_the_default_serves_openai_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
     port = _free_port()
+    # the default run_dir (./.gpupool/run); without the flag list there, `gpupool up` reads
+    # vLLM's --help first (15-20 s; the launcher's cache, read once per session elsewhere)
+    seed_vllm_flags(REPO / ".gpupool" / "run")
     log = tmp_path / "up.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
