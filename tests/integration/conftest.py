@@ -1,4 +1,7 @@
-"""Real CPU vLLM engines for the integration tests, started once per session.
+"""Real CPU vLLM engines for the integration tests, started once for the package
+(`tests/integration`) and stopped when its last test is done, so that the e2e tests after it,
+which start engines of their own, do not share the two cores with three idle engines and their
+router (~6 % of a core each, scraped).
 
 `real_engines` yields the `InstanceSpec`s (`.url`, `.instance_id`, `.gpus`) of three engines
 serving the tiny dev model, started by gpupool's own `LocalLauncher` (so the launcher is under
@@ -134,7 +137,7 @@ class EngineFleet:
             self.engine_spans.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engine_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFleet]:
     fleet = EngineFleet(tmp_path_factory.mktemp("engines"))
     try:
@@ -144,7 +147,7 @@ def engine_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFle
         fleet.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def real_engines(engine_fleet: EngineFleet) -> list[InstanceSpec]:
     return engine_fleet.instances
 
@@ -196,7 +199,7 @@ class RouterProcess(router_process.RouterProcess):
             raise
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_url(
     real_engines: list[InstanceSpec], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
