@@ -127,7 +127,8 @@ class RequestRecord:
 
     `started_at_s` is the request's arrival at the router, `ended_at_s` its last byte out;
     `queue_s` the wait before dispatch. `step_index` None: the ledger numbers the run's
-    requests 0, 1, 2, ... in submit order (see `Ledger.next_step_index`).
+    requests that reached an engine 0, 1, 2, ... in submit order (see
+    `Ledger.next_step_index`); one that never did (`instance` None) keeps no number.
     """
 
     request_id: str
@@ -905,7 +906,10 @@ class Ledger:
                 )
             return None
         step = record.step_index
-        if record.run_id is not None:
+        # a run's request that never reached an engine (no instance: refused, timed out or
+        # left while queued) is not a step of the run and takes no number; with a shared store
+        # a number from this ledger's own counter could be one another replica's step has
+        if record.run_id is not None and (step is not None or record.instance is not None):
             if step is None:
                 step = self.next_step_index(record.tenant, record.run_id)
             key = (record.tenant, record.run_id)

@@ -268,6 +268,21 @@ async def test_steps_number_per_tenant_and_run_in_arrival_order(
     assert other is not None and other["requests"][0]["step_index"] == 0
 
 
+async def test_a_run_request_that_never_reached_an_engine_takes_no_step_number(
+    make_ledger: Callable[..., Any],
+) -> None:
+    ledger: Ledger = await make_ledger()
+    ledger.submit(rec())  # step 0
+    refused = rec(instance=None, outcome="rejected", status_code=429)
+    ledger.submit(refused)  # refused before any engine: not a step of the run
+    ledger.submit(rec())  # the retry, served: step 1, not 2
+    summary = await ledger.run_summary("run-1", "team-a")
+    assert summary is not None
+    steps = {r["request_id"]: r["step_index"] for r in summary["requests"]}
+    assert steps.pop(refused.request_id) is None
+    assert sorted(steps.values()) == [0, 1]
+
+
 # --- retention --------------------------------------------------------------------------------
 
 
