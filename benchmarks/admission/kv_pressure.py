@@ -62,6 +62,12 @@ Run it from the repository root (the configs' paths are relative to it). The scr
 its own scheduling priority (`--nice`, default -5) after the engines have started, so the
 routers and the harness run ahead of the engines, which stay at the default priority pinned
 to the CPU in `engines.local.cpu_affinity`.
+
+`--api-server-cpus 0` moves each engine's API server process (its HTTP server, prompt
+rendering and tokenization, detokenization and streaming) to CPU 0 after the engine starts,
+and leaves its EngineCore child (the model's steps) alone on the engine's pinned CPU, as a GPU
+engine's steps do not share the device with its API server: what it measures is admission's
+levers on the engine's steps alone (docs/admission.md section 9).
 """
 
 from __future__ import annotations
@@ -313,6 +319,19 @@ CONFIGS: dict[str, RunSpec] = {
 }
 
 # --- Prometheus text, read cheaply (the sampler shares the harness's event loop) -------------
+
+
+def pin_api_server(pid: int, cpus: set[int]) -> int:
+    """Move every thread of vLLM's API server process `pid` to `cpus`, leaving its child
+    processes (EngineCore, which runs the model's steps) where they are; threads the server
+    starts later inherit the new set from the thread that starts them. Returns the number of
+    threads moved. (`sched_setaffinity` on a pid moves one thread: each is set by its id.)"""
+    moved = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), cpus)
+            moved += 1
+    return moved
 
 
 def parse_prom(text: str, prefixes: Sequence[str]) -> list[tuple[str, dict[str, str], float]]:
@@ -1200,6 +1219,16 @@ async def amain(args: argparse.Namespace) -> int:
             )
             launcher = LocalLauncher(local, cfg.model, progress=lambda m: log.info("%s", m))
             specs = await launcher.start()
+            if args.api_server_cpus:
+                for engine in launcher.engines:
+                    if engine.pid is not None:
+                        moved = pin_api_server(engine.pid, args.api_server_cpus)
+                        log.info(
+                            "engine %s: API server threads %s on CPUs %s",
+                            key,
+                            moved,
+                            sorted(args.api_server_cpus),
+                        )
             engines[key] = (cfg, launcher, specs[0].url, specs[0].api_key)
             (out / "configs" / ENGINE_FILES[key].name).write_text(ENGINE_FILES[key].read_text())
         if args.nice:
@@ -1312,6 +1341,7 @@ def _write(
             "num_gpu_blocks": info.get("cache_config_info.num_gpu_blocks"),
             "block_size": info.get("cache_config_info.block_size"),
             "extra_vllm_args": args.engine_args,
+            "api_server_cpus": sorted(args.api_server_cpus or ()),
         },
         "scenario": {
             "source": scenario.source,
@@ -1353,6 +1383,13 @@ def main(argv: list[str] | None = None) -> int:
         help="extra vLLM arguments for every engine, e.g. '--max-num-batched-tokens 512'",
     )
     p.add_argument("--pause-s", type=float, default=3.0, help="pause after each run")
+    p.add_argument(
+        "--api-server-cpus",
+        type=lambda v: {int(c) for c in v.split(",")},
+        default=None,
+        help="move each engine's API server process to these CPUs (e.g. 0), leaving its"
+        " EngineCore on the engine's pinned CPU (Linux)",
+    )
     p.add_argument(
         "--nice", type=int, default=-5, help="niceness increment for routers and harness (0: none)"
     )
