@@ -259,19 +259,33 @@ class Loop:
         self._thread.join(timeout=10)
 
 
-def _engine_counters(urls: list[str]) -> dict[str, dict[str, float]]:
+def _engine_counters(urls: list[str], pids: list[int | None]) -> dict[str, dict[str, float]]:
     out = {}
-    for url in urls:
+    for url, pid in zip(urls, pids, strict=True):
         text = httpx.get(f"{url}/metrics", timeout=5).text
         out[url] = {
             "preemptions": _metric(text, "vllm:num_preemptions_total"),
             "prefix_hits": _metric(text, "vllm:prefix_cache_hits_total"),
             "prefix_queries": _metric(text, "vllm:prefix_cache_queries_total"),
-            # the engine process's CPU (with VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core
-            # runs in it): on 2 cores shared by 3 engines and the routers, CPU is the currency
-            "cpu_s": _metric(text, "process_cpu_seconds_total"),
+            # on 2 cores shared by 3 engines and the routers, CPU is the currency: the API
+            # server and its EngineCore child (vLLM's `process_cpu_seconds_total` is the API
+            # server's alone; the model's steps run in EngineCore)
+            "cpu_s": tree_cpu_s(pid) if pid is not None else float("nan"),
         }
     return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process and its living descendants have used so far (0.0
+    for one that is gone)."""
+    total = 0.0
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for proc in (root, *root.children(recursive=True)):
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system
+    return total
 
 
 def reset_prefix_caches(urls: list[str], key: str, *, tries: int = 20, wait_s: float = 1.0) -> None:
@@ -318,8 +332,9 @@ def _run_one(
     out: Path,
     args: argparse.Namespace,
     routers: dict[str, int],
+    engine_pids: list[int | None],
 ) -> dict[str, Any]:
-    before = _engine_counters(engines)
+    before = _engine_counters(engines, engine_pids)
     routers_before = process_cpu_s(routers)
     router_before = httpx.get(f"{url}/metrics", timeout=5).text
     with Sampler(engines, url) as sampler:
@@ -329,7 +344,7 @@ def _run_one(
             harness += ["--duration-s", str(args.duration_s)]
         with spawn_on_cpu0(args.pin):
             subprocess.run([*harness, "--no-progress", "--out", str(out)], check=True)
-    after = _engine_counters(engines)
+    after = _engine_counters(engines, engine_pids)
     routers_after = process_cpu_s(routers)
     router_after = httpx.get(f"{url}/metrics", timeout=5).text
     report = json.loads((out / "report.json").read_text())
@@ -558,6 +573,7 @@ def _main(args: argparse.Namespace) -> int:
                 out / f"r{round_}-{mode}",
                 args,
                 {mode: router.proc.pid},
+                [engine.pid for engine in launcher.engines],
             )
             router.stop(30)
             del routers[mode]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from benchmarks.agent_flood_admission import (
@@ -20,6 +23,7 @@ from benchmarks.agent_flood_admission import (
     process_cpu_s,
     router_config,
     run_order,
+    tree_cpu_s,
 )
 from pools.config import parse_config
 from pools.launchers import InstanceSpec
@@ -251,3 +255,33 @@ def test_pin_check_accepts_the_agent_engine_alone_on_its_cpu() -> None:
     for shared in urls[:2]:  # a plan that gave the agent pool a shared engine is refused
         with pytest.raises(RuntimeError, match="--pin: the agent pool's engine is"):
             check_pinned(shared, urls)
+
+
+# a parent that sleeps while its child burns 0.5 s of CPU, then both sleep; the child says when
+BURNING_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time\\n"
+    "while time.process_time() < 0.5: pass\\nprint('done', flush=True)\\ntime.sleep(60)"],
+    stdout=sys.stdout)
+time.sleep(60)
+"""
+
+
+def test_engine_cpu_counts_the_engine_core_child() -> None:
+    """vLLM's EngineCore runs the model's steps in a child of the API server: an engine's CPU
+    is the whole tree's, not the API server's alone."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", BURNING_CHILD], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        assert parent.stdout.readline().strip() == "done"
+        own = psutil.Process(parent.pid).cpu_times()
+        assert own.user + own.system < 0.4  # the parent itself only slept
+        assert tree_cpu_s(parent.pid) >= 0.5
+    finally:
+        for proc in psutil.Process(parent.pid).children(recursive=True):
+            proc.kill()
+        parent.kill()
+        parent.wait()
+    assert tree_cpu_s(parent.pid) == 0.0  # gone
