@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
         "left them out",
     )
     p.add_argument("--no-profile", action="store_true", help="skip py-spy on gpupool")
+    p.add_argument(
+        "--profile-rate", type=int, help="py-spy's samples per second (the plan's 250 otherwise)"
+    )
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument(
         "--loadgen-cpu",
@@ -141,16 +144,17 @@ async def _profile_one(gp: Live, plan: Plan, pyspy: Path, workdir: Path) -> dict
     """py-spy over a non-streaming window at c=1, one at c=64 and a streaming one of `gp`."""
     assert gp.proc is not None and gp.client is not None
     name, pid, window_s = gp.spec.name, _python_pid(gp.proc), plan.profile_window_s
+    hz = plan.profile_rate_hz
     c1 = gp.client.closed_loop(chat_body(plan.max_tokens, stream=False), 1, window_s)
-    prof_c1 = await profile.record(pyspy, pid, window_s, workdir / f"pyspy-{name}-c1.txt", c1)
+    prof_c1 = await profile.record(pyspy, pid, window_s, workdir / f"pyspy-{name}-c1.txt", c1, hz)
     hi = gp.client.closed_loop(
         chat_body(plan.max_tokens, stream=False), plan.hi_concurrency, window_s
     )
-    prof_hi = await profile.record(pyspy, pid, window_s, workdir / f"pyspy-{name}-hi.txt", hi)
+    prof_hi = await profile.record(pyspy, pid, window_s, workdir / f"pyspy-{name}-hi.txt", hi, hz)
     st = gp.client.stream_window(
         chat_body(plan.stream_tokens, stream=True), plan.stream_concurrency, window_s
     )
-    prof_st = await profile.record(pyspy, pid, window_s, workdir / f"pyspy-{name}-st.txt", st)
+    prof_st = await profile.record(pyspy, pid, window_s, workdir / f"pyspy-{name}-st.txt", st, hz)
     return {"c1": prof_c1, "hi": prof_hi, "stream": prof_st}
 
 
@@ -176,6 +180,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         plan = dataclasses.replace(
             plan, c1_rounds=args.rounds, hi_rounds=args.rounds, stream_rounds=args.rounds
         )
+    if args.profile_rate is not None:
+        plan = dataclasses.replace(plan, profile_rate_hz=args.profile_rate)
     repo = args.repo.resolve()
     paths = PeerPaths.default(repo, args.baseline.resolve() if args.baseline else None)
     workdir = Path(tempfile.mkdtemp(prefix="router-overhead-", dir="/tmp"))

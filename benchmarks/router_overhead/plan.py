@@ -73,6 +73,7 @@ class Plan:
     settle_s: float = 0.3
     idle_window_s: float = 4.0  # every proxy at rest, to measure its background CPU
     profile_window_s: float = 8.0
+    profile_rate_hz: int = 250  # py-spy's samples per second
     real_vllm: bool = True
     real_rounds: int = 8
     real_requests: int = 30  # per target per round, concurrency 1

@@ -199,8 +199,11 @@ def _latency_table(targets: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _profile(prof: dict[str, Any], title: str, cpu_us: float | None = None) -> list[str]:
-    """One profile's tables; `cpu_us`: the phase's CPU per unit, to put µs beside the parts."""
+def _profile(
+    prof: dict[str, Any], title: str, cpu_us: float | None = None, rate_hz: int = 250
+) -> list[str]:
+    """One profile's tables; `cpu_us`: the phase's CPU per unit, to put µs beside the parts;
+    `rate_hz`: py-spy's samples per second."""
     if not prof:
         return []
     if "skipped" in prof:
@@ -228,7 +231,7 @@ def _profile(prof: dict[str, Any], title: str, cpu_us: float | None = None) -> l
         lines += [f"| {name} | {frac:.1%} |" for name, _, frac in prof["components"]]
     lines += [
         "",
-        f"| top Python lines ({prof['busy_samples']} busy samples at 250 Hz; C they call "
+        f"| top Python lines ({prof['busy_samples']} busy samples at {rate_hz} Hz; C they call "
         "counts for them) | share |",
         "| --- | --- |",
     ]
@@ -353,11 +356,12 @@ def render(res: dict[str, Any]) -> str:
         if t.get("name") == "gpupool" and t.get("status") == "ok"
         for phase in ("c1", "hi", "stream")
     }
-    out += _profile(prof.get("c1", {}), "non-streaming, c=1", cpu.get("c1"))
+    hz = plan.get("profile_rate_hz", 250)  # runs before it was a setting: 250
+    out += _profile(prof.get("c1", {}), "non-streaming, c=1", cpu.get("c1"), hz)
     hi_title = f"non-streaming, c={plan['hi_concurrency']}"
-    out += _profile(prof.get("hi", {}), hi_title, cpu.get("hi"))
+    out += _profile(prof.get("hi", {}), hi_title, cpu.get("hi"), hz)
     out += _profile(
-        prof.get("stream", {}), f"streaming, c={plan['stream_concurrency']}", cpu.get("stream")
+        prof.get("stream", {}), f"streaming, c={plan['stream_concurrency']}", cpu.get("stream"), hz
     )
     out += ["## gpupool in front of a real CPU vLLM engine", "", *_real(res.get("real_vllm", {}))]
     out += [

@@ -250,13 +250,14 @@ class Admitter:
             wait_s = 0.0  # what `expected_wait_s` answers for nobody ahead
             result = self._try(ctx, need, now_s, exclude)
             if isinstance(result, Lease):
-                log.debug(
-                    "%s: admitted at once to %s (pool %s, %d tokens)",
-                    ctx.request_id,
-                    result.instance_id,
-                    ctx.pool,
-                    need.total_tokens,
-                )
+                if log.isEnabledFor(logging.DEBUG):  # off: not even the arguments
+                    log.debug(
+                        "%s: admitted at once to %s (pool %s, %d tokens)",
+                        ctx.request_id,
+                        result.instance_id,
+                        ctx.pool,
+                        need.total_tokens,
+                    )
                 return result
         else:  # others wait: never jump the queue, only check the deadline can be met
             wait_s = queue.expected_wait_s(len(queue), now_s, default_s=0.0)
