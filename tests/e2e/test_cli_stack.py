@@ -398,14 +398,30 @@ def test_bad_config_exits_2_with_a_clear_message(tmp_path: Path) -> None:
             }
         )
     )
-    for command in (
+    commands = (
         ["check-config", str(bad)],
         ["up", "--config", str(bad)],
         ["serve", "--config", str(bad)],
-    ):
-        result = subprocess.run(
-            [GPUPOOL, *command], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    # all three at once (each is mostly its own imports: one core each)
+    procs = [
+        subprocess.Popen(
+            [GPUPOOL, *command],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        assert result.returncode == 2, (command, result.stderr)
-        assert "pools.normal.share.initial_frac" in result.stderr
-        assert "engines" in result.stderr and "Traceback" not in result.stderr
+        for command in commands
+    ]
+    try:
+        for command, proc in zip(commands, procs, strict=True):
+            _, stderr = proc.communicate(timeout=60)
+            assert proc.returncode == 2, (command, stderr)
+            assert "pools.normal.share.initial_frac" in stderr
+            assert "engines" in stderr and "Traceback" not in stderr
+    finally:
+        for proc in procs:  # none outlives the test, also when one failed
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
