@@ -32,8 +32,11 @@ Each round sends `--requests` of every kind to each router, the routers taking t
 `--block` requests (20; the first of each turn alternating), each on a keep-alive connection
 of its own for the whole run, so a change of the machine's load lands on both. Reported per kind and
 store: p50 / p90 / p99 over all rounds, the added p50 (PostgreSQL - SQLite) per round and
-over all, the load average, and each PostgreSQL router's agent steps sent on before the
-store's answer (`gpupool_governance_step_speculated_total`, by outcome; none before s41).
+over all (for agent kinds also apart for each run's first step, which waits for the store's
+answer before placement, and the later ones, sent on before it), the load average, and each
+PostgreSQL router's agent steps sent on before the store's answer
+(`gpupool_governance_step_speculated_total`, by outcome; none before s41) and how many of
+them waited for it at the response (`..._speculated_awaited_total`; none before s43).
 The router processes, the engine and PostgreSQL share the machine's CPUs with this client,
 as a small deployment would.
 """
@@ -156,6 +159,21 @@ async def _round(
     return took
 
 
+def _parts(kind: str, took: dict[str, list[float]]) -> dict[str, dict[str, list[float]]]:
+    """The round's latencies of `kind` (request k at index k); for agent kinds also split
+    into each run's first step (which waits for the store's answer before placement: the
+    router does not know the run yet) and the later ones (sent on before it)."""
+    parts = {kind: took}
+    if kind.endswith("agent"):
+        parts[f"{kind} (first steps)"] = {
+            s: [t for k, t in enumerate(v) if k % STEPS_PER_RUN == 0] for s, v in took.items()
+        }
+        parts[f"{kind} (later steps)"] = {
+            s: [t for k, t in enumerate(v) if k % STEPS_PER_RUN != 0] for s, v in took.items()
+        }
+    return parts
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -179,10 +197,11 @@ async def _measure(
                 took = await _round(
                     sessions, urls, kind, args.requests, args.block, f"r{n}", args.gap_ms / 1e3
                 )
-                for store in urls:
-                    samples[(kind, store)].extend(took[store])
-                    p50 = statistics.median(took[store]) - statistics.median(took["sqlite"])
-                    added[(kind, store)].append(p50)
+                for part, picked in _parts(kind, took).items():
+                    for store in urls:
+                        samples.setdefault((part, store), []).extend(picked[store])
+                        p50 = statistics.median(picked[store]) - statistics.median(picked["sqlite"])
+                        added.setdefault((part, store), []).append(p50)
             loads.append(os.getloadavg()[0])
             print(
                 f"round {n + 1}: added p50 "
@@ -203,6 +222,7 @@ async def _measure(
 
 
 SPECULATED = "gpupool_governance_step_speculated_total"
+AWAITED = "gpupool_governance_step_speculated_awaited_total"  # since s43
 
 
 async def _speculated(urls: dict[str, str]) -> dict[str, dict[str, float]]:
@@ -219,6 +239,10 @@ async def _speculated(urls: dict[str, str]) -> dict[str, dict[str, float]]:
                     labels, _, value = line.rpartition(" ")
                     outcome = labels.partition('outcome="')[2].partition('"')[0]
                     out[store][outcome] = float(value)
+                elif line.startswith(AWAITED + " "):
+                    out[store]["of them, the response waited for the answer"] = float(
+                        line.rpartition(" ")[2]
+                    )
     return out
 
 

@@ -805,6 +805,8 @@ class Governor:
         else:
             spec.label = "confirmed" if stored.step == spec.predicted else "renumbered"
         self.metrics.speculated.labels(spec.label).inc()
+        if spec.awaited:
+            self.metrics.speculated_awaited.inc()
 
     def _refused_speculation(self, ctx: RequestContext) -> None:
         """A step the store's answer refused: as a step refused at `enter`, it does not end

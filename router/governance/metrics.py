@@ -152,6 +152,12 @@ class GovernanceMetrics:
             ["outcome"],
             registry=r,
         )
+        self.speculated_awaited = Counter(
+            "gpupool_governance_step_speculated_awaited_total",
+            "Agent steps sent on before the shared store's answer whose response waited for"
+            " that answer (the engine answered before the store did)",
+            registry=r,
+        )
 
     def tenant(self, name: str) -> TenantSeries:
         """`name`'s per-request series (tenants come from the config: the cache is bounded)."""

@@ -39,6 +39,7 @@ class Speculation:
         "_cancelled",
         "_on_answer",
         "_watcher",
+        "awaited",
         "closed",
         "error",
         "label",
@@ -61,6 +62,7 @@ class Speculation:
         self.label: str | None = None  # confirmed, renumbered, refused, unanswered
         self.resolved = False
         self.closed = False  # the request ended before the answer came
+        self.awaited = False  # `wait` came before the answer: the response waited for it
         self._on_answer = on_answer
         self._watcher: asyncio.Task[Any] | None = None
         self._cancelled = False  # a refusal cancelled the watched task
@@ -99,6 +101,7 @@ class Speculation:
         """Until the store's answer is read (`error`, `step`). Cancelling the caller leaves
         the statement running (its answer is still read: a slot is given back)."""
         if not self.resolved:
+            self.awaited = True
             try:
                 await asyncio.shield(self.task)
             except asyncio.CancelledError:
