@@ -11,20 +11,11 @@ an event loop in a background thread, so its supervisor keeps working between te
 
 `router_url` runs `gpupool serve` as a subprocess in front of those engines (agent pool: one
 engine, normal pool: two), the same way a user runs it.
-
-The engines start in the background when the package's first test starts, and the tests that
-use none of them (the Ray cluster's own engines, the KV refusal check: their fixtures do not
-include `engine_fleet`) run first, while the shared engines start: an engine start (its API
-server's imports, then its `EngineCore` process's) leaves much of two cores idle, and so do
-those tests' waits, so they fill each other's idle time instead of running one after the
-other (calibration + Ray + shared start: 139 s one after the other, 102 s together, in one run
-each on 2 cores). The first test that needs the engines waits for them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
@@ -115,21 +106,13 @@ class EngineFleet:
             traces=EngineTraces.of(self.config.observability, "local"),
         )
         self.instances: list[InstanceSpec] = []
-        self._starting: Future[list[InstanceSpec]] | None = None
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 600) -> T:
         fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return fut.result(timeout=timeout_s)
 
-    def begin_start(self) -> None:
-        """Start the engines on the fleet's loop without waiting for them (`start` waits)."""
-        if self._starting is None:
-            self._starting = asyncio.run_coroutine_threadsafe(self.launcher.start(), self.loop)
-
-    def start(self, timeout_s: float = 600) -> list[InstanceSpec]:
-        self.begin_start()
-        assert self._starting is not None
-        self.instances = self._starting.result(timeout=timeout_s)
+    def start(self) -> list[InstanceSpec]:
+        self.instances = self.run(self.launcher.start())
         return self.instances
 
     def pid(self, index: int) -> int:
@@ -148,12 +131,6 @@ class EngineFleet:
 
     def close(self) -> None:
         try:
-            if self._starting is not None and not self._starting.done():
-                # stopped while starting (the session ended early): the launcher's start stops
-                # what it spawned when cancelled; aclose below stops anything left
-                self._starting.cancel()
-                with contextlib.suppress(BaseException):
-                    self._starting.result(timeout=120)
             self.run(self.launcher.aclose(), timeout_s=120)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
@@ -161,59 +138,14 @@ class EngineFleet:
             self.engine_spans.close()
 
 
-def _uses_fleet(item: pytest.Item) -> bool:
-    return "engine_fleet" in getattr(item, "fixturenames", ())
-
-
-def pytest_collection_modifyitems(session: pytest.Session, items: list[pytest.Item]) -> None:
-    """This package's tests that do not use the shared engines first (in their order), then
-    the rest (in theirs), in the place the package's tests had among all items."""
-    here = Path(__file__).parent
-    mine = [i for i in items if here in i.path.parents]
-    if not mine:
-        return
-    first = items.index(mine[0])
-    rest = [i for i in items if here not in i.path.parents]
-    ordered = [i for i in mine if not _uses_fleet(i)] + [i for i in mine if _uses_fleet(i)]
-    items[:] = rest[:first] + ordered + rest[first:]
-
-
-@contextlib.contextmanager
-def _fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFleet]:
-    """A fleet whose engines have begun to start; stopped on exit."""
+@pytest.fixture(scope="package")
+def engine_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFleet]:
     fleet = EngineFleet(tmp_path_factory.mktemp("engines"))
     try:
-        fleet.begin_start()
+        fleet.start()
         yield fleet
     finally:
         fleet.close()
-
-
-@pytest.fixture(scope="package", autouse=True)
-def _fleet_starting(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineFleet | None]:
-    """The shared engines, starting from the package's first test on when any collected test
-    uses them (else None); stopped after the package's last test."""
-    if not any(_uses_fleet(i) for i in request.session.items):
-        yield None
-        return
-    with _fleet(tmp_path_factory) as fleet:
-        yield fleet
-
-
-@pytest.fixture(scope="package")
-def engine_fleet(
-    _fleet_starting: EngineFleet | None, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineFleet]:
-    if _fleet_starting is not None:
-        _fleet_starting.start()
-        yield _fleet_starting
-        return
-    # reached through `request.getfixturevalue` only (no collected test names it): start now
-    with _fleet(tmp_path_factory) as fleet:
-        fleet.start()
-        yield fleet
 
 
 @pytest.fixture(scope="package")
