@@ -2,7 +2,7 @@
 over fake engines that stream slowly (so requests are in flight when something breaks).
 
     .venv/bin/python -m benchmarks.replica_drills [--drills kill,outage,hang] [--replicas 3]
-        [--rounds 1] [--requests 300] [--outage-s 30] [--json FILE]
+        [--rounds 1] [--requests 300] [--outage-s 30] [--real-engines] [--json FILE]
 
 It starts its own PostgreSQL (tests/postgres.py's server: initdb + postgres from the binaries
 in /usr/local/bin or Debian's, a unix socket in a temporary folder, run as `nobody` when this
@@ -35,6 +35,11 @@ tier of 10 requests at once, `gamma` with a requests-per-minute budget.
 - **hang** (only when asked): the outage with `open`, but PostgreSQL's processes SIGSTOPped
   instead of stopped (a hung server: connections accepted, never answered), then SIGCONT.
 
+`--real-engines`: the same drills in front of two real CPU vLLM engines (the tiny dev model,
+gpupool's local launcher, 64 MiB of KV each) instead of the fake ones: their answers are
+generated, so the load is what two CPU engines serve, and the ledger's tokens are the
+engines' own counts.
+
 Progress goes to stderr, the summary to stdout (and `--json`). Nothing it starts outlives it.
 """
 
@@ -53,17 +58,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from pools.config import parse_config
+from pools.launchers import LocalLauncher
 from pools.testing.router_process import RouterProcess, free_port
 
 MODEL = Path(__file__).resolve().parents[1] / ".gpupool" / "models" / "tiny"
 PASSWORD_ENV = "GPUPOOL_DRILL_STORE_PASSWORD"
+ENGINE_KEY_ENV = "GPUPOOL_DRILL_ENGINE_KEY"  # the real engines' key (--real-engines)
 KEYS = {
     "alpha": "alpha-" + "a" * 24,
     "beta": "beta-" + "b" * 24,
@@ -222,10 +230,48 @@ def _engines(count: int) -> Iterator[list[str]]:
                 proc.wait()
 
 
+@contextlib.asynccontextmanager
+async def _real_engines(count: int, run_dir: Path) -> AsyncIterator[list[str]]:
+    """`count` real CPU vLLM engines from gpupool's local launcher, stopped on the way out;
+    their key in `ENGINE_KEY_ENV` (the routers inherit it)."""
+    os.environ.setdefault(ENGINE_KEY_ENV, "drill-" + secrets.token_hex(8))
+    config = parse_config(
+        {
+            "model": {"name": "tiny", "path": str(MODEL), "max_model_len_tokens": 4096},
+            "engines": {
+                "launcher": "local",
+                "local": {
+                    "count": count,
+                    "base_port": free_port(),
+                    "kv_cache_bytes": 64 * 1024 * 1024,
+                    "api_key_env": ENGINE_KEY_ENV,
+                    "run_dir": str(run_dir),
+                },
+            },
+            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
+        }
+    )
+    launcher = LocalLauncher(
+        config.engines.local,
+        config.model,
+        progress=lambda m: print(f"[engines] {m}", file=sys.stderr, flush=True),
+        gpu_count=0,
+        kv_events=False,  # the drills place by load; no socket files in the temporary folder
+    )
+    try:
+        specs = await launcher.start()
+        yield [spec.url for spec in specs]
+    finally:
+        await launcher.aclose()
+
+
 def _config(folder: Path, engines: list[str], url: str, store: dict[str, Any]) -> Path:
+    static: dict[str, Any] = {"urls": engines}
+    if ENGINE_KEY_ENV in os.environ:  # --real-engines
+        static["api_key_env"] = ENGINE_KEY_ENV
     config = {
         "model": {"name": "tiny", "path": str(MODEL)},
-        "engines": {"launcher": "static", "static": {"urls": engines}},
+        "engines": {"launcher": "static", "static": static},
         "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
         "router": {
             "state_path": str(folder / "state.json"),
@@ -692,7 +738,11 @@ async def _drills(args: argparse.Namespace, pg: Any, folder: Path) -> dict[str, 
         "cpus": os.cpu_count(),
         "load_before": os.getloadavg(),
     }
-    with _engines(2) as engines:
+    async with contextlib.AsyncExitStack() as stack:
+        if args.real_engines:
+            engines = await stack.enter_async_context(_real_engines(2, folder / "engines"))
+        else:
+            engines = stack.enter_context(_engines(2))
         if "kill" in args.drills:
             results["kill"] = []
             for round_ in range(args.rounds):
@@ -774,6 +824,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="kill drill rounds")
     parser.add_argument("--slot-lease-s", type=float, default=5.0, help="store.slot_lease_s")
     parser.add_argument("--outage-s", type=float, default=30.0, help="PostgreSQL down this long")
+    parser.add_argument(
+        "--real-engines",
+        action="store_true",
+        help="two real CPU vLLM engines (the tiny dev model) instead of the fake ones",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     args.drills = set(args.drills.split(","))
