@@ -174,7 +174,14 @@ async def test_refused_connection_retries_another_instance(tmp_path: Path, dead_
         specs = [InstanceSpec("dead", dead_url, 1), InstanceSpec("live", live, 1)]
         config = config_for_test(tmp_path, pools=one_pool(), router={"scrape_interval_s": 60})
         gateway = create_app(config, specs, scrape=False)
-        _look_fresh(gateway)  # both look healthy and empty until the proxy learns otherwise
+        _look_fresh(gateway)  # both look healthy until the proxy learns otherwise
+        # and "live" a little busier (a request waiting there: the load score counts the
+        # engine's queue), so the first request is placed on "dead" (tied, the picker would
+        # choose at random, and six requests could all miss it)
+        busy = FakeEngineState(waiting=1)
+        gateway.fleet.record_reading(
+            "live", parse_vllm_metrics(busy.metrics_text(), gateway.clock())
+        )
         await gateway.start()
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=gateway), base_url="http://gw"
