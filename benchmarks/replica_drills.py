@@ -65,8 +65,7 @@ from typing import Any
 
 import aiohttp
 
-from pools.config import parse_config
-from pools.launchers import LocalLauncher
+from benchmarks.engines import cpu_engines
 from pools.testing.router_process import RouterProcess, free_port
 
 MODEL = Path(__file__).resolve().parents[1] / ".gpupool" / "models" / "tiny"
@@ -232,31 +231,17 @@ def _engines(count: int) -> Iterator[list[str]]:
 
 @contextlib.asynccontextmanager
 async def _real_engines(count: int, run_dir: Path) -> AsyncIterator[list[str]]:
-    """`count` real CPU vLLM engines from gpupool's local launcher, stopped on the way out;
-    their key in `ENGINE_KEY_ENV` (the routers inherit it)."""
+    """`count` real CPU vLLM engines (`benchmarks.engines.cpu_engines`), stopped on the way
+    out; their key in `ENGINE_KEY_ENV` (the routers inherit it)."""
     os.environ.setdefault(ENGINE_KEY_ENV, "drill-" + secrets.token_hex(8))
-    config = parse_config(
-        {
-            "model": {"name": "tiny", "path": str(MODEL), "max_model_len_tokens": 4096},
-            "engines": {
-                "launcher": "local",
-                "local": {
-                    "count": count,
-                    "base_port": free_port(),
-                    "kv_cache_bytes": 64 * 1024 * 1024,
-                    "api_key_env": ENGINE_KEY_ENV,
-                    "run_dir": str(run_dir),
-                },
-            },
-            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1.0}}},
-        }
-    )
-    launcher = LocalLauncher(
-        config.engines.local,
-        config.model,
+    launcher = cpu_engines(
+        MODEL,
+        count=count,
+        port=free_port(),
+        key_env=ENGINE_KEY_ENV,
+        run_dir=run_dir,
+        max_num_seqs=64,
         progress=lambda m: print(f"[engines] {m}", file=sys.stderr, flush=True),
-        gpu_count=0,
-        kv_events=False,  # the drills place by load; no socket files in the temporary folder
     )
     try:
         specs = await launcher.start()
