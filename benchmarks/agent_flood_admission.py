@@ -312,16 +312,8 @@ def _quantiles(dist: dict[str, float] | None, keys: tuple[str, ...]) -> dict[str
 
 
 def process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
-    """User + system CPU seconds each process has used so far (0.0 for one that is gone)."""
-    out = {}
-    for name, pid in pids.items():
-        try:
-            times = psutil.Process(pid).cpu_times()
-        except psutil.Error:
-            out[name] = 0.0
-        else:
-            out[name] = times.user + times.system
-    return out
+    """User + system CPU seconds each process (with its descendants, if any) has used so far."""
+    return {name: tree_cpu_s(pid) for name, pid in pids.items()}
 
 
 def _run_one(

@@ -250,9 +250,11 @@ async def _real_engines(count: int, run_dir: Path) -> AsyncIterator[list[str]]:
         await launcher.aclose()
 
 
-def _config(folder: Path, engines: list[str], url: str, store: dict[str, Any]) -> Path:
+def _config(
+    folder: Path, engines: list[str], url: str, store: dict[str, Any], *, real_engines: bool
+) -> Path:
     static: dict[str, Any] = {"urls": engines}
-    if ENGINE_KEY_ENV in os.environ:  # --real-engines
+    if real_engines:  # their key is in ENGINE_KEY_ENV (`_real_engines`)
         static["api_key_env"] = ENGINE_KEY_ENV
     config = {
         "model": {"name": "tiny", "path": str(MODEL)},
@@ -418,7 +420,7 @@ def _routers(
     url = pg.create_database(database)
     mark = secrets.token_hex(8)
     router = RouterProcess(
-        _config(folder, engines, url, store),
+        _config(folder, engines, url, store, real_engines=args.real_engines),
         folder / f"{database}.log",
         args=["--replicas", str(args.replicas)],
         env=_env(password, mark),
