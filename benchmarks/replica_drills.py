@@ -25,7 +25,10 @@ tier of 10 requests at once, `gamma` with a requests-per-minute budget.
   a fourth tenant, `delta` (600 tokens per minute, no tier), spend its budget within seconds;
   its ledger tokens against what its bucket could give (full at its first request, plus the
   refill until its last answer) is the overspend, against the bound of one request's
-  reservation (prompt + `max_tokens`) per replica that served.
+  reservation (prompt + `max_tokens`) per replica that served. `--victim leader` kills the
+  router that leads the rebalancer instead (named by `/admin/pools`: `rebalancer.leader`), and
+  reports the seconds from the kill until another router answers that it leads (polled on new
+  connections every 50 ms), beside the rebalancer's interval (the issue's bar: 2 intervals).
 - **outage**: for `budgets_on_outage` open, then closed: steady load from 12 workers; after
   10 s PostgreSQL is stopped (fast shutdown) for `--outage-s`, then started; the load runs
   15 s more. Reported per phase (before, during, after): 200s, 503 `store_unavailable` and
@@ -83,6 +86,7 @@ SPENDER = "delta"  # the kill drill's budget-bound tenant, beside the load
 SPENDER_TOKENS_PER_MINUTE = 600  # spent within ~3 s by its workers: the rest is refill
 SPENDER_WORKERS = 4
 MAX_TOKENS = 20  # the most a drill request asks for
+REBALANCER_INTERVAL_S = 2.0  # the routers' rebalancer.interval_s
 
 
 def _postgres() -> Any:
@@ -268,6 +272,8 @@ def _config(
             "admin_api_key_env": "GPUPOOL_DRILL_ADMIN_KEY",
         },
         "store": {"url": url, "password_env": PASSWORD_ENV, **store},
+        # short, so the leader drill's bar (the lead handed over within 2 intervals) is tight
+        "rebalancer": {"interval_s": REBALANCER_INTERVAL_S},
         "governance": {
             "tiers": {
                 "wide": {"max_concurrent_runs": 100, "max_concurrent_requests": 200},
@@ -368,6 +374,41 @@ async def _replica(url: str) -> str | None:
     return None
 
 
+async def _leadership(url: str) -> tuple[str, bool, str | None] | None:
+    """(the answering router's replica id, whether it leads, the leader it last saw) from
+    `/admin/pools` on a new connection; None when no router answered."""
+    with contextlib.suppress(TimeoutError, aiohttp.ClientError, KeyError):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            headers = {"Authorization": f"Bearer {KEYS['admin']}"}
+            async with session.get(f"{url}/admin/pools", headers=headers) as r:
+                view = (await r.json())["rebalancer"]["leader"]
+                return str(view["replica"]), bool(view["leading"]), view["leader"]
+    return None
+
+
+async def _leader_pid(url: str, timeout_s: float = 30.0) -> str:
+    """The pid of the router that leads (replica ids are `host:pid:random`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen = await _leadership(url)
+        if seen is not None and seen[2]:
+            return seen[2].split(":")[1]
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"no router named a leader within {timeout_s} s")
+
+
+async def _handover_s(url: str, killed_pid: str, since: float, timeout_s: float = 60.0) -> float:
+    """Seconds from `since` (monotonic) until a router other than `killed_pid` answers that it
+    leads."""
+    deadline = since + timeout_s
+    while time.monotonic() < deadline:
+        seen = await _leadership(url)
+        if seen is not None and seen[1] and seen[0].split(":")[1] != killed_pid:
+            return time.monotonic() - since
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"no router took the lead within {timeout_s} s of the kill")
+
+
 async def _replicas(url: str, want: int, timeout_s: float = 30.0) -> set[str]:
     seen: set[str] = set()
     deadline = time.monotonic() + timeout_s
@@ -453,18 +494,27 @@ async def kill_drill(
             parts = holder.split(":")
             if len(parts) >= 4 and parts[-2] != "run":
                 by_pid.setdefault(parts[1], []).append(parts[-1])
-        victim = max(by_pid, key=lambda pid: len(by_pid[pid]))
+        if args.victim == "leader":
+            victim = await _leader_pid(router.url)
+        else:
+            victim = max(by_pid, key=lambda pid: len(by_pid[pid]))
         answered = {r.request_id for r in load.replies if r.complete}
-        in_flight = [rid for rid in by_pid[victim] if rid not in answered]
+        victim_slots = by_pid.get(victim, [])
+        in_flight = [rid for rid in victim_slots if rid not in answered]
         os.kill(int(victim), signal.SIGKILL)
+        killed_mono = time.monotonic()
         killed_s = load.now()
         _log(
-            f"kill drill: SIGKILL router pid {victim} at {killed_s:.2f} s, after"
-            f" {load.completed} completed; its slots: {len(by_pid[victim])}"
+            f"kill drill: SIGKILL router pid {victim} ({args.victim}) at {killed_s:.2f} s, after"
+            f" {load.completed} completed; its slots: {len(victim_slots)}"
             f" ({len(in_flight)} of requests not yet answered); slots per router"
             f" {sorted(len(v) for v in by_pid.values())}"
         )
         killed_wall_s = time.time()
+        handover_s = None
+        if args.victim == "leader":
+            handover_s = await _handover_s(router.url, victim, killed_mono)
+            _log(f"kill drill: another router leads {handover_s:.2f} s after the kill")
         await task
         spender.stop.set()
         await spending
@@ -542,7 +592,10 @@ async def kill_drill(
         "failed_in_flight_at_kill": len(failed_in_flight),
         "failed_streams_after_headers": sum(1 for r in failed if r.status == 200),
         "failed_not_in_flight_at_kill": len(failed) - len(failed_in_flight),
-        "killed_router_slots_at_kill": len(by_pid[victim]),
+        "victim": args.victim,
+        "leader_handover_s": None if handover_s is None else round(handover_s, 2),
+        "rebalancer_interval_s": REBALANCER_INTERVAL_S,
+        "killed_router_slots_at_kill": len(victim_slots),
         "killed_router_unanswered_at_kill": len(in_flight),
         "slots_per_router_at_kill": sorted(len(v) for v in by_pid.values()),
         "served_after_kill": sum(1 for r in served if r.sent_s > killed_s),
@@ -780,6 +833,11 @@ def _summary(results: dict[str, Any]) -> None:
             f" tokens {kill['ledger_tokens']} vs clients' {kill['client_tokens']}"
             f"; budget: {_spend_line(kill['overspend'])}"
         )
+        if kill.get("leader_handover_s") is not None:
+            print(
+                f"the leader killed: another router led {kill['leader_handover_s']} s later"
+                f" (rebalancer interval {kill['rebalancer_interval_s']} s; bar: 2 intervals)"
+            )
     for key in ("outage_open", "outage_closed", "outage_open_hang"):
         out = results.get(key)
         if out:
@@ -809,6 +867,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicas", type=int, default=3, help="router processes")
     parser.add_argument("--requests", type=int, default=300, help="requests of the kill drill")
     parser.add_argument("--rounds", type=int, default=1, help="kill drill rounds")
+    parser.add_argument(
+        "--victim",
+        choices=("busiest", "leader"),
+        default="busiest",
+        help="the kill drill's router: the one holding the most slots, or the rebalancer's leader",
+    )
     parser.add_argument("--slot-lease-s", type=float, default=5.0, help="store.slot_lease_s")
     parser.add_argument("--outage-s", type=float, default=30.0, help="PostgreSQL down this long")
     parser.add_argument(
