@@ -36,7 +36,10 @@ over all (for agent kinds also apart for each run's first step, which waits for 
 answer before placement, and the later ones, sent on before it), the load average, and each
 PostgreSQL router's agent steps sent on before the store's answer
 (`gpupool_governance_step_speculated_total`, by outcome; none before s41) and how many of
-them waited for it at the response (`..._speculated_awaited_total`; none before s43).
+them waited for it at the response (`..._speculated_awaited_total`; none before s43), and
+those numbered with their ledger record's commit instead
+(`gpupool_governance_step_numbered_at_commit_total`; since s44 every known run's
+non-streaming step without a tier, so all of the later `agent` steps).
 The router processes, the engine and PostgreSQL share the machine's CPUs with this client,
 as a small deployment would.
 """
@@ -223,6 +226,7 @@ async def _measure(
 
 SPECULATED = "gpupool_governance_step_speculated_total"
 AWAITED = "gpupool_governance_step_speculated_awaited_total"  # since s43
+NUMBERED = "gpupool_governance_step_numbered_at_commit_total"  # since s44
 
 
 async def _speculated(urls: dict[str, str]) -> dict[str, dict[str, float]]:
@@ -243,6 +247,10 @@ async def _speculated(urls: dict[str, str]) -> dict[str, dict[str, float]]:
                     out[store]["of them, the response waited for the answer"] = float(
                         line.rpartition(" ")[2]
                     )
+                elif line.startswith(NUMBERED + "{"):
+                    labels, _, value = line.rpartition(" ")
+                    outcome = labels.partition('outcome="')[2].partition('"')[0]
+                    out[store][f"numbered with the record: {outcome}"] = float(value)
     return out
 
 
@@ -286,7 +294,10 @@ def _report(
     for store, outcomes in (speculated or {}).items():
         if store != "sqlite":
             counts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(outcomes.items())) or "none"
-            lines.append(f"\n`{store}`: agent steps sent on before the store's answer: {counts}")
+            lines.append(
+                f"\n`{store}`: agent steps sent on before the store's answer (s41), or"
+                f" numbered with their record (s44): {counts}"
+            )
     return "\n".join(lines) + "\n"
 
 

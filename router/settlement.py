@@ -7,7 +7,9 @@ The request path (router.gateway.proxy) calls only this after dispatch:
                                step when governance did not), the rebalancer its wait
     answered(outcome)          the engine answered: the run's home is where it went
     usage_extra(outcome)       the usage is known: the meter stops; what goes in the usage
-    await settle(outcome)      right before the response's final bytes, at most once
+    await settle(outcome)      right before the response's final bytes, at most once; returns
+                               the refusal the client gets instead of them (a run's step
+                               numbered with its record, below), else None
     finish(outcome)            after the response, exactly once per classified request
 
 Settling runs in one fixed order, `ORDER`, in both `settle` and `finish` (each part runs once
@@ -23,18 +25,29 @@ GPU-seconds come first because governance charges them to the tenant and the run
 before the ledger and the learners because it may end the run, and a run's end (`run_ended`,
 also what governance's idle sweep calls) is handled here: its completion time from its span,
 its end in the ledger, its record marked ended in the run table (forgotten first).
+
+One exception to that order (s44): an agent step that governance sent on with no statement
+(`Governor.deferred_step`: a known run's non-streaming step on a PostgreSQL store) is numbered
+by the statement that commits its record (`commit_numbered`), so there the ledger comes
+before governance, which then reads the store's answer: the step's number and home, or a
+refusal (a stop or `max_steps` reached on another replica), which `settle` returns for the
+client instead of the response (the record then replaced by the refusal's in `finish`).
+When the ledger cannot take it now (another commit in flight), the step's own statement
+numbers it first and the commit follows, in order.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from router.admission.estimate import TokenEstimator
 from router.admission.picking import RunAffinity
+from router.errors import GpupoolError
 from router.governance import RunEnd
+from router.governance.speculation import DeferredStep
 from router.metrics import RouterMetrics
 from router.request import RequestObserver, RequestOutcome
 from router.runtable import RunTable
@@ -56,6 +69,13 @@ class Meter(Protocol):
     def meter(self, outcome: RequestOutcome, *, final_bytes_next: bool) -> float: ...
 
     def commit(self, outcome: RequestOutcome) -> Awaitable[object]: ...
+
+    @property
+    def numbers_steps(self) -> bool: ...
+
+    def commit_numbered(
+        self, outcome: RequestOutcome, step_sql: str, step_params: Sequence[Any]
+    ) -> Awaitable[tuple[Any, ...] | None]: ...
 
     def record(self, outcome: RequestOutcome) -> None: ...
 
@@ -83,7 +103,11 @@ class RunEndLog(Protocol):
 class Governance(Protocol):
     """What settlement needs of the governor (router.governance.Governor)."""
 
+    fold_steps: bool  # the ledger numbers a known run's step with its record (set here)
+
     def dispatched(self, outcome: RequestOutcome) -> None: ...
+
+    def deferred_step(self, outcome: RequestOutcome) -> DeferredStep | None: ...
 
     def finished(self, outcome: RequestOutcome) -> None: ...
 
@@ -117,6 +141,11 @@ class Settlement:
         self.observers = observers or []
         self._clock = clock
         self._wall_clock = wall_clock
+        if governance is not None:
+            governance.fold_steps = accounting.numbers_steps
+        # settled requests whose governance part has not run (cancelled while their step
+        # was numbered): `finish` runs it
+        self._ungoverned: set[str] = set()
 
     # ------------------------------------------------------------------ dispatch
 
@@ -143,23 +172,71 @@ class Settlement:
 
     # ------------------------------------------------------------------ settling
 
-    async def settle(self, outcome: RequestOutcome) -> None:
+    async def settle(self, outcome: RequestOutcome) -> BaseException | None:
         """The response's final bytes are next: meter, governance, ledger (a durable commit).
         The learners wait for `finish` (the client may still leave during the final send).
-        Never raises: a failing part is logged and the response still ends."""
+        Never raises: a failing part is logged and the response still ends. Returns the
+        refusal the client gets instead of the final bytes (a step numbered with its record
+        that the store's answer refused, see the module's docstring), else None."""
         if outcome.settled:
-            return
+            return None
         outcome.settled = True
         if (trace := outcome.trace) is not None:
             trace.settling(self._clock())
-        # ORDER's first three parts, each on its own (a failing one is logged, the rest run)
-        self._meter_and_govern(outcome, final_bytes_next=True)
+        step = None if self.governance is None else self.governance.deferred_step(outcome)
+        refusal = None
+        if step is None:
+            # ORDER's first three parts, each on its own (a failing one is logged, the rest run)
+            self._meter_and_govern(outcome, final_bytes_next=True)
+            await self._commit(outcome)
+        else:
+            refusal = await self._settle_numbered(outcome, step)
+        if trace is not None:
+            trace.settled(self._clock())
+        return refusal
+
+    async def _commit(self, outcome: RequestOutcome) -> None:
         try:
             await self.accounting.commit(outcome)
         except Exception:
             self._failed(outcome, "ledger")
-        if trace is not None:
-            trace.settled(self._clock())
+
+    async def _settle_numbered(
+        self, outcome: RequestOutcome, step: DeferredStep
+    ) -> BaseException | None:
+        """Meter, the record committed with its step's number (or, when the ledger cannot
+        now, the step numbered, then the record committed), then governance."""
+        governance = self.governance
+        assert governance is not None
+        request_id = outcome.ctx.request_id
+        try:
+            self.accounting.meter(outcome, final_bytes_next=True)
+        except Exception:
+            self._failed(outcome, "meter")
+        self._ungoverned.add(request_id)  # until governance runs below (or in `finish`)
+        row: tuple[Any, ...] | None = ()
+        try:
+            row = await self.accounting.commit_numbered(outcome, step.sql, step.params)
+        except Exception:
+            self._failed(outcome, "ledger")
+        if row is None:  # not now: the step's statement, then the commit
+            try:
+                refusal = await step.read()
+            except Exception:
+                self._failed(outcome, "governance")
+                refusal = None
+            if refusal is None:
+                await self._commit(outcome)
+        else:
+            refusal = step.read_row(row)
+        if refusal is not None:
+            _refused(outcome, refusal)
+        self._ungoverned.discard(request_id)
+        try:
+            governance.finished(outcome)
+        except Exception:
+            self._failed(outcome, "governance")
+        return refusal
 
     def finish(self, outcome: RequestOutcome) -> None:
         """After the response, exactly once: what `settle` did not do, then the learners."""
@@ -169,6 +246,13 @@ class Settlement:
         # ORDER, each part on its own (a failing one is logged, the rest run)
         if not outcome.settled:
             self._meter_and_govern(outcome, final_bytes_next=False)
+        elif self._ungoverned and outcome.ctx.request_id in self._ungoverned:
+            self._ungoverned.discard(outcome.ctx.request_id)  # cancelled while numbered
+            if self.governance is not None:
+                try:
+                    self.governance.finished(outcome)
+                except Exception:
+                    self._failed(outcome, "governance")
         try:
             self.accounting.record(outcome)
         except Exception:
@@ -252,6 +336,19 @@ class Settlement:
             gpu_seconds=end.gpu_seconds,
         )
         self.runs.set_ended((end.tenant, end.run_id))
+
+
+def _refused(outcome: RequestOutcome, refusal: BaseException) -> None:
+    """The outcome of a step the store's answer refused after the engine's work: the
+    refusal's, as a step refused before dispatch (no instance, no step number, no tokens
+    served; its GPU-seconds stay metered)."""
+    status = refusal.status if isinstance(refusal, GpupoolError) else 500
+    outcome.status = status
+    outcome.outcome = outcome_of(status)
+    outcome.reason = refusal.code if isinstance(refusal, GpupoolError) else "internal_error"
+    outcome.error_type = refusal.type if isinstance(refusal, GpupoolError) else None
+    outcome.instance_id = outcome.step_index = outcome.dispatched_at_s = None
+    outcome.prompt_tokens = outcome.completion_tokens = 0
 
 
 def outcome_of(status: int) -> str:

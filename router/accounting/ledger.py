@@ -336,6 +336,17 @@ def _insert_rows(
     return _write_batch(conn, _Batch(rows, {}, 0.0, 0), bad_row)
 
 
+@functools.lru_cache(maxsize=8)
+def _numbered_insert_sql(step_sql: str) -> str:
+    """One row's INSERT whose step index comes from `step_sql`'s row (its first column, the
+    step + 1), both in one statement: `step_sql`'s row is what it returns."""
+    values = ", ".join(["?"] * (len(_COLUMNS) - 1) + ["(SELECT next_step - 1 FROM step)"])
+    return (
+        f"WITH step AS ({step_sql}), rec AS ({_INSERT_ROWS_HEAD}({values}){_INSERT_ROWS_TAIL})"
+        " SELECT * FROM step"
+    )
+
+
 def _delete_older_than(conn: Conn, cutoff_s: float) -> int:
     with conn.transaction():
         deleted = conn.execute("DELETE FROM requests WHERE ended_at_s < ?", (cutoff_s,)).rowcount
@@ -826,6 +837,43 @@ class Ledger:
             self._committed([row], _NO_WAITER, 0, None)
             return True
         return await self._commit_on_writer(writer, loop, row)
+
+    @property
+    def numbers_steps(self) -> bool:
+        """`commit_numbered` can commit a record with its step's statement (PostgreSQL,
+        durable)."""
+        return self._async_commit is not None
+
+    async def commit_numbered(
+        self, record: RequestRecord, step_sql: str, step_params: Sequence[Any]
+    ) -> tuple[Any, ...] | None:
+        """`commit`, in one statement with `step_sql`, a data-modifying statement returning
+        one row whose first column is the record's step index + 1 (a run's step number, as
+        router/governance/shared.py's `NEXT_STEP_SQL` takes it): the record is written with
+        that step index, and the statement's row is returned. One round trip for both.
+
+        None when it cannot go that way now (not PostgreSQL or not durable, another commit
+        queued or in flight, the last one failed): nothing is written; number the step
+        otherwise, then `commit`. () when the statement failed or did not answer within
+        `commit_wait_s`: the record is buffered for the next flush (with `record.step_index`)
+        as a failed commit's, and the step was not numbered."""
+        writer = self._writer if self.durable else None
+        conn = self._async_commit
+        if writer is None or conn is None or self._queued or self._failing or not conn.ready():
+            return None
+        row = self._row(record, queued=True)
+        if row is None:  # the buffer is full: dropped (counted)
+            return ()
+        try:
+            rows = await conn.execute(_numbered_insert_sql(step_sql), (*step_params, *row[:-1]))
+        except Exception as err:
+            self._committed([row], _NO_WAITER, 0, err)
+            return ()
+        except BaseException:  # cancelled: the writer writes it (an upsert), unnumbered
+            writer.put(row, None)
+            raise
+        self._committed([row], _NO_WAITER, 0, None)
+        return rows[0] if rows else ()
 
     async def _commit_on_writer(
         self, writer: _Writer, loop: asyncio.AbstractEventLoop, row: _Row

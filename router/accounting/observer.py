@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from router.accounting.accountant import Accountant, SequenceToken
@@ -118,6 +118,20 @@ class AccountingObserver:
         record = self._record(outcome)
         outcome.committed_as = (record.outcome, record.status_code)
         return self.ledger.commit(record)
+
+    @property
+    def numbers_steps(self) -> bool:
+        """The ledger can commit a record with its step's statement (`commit_numbered`)."""
+        return self.ledger.numbers_steps
+
+    def commit_numbered(
+        self, outcome: RequestOutcome, step_sql: str, step_params: Sequence[Any]
+    ) -> Awaitable[tuple[Any, ...] | None]:
+        """`commit`, the record and its run's step number in one statement
+        (`Ledger.commit_numbered`: None, nothing written, when it cannot now)."""
+        record = self._record(outcome)
+        outcome.committed_as = (record.outcome, record.status_code)
+        return self.ledger.commit_numbered(record, step_sql, step_params)
 
     def record(self, outcome: RequestOutcome) -> None:
         """After the response: queue the record of a request that was not committed, or whose

@@ -751,7 +751,9 @@ class CompletionsHandler:
             raw = orjson.dumps(data)
         if outcome.response_id is not None:
             self._remember_response(outcome, ctx, stored)
-        await self.settlement.settle(outcome)
+        refusal = await self.settlement.settle(outcome)
+        if refusal is not None:  # a run's step the store refused as it numbered it
+            raise refusal
         outcome.response_started = True
         head = [(b"content-type", b"application/json"), *headers, *extra_headers]
         if client is None or not client.respond(200, head, raw):

@@ -73,7 +73,7 @@ from router.governance.metrics import GovernanceMetrics
 from router.governance.replica import ReplicaBudgets
 from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
 from router.governance.shared import NextStep
-from router.governance.speculation import SPECULATE_WITHIN_S, Speculation
+from router.governance.speculation import SPECULATE_WITHIN_S, DeferredStep, Speculation
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
 
@@ -140,6 +140,9 @@ class _SharedTake:
     home: NextStep | None = None  # with the run's home there (any replica's latest answer)
     # the step went on before the store answered (`step`: the known number until it does)
     speculation: Speculation | None = None
+    # the step went on with no statement at all: numbered when its record is committed
+    # (`step`: the known number until then; None once read)
+    deferred: DeferredStep | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -210,6 +213,9 @@ class Governor:
         self._tenants: dict[str, _Tenant] = {}
         self._tickets: dict[str, _Ticket] = {}
         self._early: dict[str, _Early] = {}  # request id -> its slot and step under way
+        # the ledger numbers a known run's step with its record's commit (PostgreSQL; set by
+        # router/settlement.py): such a step sends no statement of its own (`_fold`)
+        self.fold_steps = False
         self._sweep_loop = Periodic(
             "gpupool-governance-sweep", self._sweep_and_save, sweep_interval_s
         )
@@ -488,13 +494,15 @@ class Governor:
                 self._early[ctx.request_id] = early
         return ctx, signals
 
-    def _begin(self, st: _Tenant, ctx: RequestContext) -> _Early | None:
+    def _begin(self, st: _Tenant, ctx: RequestContext, fold: bool = True) -> _Early | None:
         """Ask the shared store for the request's slot and its run's step number now (None:
-        it needs neither)."""
+        it needs neither, or, `fold`, its step is numbered with its ledger record)."""
         replica = self._replica
         assert replica is not None
         limit = st.limits.max_concurrent_requests
         if limit is None and ctx.run_id is None:
+            return None
+        if fold and self._foldable(st, ctx) is not None:
             return None
         task = replica.begin(st.config.name, ctx.request_id, limit, ctx.run_id)
         return _Early(st.config.name, task, self.clock())
@@ -660,7 +668,9 @@ class Governor:
                 else:
                     took.request = True
             if early is None or early.dropped:
-                early = self._begin(st, ctx)
+                if speculate is not None and self._fold(st, ctx, took):
+                    return took
+                early = self._begin(st, ctx, fold=False)
             if (
                 speculate is not None
                 and early is not None
@@ -715,22 +725,8 @@ class Governor:
         (none is asked for). The step takes the known number plus one until the answer."""
         replica = self._replica
         assert replica is not None
-        run = None if ctx.run_id is None else st.runs.get(ctx.run_id)
-        if (
-            run is None
-            or run.store_step is None
-            or run.stopped is not None
-            or run.ended is not None
-            or early.task.done()  # answered already: nothing to gain
-            or replica.down_since_s is not None
-            or self.clock() - run.last_seen_s > SPECULATE_WITHIN_S
-        ):
-            return None
-        max_steps = run.limits.max_steps
-        if max_steps is not None and run.steps + run.inflight + 1 >= max_steps:
-            return None  # its last step (or past it) waits for the store's count
-        slot_id = ctx.session_id or ctx.run_id
-        if st.limits.max_concurrent_runs is not None and slot_id not in _slot_ids(st):
+        run = self._known_run(st, ctx)
+        if run is None or run.store_step is None or early.task.done():  # answered: no gain
             return None
         early.claimed = True  # its answer (and slot) is the ticket's
         replica.unhurry(early.task)  # its answer is read while the engine works: not polled
@@ -745,6 +741,109 @@ class Governor:
                 spec.error = err
 
         return Speculation(early.task, predicted, on_answer)
+
+    def _known_run(self, st: _Tenant, ctx: RequestContext) -> RunState | None:
+        """The request's run when this replica knows it well enough to send its step on
+        before the store numbers it (see `_speculate`), else None."""
+        replica = self._replica
+        run = None if ctx.run_id is None else st.runs.get(ctx.run_id)
+        if (
+            replica is None
+            or run is None
+            or run.store_step is None
+            or run.stopped is not None
+            or run.ended is not None
+            or replica.down_since_s is not None
+            or self.clock() - run.last_seen_s > SPECULATE_WITHIN_S
+        ):
+            return None
+        max_steps = run.limits.max_steps
+        if max_steps is not None and run.steps + run.inflight + 1 >= max_steps:
+            return None  # its last step (or past it) waits for the store's count
+        slot_id = ctx.session_id or ctx.run_id
+        if st.limits.max_concurrent_runs is not None and slot_id not in _slot_ids(st):
+            return None
+        return run
+
+    def _foldable(self, st: _Tenant, ctx: RequestContext) -> RunState | None:
+        """The request's run when its step can be numbered with its ledger record (`_fold`):
+        a known run's non-streaming step that needs no request slot, the ledger able to."""
+        if not self.fold_steps or ctx.stream or st.limits.max_concurrent_requests is not None:
+            return None
+        return self._known_run(st, ctx)
+
+    def _fold(self, st: _Tenant, ctx: RequestContext, took: _SharedTake) -> bool:
+        """Send a known run's step on with no statement: the statement that commits its
+        ledger record numbers it (router/settlement.py: `deferred_step`). False: it waits
+        for its number as before."""
+        run = self._foldable(st, ctx)
+        if run is None or run.store_step is None:
+            return False
+        replica = self._replica
+        assert replica is not None and ctx.run_id is not None
+        name, run_id = st.config.name, ctx.run_id
+        predicted = run.store_step = run.store_step + 1
+        took.step = predicted
+        sql, params = replica.step_statement(name, run_id)
+
+        def read(stored: NextStep | None, failed: bool) -> BaseException | None:
+            try:
+                return self._read_deferred(st, ctx, run, took, stored, failed)
+            except Exception as err:  # a bug: the client gets a 500, not a wrong answer
+                log.exception("%s: reading the store's answer failed", ctx.request_id)
+                return err
+
+        took.deferred = DeferredStep(
+            sql, params, predicted, lambda: replica.next_step(name, run_id), read
+        )
+        return True
+
+    def deferred_step(self, outcome: RequestOutcome) -> DeferredStep | None:
+        """The request's step, sent on with no statement, when it is to be numbered with its
+        ledger record now (its response is next); None otherwise."""
+        ticket = self._tickets.get(outcome.ctx.request_id)
+        if ticket is None or ticket.shared is None or ticket.shared.deferred is None:
+            return None
+        replica = self._replica
+        if replica is None or replica.down_since_s is not None or outcome.instance_id is None:
+            return None  # the known number stands (as the ledger numbers in an outage)
+        return ticket.shared.deferred
+
+    def _read_deferred(
+        self,
+        st: _Tenant,
+        ctx: RequestContext,
+        run: RunState,
+        took: _SharedTake,
+        stored: NextStep | None,
+        failed: bool,
+    ) -> GpupoolError | None:
+        """The store numbered a step sent on with no statement (`_fold`), as its record was
+        committed: its number and home, or the refusal `enter` would have given (the ticket
+        then counts no step; `x-gpupool-run-end` on it does not end the run)."""
+        replica = self._replica
+        assert replica is not None
+        predicted = took.step if took.deferred is None else took.deferred.predicted
+        took.deferred = None
+        ticket = self._tickets.get(ctx.request_id)
+        error: GpupoolError | None = None
+        if stored is None:
+            label = "unanswered"  # the known number stands
+            if failed and ctx.run_id is not None:  # the commit failed: count the step there
+                replica.number_later(st.config.name, ctx.run_id)
+        else:
+            error = self._read_stored(
+                st, ctx, run, took, stored, ticket is not None and ticket.run_end
+            )
+            if error is not None:
+                label = "refused"
+                self._refused_speculation(ctx)
+            else:
+                took.step = stored.step
+                self._adopt_home(ctx, stored)
+                label = "confirmed" if stored.step == predicted else "renumbered"
+        self.metrics.folded.labels(label).inc()
+        return error
 
     def _answered(
         self,
@@ -778,23 +877,8 @@ class Governor:
         if not admitted:
             error = self._slot_refusal(st)
         elif stored is not None:
-            took.home = stored
-            run.store_step = max(run.store_step or 0, stored.step)
-            ticket = self._tickets.get(ctx.request_id)
-            counted = 1 if ticket is not None and ticket.counted else 0
-            now = self.clock()
-            run.steps -= counted  # the steps before this one, as `enter` counts them
-            try:
-                stored_stop = self._merge_stored(st, run, stored)
-                stop = check_step(run, now, None, self._idle_timeout_s) or stored_stop
-            finally:
-                run.steps += counted
-            if stop is not None:
-                self._stop(st, run, stop, now)
-                if signals.run_end:
-                    self._release(st, run)
-                error = RunStopped(stop.message, stop.code, param=stop.setting)
-            else:
+            error = self._read_stored(st, ctx, run, took, stored, signals.run_end)
+            if error is None:
                 spec.step = took.step = stored.step
                 self._adopt_home(ctx, stored)
         if error is not None:
@@ -807,6 +891,36 @@ class Governor:
         self.metrics.speculated.labels(spec.label).inc()
         if spec.awaited:
             self.metrics.speculated_awaited.inc()
+
+    def _read_stored(
+        self,
+        st: _Tenant,
+        ctx: RequestContext,
+        run: RunState,
+        took: _SharedTake,
+        stored: NextStep,
+        run_end: bool,
+    ) -> GpupoolError | None:
+        """The store's answer for a step sent on before it: its home taken, the guards run
+        on the stored counters as `enter` runs them (the step itself not counted); the stop's
+        refusal, else None."""
+        took.home = stored
+        run.store_step = max(run.store_step or 0, stored.step)
+        ticket = self._tickets.get(ctx.request_id)
+        counted = 1 if ticket is not None and ticket.counted else 0
+        now = self.clock()
+        run.steps -= counted  # the steps before this one, as `enter` counts them
+        try:
+            stored_stop = self._merge_stored(st, run, stored)
+            stop = check_step(run, now, None, self._idle_timeout_s) or stored_stop
+        finally:
+            run.steps += counted
+        if stop is None:
+            return None
+        self._stop(st, run, stop, now)
+        if run_end:
+            self._release(st, run)
+        return RunStopped(stop.message, stop.code, param=stop.setting)
 
     def _refused_speculation(self, ctx: RequestContext) -> None:
         """A step the store's answer refused: as a step refused at `enter`, it does not end
@@ -1142,6 +1256,13 @@ class Governor:
             spec.closed = True  # an answer still to come gives its slot back
             if spec.resolved and spec.error is None and outcome.step_index is not None:
                 outcome.step_index = took.step  # the store's number, for the ledger
+        if took is not None and took.deferred is not None:  # ended before its record's commit
+            took.deferred = None
+            run_id = outcome.ctx.run_id
+            if ticket.counted and run_id is not None and self._replica is not None:
+                self._replica.number_later(ticket.tenant, run_id)  # counted there, as before
+        elif took is not None and took.step is not None and outcome.step_index is not None:
+            outcome.step_index = took.step  # the store's number (a folded step's, read now)
         if took is not None and self._replica is not None:
             self._replica.give(ticket.tenant, "tokens", took.tokens - used if took.tokens else 0.0)
             if took.request and outcome.dispatched_at_s is None:

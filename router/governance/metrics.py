@@ -158,6 +158,17 @@ class GovernanceMetrics:
             " that answer (the engine answered before the store did)",
             registry=r,
         )
+        self.folded = Counter(
+            "gpupool_governance_step_numbered_at_commit_total",
+            "Agent steps sent on with no statement of their own and numbered by the statement"
+            " that committed their ledger record (PostgreSQL, non-streaming), by the answer:"
+            " confirmed (as known), renumbered (another replica took steps: the store's"
+            " number kept), refused (stopped or at max_steps on another replica: the client"
+            " refused after the engine's work), unanswered (the store failed: the known"
+            " number kept)",
+            ["outcome"],
+            registry=r,
+        )
 
     def tenant(self, name: str) -> TenantSeries:
         """`name`'s per-request series (tenants come from the config: the cache is bounded)."""

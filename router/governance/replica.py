@@ -47,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from router.errors import StoreUnavailable
@@ -486,6 +486,35 @@ class ReplicaBudgets:
             return None
         return NextStep.from_row(got) if isinstance(got, tuple) else got
 
+    def step_statement(self, tenant: str, run_id: str) -> tuple[str, tuple[object, ...]]:
+        """`next_step`'s statement and parameters, for a statement of another component to
+        carry (the ledger's commit of the step's record, router/settlement.py)."""
+        return NEXT_STEP_SQL, (tenant, run_id, self._wall())
+
+    def number_later(self, tenant: str, run_id: str) -> None:
+        """Count a step of the run in the store, in the background (a step sent on with no
+        statement whose record was not committed with its number: its known number stands,
+        and the next step here is numbered after it)."""
+        self._background(self._number_later(tenant, run_id))
+
+    async def _number_later(self, tenant: str, run_id: str) -> None:
+        await self.next_step(tenant, run_id)
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` on the event loop, in the background (awaited at close), unless the
+        store is down or closed (then it is dropped)."""
+        if self.down_since_s is not None or self._closed:
+            work.close()
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside the event loop
+            work.close()
+            return
+        task = loop.create_task(work)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
     def unhurry(self, task: asyncio.Task[Any]) -> None:
         """The request `task` (`begin`'s) answers went on without its answer: its statement,
         when it is the one in flight on the loop's connection, is not polled for
@@ -552,15 +581,7 @@ class ReplicaBudgets:
         (ended: dropped, it was the old run's)."""
         if stop_code is None:
             self.run_usage.pop((tenant, run_id), None)
-        if self.down_since_s is not None or self._closed:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        task = loop.create_task(self._mark_run(tenant, run_id, stop_code))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self._background(self._mark_run(tenant, run_id, stop_code))
 
     async def _mark_run(self, tenant: str, run_id: str, stop_code: str | None) -> None:
         try:

@@ -17,15 +17,30 @@ flight. The request path then holds the response until the answer is in:
 The governor reads the answer (`on_answer`, called once, when it comes): a stop or a refused
 slot becomes `error` (and cancels the watched task); another number (another replica took
 steps meanwhile) replaces the known one; the step stays where it ran.
+
+A known run's non-streaming step that needs no request slot goes further when the ledger
+commits on PostgreSQL (s44): no statement is sent for it at all until its response's record
+is committed, and that one statement numbers the step too (`DeferredStep`, handed to the
+settlement, router/settlement.py):
+
+    step = governor.deferred_step(outcome)     None: numbered already (or not a run's step)
+    row = await ledger.commit_numbered(record, step.sql, step.params)
+    error = step.read_row(row)                 the refusal the client gets instead (403)
+
+so the step costs no round trip of its own; a refusal (a stop or `max_steps` reached on
+another replica) is then found after the engine's work, and the client gets it instead of
+the response (docs/replicas.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-__all__ = ["SPECULATE_WITHIN_S", "Speculation"]
+from router.governance.shared import NextStep
+
+__all__ = ["SPECULATE_WITHIN_S", "DeferredStep", "Speculation"]
 
 # how recently this replica must have seen the run's previous step to send the next one on
 # before the store answers (past that another replica has likely taken it over)
@@ -110,3 +125,38 @@ class Speculation:
             except Exception:
                 pass  # read by `on_answer`, as the task's exception
             self._answered()
+
+
+class DeferredStep:
+    """A known run's step sent on without any statement: numbered by the statement that
+    commits its ledger record (`sql`, `params`: the step's upsert, whose row the ledger's
+    statement returns), or, when the ledger cannot commit that way now, by `number()`.
+    `read_row` / `read` take the answer once and return the refusal the client gets
+    instead of the response (None: served, under the store's number)."""
+
+    __slots__ = ("_number", "_on_answer", "params", "predicted", "sql")
+
+    def __init__(
+        self,
+        sql: str,
+        params: Sequence[object],
+        predicted: int,
+        number: Callable[[], Awaitable[NextStep | None]],
+        on_answer: Callable[[NextStep | None, bool], BaseException | None],
+    ) -> None:
+        self.sql = sql
+        self.params = params
+        self.predicted = predicted  # the number this replica knew
+        self._number = number
+        self._on_answer = on_answer
+
+    def read_row(self, row: Sequence[Any]) -> BaseException | None:
+        """The ledger's answer: `sql`'s row, or empty when the commit failed (the record is
+        buffered; the known number stands and the step is numbered in the background)."""
+        return self._on_answer(NextStep.from_row(row) if row else None, not row)
+
+    async def read(self) -> BaseException | None:
+        """Number the step with its own statement (the ledger could not take it), then read
+        the answer as `read_row` does (None from the store: the known number stands)."""
+        stored = await self._number()
+        return self._on_answer(stored, False)

@@ -21,6 +21,8 @@ class Calls(list[str]):
 
 
 class FakeMeter:
+    numbers_steps = False  # the ledger numbers no steps with its records (SQLite's)
+
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
 
@@ -50,8 +52,13 @@ class FakeMeter:
 
 
 class FakeGovernance:
+    fold_steps = True  # settlement sets it from the meter's `numbers_steps`
+
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
+
+    def deferred_step(self, outcome: RequestOutcome) -> None:
+        return None  # every step numbered before its record (none sent on unnumbered)
 
     def dispatched(self, outcome: RequestOutcome) -> None:
         self.calls.append("governance.dispatched")

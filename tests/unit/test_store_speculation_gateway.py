@@ -47,9 +47,10 @@ def _config(tmp_path: Path, url: str) -> Config:
     )
 
 
-def speculated(text: str, outcome: str) -> float:
-    """`gpupool_governance_step_speculated_total{outcome=...}` in a /metrics page."""
-    pattern = rf'^gpupool_governance_step_speculated_total\{{outcome="{outcome}"\}} (\S+)$'
+def speculated(text: str, outcome: str, metric: str = "speculated") -> float:
+    """`gpupool_governance_step_speculated_total{outcome=...}` in a /metrics page (`metric`
+    "numbered_at_commit": the steps numbered with their ledger record)."""
+    pattern = rf'^gpupool_governance_step_{metric}_total\{{outcome="{outcome}"\}} (\S+)$'
     found = re.search(pattern, text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
 
@@ -99,9 +100,10 @@ async def post(client: httpx.AsyncClient, *, stream: bool = False) -> httpx.Resp
 async def test_a_known_runs_steps_are_confirmed_and_renumbered(
     postgres_server: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Router a takes steps 0 and 1 (1 goes on before the store's answer, which confirms it:
-    a took 0), router b takes step 2 on another engine, and a's next step goes on as 2 on its
-    own engine: the store numbers it 3, and it stays where it ran."""
+    """Router a takes steps 0 and 1 (1, a stream, goes on before the store's answer, which
+    confirms it: a took 0), router b takes step 2 on another engine, and a's next step (not a
+    stream: numbered with its ledger record) goes on as 2 on its own engine: the store
+    numbers it 3 as its record is committed, and it stays where it ran."""
     url = postgres_server.create_database("speculation_renumbered")
     monkeypatch.setenv(ENV, PASSWORD)
     config = _config(tmp_path, url)
@@ -134,7 +136,9 @@ async def test_a_known_runs_steps_are_confirmed_and_renumbered(
         assert third.status_code == 200
         assert [s.served - n for s, n in zip(a.states, served, strict=True)] == [1, 0]
         page = (await a.client.get("/metrics")).text
-        assert (speculated(page, "confirmed"), speculated(page, "renumbered")) == (1, 1)
+        assert (speculated(page, "confirmed"), speculated(page, "renumbered")) == (1, 0)
+        assert speculated(page, "renumbered", "numbered_at_commit") == 1
+        assert "x-gpupool-instance" in third.headers
     records = ledger(url)
     steps = [(step, status, instance) for _, step, status, _, instance in records]
     assert steps == [(0, 200, "engine-0"), (1, 200, "engine-0"), (2, 200, "engine-1"),
@@ -194,7 +198,9 @@ async def test_a_run_stopped_on_another_replica_meanwhile_cancels_the_engine_req
                     assert (await post(client)).status_code == 200
                 engine.hold = True
                 async with row_locked(url) as lock:  # a's statement for the step waits for it
-                    request = asyncio.create_task(post(client))
+                    # a stream: its step is numbered before its first byte (not a stream:
+                    # with its record, the next test)
+                    request = asyncio.create_task(post(client, stream=True))
                     await until(lambda: engine.held == 1, "the step reached the engine")
                     assert not request.done()
                     # the stop another replica's guard writes (SharedBudgets.mark_run)
@@ -212,7 +218,7 @@ async def test_a_run_stopped_on_another_replica_meanwhile_cancels_the_engine_req
                 page = (await client.get("/metrics")).text
                 assert speculated(page, "refused") == 1
                 refused_id = resp.headers["x-gpupool-request-id"]
-                again = await post(client)  # stopped on a now: refused before any engine
+                again = await post(client, stream=True)  # stopped on a: refused at `enter`
                 assert again.status_code == 403 and engine.held == 1
         finally:
             await a.aclose()
@@ -221,5 +227,53 @@ async def test_a_run_stopped_on_another_replica_meanwhile_cancels_the_engine_req
     # recorded as the step refused at `enter` after it is: no instance, 403, and no step
     # number (neither reached an engine; a number from this router's own counter could be one
     # another replica's served step has)
+    refused_at_enter = records[again.headers["x-gpupool-request-id"]]
+    assert records[refused_id][1:] == refused_at_enter[1:] == (None, 403, "client_error", None)
+
+
+async def test_a_step_numbered_with_its_record_is_refused_by_a_stop_written_meanwhile(
+    postgres_server: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A known run's non-streaming step goes on with no statement and is numbered by its
+    ledger record's commit; another replica's guard stops the run while the engine works on
+    it: the engine answers, but the client gets the stop (403 run_loop, no instance), the
+    record written with the commit is replaced by the refusal's, the step counts nowhere,
+    and the run's next step is refused before any engine."""
+    url = postgres_server.create_database("numbered_at_commit_stopped")
+    monkeypatch.setenv(ENV, PASSWORD)
+    async with gateway_over_fakes(_config(tmp_path, url)) as a:
+        a.gateway.affinity.record(KEY, "engine-0")
+        engine = a.states[0]
+        for _ in range(2):  # steps 0 and 1 (1 numbered with its record): a knows the run
+            assert (await post(a.client)).status_code == 200
+        page = (await a.client.get("/metrics")).text
+        assert speculated(page, "confirmed", "numbered_at_commit") == 1
+        served = engine.served
+        engine.gate = asyncio.Event()
+        request = asyncio.create_task(post(a.client))
+        await until(lambda: engine.running == 1, "the step reached engine-0")
+        lock = await psycopg.AsyncConnection.connect(url, password=PASSWORD)
+        try:  # the stop another replica's guard writes (SharedBudgets.mark_run)
+            await lock.execute(
+                "UPDATE run_steps SET stop_code = 'run_loop' WHERE run_id = %s", (RUN,)
+            )
+            await lock.commit()
+        finally:
+            await lock.close()
+        engine.gate.set()
+        resp = await asyncio.wait_for(request, 5)
+        assert resp.status_code == 403
+        error = resp.json()["error"]
+        assert error["code"] == "run_loop" and "another router replica" in error["message"]
+        assert "x-gpupool-instance" not in resp.headers
+        assert engine.served == served + 1  # the engine's work was done: refused after it
+        page = (await a.client.get("/metrics")).text
+        assert speculated(page, "refused", "numbered_at_commit") == 1
+        again = await post(a.client)
+        assert again.status_code == 403 and engine.served == served + 1
+        refused_id = resp.headers["x-gpupool-request-id"]
+        await a.gateway.ledger.flush()
+    records = {r[0]: r for r in ledger(url)}
+    assert sorted(r[1] for r in records.values() if r[2] == 200) == [0, 1]
     refused_at_enter = records[again.headers["x-gpupool-request-id"]]
     assert records[refused_id][1:] == refused_at_enter[1:] == (None, 403, "client_error", None)
