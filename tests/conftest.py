@@ -60,6 +60,14 @@ def leaked_processes(grace_s: float = LEAK_GRACE_S) -> dict[int, str]:
     return alive
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "coin: checks the picker's random tie-break itself, or pins what a seeded one drew;"
+        " skipped when tests/tools/tieplug.py forces the tie-break",
+    )
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput") or not Path("/proc/self/environ").exists():

@@ -151,6 +151,7 @@ def test_stale_telemetry_counts_as_full_and_health_recovers() -> None:
     assert state.healthy and fleet.kv_usage_frac(state) == 0.0
 
 
+@pytest.mark.coin
 def test_ties_are_broken_at_random_but_reproducibly() -> None:
     clock = Clock()
     specs = [InstanceSpec(f"e{i}", f"http://e{i}", 1) for i in range(4)]
