@@ -9,8 +9,10 @@ the coin forced each way; a test that passes both times does not lean on it:
 
 (`make unit-tie` runs both.) `random.Random.choice` (so every `Random` and `SystemRandom`) and
 `random.choice` return the sequence's first or last element when the caller is in a module
-named by `TIE_SCOPE`: comma-separated module prefixes, by default gpupool's packages; `all`
-forces every caller, the standard library's, Hypothesis's and the tests' own data generators
+named by `TIE_SCOPE`: comma-separated module prefixes, a `-` before one leaves it out; by
+default gpupool's packages less `pools.devmodel` (whose seeded draws write the dev model's
+tokenizer corpus: forced, the corpus is one word and the tokenizer another). `all` forces every
+caller, the standard library's, Hypothesis's and the tests' own data generators
 too (where a forced choice is no coin: a golden input list of one word, Hypothesis never
 finishing a search). Tests marked `coin` (they check the tie-break itself, or pin what a seeded
 one drew) are skipped.
@@ -26,20 +28,30 @@ from typing import Any
 
 import pytest
 
-PRODUCT = "router,pools,gpu_probe,kvcache_model"
+PRODUCT = "router,pools,gpu_probe,kvcache_model,-pools.devmodel"
 MODE = pytest.StashKey[str]()
 
 
+def in_scope(module: str, scope: str) -> bool:
+    """Whether `module` is named by `scope` (see the module's doc): "router" names router and
+    router.x, not routers."""
+    if scope == "all":
+        return True
+    names = [n.strip() for n in scope.split(",") if n.strip()]
+    module += "."
+    if any(module.startswith(n[1:] + ".") for n in names if n.startswith("-")):
+        return False
+    return any(module.startswith(n + ".") for n in names if not n.startswith("-"))
+
+
 def forced_choice(
-    original: Callable[[Sequence[Any]], Any], end: int, scope: tuple[str, ...] | None
+    original: Callable[[Sequence[Any]], Any], end: int, scope: str
 ) -> Callable[..., Any]:
-    """`choice` that returns `seq[end]` for a caller whose module starts with one of `scope`'s
-    prefixes (each ending in a dot; None: every caller)."""
+    """`choice` that returns `seq[end]` for a caller in `scope`."""
 
     def choice(*args: Any) -> Any:
         seq = args[-1]  # `Random.choice(self, seq)` or the bound `random.choice(seq)`
-        caller = sys._getframe(1).f_globals.get("__name__", "") + "."
-        if len(seq) and (scope is None or any(caller.startswith(m) for m in scope)):
+        if len(seq) and in_scope(sys._getframe(1).f_globals.get("__name__", ""), scope):
             return seq[end]
         return original(*args)
 
@@ -50,15 +62,11 @@ def pytest_configure(config: pytest.Config) -> None:
     mode = os.environ.get("TIE", "")
     if mode not in ("first", "last"):
         raise pytest.UsageError(f"tieplug: TIE must be 'first' or 'last', not {mode!r}")
-    names = os.environ.get("TIE_SCOPE", PRODUCT)
-    # "router" names router and router.x, not routers
-    scope = (
-        None if names == "all" else tuple(f"{n.strip()}." for n in names.split(",") if n.strip())
-    )
+    scope = os.environ.get("TIE_SCOPE", PRODUCT)
     end = 0 if mode == "first" else -1
     random.Random.choice = forced_choice(random.Random.choice, end, scope)  # type: ignore[method-assign]
     random.choice = forced_choice(random.choice, end, scope)
-    config.stash[MODE] = f"TIE={mode} TIE_SCOPE={names}"
+    config.stash[MODE] = f"TIE={mode} TIE_SCOPE={scope}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
