@@ -41,6 +41,7 @@ _COMPONENTS: tuple[tuple[str, str], ...] = (
     ("httptools/parser", "HTTP parsing, server side (httptools)"),
     ("_http_parser", "HTTP parsing, client side (aiohttp's C parser)"),
     ("uvicorn/", "ASGI server (uvicorn)"),
+    ("router/gateway/server.py", "HTTP server (router/gateway/server.py)"),
     ("aiohttp/", _AIOHTTP),
     ("_http_writer.c", _AIOHTTP),
     ("_helpers_c.c", _AIOHTTP),
@@ -81,6 +82,7 @@ _PARTS: tuple[tuple[str, str], ...] = (
     ("pools/", "admission (router/admission, pools/)"),
     ("router/gateway/upstream.py", "engine client (its socket writes included)"),
     ("router/gateway/http_protocol.py", "client link (its socket writes included)"),
+    ("router/gateway/server.py", "HTTP server (its socket writes included)"),
     ("router/gateway/classify.py", "classify"),
     ("router/gateway/", "request path (router/gateway)"),
     ("router/accounting/", "ledger and accounting (router/accounting, router/store)"),
@@ -183,6 +185,7 @@ def fold(samples: Iterable[tuple[list[str], int]], top_n: int = 15) -> dict[str,
     incl: Counter[str] = Counter()
     layers = {
         "uvicorn/": "ASGI server (uvicorn) incl. the app it calls",
+        "router/gateway/server.py": "gpupool's HTTP server incl. the app it calls",
         "router/gateway/proxy.py": (
             "gpupool's request path (router/gateway/proxy.py) incl. what it calls"
         ),

@@ -1,10 +1,14 @@
 """The server layer alone, with numbers: one trivial ASGI app (read the body, answer a fixed
 ~300-byte JSON, what the fake engine answers a non-streaming request) behind
 
-- `uvicorn-gpupool`: uvicorn + httptools on uvloop with gpupool's guarded protocol, configured
-  as `gpupool serve` configures it (router/cli/stack.py);
-- `uvicorn-gpupool-link`: the same, the app taking the body and answering through the
+- `gpupool-server`: gpupool's own server (router/gateway/server.py), configured as `gpupool
+  serve` configures it (router/cli/stack.py), the app using `receive` and `send`;
+- `gpupool-server-link`: the same, the app taking the body and answering through the
   `ClientLink` as gpupool's request path does (no `receive`, one write);
+- with `--baseline PATH`, that checkout's server in the same rounds: `gpupool-server*-baseline`
+  where it has router/gateway/server.py, else `uvicorn-gpupool` and `uvicorn-gpupool-link`:
+  uvicorn with gpupool's guarded protocol (router/gateway/http_protocol.py before 2026-12-03
+  s44, when it was the server);
 - `uvicorn-plain`: uvicorn + httptools on uvloop, its defaults (proxy headers on);
 - `raw-httptools-task`: the ceiling of a server protocol of our own: an `asyncio.Protocol` fed
   to httptools' parser, each request served by a task running a coroutine that writes the
@@ -93,6 +97,21 @@ config = uvicorn.Config(app, log_level="warning", access_log=False, proxy_header
 uvloop.run(uvicorn.Server(config).serve(sockets=[sock]))
 """
 
+_GPUPOOL_SERVER = """
+import asyncio, socket, uvloop
+from router.gateway.server import Server, ServerSettings
+from benchmarks.router_overhead.servers import {app} as app
+sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind(("127.0.0.1", {port})); sock.listen(2048); sock.setblocking(False)
+async def main():
+    server = Server(app, ServerSettings(head_timeout_s=30.0, max_head_bytes=65536,
+        keep_alive_s=75.0, max_connections=4096))
+    await server.start(sock)
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
+
 _RAW_HTTPTOOLS = """
 import asyncio, socket, httptools, uvloop
 from benchmarks.router_overhead.servers import BODY
@@ -139,8 +158,8 @@ def _servers(repo: Path, baseline: Path | None = None) -> dict[str, tuple[list[s
     py = str(repo / ".venv" / "bin" / "python")
     granian = repo / ".venv-peers" / "granian" / "bin" / "granian"
     out = {
-        "uvicorn-gpupool": [py, "-c", _UVICORN_GPUPOOL.format(port=_PORT, app="app")],
-        "uvicorn-gpupool-link": [py, "-c", _UVICORN_GPUPOOL.format(port=_PORT, app="link_app")],
+        "gpupool-server": [py, "-c", _GPUPOOL_SERVER.format(port=_PORT, app="app")],
+        "gpupool-server-link": [py, "-c", _GPUPOOL_SERVER.format(port=_PORT, app="link_app")],
         "uvicorn-plain": [
             *(py, "-m", "uvicorn", "benchmarks.router_overhead.servers:app"),
             *("--port", str(_PORT), "--http", "httptools", "--loop", "uvloop"),
@@ -156,9 +175,13 @@ def _servers(repo: Path, baseline: Path | None = None) -> dict[str, tuple[list[s
             *("--log-level", "warning", "benchmarks.router_overhead.servers:app"),
         ]
     servers = {name: (argv, repo) for name, argv in out.items()}
-    if baseline is not None:  # gpupool's protocol as that checkout has it, the same apps
-        for name in ("uvicorn-gpupool", "uvicorn-gpupool-link"):
-            servers[name + "-baseline"] = (out[name], baseline)
+    if baseline is not None:  # gpupool's server as that checkout has it, the same apps
+        if (baseline / "router" / "gateway" / "server.py").exists():
+            for name in ("gpupool-server", "gpupool-server-link"):
+                servers[name + "-baseline"] = (out[name], baseline)
+        else:
+            for name, app in (("uvicorn-gpupool", "app"), ("uvicorn-gpupool-link", "link_app")):
+                servers[name] = ([py, "-c", _UVICORN_GPUPOOL.format(port=_PORT, app=app)], baseline)
     return servers
 
 
@@ -217,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--baseline",
         type=Path,
-        help="another checkout: its gpupool protocol also runs (`-baseline`), in the same rounds "
-        "(the apps are this checkout's; put this servers.py there too)",
+        help="another checkout: its gpupool server also runs, in the same rounds (uvicorn with "
+        "gpupool's protocol where it has no router/gateway/server.py; the apps are that "
+        "checkout's benchmarks/router_overhead/servers.py's)",
     )
     args = p.parse_args(argv)
     from benchmarks.router_overhead.procs import pin_self

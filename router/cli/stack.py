@@ -1,8 +1,6 @@
-"""Running the stack in one process: engines (optional), the router behind uvicorn, and a
-clean shutdown on Ctrl-C or SIGTERM that stops every engine this process started.
-
-uvicorn's own signal handling is replaced by ours (its `capture_signals` re-raises the signal
-after shutdown, which would skip stopping the engines).
+"""Running the stack in one process: engines (optional), the router behind gpupool's own HTTP
+server (router/gateway/server.py), and a clean shutdown on Ctrl-C or SIGTERM (requests in
+flight finish within `router.shutdown_grace_s`) that stops every engine this process started.
 """
 
 from __future__ import annotations
@@ -11,14 +9,11 @@ import asyncio
 import contextlib
 import gc
 import logging
-import math
 import signal
 import socket
 import sys
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import uvicorn
 
 from pools.config import Config
 from pools.launchers import (
@@ -47,12 +42,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 # how long an idle client connection stays open (see `run_stack`)
 CLIENT_KEEP_ALIVE_S = 75
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 def say(message: str) -> None:
@@ -125,9 +114,8 @@ def _banner(config: Config, gateway_view: dict[str, object], host: str, port: in
 
 
 def run_blocking(config: Config, *, launch: bool) -> int:
-    """Run the stack on uvloop (as uvicorn does when it owns the loop), else asyncio's loop.
-    Logs at `router.log_level` (`gpupool -v` has made it debug), uvicorn's loggers too, in
-    `router.log_format` (json: uvicorn's loggers write through the root's JSON handler).
+    """Run the stack on uvloop where installed, else asyncio's loop. Logs at
+    `router.log_level` (`gpupool -v` has made it debug) in `router.log_format`.
     With `router.replicas` > 1, this process supervises that many router processes
     (router/cli/replicas.py)."""
     configure_logging(config.router.log_format, config.router.log_level)
@@ -158,16 +146,6 @@ def run_router(config: Config, *, launch: bool, replica: Replica | None = None) 
     except ImportError:
         return asyncio.run(stack)
     return uvloop.run(stack)
-
-
-async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
-    """uvicorn's serve, with its startup failure (it calls `sys.exit(3)` when the app's startup
-    fails, e.g. an unreachable store) ending this task instead of unwinding the event loop: the
-    app has logged why, and `run_stack` answers exit code 1."""
-    try:
-        await server.serve(sockets=[sock])
-    except SystemExit:
-        return
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -214,7 +192,7 @@ async def run_stack(config: Config, *, launch: bool, replica: Replica | None = N
     # the router's modules, imported here: a replicas' supervisor (router/cli/replicas.py)
     # imports this module and never runs a router itself
     from router.gateway.app import create_app
-    from router.gateway.http_protocol import guarded_protocol
+    from router.gateway.server import Server, ServerSettings, StartupFailed
 
     stop = stop_on_signals()
     rc = config.router
@@ -247,33 +225,23 @@ async def run_stack(config: Config, *, launch: bool, replica: Replica | None = N
             instances = instances_without_launching(config)
         source = launcher.source if isinstance(launcher, DiscoveringLauncher) else None
         gateway = create_app(config, instances, source=source)
-        server = _Server(
-            uvicorn.Config(
-                gateway,
-                log_level=rc.log_level,  # access lines stay off: one per request
-                log_config=None if rc.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-                access_log=False,
-                # nothing reads the client address or scheme: no X-Forwarded-* rewriting
-                # middleware around every request, no `server: uvicorn` header on every answer
-                proxy_headers=False,
-                server_header=False,
-                lifespan="on",
-                http=guarded_protocol(
-                    head_timeout_s=rc.head_timeout_s, max_head_bytes=rc.max_header_bytes
-                ),
-                timeout_graceful_shutdown=max(1, math.ceil(rc.shutdown_grace_s)),
-                limit_concurrency=rc.max_connections,
+        server = Server(
+            gateway,
+            ServerSettings(
+                head_timeout_s=rc.head_timeout_s,
+                max_head_bytes=rc.max_header_bytes,
                 # longer than clients keep idle connections (httpx 5 s, aiohttp 15 s), so the
                 # client closes an idle one first; at uvicorn's 5 s the router closed
                 # connections clients were about to reuse (`pools.testing.serve`)
-                timeout_keep_alive=CLIENT_KEEP_ALIVE_S,
-            )
+                keep_alive_s=CLIENT_KEEP_ALIVE_S,
+                max_connections=rc.max_connections,
+            ),
+            shutdown_grace_s=rc.shutdown_grace_s,
         )
-        serving = asyncio.ensure_future(_serve(server, sock))
-        # uvicorn exposes only a `started` flag, no event to wait on
-        while not server.started and not serving.done():  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-        if serving.done():
+        try:
+            await server.start(sock)
+        except StartupFailed as err:
+            log.error("the application's startup failed: %s", err)
             say("the router failed to start")
             return 1
         # What start-up built (~12k objects: the config, the app's components, metrics, the
@@ -285,16 +253,12 @@ async def run_stack(config: Config, *, launch: bool, replica: Replica | None = N
             replica.ready()
         else:
             _banner(config, gateway.pools_view(), rc.host, rc.port)
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        # stop accepting before saying so: uvicorn's own close waits for its next 0.1 s tick,
-        # and a connection accepted in that window was served while the router drained
-        for listener in server.servers:
-            listener.close()
+        await stop.wait()
+        # stop accepting before saying so: a connection accepted while the router drained
+        # would be served
+        server.stop_accepting()
         say("shutting down")
-        server.should_exit = True
-        await serving
-        stopper.cancel()
+        await server.aclose()
         return 0
     except LauncherError as err:
         say(f"error: {err}")

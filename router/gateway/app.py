@@ -445,7 +445,7 @@ class Gateway:
         self, scope: Scope, receive: Receive, send: Send
     ) -> Coroutine[Any, Any, None] | None:
         """The handler's coroutine for a POST to a generation endpoint, exactly what
-        `__call__` awaits for it, for gpupool's server (router/gateway/http_protocol.py) to
+        `__call__` awaits for it, for gpupool's server (router/gateway/server.py) to
         run as the request's task itself: a frame fewer on every wake-up of every request.
         None for anything else (`__call__` serves it)."""
         handler = self.handler

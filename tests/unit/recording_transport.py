@@ -1,4 +1,4 @@
-"""A transport for driving gpupool's server protocol (router/gateway/http_protocol.py) without
+"""A transport for driving gpupool's server (router/gateway/server.py) without
 sockets: it records what is written and whether it was closed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A client that leaves under gpupool's own server (router/gateway/http_protocol.py's
+"""A client that leaves under gpupool's own server (router/gateway/server.py, the request's
 ClientLink): the request, served in the server's task with no watcher beside it, is cancelled,
 counts as aborted (499, client_disconnect), releases its lease and drops the engine's
 connection; the requests after it are served as usual."""

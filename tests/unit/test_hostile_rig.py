@@ -1,5 +1,6 @@
-"""The rig the hostile-input tests share: the router served by uvicorn as `gpupool serve` serves
-it (httptools, the lifespan, `limit_concurrency=router.max_connections`) on an event loop in a
+"""The rig the hostile-input tests share: the router served by gpupool's own server
+(router/gateway/server.py) as `gpupool serve` serves it (httptools, the lifespan,
+`router.max_connections`) on an event loop in a
 thread of its own, in front of fake engines that refuse what vLLM refuses.
 
 The thread lets synchronous clients (schemathesis, raw sockets, hypothesis) drive a real
@@ -24,15 +25,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
-import uvicorn
 
 from pools.config import Config
 from pools.launchers.base import InstanceSpec
 from pools.testing.config import REMOVE, config_for_test, default_pools
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
+from router.cli.stack import CLIENT_KEEP_ALIVE_S
 from router.gateway.app import Gateway, create_app
-from router.gateway.http_protocol import guarded_protocol
+from router.gateway.server import Server, ServerSettings
 
 T = TypeVar("T")
 ASGIApp = Callable[..., Awaitable[None]]
@@ -166,32 +167,16 @@ def vllm_like(engine: ASGIApp, seen_headers: list[dict[bytes, bytes]] | None = N
 # ------------------------------------------------------------------------------------------------
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handling (it runs outside the main thread)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def router_server(gateway: Gateway, config: Config) -> uvicorn.Server:
-    """uvicorn configured as router/cli/stack.py configures it for `gpupool serve`."""
-    return _Server(
-        uvicorn.Config(
-            gateway,
-            log_level="critical",
-            access_log=False,
-            proxy_headers=False,
-            server_header=False,
-            lifespan="on",
-            http=guarded_protocol(
-                head_timeout_s=config.router.head_timeout_s,
-                max_head_bytes=config.router.max_header_bytes,
-            ),
-            timeout_graceful_shutdown=1,
-            limit_concurrency=config.router.max_connections,
-        )
+def router_server(gateway: Gateway, config: Config) -> Server:
+    """gpupool's server configured as router/cli/stack.py configures it for `gpupool serve`."""
+    rc = config.router
+    settings = ServerSettings(
+        head_timeout_s=rc.head_timeout_s,
+        max_head_bytes=rc.max_header_bytes,
+        keep_alive_s=CLIENT_KEEP_ALIVE_S,
+        max_connections=rc.max_connections,
     )
+    return Server(gateway, settings, shutdown_grace_s=1.0)
 
 
 @dataclass
@@ -291,13 +276,8 @@ def live_router(config: Config, *, ttft_s: float = 0.0, itl_s: float = 0.0) -> I
             sock.listen(2048)
             sock.setblocking(False)
             port = sock.getsockname()[1]
-            serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+            await server.start(sock)
             try:
-                while not server.started:
-                    if serving.done():
-                        serving.result()
-                        raise RuntimeError("uvicorn stopped before it started")
-                    await asyncio.sleep(0.01)
                 await _wait_fresh(gateway)
                 ready.append(
                     LiveRouter(
@@ -313,9 +293,7 @@ def live_router(config: Config, *, ttft_s: float = 0.0, itl_s: float = 0.0) -> I
                 started.set()
                 await stop.wait()
             finally:
-                server.should_exit = True
-                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                    await asyncio.wait_for(serving, timeout=5)
+                await asyncio.wait_for(server.aclose(), timeout=5)
                 sock.close()
 
     def thread_main() -> None:

@@ -1,23 +1,23 @@
-"""gpupool's server protocol (router/gateway/http_protocol.py) starts each request itself: the
-scope's path read without `parse_url` when it is plain, the request's task running the
-application directly (not uvicorn's `run_asgi` wrapper), and what that wrapper did after the
-application in the task's done callback. Driven on a real event loop with bytes fed to the
-protocol and a transport that records what is written: the scope a request line gives, the
-500 and the closed connection uvicorn answers a failed application with, pipelined requests
-served in order, the `ClientLink` in every served request's scope and none in the 503 past the
-connection cap."""
+"""gpupool's server (router/gateway/server.py) starts each request itself: the scope's path
+read without `parse_url` when it is plain, the request's task running the application (or the
+gateway's hot route) directly, and what uvicorn's `run_asgi` wrapper did after the application
+in the task's done callback. Driven on a real event loop with bytes fed to a connection and a
+transport that records what is written: the scope a request line gives, the 500 and the closed
+connection a failed application gets (as under uvicorn), pipelined requests served in order,
+the `ClientLink` in every served request's scope and none in the 503 past the connection cap.
+(The `date` header every response carries is taken out before comparing bytes.)"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 import pytest
-import uvicorn
-from uvicorn.server import ServerState
 
-from router.gateway.http_protocol import CLIENT_LINK, ClientLink, guarded_protocol
+from router.gateway.http_protocol import CLIENT_LINK, ClientLink
+from router.gateway.server import ServerSettings, _Connection, _ServerState
 from tests.unit.recording_transport import RecordingTransport
 
 
@@ -27,20 +27,19 @@ async def _settle() -> None:
 
 
 def _connect(app: Any, *, max_connections: int | None = None) -> tuple[Any, RecordingTransport]:
-    cls = guarded_protocol(head_timeout_s=30.0, max_head_bytes=64 * 1024)
-    config = uvicorn.Config(
-        app,
-        http=cls,
-        log_level="error",
-        proxy_headers=False,
-        server_header=False,
-        date_header=False,
-        limit_concurrency=max_connections,
-    )
-    protocol = cls(config=config, server_state=ServerState(), app_state={})  # type: ignore[call-arg]
+    state = _ServerState(app, ServerSettings(max_connections=max_connections))
+    protocol = _Connection(state, asyncio.get_running_loop())
     transport = RecordingTransport()
-    protocol.connection_made(transport)
+    protocol.connection_made(transport)  # type: ignore[arg-type]
     return protocol, transport
+
+
+_DATE = re.compile(rb"date: [^\r]*\r\n")
+
+
+def _written(transport: RecordingTransport) -> bytes:
+    """What was written, without the `date` header lines."""
+    return _DATE.sub(b"", transport.written)
 
 
 def _ok(body: bytes = b"ok") -> Any:
@@ -83,10 +82,10 @@ async def test_the_scope_has_the_request_lines_path_and_query(
     assert scope["headers"] == [(b"host", b"router")]
     assert isinstance(scope[CLIENT_LINK], ClientLink)
     assert (
-        transport.written
+        _written(transport)
         == b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
     )
-    assert not transport.closed and not protocol.tasks
+    assert not transport.closed and not protocol.state.tasks
 
 
 _500 = (
@@ -110,7 +109,7 @@ async def test_an_application_that_fails_before_its_response_gets_a_500_and_a_cl
 
     protocol, transport = _connect(app)
     records = _Records()
-    logger = logging.getLogger("uvicorn.error")  # uvicorn's logger, which does not propagate
+    logger = logging.getLogger("router.gateway.server")
     logger.addHandler(records)
     try:
         protocol.data_received(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 0\r\n\r\n")
@@ -118,9 +117,9 @@ async def test_an_application_that_fails_before_its_response_gets_a_500_and_a_cl
     finally:
         logger.removeHandler(records)
     assert transport.written == _500 and transport.closed
-    assert not protocol.tasks and protocol.server_state.total_requests == 1
+    assert not protocol.state.tasks
     (record,) = records.records
-    assert record.getMessage() == "Exception in ASGI application\n"
+    assert record.getMessage() == "Exception in ASGI application"
     assert record.exc_info is not None and str(record.exc_info[1]) == "boom"
 
 
@@ -145,9 +144,9 @@ async def test_an_application_that_fails_mid_response_has_its_connection_closed(
     await _settle()
     # the client sees a cut chunked response (no last chunk), never a 500 after a 200
     assert (
-        transport.written == b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\npart\r\n"
+        _written(transport) == b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\npart\r\n"
     )
-    assert transport.closed and not protocol.tasks
+    assert transport.closed and not protocol.state.tasks
 
 
 async def test_a_cancelled_request_task_before_its_response_gets_a_500() -> None:
@@ -160,10 +159,10 @@ async def test_a_cancelled_request_task_before_its_response_gets_a_500() -> None
     protocol, transport = _connect(app)
     protocol.data_received(b"GET /slow HTTP/1.1\r\n\r\n")
     await started.wait()
-    (task,) = protocol.tasks
+    (task,) = protocol.state.tasks
     task.cancel()
     await _settle()
-    assert transport.written == _500 and transport.closed and not protocol.tasks
+    assert transport.written == _500 and transport.closed and not protocol.state.tasks
 
 
 async def test_pipelined_requests_are_answered_in_order() -> None:
@@ -174,11 +173,11 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
     protocol, transport = _connect(app)
     protocol.data_received(b"GET /first HTTP/1.1\r\n\r\nGET /second HTTP/1.1\r\n\r\n")
     for _ in range(100):
-        if protocol.server_state.total_requests == 2:
+        if _written(transport).count(b"0\r\n\r\n") == 2:
             break
         await asyncio.sleep(0.005)
     one = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-    assert transport.written == (
+    assert _written(transport) == (
         one + b"6\r\n/first\r\n0\r\n\r\n" + one + b"7\r\n/second\r\n0\r\n\r\n"
     )
 
@@ -217,13 +216,13 @@ class _Routed:
 async def test_a_hot_route_is_the_request_task_and_the_rest_is_dispatched() -> None:
     app = _Routed()
     protocol, transport = _connect(app)
-    assert protocol.app is app  # as `gpupool serve` configures uvicorn: nothing wraps it
+    assert protocol.state.app is app  # as `gpupool serve` runs it: nothing wraps it
     protocol.data_received(b"POST /hot HTTP/1.1\r\ncontent-length: 0\r\n\r\n")
     await _settle()
     protocol.data_received(b"POST /cold HTTP/1.1\r\ncontent-length: 0\r\n\r\n")
     await _settle()
     one = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-    assert transport.written == (
+    assert _written(transport) == (
         one + b"3\r\nhot\r\n0\r\n\r\n" + one + b"a\r\ndispatched\r\n0\r\n\r\n"
     )
     assert app.dispatched == ["/cold"]

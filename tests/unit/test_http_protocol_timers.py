@@ -1,4 +1,4 @@
-"""gpupool's server protocol (router/gateway/http_protocol.py) keeps one head timer and one
+"""gpupool's server (router/gateway/server.py) keeps one head timer and one
 keep-alive timer per connection, not one of each per request: a request moves the deadline,
 and a timer that fires before the deadline it finds re-arms itself for it. Driven here on a
 fake loop clock (no sockets, no sleeping): the 408 comes at the moved deadline and not before
@@ -13,10 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import uvicorn
-from uvicorn.server import ServerState
-
-from router.gateway.http_protocol import guarded_protocol
+from router.gateway.server import ServerSettings, _Connection, _Exchange, _ServerState
 from tests.unit.recording_transport import RecordingTransport
 
 
@@ -69,20 +66,33 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:  # never run here
 def _connection(
     head_timeout_s: float, keep_alive_s: float
 ) -> tuple[Any, _Loop, RecordingTransport]:
-    cls = guarded_protocol(head_timeout_s=head_timeout_s, max_head_bytes=64 * 1024)
-    config = uvicorn.Config(_app, http=cls, timeout_keep_alive=keep_alive_s, log_level="error")
+    settings = ServerSettings(head_timeout_s=head_timeout_s, keep_alive_s=keep_alive_s)
     loop = _Loop()
-    protocol = cls(config=config, server_state=ServerState(), app_state={}, _loop=loop)  # type: ignore[call-arg,arg-type]
+    protocol = _Connection(_ServerState(_app, settings), loop)  # type: ignore[arg-type]
     transport = RecordingTransport()
-    protocol.connection_made(transport)
+    protocol.connection_made(transport)  # type: ignore[arg-type]
     return protocol, loop, transport
 
 
 def _served(protocol: Any) -> None:
-    """A request's head arrived and its response ended (what the parser and the cycle call)."""
+    """A request's head arrived and its response ended (what the parser and the exchange
+    call)."""
     protocol._in_head = False  # on_headers_complete's part that concerns the deadline
-    protocol._unset_keepalive_if_required()
-    protocol.on_response_complete()
+    protocol._idle_since_s = None  # data_received's
+    _response_ends(protocol)
+
+
+def _response_ends(protocol: Any) -> None:
+    """The current request's response ends (`_Exchange._finish`)."""
+    protocol.exchange = exchange = _done(protocol)
+    protocol.response_done(exchange)
+
+
+def _done(protocol: Any) -> _Exchange:
+    """An exchange whose response is complete."""
+    exchange = _Exchange(protocol, {"method": "GET"}, keep_alive=True, expect_100=False)
+    exchange.complete = True
+    return exchange
 
 
 def test_a_new_connection_that_sends_nothing_gets_a_408() -> None:
@@ -162,10 +172,10 @@ def test_keep_alive_never_closes_a_connection_in_use() -> None:
     protocol, loop, transport = _connection(head_timeout_s=1000.0, keep_alive_s=5.0)
     _served(protocol)
     loop.advance(1.0)
-    protocol._unset_keepalive_if_required()  # bytes of the next request came (data_received)
+    protocol._idle_since_s = None  # bytes of the next request came (data_received)
     loop.advance(60.0)  # served for a long time
     assert not transport.closed
-    protocol.on_response_complete()
+    _response_ends(protocol)
     loop.advance(64.9)
     assert not transport.closed
     loop.advance(65.0)
@@ -179,46 +189,36 @@ def test_a_lost_connection_cancels_both_timers() -> None:
     assert loop.armed() == 0
 
 
-class _Cycle:
-    """What `ClientLink.respond` reads of uvicorn's request cycle."""
+class _FixedDate:
+    def now(self) -> bytes:
+        return b"date: Wed, 02 Dec 2026 14:00:00 GMT\r\n"
 
-    def __init__(self) -> None:
-        self.response_started = self.disconnected = self.access_log = False
-        self.response_complete = self.waiting_for_100_continue = False
-        self.keep_alive = True
-        self.scope = {"method": "POST"}
-        self.default_headers = [(b"date", b"Wed, 02 Dec 2026 14:00:00 GMT")]
-        self.transport = RecordingTransport()
-        self.completed = 0
 
-        class _Flow:
-            write_paused = False
-
-        class _Event:
-            def set(self) -> None:
-                pass
-
-        self.flow, self.message_event = _Flow(), _Event()
-
-    def on_response(self) -> None:
-        self.completed += 1
+def _exchange(method: str = "POST") -> tuple[_Exchange, RecordingTransport, list[object]]:
+    """An exchange on a connection whose response ends are counted."""
+    protocol, _, transport = _connection(head_timeout_s=10.0, keep_alive_s=75.0)
+    ended: list[object] = []
+    protocol.response_done = ended.append
+    exchange = _Exchange(protocol, {"method": method}, keep_alive=True, expect_100=False)
+    protocol.date = _FixedDate()
+    return exchange, transport, ended
 
 
 def test_respond_refuses_what_uvicorn_refuses_and_writes_the_rest_at_once() -> None:
-    from router.gateway.http_protocol import ClientLink
-
     for bad in ([(b"x-bad name", b"v")], [(b"x-ok", b"line\r\nbreak")], [(b"x:y", b"v")]):
-        cycle = _Cycle()
-        assert not ClientLink(cycle).respond(200, [(b"x-fine", b"1"), *bad], b"{}")
-        assert cycle.transport.written == b"" and not cycle.response_started
-    cycle = _Cycle()
+        exchange, transport, _ = _exchange()
+        assert not exchange.respond(200, [(b"x-fine", b"1"), *bad], b"{}")
+        assert transport.written == b"" and not exchange.started
+    exchange, transport, ended = _exchange()
     headers = [(b"content-type", b"application/json"), (b"x-tab", b"a\tb")]
-    assert ClientLink(cycle).respond(200, headers, b"{}")
-    assert cycle.transport.written == (
+    assert exchange.respond(200, headers, b"{}")
+    assert transport.written == (
         b"HTTP/1.1 200 OK\r\ndate: Wed, 02 Dec 2026 14:00:00 GMT\r\n"
         b"content-type: application/json\r\nx-tab: a\tb\r\ncontent-length: 2\r\n\r\n{}"
     )
-    assert cycle.response_complete and cycle.completed == 1
+    assert exchange.complete and ended == [exchange]
+    exchange, transport, _ = _exchange("HEAD")  # `send` answers HEAD (no body)
+    assert not exchange.respond(200, headers, b"{}") and transport.written == b""
 
 
 def test_a_pipelined_request_being_served_is_not_timed_out_as_a_head() -> None:
@@ -230,13 +230,15 @@ def test_a_pipelined_request_being_served_is_not_timed_out_as_a_head() -> None:
     protocol._start_head()  # request 2's message began (on_message_begin, pipelined)...
     protocol._in_head = False  # ...and its head completed: it waits in the pipeline
     started: list[object] = []
-    protocol._start_asgi_task = lambda cycle, app: started.append(cycle)
-    protocol.pipeline.appendleft(("cycle-2", _app))
-    protocol.on_response_complete()  # request 1's response ends; request 2 starts
-    assert started == ["cycle-2"]
+    protocol._serve = lambda exchange, app: started.append(exchange)
+    protocol.pipeline.append(("exchange-2", _app))
+    protocol.exchange = one = _done(protocol)
+    protocol.response_done(one)  # request 1's response ends; request 2 starts
+    assert started == ["exchange-2"]
     loop.advance(60.0)  # request 2 is served for a long time
     assert not transport.closed and transport.written == b""
-    protocol.on_response_complete()  # request 2's response ends: idle, no head due
+    protocol.exchange = two = _done(protocol)
+    protocol.response_done(two)  # request 2's response ends: idle, no head due
     loop.advance(70.0)
     assert not transport.closed and transport.written == b""
     protocol.data_received(b"GET /health HTTP/1.1\r\n")  # the next head: due at 80

@@ -1,16 +1,16 @@
-"""Slow clients against the router under real uvicorn (configured as `gpupool serve` runs it):
+"""Slow clients against the router under its real server (configured as `gpupool serve` runs it):
 slowloris connections that trickle their headers, uploads that trickle their body, and normal
 clients that must still be served within their SLO.
 
 What holds: slow uploads get 408 after `router.body_read_timeout_s` and free their connection;
-`router.max_connections` reaches uvicorn (`limit_concurrency`: one more connection gets a JSON 503);
+`router.max_connections` reaches the server (one more connection gets a JSON 503);
 500 slow connections do not hold normal clients up: every normal request is answered while they
 are connected, each well before a slow upload's body timeout (a router that waited on the slow
 ones would answer no sooner). The latency it leaves is a benchmark's figure, printed here.
 
-uvicorn alone has no timeout for a request's headers, so a client that trickled them would hold
+uvicorn alone had no timeout for a request's headers, so a client that trickled them would hold
 its connection for as long as it liked, and `router.max_connections` such clients would lock
-everyone else out; gpupool's protocol (router/gateway/http_protocol.py) closes them with a 408 after
+everyone else out; gpupool's server (router/gateway/server.py) closes them with a 408 after
 `router.head_timeout_s`, tested below.
 """
 
@@ -163,7 +163,7 @@ async def test_max_connections_reaches_uvicorn_and_slow_uploads_free_it(tmp_path
             await asyncio.sleep(0.3)
             async with httpx.AsyncClient(base_url=live.url, headers=AUTH) as client:
                 over = await client.post("/v1/chat/completions", content=BODY, timeout=10)
-            # uvicorn's limit, answered in OpenAI's shape (router/gateway/http_protocol.py)
+            # the server's limit, answered in OpenAI's shape (router/gateway/server.py)
             assert over.status_code == 503 and over.headers["retry-after"] == "1"
             assert over.json()["error"]["code"] == "too_many_connections"
             answers = await asyncio.gather(*uploads)
@@ -172,8 +172,8 @@ async def test_max_connections_reaches_uvicorn_and_slow_uploads_free_it(tmp_path
 
 
 async def test_header_slowloris_cannot_hold_max_connections(tmp_path: Path) -> None:
-    """uvicorn alone has no deadline for a request's head (Kludex/uvicorn#157); gpupool's
-    protocol (router/gateway/http_protocol.py) answers 408 after `router.head_timeout_s`."""
+    """uvicorn alone had no deadline for a request's head (Kludex/uvicorn#157); gpupool's
+    server (router/gateway/server.py) answers 408 after `router.head_timeout_s`."""
     limit = 20
     config = hostile_config(
         tmp_path, body_read_timeout_s=0.5, head_timeout_s=0.5, max_connections=limit
