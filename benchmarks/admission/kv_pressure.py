@@ -103,6 +103,7 @@ from benchmarks.runner import Runner, Target
 from pools.config import Config, load_config
 from pools.launchers.local import LocalLauncher
 from pools.launchers.prefill_slice import with_prefill_slice
+from pools.testing.router_process import free_port
 from router.simulate.prompts import PromptMaker, find_tokenizer
 from router.simulate.scenario import Scenario, load_scenario
 from router.simulate.workload import Plan, build_plan
@@ -113,7 +114,6 @@ log = logging.getLogger("kv_pressure")
 
 HERE = Path(__file__).resolve().parent
 SAMPLE_INTERVAL_S = 0.5
-ROUTER_PORT = 8791
 ENGINE_KEY_ENV = "KVP_ENGINE_KEY"  # the routers read the engine's key from this env var
 ENGINE_FILES = {
     "fcfs": HERE / "engine-fcfs.yaml",
@@ -503,8 +503,10 @@ class Sampler:
 
 
 def router_config(
-    spec: RunSpec, engine: Config, engine_url: str, state_dir: Path
+    spec: RunSpec, engine: Config, engine_url: str, state_dir: Path, port: int = 0
 ) -> dict[str, Any]:
+    """The router's config for `spec` in front of `engine_url` (`port` 0: any free one; the
+    caller that starts it names one)."""
     pools: dict[str, Any] = {}
     for name, classes in (("agent", [AGENT_CLASS]), ("normal", [CHAT_CLASS])):
         pool: dict[str, Any] = {
@@ -531,7 +533,7 @@ def router_config(
         "pools": pools,
         "router": {
             "host": "127.0.0.1",
-            "port": ROUTER_PORT,
+            "port": port,
             "admission": spec.admission,
             "ledger_path": str(state_dir / "ledger.sqlite"),
             "state_path": str(state_dir / "state.json"),
@@ -542,12 +544,14 @@ def router_config(
 class Router:
     """`gpupool serve --config FILE` as a child process (inherits this process's priority)."""
 
-    def __init__(self, config_path: Path, log_path: Path, engine_key: str | None) -> None:
+    def __init__(
+        self, config_path: Path, log_path: Path, engine_key: str | None, port: int
+    ) -> None:
         self.engine_key = engine_key
         self.config_path = config_path
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"http://127.0.0.1:{ROUTER_PORT}"
+        self.url = f"http://127.0.0.1:{port}"
 
     def start(self) -> None:
         gpupool = Path(sys.executable).parent / "gpupool"
@@ -743,14 +747,15 @@ async def run_one(
     state_dir.mkdir(parents=True, exist_ok=True)
     for stale in state_dir.iterdir():
         stale.unlink()
-    cfg = router_config(spec, engine_cfg, engine_url, state_dir)
+    port = free_port()
+    cfg = router_config(spec, engine_cfg, engine_url, state_dir, port)
     cfg_path = out / "configs" / f"router-{spec.name}.yaml"
     cfg_path.write_text(
         f"# router config of {spec.name}: {spec.what}\n"
         f"# (run with: gpupool serve --config {cfg_path.name}; state paths per run)\n"
         + yaml.safe_dump(cfg, sort_keys=False)
     )
-    router = Router(cfg_path, work / "logs" / f"{run_name}-router.log", engine_key)
+    router = Router(cfg_path, work / "logs" / f"{run_name}-router.log", engine_key, port)
     router.start()
     try:
         await router.wait_ready(session)
@@ -1205,7 +1210,8 @@ async def amain(args: argparse.Namespace) -> int:
     try:
         for key in needed:
             cfg = load_config(ENGINE_FILES[key])
-            local = cfg.engines.local
+            # a free port, not the file's: nothing else on the machine may hold it
+            local = dataclasses.replace(cfg.engines.local, base_port=free_port())
             if args.kv_cache_bytes:
                 local = dataclasses.replace(local, kv_cache_bytes=args.kv_cache_bytes)
             if args.engine_args:
