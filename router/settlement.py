@@ -33,11 +33,13 @@ before governance, which then reads the store's answer: the step's number and ho
 refusal (a stop or `max_steps` reached on another replica), which `settle` returns for the
 client instead of the response (the record then replaced by the refusal's in `finish`).
 When the ledger cannot take it now (another commit in flight), the step's own statement
-numbers it first and the commit follows, in order.
+goes beside the record's commit (the known number), and a renumbered step's record is
+written again in `finish`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -219,14 +221,16 @@ class Settlement:
             row = await self.accounting.commit_numbered(outcome, step.sql, step.params)
         except Exception:
             self._failed(outcome, "ledger")
-        if row is None:  # not now: the step's statement, then the commit
+        if row is None:  # not now: the step's statement beside the commit (the known number)
+            numbering = asyncio.ensure_future(step.read())
+            await self._commit(outcome)
             try:
-                refusal = await step.read()
+                refusal = await numbering
             except Exception:
                 self._failed(outcome, "governance")
                 refusal = None
-            if refusal is None:
-                await self._commit(outcome)
+            if step.step != step.predicted:  # renumbered: `finish` writes the record again
+                outcome.committed_as = None
         else:
             refusal = step.read_row(row)
         if refusal is not None:

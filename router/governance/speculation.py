@@ -134,7 +134,7 @@ class DeferredStep:
     `read_row` / `read` take the answer once and return the refusal the client gets
     instead of the response (None: served, under the store's number)."""
 
-    __slots__ = ("_number", "_on_answer", "params", "predicted", "sql")
+    __slots__ = ("_number", "_on_answer", "params", "predicted", "sql", "step")
 
     def __init__(
         self,
@@ -147,16 +147,22 @@ class DeferredStep:
         self.sql = sql
         self.params = params
         self.predicted = predicted  # the number this replica knew
+        self.step = predicted  # the store's, once read (the known one when it did not answer)
         self._number = number
         self._on_answer = on_answer
 
     def read_row(self, row: Sequence[Any]) -> BaseException | None:
         """The ledger's answer: `sql`'s row, or empty when the commit failed (the record is
         buffered; the known number stands and the step is numbered in the background)."""
-        return self._on_answer(NextStep.from_row(row) if row else None, not row)
+        stored = NextStep.from_row(row) if row else None
+        if stored is not None:
+            self.step = stored.step
+        return self._on_answer(stored, not row)
 
     async def read(self) -> BaseException | None:
         """Number the step with its own statement (the ledger could not take it), then read
         the answer as `read_row` does (None from the store: the known number stands)."""
         stored = await self._number()
+        if stored is not None:
+            self.step = stored.step
         return self._on_answer(stored, False)

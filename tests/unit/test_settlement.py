@@ -9,7 +9,10 @@ from typing import Any
 
 from router.admission.estimate import Estimate
 from router.admission.picking import RunAffinity
+from router.errors import RunStopped
 from router.governance import RunEnd
+from router.governance.shared import NextStep
+from router.governance.speculation import DeferredStep
 from router.metrics import RouterMetrics
 from router.request import RequestContext, RequestOutcome
 from router.runtable import RunTable
@@ -25,6 +28,7 @@ class FakeMeter:
 
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
+        self.numbered: tuple[Any, ...] | None = None
 
     def dispatched(self, outcome: RequestOutcome) -> None:
         self.calls.append("meter.dispatched")
@@ -39,6 +43,16 @@ class FakeMeter:
 
     async def commit(self, outcome: RequestOutcome) -> None:
         self.calls.append("ledger")
+        outcome.committed_as = (outcome.outcome, outcome.status)
+
+    async def commit_numbered(
+        self, outcome: RequestOutcome, step_sql: str, step_params: Any
+    ) -> tuple[Any, ...] | None:
+        """The ledger's answer `numbered` (set by a test): None, it cannot now; a row."""
+        self.calls.append(f"ledger.numbered:{step_sql}")
+        if self.numbered is not None:
+            outcome.committed_as = (outcome.outcome, outcome.status)
+        return self.numbered
 
     def record(self, outcome: RequestOutcome) -> None:
         self.calls.append("ledger")
@@ -56,9 +70,10 @@ class FakeGovernance:
 
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
+        self.deferred: DeferredStep | None = None  # a step to number with its record
 
-    def deferred_step(self, outcome: RequestOutcome) -> None:
-        return None  # every step numbered before its record (none sent on unnumbered)
+    def deferred_step(self, outcome: RequestOutcome) -> DeferredStep | None:
+        return self.deferred
 
     def dispatched(self, outcome: RequestOutcome) -> None:
         self.calls.append("governance.dispatched")
@@ -199,3 +214,79 @@ def test_a_run_end_is_handled_inside_settlement() -> None:
     assert end["reason"] == "client_end" and end["ended_at_s"] == 999.0
     record = runs.get(("t", "run-1"))
     assert record is not None and record.ended
+
+
+def _deferred(
+    calls: Calls, refusal: BaseException | None = None, stored_step: int = 3
+) -> DeferredStep:
+    """A step sent on as number 3 whose answer is read by a fake governor (`refusal`: what
+    it refuses with); numbered on its own (`read`) as `stored_step`."""
+
+    async def number() -> NextStep | None:
+        calls.append("governance.statement")
+        await asyncio.sleep(0)
+        return NextStep(stored_step)
+
+    def on_answer(stored: NextStep | None, failed: bool) -> BaseException | None:
+        calls.append(f"governance.read:{None if stored is None else stored.step}:{failed}")
+        return refusal
+
+    return DeferredStep("STEP SQL", ("t", "run-1", 1000.0), 3, number, on_answer)
+
+
+STEP_ROW = (4, "i0", 2, 30, 0, 0.0, None)  # NEXT_STEP_SQL's row: step 3, home i0
+
+
+def test_a_step_numbered_with_its_record_is_committed_before_governance_reads_it() -> None:
+    calls = Calls()
+    settlement, _, _, _ = rig(calls)
+    governance = settlement.governance
+    assert isinstance(governance, FakeGovernance) and governance.fold_steps is False
+    governance.deferred = _deferred(calls)
+    meter = settlement.accounting
+    assert isinstance(meter, FakeMeter)
+    meter.numbered = STEP_ROW
+    out = outcome()
+    assert asyncio.run(settlement.settle(out)) is None
+    # the ledger before governance: its statement numbers the step
+    assert calls == ["meter", "ledger.numbered:STEP SQL", "governance.read:3:False", "governance"]
+    calls.clear()
+    settlement.finish(out)  # governance ran once; the record as committed: not written again
+    assert "governance" not in calls and calls.count("ledger") == 1
+
+
+def test_a_step_its_record_refuses_gets_the_refusal_and_its_record_replaced() -> None:
+    calls = Calls()
+    settlement, _, _, _ = rig(calls)
+    governance = settlement.governance
+    assert isinstance(governance, FakeGovernance)
+    stop = RunStopped("stopped on another router replica", "run_loop")
+    governance.deferred = _deferred(calls, refusal=stop)
+    meter = settlement.accounting
+    assert isinstance(meter, FakeMeter)
+    meter.numbered = STEP_ROW
+    out = outcome()
+    assert asyncio.run(settlement.settle(out)) is stop
+    # as a step refused before dispatch: no instance, no number, nothing served
+    assert (out.status, out.outcome, out.reason) == (403, "client_error", "run_loop")
+    assert (out.instance_id, out.step_index, out.dispatched_at_s) == (None, None, None)
+    assert (out.prompt_tokens, out.completion_tokens, out.gpu_seconds) == (0, 0, 0.5)
+    # committed as served: `record` (AccountingObserver's) writes the refusal's over it
+    assert out.committed_as == ("ok", 200) != (out.outcome, out.status)
+    settlement.finish(out)
+    assert calls.count("governance") == 1
+
+
+def test_a_step_the_ledger_cannot_number_now_is_numbered_beside_its_commit() -> None:
+    calls = Calls()
+    settlement, _, _, _ = rig(calls)
+    governance = settlement.governance
+    assert isinstance(governance, FakeGovernance)
+    governance.deferred = step = _deferred(calls, stored_step=5)
+    out = outcome()
+    out.step_index = 3  # the known number, given at dispatch
+    assert asyncio.run(settlement.settle(out)) is None  # `numbered` None: it cannot now
+    assert calls == ["meter", "ledger.numbered:STEP SQL", "ledger", "governance.statement",
+                     "governance.read:5:False", "governance"]  # fmt: skip
+    assert step.step == 5  # renumbered: the record, committed as 3, is written again
+    assert out.committed_as is None
