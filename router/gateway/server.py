@@ -1,8 +1,8 @@
 """gpupool's own HTTP/1.1 server: httptools' parser fed from an `asyncio.Protocol` on the
 running (uv)loop, each request served by a task running the ASGI application (or, for the
 generation endpoints, the gateway's `hot_route` coroutine itself). It replaced uvicorn with
-gpupool's protocol subclass (issue 28, step 12): ~40 µs less CPU per request at c=64 end to end
-(benchmarks/router_overhead/notes.md).
+gpupool's protocol subclass (issue 28, step 12): 7-21 µs less CPU per request at c=64 in
+`python -m benchmarks.router_overhead.servers` (benchmarks/router_overhead/notes.md).
 
 What it serves, as uvicorn did:
 
