@@ -6,9 +6,10 @@ shape, never a 5xx, an exception or a hang; and what it echoes or forwards carri
   gpupool headers and Authorization, straight into the ASGI app; arbitrary paths, methods and
   query strings on the rest of the API;
 - bodies nested as deep as JSON parsers go;
-- header injection: CR/LF in a value never reaches a response header, uvicorn refuses
-  malformed header bytes before the router sees them, no client header reaches an engine;
-- 60 KiB headers through uvicorn (431 over 64 KiB), oversized bodies (413 before the rest
+- header injection: CR/LF in a value never reaches a response header, the server's parser
+  (httptools) refuses malformed header bytes before the router sees them, no client header
+  reaches an engine;
+- 60 KiB headers through the server (431 over 64 KiB), oversized bodies (413 before the rest
   arrives), slow uploads (408 after `router.body_read_timeout_s`), the key checked before the
   body is read.
 """
@@ -280,7 +281,7 @@ def test_any_path_method_and_query_get_an_openai_answer(
     event(f"status {status}")
     if status in (200, 503) and not out.startswith(b'{"error"'):
         return  # a success: /ready answers 503 with its readiness body
-    _assert_openai_answer(status, out_headers, out)  # (for HEAD, uvicorn drops the body)
+    _assert_openai_answer(status, out_headers, out)  # (for HEAD, the server drops the body)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ INJECTED = b"run-1\r\nx-injected: 1\r\n\r\n<html>"
 
 
 def test_crlf_in_header_values_reaches_no_response_header(live: LiveRouter) -> None:
-    """As a server more lenient than uvicorn would pass them: every value with CR/LF."""
+    """As a server more lenient than httptools' parser would pass them: every value with CR/LF."""
     auth = (b"authorization", f"Bearer {TENANT_KEY}".encode())
     body = orjson.dumps(CHAT)
     for name in (*GP_HEADERS, *RUN_ID_HEADERS, "authorization"):
@@ -395,7 +396,7 @@ def _request(live: LiveRouter, extra: bytes = b"", body: bytes | None = None) ->
     ],
     ids=["bare-cr", "bare-lf", "obs-fold", "nul", "space-colon", "cl-and-te"],
 )
-def test_uvicorn_refuses_malformed_header_bytes(live: LiveRouter, extra: bytes) -> None:
+def test_the_server_refuses_malformed_header_bytes(live: LiveRouter, extra: bytes) -> None:
     seen = len(live.engine_headers)
     answer = _raw_exchange(live, _request(live, extra))
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]

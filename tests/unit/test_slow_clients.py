@@ -126,7 +126,7 @@ async def test_500_slow_connections_do_not_slow_normal_clients(tmp_path: Path) -
             await asyncio.sleep(0.3)  # every slow connection is in
             latencies = await _normal_clients(live, NORMAL_REQUESTS)
             answers = await asyncio.gather(*uploads)
-            # the header tricklers are still connected: uvicorn never times them out
+            # the header tricklers are still connected: their head deadline is past the run
             assert not any(t.done() for t in trickling)
             stop.set()
             await asyncio.gather(*trickling)
@@ -152,12 +152,12 @@ async def _status_of_a_normal_request(live: LiveRouter) -> tuple[int, str]:
         return resp.status_code, resp.headers.get("content-type", "")
 
 
-async def test_max_connections_reaches_uvicorn_and_slow_uploads_free_it(tmp_path: Path) -> None:
+async def test_max_connections_reaches_the_server_and_slow_uploads_free_it(tmp_path: Path) -> None:
     limit = 20
     config = hostile_config(tmp_path, body_read_timeout_s=1.0, max_connections=limit)
     with live_router(config) as live:
         assert await _status_of_a_normal_request(live) == (200, "application/json")
-        # uvicorn counts the connection asking too: limit - 1 others fill it
+        # the server counts the connection asking too: limit - 1 others fill it
         async with _connections(live, limit - 1) as conns:
             uploads = [asyncio.ensure_future(_trickle_body(live, r, w)) for r, w in conns]
             await asyncio.sleep(0.3)
