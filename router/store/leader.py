@@ -15,7 +15,8 @@ decisions), so that several replicas on one PostgreSQL store do not each move th
   that confirmed it is less than `valid_s` (3 checks) old: a leader whose check hangs (a
   partitioned network) stops acting after `valid_s`, before the server gives the lock away.
 
-Every database call runs in a worker thread, one at a time. Handover after a leader dies:
+Every database call runs in the election's own thread (not asyncio's default executor, which
+the router's other blocking calls share), one at a time. Handover after a leader dies:
 at most `check_s` after its session ends (plus the keepalive time when the network, not the
 process, died). docs/replicas.md has the numbers and the tests.
 """
@@ -23,6 +24,7 @@ process, died). docs/replicas.md has the numbers and the tests.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -31,7 +33,7 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pools.periodic import Periodic
 from router.store.base import Store, StoreError
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 # pg_try_advisory_lock key of the rebalancer's leader ("gpupool" and 1; the migrations use
 # "gpupool" alone, as a transaction lock)
 REBALANCER_LOCK_KEY = 0x6770_7570_6F6F_6C01
+_T = TypeVar("_T")
 CHECK_S = 1.0  # how often a replica asks for the lock / checks it still holds it
 _VALID_CHECKS = 3  # a leader acts while its last confirmation is this many checks old
 
@@ -173,6 +176,9 @@ class AdvisoryLockLeader(Leadership):
         self._failing = False  # the last check failed (logged once per run of failures)
         self._closing = False
         self._checking = asyncio.Lock()
+        # its own thread: asyncio's default executor is shared with the router's other
+        # blocking calls (the store's statements under load), behind which a check would queue
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         # a tick in a worker thread is let finish (its calls are bounded by the store's
         # timeouts), so the connection is never closed under it
         self._loop = Periodic(
@@ -196,12 +202,22 @@ class AdvisoryLockLeader(Leadership):
         self._closing = False
         self._loop.start()
 
+    async def _in_thread(self, call: Callable[[], _T]) -> _T:
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"gpupool-leader-{self.key:x}"
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+
     async def aclose(self) -> None:
         """Stop checking and close the session: the lock is free at once."""
         self._closing = True
         await self._loop.aclose()
         async with self._checking:
-            await asyncio.to_thread(self._drop)
+            await self._in_thread(self._drop)
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=False)
         self._held, self._confirmed_at_s = False, None
         self._leader = None
         self._changed()
@@ -213,7 +229,7 @@ class AdvisoryLockLeader(Leadership):
 
     async def _check_once(self) -> None:
         try:
-            held, leader = await asyncio.to_thread(self._check)
+            held, leader = await self._in_thread(self._check)
         except (StoreError, self._pg_error) as err:
             if not self._failing:
                 log.warning(
@@ -245,8 +261,9 @@ class AdvisoryLockLeader(Leadership):
             self.on_change(leading)
 
     def _check(self) -> tuple[bool, str | None]:
-        """Runs in a worker thread. A session that fails (the server ended it) is replaced by
-        a new one at once, which campaigns in the same check; a new one that fails raises."""
+        """Runs in the election's own thread. A session that fails (the server ended it) is
+        replaced by a new one at once, which campaigns in the same check; a new one that fails
+        raises."""
         for fresh in (False, True):
             conn = self._conn
             if fresh or conn is None or conn.closed or conn.broken:

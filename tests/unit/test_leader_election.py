@@ -6,6 +6,8 @@ the last test, which waits for a condition with a generous deadline."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -167,3 +169,21 @@ async def test_the_embedded_store_leads_alone(tmp_path: Path) -> None:
     await sole.start()
     assert sole.leading and sole.leader == "r" and seen == [True]
     assert sole.view()["election"] == "embedded"
+
+
+async def test_a_check_does_not_queue_behind_the_routers_other_blocking_calls(url: str) -> None:
+    """The router's other blocking calls (the store's statements) run on asyncio's default
+    executor; with every one of its threads busy, a leader check still runs and leads (it has
+    a thread of its own)."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    hold = threading.Event()
+    busy = [loop.run_in_executor(None, hold.wait, DEADLINE_S) for _ in range(2)]
+    a = candidate(url, "a")
+    try:
+        await asyncio.wait_for(a.check(), timeout=DEADLINE_S / 3)
+        assert a.leading
+    finally:
+        hold.set()
+        await asyncio.gather(*busy)
+        await a.aclose()
