@@ -54,9 +54,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import psutil
 
 from benchmarks.admission.kv_pressure import reset_prefix_cache
+from benchmarks.agent_flood_admission import tree_cpu_s
 from benchmarks.outputs import bulk_path
 from benchmarks.placement import hit_rate, prefix_counters
 from pools.config import Config, parse_config
@@ -494,11 +494,8 @@ def engine_cpu_s(run_dir: Path) -> float:
     used so far."""
     total = 0.0
     for pid_file in run_dir.glob("engine-*.pid"):
-        with contextlib.suppress(OSError, ValueError, psutil.Error):
-            proc = psutil.Process(int(pid_file.read_text().split()[0]))
-            for p in [proc, *proc.children(recursive=True)]:
-                times = p.cpu_times()
-                total += times.user + times.system
+        with contextlib.suppress(OSError, ValueError):
+            total += tree_cpu_s(int(pid_file.read_text().split()[0]))
     return total
 
 
