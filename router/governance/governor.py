@@ -72,7 +72,7 @@ from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
 from router.governance.replica import ReplicaBudgets
 from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
-from router.governance.shared import NextStep
+from router.governance.shared import NextStep, SessionStep
 from router.governance.speculation import SPECULATE_WITHIN_S, DeferredStep, Speculation
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
@@ -143,6 +143,9 @@ class _SharedTake:
     # the step went on with no statement at all: numbered when its record is committed
     # (`step`: the known number until then; None once read)
     deferred: DeferredStep | None = None
+    # a session's step: the run the store numbered it in (`<session>:<n>`), when the store
+    # mapped its task anchor (None: the run `prepare` gave it)
+    run_id: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -156,6 +159,9 @@ class _Early:
     started_s: float
     claimed: bool = False  # `enter` took its answer: its slot is the ticket's
     dropped: bool = False  # given up: its slot is released when the answer comes
+    # a session's step numbered in the run this replica knows (else the store's mapping
+    # decides its run, and it cannot go on before the answer)
+    pinned: bool = False
 
 
 EARLY_TTL_S = 10.0  # an early take nobody claimed (a request cancelled before `enter`)
@@ -483,7 +489,15 @@ class Governor:
         )
         st = self._state(tenant)
         if ctx.session_id is not None:
-            number = self._session(st, ctx.session_id).run_for(ctx.session_turn)
+            runs_of = self._session(st, ctx.session_id)
+            replica = self._replica
+            if replica is not None and replica.down_since_s is None:
+                # the store maps the step's anchor (`_begin`): the replica's guess until then
+                number = runs_of.peek(ctx.session_turn)
+            else:
+                number = runs_of.run_for(ctx.session_turn)
+                if replica is not None:  # numbered here during an outage
+                    runs_of.floor = max(runs_of.floor, number)
             ctx = dataclasses.replace(ctx, run_id=session_run_id(ctx.session_id, number))
         weight = st.limits.queue_weight
         if weight != 1.0:
@@ -504,8 +518,22 @@ class Governor:
             return None
         if fold and self._foldable(st, ctx) is not None:
             return None
-        task = replica.begin(st.config.name, ctx.request_id, limit, ctx.run_id)
-        return _Early(st.config.name, task, self.clock())
+        session = self._session_step(st, ctx)
+        task = replica.begin(st.config.name, ctx.request_id, limit, ctx.run_id, session)
+        pinned = session is not None and session.run is not None
+        return _Early(st.config.name, task, self.clock(), pinned=pinned)
+
+    def _session_step(self, st: _Tenant, ctx: RequestContext) -> SessionStep | None:
+        """A session's step for the store to map (None: not a session's): numbered in the
+        run `prepare` gave it when this replica knows that run (its step may go on before
+        the answer), else in whatever run the store maps its anchor to."""
+        if ctx.session_id is None or ctx.run_id is None:
+            return None
+        runs_of = st.sessions.get(ctx.session_id)
+        floor = 0 if runs_of is None else runs_of.floor
+        known = self._known_run(st, ctx) is not None
+        number = int(ctx.run_id.rpartition(":")[2]) if known else None
+        return SessionStep(ctx.session_id, ctx.session_turn, number, floor)
 
     def abandon(self, request_id: str) -> None:
         """The request ends before `enter` (refused or failed in the gateway): what
@@ -581,6 +609,10 @@ class Governor:
             except BaseException:
                 self._give_back(st, need, True, self.clock())
                 raise
+            if shared.run_id is not None and shared.run_id != ctx.run_id:
+                # the store mapped the session's step to another run than this replica's
+                # guess: the step is that run's (`dispatched` tells the outcome)
+                ctx = dataclasses.replace(ctx, run_id=shared.run_id)
         now = self.clock()
         try:  # the wait may have let another step stop the run or take the last slot
             run, new_run = self._check(
@@ -705,6 +737,8 @@ class Governor:
             if ctx.run_id is not None:
                 took.home = stored
                 took.step = None if stored is None else stored.step
+                if stored is not None and early is not None and not early.pinned:
+                    took.run_id = self._session_answer(st, ctx, stored)
         except BaseException:
             self._undo_shared(st, took)
             raise
@@ -727,6 +761,8 @@ class Governor:
         assert replica is not None
         run = self._known_run(st, ctx)
         if run is None or run.store_step is None or early.task.done():  # answered: no gain
+            return None
+        if ctx.session_id is not None and not early.pinned:  # the store decides its run
             return None
         early.claimed = True  # its answer (and slot) is the ticket's
         replica.unhurry(early.task)  # its answer is read while the engine works: not polled
@@ -784,7 +820,8 @@ class Governor:
         name, run_id = st.config.name, ctx.run_id
         predicted = run.store_step = run.store_step + 1
         took.step = predicted
-        sql, params = replica.step_statement(name, run_id)
+        session = self._session_step(st, ctx)  # a session's: numbered in this run
+        sql, params = replica.step_statement(name, run_id, session)
 
         def read(stored: NextStep | None, failed: bool) -> BaseException | None:
             try:
@@ -794,7 +831,11 @@ class Governor:
                 return err
 
         took.deferred = DeferredStep(
-            sql, params, predicted, lambda: replica.next_step(name, run_id), read
+            sql,
+            params,
+            predicted,
+            lambda: replica.next_step(name, run_id, session=session),
+            read,
         )
         return True
 
@@ -906,6 +947,7 @@ class Governor:
         refusal, else None."""
         took.home = stored
         run.store_step = max(run.store_step or 0, stored.step)
+        self._session_answer(st, ctx, stored)  # numbered in this run; its anchor's run kept
         ticket = self._tickets.get(ctx.request_id)
         counted = 1 if ticket is not None and ticket.counted else 0
         now = self.clock()
@@ -921,6 +963,16 @@ class Governor:
         if run_end:
             self._release(st, run)
         return RunStopped(stop.message, stop.code, param=stop.setting)
+
+    def _session_answer(self, st: _Tenant, ctx: RequestContext, stored: NextStep) -> str | None:
+        """The store's answer for a session's step: the run its task anchor maps to,
+        remembered here (this replica's next steps of the task are predicted from it).
+        Returns that run's id (None: not a session's step)."""
+        if ctx.session_id is None or stored.run is None:
+            return None
+        runs_of = self._session(st, ctx.session_id)
+        runs_of.adopt(ctx.session_turn, stored.run)
+        return session_run_id(ctx.session_id, stored.run)
 
     def _refused_speculation(self, ctx: RequestContext) -> None:
         """A step the store's answer refused: as a step refused at `enter`, it does not end
@@ -1225,6 +1277,8 @@ class Governor:
         """The step reached an engine: it counts toward its run's `max_steps` (once, however
         many attempts it takes)."""
         ticket = self._tickets.get(outcome.ctx.request_id)
+        if ticket is not None:
+            _own_run(outcome, ticket)
         if ticket is not None and ticket.shared is not None and outcome.step_index is None:
             outcome.step_index = ticket.shared.step  # numbered in the store (None: not)
         if ticket is None or ticket.run is None or ticket.counted:
@@ -1240,6 +1294,7 @@ class Governor:
         if ticket is None:
             self.abandon(outcome.ctx.request_id)  # failed between `prepare` and `enter`
             return
+        _own_run(outcome, ticket)
         st = self._tenants[ticket.tenant]
         now = self.clock()
         used = outcome.prompt_tokens + outcome.completion_tokens
@@ -1409,6 +1464,8 @@ class Governor:
         if runs_of is not None and number.isdigit():
             runs_of.ended(int(number))
             self._dirty_sessions.add((st.config.name, session_id))
+            if self._replica is not None:  # every replica's next step of its task: a new run
+                self._replica.forget_session_run(st.config.name, session_id, int(number))
 
     def _end(self, st: _Tenant, run: RunState, reason: str, now_s: float) -> None:
         if run.ended is not None and run.ended != "idle_timeout":
@@ -1630,6 +1687,14 @@ def _rebucket(
         return TokenBucket(per_minute, per_minute / 60.0, now_s)
     bucket.set_rate(per_minute, per_minute / 60.0, now_s)
     return bucket
+
+
+def _own_run(outcome: RequestOutcome, ticket: _Ticket) -> None:
+    """The outcome names the run the step was counted in: a session's step the store mapped
+    to another run than `prepare`'s guess carries the store's (ledger, meter, run table)."""
+    run = ticket.run
+    if run is not None and outcome.ctx.run_id != run.run_id:
+        outcome.ctx = dataclasses.replace(outcome.ctx, run_id=run.run_id)
 
 
 def _slot_ids(st: _Tenant) -> set[str]:

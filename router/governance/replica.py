@@ -25,6 +25,10 @@ each tenant's token and request budgets, concurrency slots and cost windows.
 - Step numbers: a run's steps are numbered in the store as they are admitted, so steps that
   go to different replicas never share a number (a step refused after it was numbered leaves
   a gap; during an outage the ledger numbers from the replica's memory).
+- A session's runs: a session's step (`begin`/`next_step` given a `SessionStep`) sends
+  `SESSION_STEP_SQL` instead of `NEXT_STEP_SQL`: the store maps its task anchor to the
+  session's run and numbers the step in it, one statement, so every replica gives a task the
+  same run; a run that ends forgets its anchors there (`forget_session_run`, background).
 - Cost windows: each replica publishes its hourly and daily GPU-seconds slices every sweep
   and reads the others' (a cap is seen up to one sweep late).
 - An outage (a call fails: `StoreError` or the driver's error): logged once, loudly; the
@@ -52,13 +56,17 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from router.errors import StoreUnavailable
 from router.governance.metrics import GovernanceMetrics
+from router.governance.runtable import MAX_ANCHORS
 from router.governance.shared import (
     ACQUIRE_SLOT_SQL,
     NEXT_STEP_SQL,
     RECORD_HOME_SQL,
     RELEASE_SLOT_SQL,
+    SESSION_STEP_SQL,
+    SLOT_AND_SESSION_STEP_SQL,
     SLOT_AND_STEP_SQL,
     NextStep,
+    SessionStep,
     SharedBudgets,
     Slices,
 )
@@ -278,7 +286,12 @@ class ReplicaBudgets:
     # ------------------------------------------------------------------ slots
 
     def begin(
-        self, tenant: str, request_id: str, limit: int | None, run_id: str | None
+        self,
+        tenant: str,
+        request_id: str,
+        limit: int | None,
+        run_id: str | None,
+        session: SessionStep | None = None,
     ) -> asyncio.Task[tuple[bool, str | None, NextStep | None]]:
         """A request's slot (`limit`: its tier's `max_concurrent_requests`, None: no tier),
         then, when admitted, its run's next step (`run_id`), as `acquire` and `next_step`:
@@ -287,16 +300,17 @@ class ReplicaBudgets:
         what the request does before it awaits the task (router/governance/governor.py);
         a holder the task got is the caller's to release, awaited or not. A slot parked by
         the tenant's previous request here is taken at once (the hand-over): then only the
-        step number, if any, is asked for."""
+        step number, if any, is asked for. `session`: a session's step, whose run the store
+        maps (`SESSION_STEP_SQL`: the answer's `NextStep.run`)."""
         now_s = self._wall()
         sent: asyncio.Task[list[Row]] | None = None
         handed = None if limit is None else self._take_parked(f"{tenant}/requests")
         if handed is not None:
             self.handovers += 1
             if run_id is not None and self._loop is not None and self._loop.ready():
-                sent = self._loop.begin(NEXT_STEP_SQL, (tenant, run_id, now_s))
+                sent = self._loop.begin(*self._step_sql(tenant, run_id, session, now_s))
             task = asyncio.get_running_loop().create_task(
-                self._handed_over(tenant, handed, run_id, sent)
+                self._handed_over(tenant, handed, run_id, sent, session)
             )
             self._begun = None if sent is None else (task, sent)
             return task
@@ -306,12 +320,13 @@ class ReplicaBudgets:
                 if run_id is None:
                     sent = self._loop.begin(ACQUIRE_SLOT_SQL, params)
                 else:  # both in one round trip
-                    both = (*params, tenant, run_id, now_s)
-                    sent = self._loop.begin(SLOT_AND_STEP_SQL, both)
+                    sent = self._loop.begin(
+                        *self._slot_and_step_sql(params, tenant, run_id, session, now_s)
+                    )
             elif run_id is not None:
-                sent = self._loop.begin(NEXT_STEP_SQL, (tenant, run_id, now_s))
+                sent = self._loop.begin(*self._step_sql(tenant, run_id, session, now_s))
         task = asyncio.get_running_loop().create_task(
-            self._slot_and_step(tenant, request_id, limit, run_id, now_s, sent)
+            self._slot_and_step(tenant, request_id, limit, run_id, now_s, sent, session)
         )
         self._begun = None if sent is None else (task, sent)
         return task
@@ -324,11 +339,12 @@ class ReplicaBudgets:
         run_id: str | None,
         now_s: float,
         sent: asyncio.Task[list[Row]] | None,
+        session: SessionStep | None = None,
     ) -> tuple[bool, str | None, NextStep | None]:
         holder = None
         if limit is not None and run_id is not None:
             together = await self._slot_and_step_together(
-                tenant, request_id, limit, run_id, now_s, sent
+                tenant, request_id, limit, run_id, now_s, sent, session
             )
             if together is not None:
                 return together
@@ -341,12 +357,42 @@ class ReplicaBudgets:
                 return False, None, None
             sent = None
         try:
-            step = None if run_id is None else await self.next_step(tenant, run_id, sent=sent)
+            step = (
+                None
+                if run_id is None
+                else await self.next_step(tenant, run_id, sent=sent, session=session)
+            )
         except BaseException:
             if holder is not None:
                 self.release(tenant, "requests", holder)
             raise
         return True, holder, step
+
+    @staticmethod
+    def _step_sql(
+        tenant: str, run_id: str, session: SessionStep | None, now_s: float
+    ) -> tuple[str, tuple[object, ...]]:
+        """The statement that numbers a run's step: `NEXT_STEP_SQL`, or for a session's step
+        `SESSION_STEP_SQL` (its run mapped by the store)."""
+        if session is None:
+            return NEXT_STEP_SQL, (tenant, run_id, now_s)
+        return SESSION_STEP_SQL, session.params(tenant, now_s, MAX_ANCHORS)
+
+    @staticmethod
+    def _slot_and_step_sql(
+        slot_params: tuple[object, ...],
+        tenant: str,
+        run_id: str,
+        session: SessionStep | None,
+        now_s: float,
+    ) -> tuple[str, tuple[object, ...]]:
+        """A request's slot and its run's step in one statement."""
+        if session is None:
+            return SLOT_AND_STEP_SQL, (*slot_params, tenant, run_id, now_s)
+        return SLOT_AND_SESSION_STEP_SQL, (
+            *slot_params,
+            *session.params(tenant, now_s, MAX_ANCHORS),
+        )
 
     def _slot_params(
         self, tenant: str, request_id: str, limit: int, now_s: float
@@ -364,6 +410,7 @@ class ReplicaBudgets:
         run_id: str,
         now_s: float,
         sent: asyncio.Task[list[Row]] | None,
+        session: SessionStep | None = None,
     ) -> tuple[bool, str | None, NextStep | None] | None:
         """A run's step that needs a request slot: the slot and, when granted, the step
         number in one statement on the loop's connection (`SLOT_AND_STEP_SQL`), as `acquire`
@@ -372,13 +419,14 @@ class ReplicaBudgets:
         loop = self._loop
         if sent is None and (self.down_since_s is not None or loop is None or not loop.ready()):
             return None
-        both = (*self._slot_params(tenant, request_id, limit, now_s), tenant, run_id, now_s)
+        slot = self._slot_params(tenant, request_id, limit, now_s)
+        sql, both = self._slot_and_step_sql(slot, tenant, run_id, session, now_s)
         try:
             if sent is not None:
                 rows = await sent
             else:
                 assert loop is not None
-                rows = await loop.execute(SLOT_AND_STEP_SQL, both)
+                rows = await loop.execute(sql, both)
         except TimeoutError as err:  # a hung server: the outage's answer, as `acquire` gives
             self._down(err)
             self._outage(tenant, "concurrent requests")
@@ -391,11 +439,20 @@ class ReplicaBudgets:
         return True, self.holder(request_id), NextStep.from_row(step)
 
     async def _handed_over(
-        self, tenant: str, holder: str, run_id: str | None, sent: asyncio.Task[list[Row]] | None
+        self,
+        tenant: str,
+        holder: str,
+        run_id: str | None,
+        sent: asyncio.Task[list[Row]] | None,
+        session: SessionStep | None = None,
     ) -> tuple[bool, str | None, NextStep | None]:
         """`_slot_and_step` for a request that took a parked slot (`holder`)."""
         try:
-            step = None if run_id is None else await self.next_step(tenant, run_id, sent=sent)
+            step = (
+                None
+                if run_id is None
+                else await self.next_step(tenant, run_id, sent=sent, session=session)
+            )
         except BaseException:
             self.release(tenant, "requests", holder)
             raise
@@ -467,29 +524,38 @@ class ReplicaBudgets:
         return True, None
 
     async def next_step(
-        self, tenant: str, run_id: str, *, sent: asyncio.Task[list[Row]] | None = None
+        self,
+        tenant: str,
+        run_id: str,
+        *,
+        sent: asyncio.Task[list[Row]] | None = None,
+        session: SessionStep | None = None,
     ) -> NextStep | None:
         """The run's next step number (and its home) from the store; None while it cannot be
         reached (the ledger then numbers the step from this replica's memory). `sent`: as
-        `begin` sent it."""
+        `begin` sent it. `session`: a session's step (the store maps its run: `run`)."""
         if self.down_since_s is not None and sent is None:
             return None
         now_s = self._wall()
+        sql, params = self._step_sql(tenant, run_id, session, now_s)
+
+        def in_thread() -> NextStep:
+            if session is None:
+                return self.db.next_step(tenant, run_id, now_s)
+            return self.db.session_step(tenant, session, now_s, max_anchors=MAX_ANCHORS)
+
         try:
-            got = await self._statement(
-                NEXT_STEP_SQL,
-                (tenant, run_id, now_s),
-                lambda: self.db.next_step(tenant, run_id, now_s),
-                sent=sent,
-            )
+            got = await self._statement(sql, params, in_thread, sent=sent)
         except _Down:
             return None
         return NextStep.from_row(got) if isinstance(got, tuple) else got
 
-    def step_statement(self, tenant: str, run_id: str) -> tuple[str, tuple[object, ...]]:
+    def step_statement(
+        self, tenant: str, run_id: str, session: SessionStep | None = None
+    ) -> tuple[str, tuple[object, ...]]:
         """`next_step`'s statement and parameters, for a statement of another component to
         carry (the ledger's commit of the step's record, router/settlement.py)."""
-        return NEXT_STEP_SQL, (tenant, run_id, self._wall())
+        return self._step_sql(tenant, run_id, session, self._wall())
 
     def number_later(self, tenant: str, run_id: str) -> None:
         """Count a step of the run in the store, in the background (a step sent on with no
@@ -574,6 +640,17 @@ class ReplicaBudgets:
         key = (tenant, run_id)
         had_tokens, had_gpu_s = self.run_usage.get(key, (0, 0.0))
         self.run_usage[key] = (had_tokens + tokens, had_gpu_s + gpu_seconds)
+
+    def forget_session_run(self, tenant: str, session_id: str, run: int) -> None:
+        """The session's run ended here (its client ended it): its anchors are forgotten in
+        the store, so its task's next step on any replica starts a new run (background)."""
+        self._background(self._forget_session_run(tenant, session_id, run))
+
+    async def _forget_session_run(self, tenant: str, session_id: str, run: int) -> None:
+        try:
+            await asyncio.to_thread(self.db.forget_session_run, tenant, session_id, run)
+        except self._errors as err:
+            self._down(err)
 
     def mark_run(self, tenant: str, run_id: str, stop_code: str | None) -> None:
         """A guard stopped the run here (`stop_code`), or it ended (None: its id starts

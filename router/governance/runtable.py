@@ -38,11 +38,17 @@ class SessionRuns:
     message a step belongs to) gets the next number the first time it is seen and keeps it,
     so a retried step or a task's later tool steps land in the same run. A step with no anchor
     (a completions prompt, a Responses follow-up of tool outputs only) joins the current run.
-    Numbers only grow: an ended run's anchor is forgotten, so its task continues as a new run."""
+    Numbers only grow: an ended run's anchor is forgotten, so its task continues as a new run.
+    With a shared store (store.url) the store maps each step (router/governance/shared.py:
+    `session_step`) and this is the replica's cache of its answers, which predicts the run
+    of a step the replica knows."""
 
     last: int = 0  # the highest number given
     current: int = 0  # the run of the session's latest step (0: none yet)
     anchors: OrderedDict[str, int] = field(default_factory=OrderedDict)  # oldest first
+    # with a shared store: the highest number given here while it could not be asked (the
+    # store numbers the session's new runs past it once it answers again)
+    floor: int = 0
 
     def run_for(self, anchor_key: str | None) -> int:
         """The run number of a step with this anchor (None: no anchor)."""
@@ -51,12 +57,24 @@ class SessionRuns:
         else:
             found = self.anchors.get(anchor_key)
             number = self._next() if found is None else found
+        self.adopt(anchor_key, number)
+        return number
+
+    def peek(self, anchor_key: str | None) -> int:
+        """The run `run_for` would give a step with this anchor, recording nothing (a shared
+        store maps it, and `adopt` records its answer)."""
+        found = self.current if anchor_key is None else self.anchors.get(anchor_key, 0)
+        return found or self.last + 1
+
+    def adopt(self, anchor_key: str | None, number: int) -> None:
+        """A step with this anchor belongs to run `number` (given here or by the store)."""
+        if anchor_key is not None:
             self.anchors[anchor_key] = number
             self.anchors.move_to_end(anchor_key)
             while len(self.anchors) > MAX_ANCHORS:
                 self.anchors.popitem(last=False)
         self.current = number
-        return number
+        self.last = max(self.last, number)
 
     def ended(self, number: int) -> None:
         """Run `number` ended: its task's next step starts a new run."""

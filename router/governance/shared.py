@@ -26,6 +26,12 @@ docs/replicas.md).
 - `next_step(tenant, run_id, now_s)`: the run's next step number (0, 1, 2, ...) and its home
   (`record_home`: the instance its latest answered step went to), one upsert;
   two replicas never hand out the same number.
+- `session_step(tenant, step, now_s)`: a session's step (router/governance/runtable.py):
+  its task anchor mapped to the session's run (the first replica to see an anchor gives it
+  the session's next number; a step with no anchor joins the session's current run) and the
+  step numbered in that run, one statement (PostgreSQL: `gpupool_session_step`, migration
+  10); `forget_session_run` drops an ended run's anchors (its task's next step starts a new
+  run).
 - `publish_windows` / cost windows: each replica's hourly and daily GPU-seconds slices, one
   row per (tenant, replica), replaced every governance sweep; `others_windows` reads the other
   replicas' rows (a dead replica's spending keeps counting until it leaves the window).
@@ -37,7 +43,7 @@ replica's never refills a bucket backwards.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,9 +60,13 @@ __all__ = [
     "RUN_COUNTERS",
     "RUN_HOMES",
     "RUN_STEPS",
+    "SESSION_RUNS",
+    "SESSION_STEP_SQL",
     "SHARED_TABLES",
+    "SLOT_AND_SESSION_STEP_SQL",
     "SLOT_AND_STEP_SQL",
     "NextStep",
+    "SessionStep",
     "SharedBudgets",
 ]
 
@@ -267,6 +277,149 @@ SLOT_AND_STEP_SQL = (
     " RETURNING next_step, home, home_step, context_tokens, tokens, gpu_seconds, stop_code)"
     " SELECT slot.ok, step.* FROM slot LEFT JOIN step ON TRUE"
 )
+# governance's tenth migration: a session's runs numbered across replicas. One row per
+# session (the highest run number given, its current run) and one per task anchor (the run
+# it maps to, when last seen: at most `MAX_ANCHORS` per session, the newest kept). On
+# PostgreSQL `gpupool_session_step` maps a step's anchor and numbers the step in one call:
+# the upsert of the session's row locks it, so a session's steps are mapped one after
+# another, and each later statement of the function (a volatile PL/pgSQL function: each
+# statement sees what other transactions committed before it) reads the anchors as the
+# step before it left them. `p_run`: the run the step went on as (a replica that knew it:
+# the step is numbered there whatever the anchor maps to); `p_floor`: the highest number
+# the replica gave on its own during a store outage (new runs are numbered past it).
+_SESSION_TABLES = """
+CREATE TABLE IF NOT EXISTS session_runs (
+    tenant TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    last_run BIGINT NOT NULL,
+    current_run BIGINT NOT NULL,
+    updated_at_s {real} NOT NULL,
+    PRIMARY KEY (tenant, session_id)
+);
+CREATE TABLE IF NOT EXISTS session_anchors (
+    tenant TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    anchor TEXT NOT NULL,
+    run BIGINT NOT NULL,
+    seen_at_s {real} NOT NULL,
+    PRIMARY KEY (tenant, session_id, anchor)
+)
+"""
+_SESSION_STEP_FUNCTION = """
+CREATE OR REPLACE FUNCTION gpupool_session_step(
+    p_tenant TEXT, p_session TEXT, p_anchor TEXT, p_now DOUBLE PRECISION, p_run BIGINT,
+    p_floor BIGINT, p_max_anchors INTEGER
+) RETURNS TABLE (
+    o_next_step INTEGER, o_home TEXT, o_home_step INTEGER, o_context_tokens INTEGER,
+    o_tokens BIGINT, o_gpu_seconds DOUBLE PRECISION, o_stop_code TEXT, o_run BIGINT
+) LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_last BIGINT;
+    v_current BIGINT;
+    v_run BIGINT;
+BEGIN
+    -- the upsert locks the session's row: its steps are mapped one after another
+    INSERT INTO session_runs AS s (tenant, session_id, last_run, current_run, updated_at_s)
+        VALUES (p_tenant, p_session, 0, 0, p_now)
+        ON CONFLICT (tenant, session_id) DO UPDATE
+        SET updated_at_s = GREATEST(s.updated_at_s, excluded.updated_at_s)
+        RETURNING s.last_run, s.current_run INTO v_last, v_current;
+    IF p_anchor IS NULL THEN
+        v_run := NULLIF(v_current, 0);
+    ELSE
+        SELECT a.run INTO v_run FROM session_anchors a
+            WHERE a.tenant = p_tenant AND a.session_id = p_session AND a.anchor = p_anchor;
+    END IF;
+    IF v_run IS NULL THEN  -- a new task (or no current run): the session's next number
+        IF p_run IS NOT NULL AND p_run > v_last THEN
+            v_run := p_run;  -- numbered by the replica during an outage: kept
+        ELSE
+            v_run := GREATEST(v_last, COALESCE(p_floor, 0)) + 1;
+        END IF;
+        IF p_anchor IS NOT NULL THEN  -- room for it: the oldest others beyond the bound go
+            DELETE FROM session_anchors a
+                WHERE a.tenant = p_tenant AND a.session_id = p_session AND a.anchor IN (
+                    SELECT b.anchor FROM session_anchors b
+                    WHERE b.tenant = p_tenant AND b.session_id = p_session
+                        AND b.anchor <> p_anchor
+                    ORDER BY b.seen_at_s DESC, b.anchor OFFSET p_max_anchors - 1);
+        END IF;
+    END IF;
+    UPDATE session_runs SET last_run = GREATEST(last_run, v_run), current_run = v_run
+        WHERE tenant = p_tenant AND session_id = p_session;
+    IF p_anchor IS NOT NULL THEN
+        INSERT INTO session_anchors AS a (tenant, session_id, anchor, run, seen_at_s)
+            VALUES (p_tenant, p_session, p_anchor, v_run, p_now)
+            ON CONFLICT (tenant, session_id, anchor) DO UPDATE
+            SET run = excluded.run, seen_at_s = excluded.seen_at_s;
+    END IF;
+    RETURN QUERY INSERT INTO run_steps AS r (tenant, run_id, next_step, updated_at_s)
+        VALUES (p_tenant, p_session || ':' || COALESCE(p_run, v_run), 1, p_now)
+        ON CONFLICT (tenant, run_id) DO UPDATE
+        SET next_step = r.next_step + 1, updated_at_s = excluded.updated_at_s
+        RETURNING r.next_step, r.home, r.home_step, r.context_tokens, r.tokens,
+            r.gpu_seconds, r.stop_code, v_run;
+END
+$fn$
+"""
+
+
+def _session_tables(real: str) -> Callable[[Conn], None]:
+    def apply(conn: Conn) -> None:
+        for statement in _SESSION_TABLES.format(real=real).split(";"):
+            conn.execute(statement)
+        if real != "REAL":  # PostgreSQL: the step's function (one statement: its body holds `;`)
+            conn.execute(_SESSION_STEP_FUNCTION)
+
+    return apply
+
+
+SESSION_RUNS = Migration(
+    "governance",
+    10,
+    "session_runs, session_anchors, gpupool_session_step (a session's runs across replicas)",
+    _session_tables("REAL"),
+    _session_tables("DOUBLE PRECISION"),
+)
+_SESSION_COLUMNS = (
+    "o_next_step AS next_step, o_home AS home, o_home_step AS home_step,"
+    " o_context_tokens AS context_tokens, o_tokens AS tokens, o_gpu_seconds AS gpu_seconds,"
+    " o_stop_code AS stop_code, o_run AS run"
+)
+# a session's step: its run (the anchor mapped) and its number, NEXT_STEP_SQL's columns and
+# the run's number (PostgreSQL only; parameters: `SessionStep.params`)
+SESSION_STEP_SQL = f"SELECT {_SESSION_COLUMNS} FROM gpupool_session_step(?, ?, ?, ?, ?, ?, ?)"
+# SLOT_AND_STEP_SQL for a session's step: the function is called only when the slot was
+# granted (its time argument depends on the slot's row, so it runs after the filter)
+SLOT_AND_SESSION_STEP_SQL = (
+    "WITH slot AS (SELECT gpupool_acquire_unit_slot(?, ?, ?, ?, ?, ?) AS ok),"
+    f" step AS (SELECT {_SESSION_COLUMNS} FROM slot, LATERAL gpupool_session_step(?, ?, ?,"
+    " CASE WHEN slot.ok THEN CAST(? AS DOUBLE PRECISION) END, ?, ?, ?) WHERE slot.ok)"
+    " SELECT slot.ok, step.* FROM slot LEFT JOIN step ON TRUE"
+)
+FORGET_ANCHORS_SQL = "DELETE FROM session_anchors WHERE tenant = ? AND session_id = ? AND run = ?"
+FORGET_CURRENT_SQL = (
+    "UPDATE session_runs SET current_run = 0"
+    " WHERE tenant = ? AND session_id = ? AND current_run = ?"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStep:
+    """A session's step, for the store to map to a run (`session_step`): the session, the
+    step's task anchor (None: it joins the current run), the run it went on as (None: the
+    store's mapping decides), and the highest number the replica gave during an outage."""
+
+    session_id: str
+    anchor: str | None
+    run: int | None = None
+    floor: int = 0
+
+    def params(self, tenant: str, now_s: float, max_anchors: int) -> tuple[object, ...]:
+        """`SESSION_STEP_SQL`'s parameters."""
+        return (tenant, self.session_id, self.anchor, now_s, self.run, self.floor, max_anchors)
+
+
 _ADD_RUN_USAGE = (
     "UPDATE run_steps SET tokens = tokens + ?, gpu_seconds = gpu_seconds + ?"
     " WHERE tenant = ? AND run_id = ?"
@@ -287,11 +440,13 @@ class NextStep:
     tokens: int = 0
     gpu_seconds: float = 0.0
     stop_code: str | None = None  # a guard stopped the run on some replica
+    # a session's step (`SESSION_STEP_SQL`): the run its task anchor maps to in the store
+    run: int | None = None
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> NextStep:
-        """From `NEXT_STEP_SQL`'s row."""
-        after, home, home_step, context, tokens, gpu_seconds, stop_code = row
+        """From `NEXT_STEP_SQL`'s row (or `SESSION_STEP_SQL`'s: the same and the run)."""
+        after, home, home_step, context, tokens, gpu_seconds, stop_code, *run = row
         return cls(
             int(after) - 1,
             None if home is None else str(home),
@@ -300,6 +455,7 @@ class NextStep:
             int(tokens or 0),
             float(gpu_seconds or 0.0),
             None if stop_code is None else str(stop_code),
+            int(run[0]) if run and run[0] is not None else None,
         )
 
 
@@ -515,6 +671,85 @@ class SharedBudgets:
         with self.store.connection() as conn:
             row = conn.execute(NEXT_STEP_SQL, (tenant, run_id, now_s)).fetchone()
         return NextStep.from_row(row)
+
+    def session_step(
+        self, tenant: str, step: SessionStep, now_s: float, *, max_anchors: int
+    ) -> NextStep:
+        """A session's step: its anchor mapped to the session's run (a new anchor gets the
+        session's next number, once, whoever asks at the same time) and the step numbered in
+        `step.run` when given, else in that run; `NextStep.run` is the run the anchor maps to.
+        One statement on PostgreSQL; on SQLite the same steps in one transaction."""
+        if self.store.dialect == "postgresql":
+            with self.store.connection() as conn:
+                row = conn.execute(
+                    SESSION_STEP_SQL, step.params(tenant, now_s, max_anchors)
+                ).fetchone()
+            return NextStep.from_row(row)
+        key = (tenant, step.session_id)
+        with self.store.connection() as conn, conn.transaction():
+            conn.execute(
+                "INSERT INTO session_runs (tenant, session_id, last_run, current_run,"
+                " updated_at_s) VALUES (?, ?, 0, 0, ?) ON CONFLICT (tenant, session_id)"
+                " DO UPDATE SET updated_at_s = excluded.updated_at_s",
+                (*key, now_s),
+            )
+            last, current = conn.execute(
+                "SELECT last_run, current_run FROM session_runs"
+                " WHERE tenant = ? AND session_id = ?",
+                key,
+            ).fetchone()
+            run: int | None = int(current) or None
+            if step.anchor is not None:
+                found = conn.execute(
+                    "SELECT run FROM session_anchors WHERE tenant = ? AND session_id = ?"
+                    " AND anchor = ?",
+                    (*key, step.anchor),
+                ).fetchone()
+                run = None if found is None else int(found[0])
+            if run is None:
+                given = step.run is not None and step.run > int(last)
+                run = step.run if given and step.run is not None else max(last, step.floor) + 1
+                if step.anchor is not None:
+                    conn.execute(
+                        "DELETE FROM session_anchors WHERE tenant = ? AND session_id = ?"
+                        " AND anchor IN (SELECT anchor FROM session_anchors WHERE tenant = ?"
+                        " AND session_id = ? AND anchor <> ? ORDER BY seen_at_s DESC, anchor"
+                        " LIMIT -1 OFFSET ?)",
+                        (*key, *key, step.anchor, max_anchors - 1),
+                    )
+            conn.execute(
+                "UPDATE session_runs SET last_run = MAX(last_run, ?), current_run = ?"
+                " WHERE tenant = ? AND session_id = ?",
+                (run, run, *key),
+            )
+            if step.anchor is not None:
+                conn.execute(
+                    upsert(
+                        "session_anchors", ("tenant", "session_id", "anchor"), ("run", "seen_at_s")
+                    ),
+                    (*key, step.anchor, run, now_s),
+                )
+            number = run if step.run is None else step.run
+            row = conn.execute(
+                NEXT_STEP_SQL, (tenant, f"{step.session_id}:{number}", now_s)
+            ).fetchone()
+        return NextStep.from_row((*row, run))
+
+    def forget_session_run(self, tenant: str, session_id: str, run: int) -> None:
+        """The session's run `run` ended: its anchors are forgotten (its task's next step
+        starts a new run), and it is no longer the session's current run."""
+        with self.store.connection() as conn, conn.transaction():
+            conn.execute(FORGET_ANCHORS_SQL, (tenant, session_id, run))
+            conn.execute(FORGET_CURRENT_SQL, (tenant, session_id, run))
+
+    def session_anchors(self, tenant: str, session_id: str) -> dict[str, int]:
+        """The session's anchors and their runs (what the store keeps; tests, tools)."""
+        with self.store.connection() as conn:
+            rows = conn.execute(
+                "SELECT anchor, run FROM session_anchors WHERE tenant = ? AND session_id = ?",
+                (tenant, session_id),
+            ).fetchall()
+        return {str(a): int(r) for a, r in rows}
 
     def add_run_usage(self, usage: Sequence[tuple[str, str, int, float]]) -> None:
         """Add (tenant, run id, tokens, GPU-seconds) to the runs' shared counters, in one

@@ -29,6 +29,7 @@ from router.governance.shared import (
     RUN_COUNTERS,
     RUN_HOMES,
     RUN_STEPS,
+    SESSION_RUNS,
     SHARED_TABLES,
     SLOT_UNITS,
 )
@@ -104,6 +105,7 @@ MIGRATIONS = (
     ACQUIRE_SLOT,
     RUN_COUNTERS,
     SLOT_UNITS,
+    SESSION_RUNS,
 )
 
 
@@ -281,12 +283,29 @@ class GovernanceStore:
                 ],
             )
 
-    def forget_runs_before(self, unix_s: float) -> None:
-        """Delete runs and sessions last seen before `unix_s` (the governor forgets them too)."""
+    def forget_runs_before(self, unix_s: float, *, sessions_per_tenant: int | None = None) -> None:
+        """Delete runs and sessions last seen before `unix_s` (the governor forgets them too),
+        and, `sessions_per_tenant`, the shared run numbering of each tenant's sessions beyond
+        its newest that many (what the governor keeps of them)."""
         with self.store.connection() as conn, conn.transaction():
             conn.execute("DELETE FROM runs WHERE last_seen_s < ?", (unix_s,))
             conn.execute("DELETE FROM sessions WHERE last_seen_s < ?", (unix_s,))
             conn.execute("DELETE FROM run_steps WHERE updated_at_s < ?", (unix_s,))
+            conn.execute("DELETE FROM session_runs WHERE updated_at_s < ?", (unix_s,))
+            if sessions_per_tenant is not None:
+                conn.execute(
+                    "DELETE FROM session_runs WHERE (tenant, session_id) IN (SELECT tenant,"
+                    " session_id FROM (SELECT tenant, session_id, ROW_NUMBER() OVER (PARTITION"
+                    " BY tenant ORDER BY updated_at_s DESC) AS n FROM session_runs) newest"
+                    " WHERE n > ?)",
+                    (sessions_per_tenant,),
+                )
+            conn.execute(  # an anchor goes with its session (or a day after its last step)
+                "DELETE FROM session_anchors WHERE seen_at_s < ? OR NOT EXISTS (SELECT 1 FROM"
+                " session_runs s WHERE s.tenant = session_anchors.tenant"
+                " AND s.session_id = session_anchors.session_id)",
+                (unix_s,),
+            )
 
 
 def _slices(raw: str) -> list[tuple[float, float]]:
