@@ -353,7 +353,11 @@ class Governor:
         await asyncio.to_thread(self._store.save, tenants, runs, sessions)
         self._saves += 1
         if self._saves % 600 == 1:  # about every 10 minutes: runs idle for a day go
-            await asyncio.to_thread(self._store.forget_runs_before, self._wall_clock() - DAY_S)
+            await asyncio.to_thread(
+                self._store.forget_runs_before,
+                self._wall_clock() - DAY_S,
+                sessions_per_tenant=MAX_SESSIONS_PER_TENANT,
+            )
 
     async def sync_replicas(self) -> None:
         """The shared half of the sweep (store.url): give back the leases, renew this

@@ -277,3 +277,41 @@ async def test_a_step_numbered_with_its_record_is_refused_by_a_stop_written_mean
     assert sorted(r[1] for r in records.values() if r[2] == 200) == [0, 1]
     refused_at_enter = records[again.headers["x-gpupool-request-id"]]
     assert records[refused_id][1:] == refused_at_enter[1:] == (None, 403, "client_error", None)
+
+
+async def test_a_sessions_steps_on_two_routers_are_one_run_numbered_with_their_records(
+    postgres_server: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An `x-session-id` session: router a takes task 1 alone, then task 2's steps go to a,
+    b, a, b (a load balancer's round robin): one run, `S:2`, its steps 0..3 in the ledger
+    whichever router served them, a's second step numbered with its ledger record (the
+    store maps its anchor in the same statement)."""
+    url = postgres_server.create_database("speculation_session")
+    monkeypatch.setenv(ENV, PASSWORD)
+    config = _config(tmp_path, url)
+
+    async def session_step(client: httpx.AsyncClient, task: str) -> httpx.Response:
+        body = {**BODY, "messages": [{"role": "user", "content": task}]}
+        headers = {"x-session-id": "S"}
+        response = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 200
+        return response
+
+    async with gateway_over_fakes(config) as a, another_router(a, config) as (b, b_client):
+        await session_step(a.client, "task one")
+        for client in (a.client, b_client, a.client, b_client):
+            await session_step(client, "task two")
+        page = (await a.client.get("/metrics")).text
+        assert speculated(page, "confirmed", "numbered_at_commit") == 0
+        assert speculated(page, "renumbered", "numbered_at_commit") == 1  # b took step 1
+    store = PostgresStore(url, password=PASSWORD)
+    store.open()
+    try:
+        with store.connection() as conn:
+            rows = conn.execute(
+                "SELECT run_id, step_index FROM requests WHERE run_id LIKE 'S:%'"
+                " ORDER BY started_at_s, request_id"
+            ).fetchall()
+    finally:
+        store.close()
+    assert [tuple(r) for r in rows] == [("S:1", 0), *(("S:2", n) for n in range(4))]
