@@ -65,16 +65,21 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 5.0
 
 def ledger(url: str) -> list[tuple[str, int | None, int, str, str | None]]:
     """The run's ledger records: (request id, step, status, outcome, instance)."""
+    return query(  # type: ignore[return-value]
+        url,
+        "SELECT request_id, step_index, status_code, outcome, instance FROM requests"
+        " WHERE run_id = ? ORDER BY started_at_s, request_id",
+        (RUN,),
+    )
+
+
+def query(url: str, sql: str, params: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+    """`sql`'s rows in the database at `url`."""
     store = PostgresStore(url, password=PASSWORD)
     store.open()
     try:
         with store.connection() as conn:
-            rows = conn.execute(
-                "SELECT request_id, step_index, status_code, outcome, instance FROM requests"
-                " WHERE run_id = ? ORDER BY started_at_s, request_id",
-                (RUN,),
-            ).fetchall()
-        return [tuple(r) for r in rows]  # type: ignore[misc]
+            return [tuple(r) for r in conn.execute(sql, params).fetchall()]
     finally:
         store.close()
 
@@ -297,21 +302,16 @@ async def test_a_sessions_steps_on_two_routers_are_one_run_numbered_with_their_r
         assert response.status_code == 200
         return response
 
-    async with gateway_over_fakes(config) as a, another_router(a, config) as (b, b_client):
+    async with gateway_over_fakes(config) as a, another_router(a, config) as (_, b_client):
         await session_step(a.client, "task one")
         for client in (a.client, b_client, a.client, b_client):
             await session_step(client, "task two")
         page = (await a.client.get("/metrics")).text
         assert speculated(page, "confirmed", "numbered_at_commit") == 0
         assert speculated(page, "renumbered", "numbered_at_commit") == 1  # b took step 1
-    store = PostgresStore(url, password=PASSWORD)
-    store.open()
-    try:
-        with store.connection() as conn:
-            rows = conn.execute(
-                "SELECT run_id, step_index FROM requests WHERE run_id LIKE 'S:%'"
-                " ORDER BY started_at_s, request_id"
-            ).fetchall()
-    finally:
-        store.close()
-    assert [tuple(r) for r in rows] == [("S:1", 0), *(("S:2", n) for n in range(4))]
+    rows = query(
+        url,
+        "SELECT run_id, step_index FROM requests WHERE run_id LIKE 'S:%'"
+        " ORDER BY started_at_s, request_id",
+    )
+    assert rows == [("S:1", 0), *(("S:2", n) for n in range(4))]
