@@ -3,7 +3,8 @@ concurrency 1, against the embedded SQLite store, side by side in one run (issue
 p50 within 0.3 ms).
 
     .venv/bin/python -m benchmarks.store_router_latency [--requests 400] [--rounds 5]
-        [--kinds plain,governed,agent,governed-agent] [--baseline-tree DIR] [--out FILE]
+        [--kinds plain,governed,agent,governed-agent,session,governed-session]
+        [--baseline-tree DIR] [--out FILE]
 
 It starts a real PostgreSQL (tests/postgres.py's server: unix socket, fsync off), one fake
 engine process (`pools.testing.fake_engine`, no delays) and two `gpupool serve` processes
@@ -20,6 +21,10 @@ one at a time:
   run's step number (and home) from the store;
 - `governed-agent`: the governed tenant's agent run steps: a request slot, the step number
   and, at each run's first step, a run slot.
+- `session`: the plain tenant's session steps (`x-session-id`, one session per round and
+  router, a new user message every 10 steps: a task, one run each): the session's run from
+  the store with the step's number (since s45: `gpupool_session_step`, one statement);
+  `governed-session`: the governed tenant's.
 
 `--baseline-tree DIR`: a third router, on the PostgreSQL store too (a database of its own),
 runs the router code of DIR (a checkout of another commit, e.g. `git worktree add DIR
@@ -72,6 +77,7 @@ KEYS = {"plain": "plain-" + "p" * 24, "governed": "governed-" + "g" * 24}
 METRICS_KEY = "metrics-" + "m" * 24  # GET /metrics (router.metrics_api_key_env)
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 STEPS_PER_RUN = 10
+KINDS = ("plain", "governed", "agent", "governed-agent", "session", "governed-session")
 STORES = ("sqlite", "postgres")
 BASELINE = "postgres-base"  # the --baseline-tree router
 
@@ -118,7 +124,18 @@ def _headers(kind: str, k: int, tag: str) -> dict[str, str]:
     headers = {"authorization": f"Bearer {KEYS[tenant]}"}
     if kind.endswith("agent"):
         headers["x-gpupool-run-id"] = f"{tag}-{k // STEPS_PER_RUN}"
+    elif kind.endswith("session"):
+        headers["x-session-id"] = tag
     return headers
+
+
+def _body(kind: str, k: int) -> dict[str, object]:
+    """A session's step k belongs to task k // STEPS_PER_RUN (its user message: a new task
+    starts the session's next run); other kinds send BODY."""
+    if not kind.endswith("session"):
+        return BODY
+    task = {"role": "user", "content": f"task {k // STEPS_PER_RUN}"}
+    return {**BODY, "messages": [task]}
 
 
 async def _send(
@@ -132,7 +149,8 @@ async def _send(
             await asyncio.sleep(gap_s)
         headers = _headers(kind, k, tag)
         started = time.perf_counter()
-        async with session.post(f"{url}/v1/chat/completions", json=BODY, headers=headers) as r:
+        body = _body(kind, k)
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
             await r.read()
             if r.status != 200:
                 raise RuntimeError(f"{kind}: HTTP {r.status}: {await r.text()}")
@@ -167,7 +185,7 @@ def _parts(kind: str, took: dict[str, list[float]]) -> dict[str, dict[str, list[
     into each run's first step (which waits for the store's answer before placement: the
     router does not know the run yet) and the later ones (sent on before it)."""
     parts = {kind: took}
-    if kind.endswith("agent"):
+    if kind.endswith(("agent", "session")):
         parts[f"{kind} (first steps)"] = {
             s: [t for k, t in enumerate(v) if k % STEPS_PER_RUN == 0] for s, v in took.items()
         }
@@ -361,7 +379,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=400, help="per kind, store and round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--kinds", default="plain,governed,agent")
+    parser.add_argument(
+        "--kinds",
+        default="plain,governed,agent",
+        help=f"comma-separated, of: {','.join(KINDS)}",
+    )
     parser.add_argument(
         "--block", type=int, default=20, help="the stores take turns every BLOCK requests"
     )
@@ -388,6 +410,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, help="write the report (Markdown) here too")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.kinds.split(",")) - set(KINDS))
+    if unknown:
+        parser.error(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})")
     pg = importlib.import_module("tests.postgres")  # test support, not the product
     with pg.start_postgres() as server, tempfile.TemporaryDirectory() as tmp:
         urls = {"postgres": server.create_database("store_router_latency")}

@@ -10,6 +10,7 @@ step belongs to and the order the steps arrive in, on whichever replica."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
@@ -38,14 +39,9 @@ SESSION = "claude-session-1"
 def session_step(gov: Governor, tenant: str, task: str | None) -> RequestContext:
     """What the gateway does at a session step's arrival: classify names the session and the
     task anchor (the user message), `prepare` gives it a run (and asks the store)."""
-    c = ctx(tenant)
-    c = RequestContext(**{**_fields(c), "session_id": SESSION, "session_turn": task})
+    c = dataclasses.replace(ctx(tenant), session_id=SESSION, session_turn=task)
     prepared, _ = gov.prepare(c, tenant_of(gov, tenant).tenant, {}, {"messages": []})
     return prepared
-
-
-def _fields(c: RequestContext) -> dict[str, object]:
-    return {name: getattr(c, name) for name in RequestContext.__dataclass_fields__}
 
 
 async def step(
