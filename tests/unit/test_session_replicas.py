@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from router.errors import RateLimited
 from router.governance import Governor
 from router.governance.governor import StepSignals
 from router.governance.runtable import MAX_ANCHORS
@@ -189,6 +190,17 @@ async def test_a_tier_tenants_session_steps_take_their_slot_and_run_in_one_state
     assert (await step(b, "task 1", tenant="s")).ctx.run_id == f"{SESSION}:1"
     outcomes = [await step(gov, "task 2", tenant="s") for gov in (a, b, a)]
     assert runs_and_steps(outcomes) == [(f"{SESSION}:2", n) for n in range(3)]
+    # the tier's 2 requests in flight on a: a step on b is refused its slot, and maps nothing
+    held = [session_step(a, "s", "task 2") for _ in range(2)]
+    for c in held:
+        await a.enter(c, ESTIMATE, tenant_of(a, "s"))
+    refused = session_step(b, "s", "task 3")
+    with pytest.raises(RateLimited) as err:
+        await b.enter(refused, ESTIMATE, tenant_of(b, "s"))
+    assert err.value.code == "tenant_concurrency"
+    assert b._replica is not None
+    kept = await asyncio.to_thread(b._replica.db.session_anchors, "s", SESSION)
+    assert sorted(kept) == ["task 1", "task 2"]
 
 
 async def test_a_known_runs_session_step_goes_on_before_the_answer_in_its_run(
