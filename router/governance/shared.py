@@ -277,6 +277,7 @@ SLOT_AND_STEP_SQL = (
     " RETURNING next_step, home, home_step, context_tokens, tokens, gpu_seconds, stop_code)"
     " SELECT slot.ok, step.* FROM slot LEFT JOIN step ON TRUE"
 )
+SESSION_FRESH_S = 10.0  # a session's rows rewritten by a step only when older than this
 # governance's tenth migration: a session's runs numbered across replicas. One row per
 # session (the highest run number given, its current run) and one per task anchor (the run
 # it maps to, when last seen: at most `MAX_ANCHORS` per session, the newest kept). On
@@ -286,7 +287,9 @@ SLOT_AND_STEP_SQL = (
 # statement sees what other transactions committed before it) reads the anchors as the
 # step before it left them. `p_run`: the run the step went on as (a replica that knew it:
 # the step is numbered there whatever the anchor maps to); `p_floor`: the highest number
-# the replica gave on its own during a store outage (new runs are numbered past it).
+# the replica gave on its own during a store outage (new runs are numbered past it). A
+# task's later step whose anchor maps to the current run, both rows written within
+# SESSION_FRESH_S, reads them and writes nothing but its step (no lock: nothing changes).
 _SESSION_TABLES = """
 CREATE TABLE IF NOT EXISTS session_runs (
     tenant TEXT NOT NULL,
@@ -316,42 +319,60 @@ CREATE OR REPLACE FUNCTION gpupool_session_step(
 DECLARE
     v_last BIGINT;
     v_current BIGINT;
+    v_updated DOUBLE PRECISION;
     v_run BIGINT;
+    v_seen DOUBLE PRECISION;
 BEGIN
-    -- the upsert locks the session's row: its steps are mapped one after another
-    INSERT INTO session_runs AS s (tenant, session_id, last_run, current_run, updated_at_s)
-        VALUES (p_tenant, p_session, 0, 0, p_now)
-        ON CONFLICT (tenant, session_id) DO UPDATE
-        SET updated_at_s = GREATEST(s.updated_at_s, excluded.updated_at_s)
-        RETURNING s.last_run, s.current_run INTO v_last, v_current;
+    -- a task's later step: its anchor's run is the session's current one and both rows were
+    -- written in the last FRESH_S: nothing changes, nothing is written (read, not locked)
+    SELECT s.last_run, s.current_run, s.updated_at_s INTO v_last, v_current, v_updated
+        FROM session_runs s WHERE s.tenant = p_tenant AND s.session_id = p_session;
     IF p_anchor IS NULL THEN
         v_run := NULLIF(v_current, 0);
+        v_seen := p_now;
     ELSE
-        SELECT a.run INTO v_run FROM session_anchors a
+        SELECT a.run, a.seen_at_s INTO v_run, v_seen FROM session_anchors a
             WHERE a.tenant = p_tenant AND a.session_id = p_session AND a.anchor = p_anchor;
     END IF;
-    IF v_run IS NULL THEN  -- a new task (or no current run): the session's next number
-        IF p_run IS NOT NULL AND p_run > v_last THEN
-            v_run := p_run;  -- numbered by the replica during an outage: kept
+    IF v_run IS NULL OR v_run IS DISTINCT FROM v_current OR p_now - v_updated > {fresh}
+            OR p_now - v_seen > {fresh} THEN
+        -- the upsert of the session's row locks it: its steps are mapped one after another,
+        -- and each statement below sees what the step before committed
+        INSERT INTO session_runs AS s (tenant, session_id, last_run, current_run, updated_at_s)
+            VALUES (p_tenant, p_session, 0, 0, p_now)
+            ON CONFLICT (tenant, session_id) DO UPDATE
+            SET updated_at_s = GREATEST(s.updated_at_s, excluded.updated_at_s)
+            RETURNING s.last_run, s.current_run INTO v_last, v_current;
+        v_run := NULL;
+        IF p_anchor IS NULL THEN
+            v_run := NULLIF(v_current, 0);
         ELSE
-            v_run := GREATEST(v_last, COALESCE(p_floor, 0)) + 1;
+            SELECT a.run INTO v_run FROM session_anchors a
+                WHERE a.tenant = p_tenant AND a.session_id = p_session AND a.anchor = p_anchor;
         END IF;
-        IF p_anchor IS NOT NULL THEN  -- room for it: the oldest others beyond the bound go
-            DELETE FROM session_anchors a
-                WHERE a.tenant = p_tenant AND a.session_id = p_session AND a.anchor IN (
-                    SELECT b.anchor FROM session_anchors b
-                    WHERE b.tenant = p_tenant AND b.session_id = p_session
-                        AND b.anchor <> p_anchor
-                    ORDER BY b.seen_at_s DESC, b.anchor OFFSET p_max_anchors - 1);
+        IF v_run IS NULL THEN  -- a new task (or no current run): the session's next number
+            IF p_run IS NOT NULL AND p_run > v_last THEN
+                v_run := p_run;  -- numbered by the replica during an outage: kept
+            ELSE
+                v_run := GREATEST(v_last, COALESCE(p_floor, 0)) + 1;
+            END IF;
+            IF p_anchor IS NOT NULL THEN  -- room for it: the oldest others beyond the bound go
+                DELETE FROM session_anchors a
+                    WHERE a.tenant = p_tenant AND a.session_id = p_session AND a.anchor IN (
+                        SELECT b.anchor FROM session_anchors b
+                        WHERE b.tenant = p_tenant AND b.session_id = p_session
+                            AND b.anchor <> p_anchor
+                        ORDER BY b.seen_at_s DESC, b.anchor OFFSET p_max_anchors - 1);
+            END IF;
         END IF;
-    END IF;
-    UPDATE session_runs SET last_run = GREATEST(last_run, v_run), current_run = v_run
-        WHERE tenant = p_tenant AND session_id = p_session;
-    IF p_anchor IS NOT NULL THEN
-        INSERT INTO session_anchors AS a (tenant, session_id, anchor, run, seen_at_s)
-            VALUES (p_tenant, p_session, p_anchor, v_run, p_now)
-            ON CONFLICT (tenant, session_id, anchor) DO UPDATE
-            SET run = excluded.run, seen_at_s = excluded.seen_at_s;
+        UPDATE session_runs SET last_run = GREATEST(last_run, v_run), current_run = v_run
+            WHERE tenant = p_tenant AND session_id = p_session;
+        IF p_anchor IS NOT NULL THEN
+            INSERT INTO session_anchors AS a (tenant, session_id, anchor, run, seen_at_s)
+                VALUES (p_tenant, p_session, p_anchor, v_run, p_now)
+                ON CONFLICT (tenant, session_id, anchor) DO UPDATE
+                SET run = excluded.run, seen_at_s = excluded.seen_at_s;
+        END IF;
     END IF;
     RETURN QUERY INSERT INTO run_steps AS r (tenant, run_id, next_step, updated_at_s)
         VALUES (p_tenant, p_session || ':' || COALESCE(p_run, v_run), 1, p_now)
@@ -369,7 +390,7 @@ def _session_tables(real: str) -> Callable[[Conn], None]:
         for statement in _SESSION_TABLES.format(real=real).split(";"):
             conn.execute(statement)
         if real != "REAL":  # PostgreSQL: the step's function (one statement: its body holds `;`)
-            conn.execute(_SESSION_STEP_FUNCTION)
+            conn.execute(_SESSION_STEP_FUNCTION.replace("{fresh}", repr(SESSION_FRESH_S)))
 
     return apply
 

@@ -19,6 +19,7 @@ from router.errors import RateLimited
 from router.governance import Governor
 from router.governance.governor import StepSignals
 from router.governance.runtable import MAX_ANCHORS
+from router.governance.shared import SESSION_FRESH_S
 from router.governance.speculation import SPECULATE_WITHIN_S
 from router.request import RequestContext, RequestOutcome
 from tests.postgres import PASSWORD, PostgresServer
@@ -216,3 +217,30 @@ async def test_a_known_runs_session_step_goes_on_before_the_answer_in_its_run(
     outcomes.append(await step(a, "task 1", speculate=True))  # known: renumbered 2 -> 3
     assert runs_and_steps(outcomes) == [(f"{SESSION}:1", n) for n in range(4)]
     assert len(SPECULATED) == 2
+
+
+async def test_a_tasks_later_steps_rewrite_the_sessions_rows_only_when_stale(
+    two: tuple[Governor, Governor],
+) -> None:
+    """A later step of the current task reads the session's rows and writes only its step
+    while both were written within SESSION_FRESH_S; past that it refreshes them (the day's
+    sweep and the anchors' bound go by them)."""
+    a, b = two
+    wall = a._wall_clock
+    assert isinstance(wall, Clock) and a._replica is not None
+    db = a._replica.db
+
+    def seen() -> tuple[float, float]:
+        with db.store.connection() as conn:
+            (anchor,) = conn.execute("SELECT seen_at_s FROM session_anchors").fetchone()
+            (session,) = conn.execute("SELECT updated_at_s FROM session_runs").fetchone()
+        return float(anchor), float(session)
+
+    await step(a, "task 1")
+    first = await asyncio.to_thread(seen)
+    wall.now_s += SESSION_FRESH_S / 2
+    assert (await step(b, "task 1")).step_index == 1
+    assert await asyncio.to_thread(seen) == first
+    wall.now_s += SESSION_FRESH_S
+    assert (await step(a, "task 1")).step_index == 2
+    assert await asyncio.to_thread(seen) == (wall.now_s, wall.now_s)
