@@ -232,6 +232,9 @@ class Governor:
         self._pending_runs: dict[str, list[RunRow]] = {}
         self._pending_sessions: dict[str, list[SessionRow]] = {}
         self._dirty_sessions: set[tuple[str, str]] = set()
+        # a session's runs this replica numbered while the shared store could not be asked:
+        # (tenant, session) -> {task anchor: run}, handed to the store when it answers again
+        self._numbered_alone: dict[tuple[str, str], dict[str, int]] = {}
         self._saves = 0
         # budgets, slots and cost windows shared with the other routers on the database
         self._replica: ReplicaBudgets | None = None
@@ -379,6 +382,8 @@ class Governor:
         others = await replica.sync(windows)
         if others is None:  # unreachable: the last windows read stay
             return
+        if self._numbered_alone:  # the store answers again: what was numbered here meanwhile
+            await self._hand_over_sessions()
         for name, st in self._tenants.items():
             hour_day = others.get(name)
             st.others_hour = st.others_day = None
@@ -501,7 +506,7 @@ class Governor:
             else:
                 number = runs_of.run_for(ctx.session_turn)
                 if replica is not None:  # numbered here during an outage
-                    runs_of.floor = max(runs_of.floor, number)
+                    self._numbered_here(st, ctx.session_id, ctx.session_turn, number)
             ctx = dataclasses.replace(ctx, run_id=session_run_id(ctx.session_id, number))
         weight = st.limits.queue_weight
         if weight != 1.0:
@@ -743,6 +748,9 @@ class Governor:
                 took.step = None if stored is None else stored.step
                 if stored is not None and early is not None and not early.pinned:
                     took.run_id = self._session_answer(st, ctx, stored)
+                elif stored is None and ctx.session_id is not None:  # numbered here: an outage
+                    number = int(ctx.run_id.rpartition(":")[2])
+                    self._numbered_here(st, ctx.session_id, ctx.session_turn, number)
         except BaseException:
             self._undo_shared(st, took)
             raise
@@ -977,6 +985,35 @@ class Governor:
         runs_of = self._session(st, ctx.session_id)
         runs_of.adopt(ctx.session_turn, stored.run)
         return session_run_id(ctx.session_id, stored.run)
+
+    def _numbered_here(
+        self, st: _Tenant, session_id: str, anchor_key: str | None, number: int
+    ) -> None:
+        """This replica gave a session's step run `number` without the store (an outage):
+        its own count goes on past it, and the store learns it when it answers again."""
+        runs_of = self._session(st, session_id)
+        runs_of.adopt(anchor_key, number)
+        runs_of.floor = max(runs_of.floor, number)
+        anchors = self._numbered_alone.setdefault((st.config.name, session_id), {})
+        if anchor_key is not None:
+            anchors[anchor_key] = number
+
+    async def _hand_over_sessions(self) -> None:
+        """The store answers again: each session's highest number given here meanwhile, and
+        the tasks numbered here, to the store (a session's new runs are numbered past them on
+        every replica; a task no replica mapped keeps its run)."""
+        replica = self._replica
+        assert replica is not None
+        rows = []
+        for (tenant, session_id), anchors in self._numbered_alone.items():
+            st = self._tenants.get(tenant)
+            runs_of = None if st is None else st.sessions.get(session_id)
+            if runs_of is not None:
+                rows.append((tenant, session_id, runs_of.floor, list(anchors.items())))
+        handed, self._numbered_alone = self._numbered_alone, {}
+        if not await replica.adopt_session_runs(rows):
+            for key, anchors in handed.items():  # kept for the next sweep that gets through
+                self._numbered_alone.setdefault(key, {}).update(anchors)
 
     def _refused_speculation(self, ctx: RequestContext) -> None:
         """A step the store's answer refused: as a step refused at `enter`, it does not end

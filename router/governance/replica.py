@@ -652,6 +652,18 @@ class ReplicaBudgets:
         except self._errors as err:
             self._down(err)
 
+    async def adopt_session_runs(
+        self, runs: Sequence[tuple[str, str, int, Sequence[tuple[str, int]]]]
+    ) -> bool:
+        """Hand the store what this replica numbered during an outage (`SharedBudgets.
+        adopt_session_runs`). False: it could not (the outage goes on; kept for the next)."""
+        now_s = self._wall()
+        try:
+            await self._call(lambda: self.db.adopt_session_runs(runs, now_s))
+        except _Down:
+            return False
+        return True
+
     def mark_run(self, tenant: str, run_id: str, stop_code: str | None) -> None:
         """A guard stopped the run here (`stop_code`), or it ended (None: its id starts
         afresh on every replica), in the background. Its usage not yet added goes with it

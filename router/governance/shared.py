@@ -763,6 +763,30 @@ class SharedBudgets:
             conn.execute(FORGET_ANCHORS_SQL, (tenant, session_id, run))
             conn.execute(FORGET_CURRENT_SQL, (tenant, session_id, run))
 
+    def adopt_session_runs(
+        self, runs: Sequence[tuple[str, str, int, Sequence[tuple[str, int]]]], now_s: float
+    ) -> None:
+        """What a replica numbered on its own during an outage, (tenant, session, the highest
+        run number it gave, (anchor, run) of the tasks it numbered), in one transaction: the
+        session's highest number rises to it (the store numbers new runs past it), and each
+        anchor the store does not map yet maps to the replica's run."""
+        if not runs:
+            return
+        with self.store.connection() as conn, conn.transaction():
+            conn.executemany(
+                "INSERT INTO session_runs (tenant, session_id, last_run, current_run,"
+                " updated_at_s) VALUES (?, ?, ?, 0, ?) ON CONFLICT (tenant, session_id) DO UPDATE"
+                " SET last_run = CASE WHEN session_runs.last_run > excluded.last_run"
+                " THEN session_runs.last_run ELSE excluded.last_run END,"
+                " updated_at_s = excluded.updated_at_s",
+                [(t, s, floor, now_s) for t, s, floor, _ in runs],
+            )
+            conn.executemany(
+                "INSERT INTO session_anchors (tenant, session_id, anchor, run, seen_at_s)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, session_id, anchor) DO NOTHING",
+                [(t, s, a, n, now_s) for t, s, _, anchors in runs for a, n in anchors],
+            )
+
     def session_anchors(self, tenant: str, session_id: str) -> dict[str, int]:
         """The session's anchors and their runs (what the store keeps; tests, tools)."""
         with self.store.connection() as conn:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -22,7 +22,7 @@ from router.governance.runtable import MAX_ANCHORS
 from router.governance.shared import SESSION_FRESH_S
 from router.governance.speculation import SPECULATE_WITHIN_S
 from router.request import RequestContext, RequestOutcome
-from tests.postgres import PASSWORD, PostgresServer
+from tests.postgres import PASSWORD, PostgresServer, start_postgres
 from tests.unit.test_governance_replicas import (
     ESTIMATE,
     PASSWORD_ENV,
@@ -244,3 +244,33 @@ async def test_a_tasks_later_steps_rewrite_the_sessions_rows_only_when_stale(
     wall.now_s += SESSION_FRESH_S
     assert (await step(a, "task 1")).step_index == 2
     assert await asyncio.to_thread(seen) == (wall.now_s, wall.now_s)
+
+
+@pytest.fixture
+def own_server() -> Iterator[PostgresServer]:
+    with start_postgres() as server:
+        yield server
+
+
+async def test_an_outage_numbers_locally_and_reconnecting_hands_the_numbers_to_the_store(
+    own_server: PostgresServer,
+) -> None:
+    """While the store is down each replica numbers a session's runs from what it knows; the
+    sweep that reconnects hands the store what it numbered, so a task numbered during the
+    outage keeps its run on the other replica and the session's next new task goes past it."""
+    url = own_server.create_database("sessions_outage")
+    config = shared_config(url)
+    wall = Clock(T0)
+    async with replica(config, url, wall, "a") as a, replica(config, url, wall, "b") as b:
+        assert (await step(a, "task 1")).ctx.run_id == f"{SESSION}:1"
+        own_server.stop()
+        assert (await step(a, "task 2")).ctx.run_id == f"{SESSION}:2"  # a's own count
+        assert (await step(a, "task 3")).ctx.run_id == f"{SESSION}:3"
+        assert a._replica is not None and a._replica.down_since_s is not None
+        own_server.start()
+        await a.sync_replicas()  # reconnects, and hands over tasks 2 and 3
+        assert a._replica.down_since_s is None
+        on_b = await step(b, "task 2")  # b never saw it: the store maps it to a's run
+        assert (on_b.ctx.run_id, on_b.step_index) == (f"{SESSION}:2", 0)
+        assert (await step(b, "task 4")).ctx.run_id == f"{SESSION}:4"  # past a's numbers
+        assert (await step(a, "task 5")).ctx.run_id == f"{SESSION}:5"
