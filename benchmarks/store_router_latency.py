@@ -34,7 +34,7 @@ request waits G ms first (a tenant whose requests do not follow each other at on
 request slot's hand-over, 10 ms, does not reach the next one).
 
 Each round sends `--requests` of every kind to each router, the routers taking turns every
-`--block` requests (20; the first of each turn alternating), each on a keep-alive connection
+`--block` requests (20; in every order in turn, `_order`), each on a keep-alive connection
 of its own for the whole run, so a change of the machine's load lands on both. Reported per kind and
 store: p50 / p90 / p99 over all rounds, the added p50 (PostgreSQL - SQLite) per round and
 over all (for agent kinds also apart for each run's first step, which waits for the store's
@@ -168,16 +168,27 @@ async def _round(
     gap_s: float = 0.0,
 ) -> dict[str, list[float]]:
     """`requests` requests of `kind` to each router, the routers taking turns every `block`
-    requests (so a change of the machine's load lands on all), the order reversed every
-    other block."""
+    requests (so a change of the machine's load lands on all), in each of their orders in
+    turn (`_order`)."""
     took: dict[str, list[float]] = {store: [] for store in urls}
     for b, first in enumerate(range(0, requests, block)):
         ks = range(first, min(requests, first + block))
-        order = list(urls) if b % 2 == 0 else list(urls)[::-1]
+        order = _order(list(urls), b)
         for store in order:
             tagged = f"{tag}-{store}"
             took[store] += await _send(sessions[store], urls[store], kind, ks, tagged, gap_s)
     return took
+
+
+def _order(routers: list[str], b: int) -> list[str]:
+    """Block `b`'s order: rotated by `b`, so each router takes each place in turn and no
+    router's turn follows its own (each turn's first request comes to a process that slept
+    while the others were served). Until s45 the order was reversed every other block: with
+    three routers the first and the last took two turns in a row half the time, the middle
+    one never, and its turns' first requests (agent kinds: first steps) came cold: +0.1 ms
+    p50 on every kind for the middle router, more on first steps (s45's results)."""
+    n = len(routers)
+    return routers[b % n :] + routers[: b % n]
 
 
 def _parts(kind: str, took: dict[str, list[float]]) -> dict[str, dict[str, list[float]]]:
