@@ -29,7 +29,9 @@ With `store.url` set (router replicas on one database) the limits are shared bes
 (`replica.ReplicaBudgets`): a request also takes its tokens and request from the replica's
 lease on the tenant's shared buckets, and a slot in the database for `max_concurrent_requests`
 and (a run becoming active) `max_concurrent_runs`; cost caps add the other replicas' windows;
-a run's step is numbered in the store (`dispatched` hands the number to the meter).
+a run's step is numbered in the store (`dispatched` hands the number to the meter), and a
+session's step is mapped there to its session's run by the same statement (`prepare` names it
+with the replica's guess, `enter` takes the store's: docs/replicas.md, s45).
 The local buckets still apply (they are what a store outage falls back on). Borrowing stays
 off there (a lender's bucket is shared). Without a URL nothing of this runs.
 """
