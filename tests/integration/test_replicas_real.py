@@ -242,10 +242,21 @@ class Load:
 
     async def _agent(self, session: aiohttp.ClientSession, worker: int) -> None:
         """Runs of `STEPS` steps, one after another; a step not answered is sent again (an
-        agent retries), with the same history."""
+        agent retries), with the same history. Worker 0 is a coding agent's session
+        (`x-session-id`, as Claude Code and Codex name theirs): each run a task, a new user
+        message, so the session's n-th task is its run `<session>:<n>` on every router
+        (its `run_id` here: `<session>:<n>`, what the ledger should record)."""
         rng = random.Random(f"agent{worker}")
+        agent_session = f"session-{worker}-{secrets.token_hex(4)}" if worker == 0 else None
         for number in itertools.count():
             run_id = f"run-{worker}-{number}-{secrets.token_hex(4)}"
+            if agent_session is not None:
+                run_id = f"{agent_session}:{number + 1}"
+            names = (
+                {"x-gpupool-run-id": run_id}
+                if agent_session is None
+                else {"x-session-id": agent_session}
+            )
             history: list[dict[str, Any]] = [
                 {"role": "user", "content": f"fix the bug in module {worker}.{number}"}
             ]
@@ -262,7 +273,7 @@ class Load:
                         "tools": TOOLS,
                         "max_tokens": rng.randint(2, MAX_TOKENS),
                     }
-                    await self._send(session, reply, body, {"x-gpupool-run-id": run_id})
+                    await self._send(session, reply, body, names)
                     if reply.complete:
                         break
                 call_id = f"call-{step}"
@@ -348,12 +359,12 @@ async def test_kill_9_of_one_of_three_routers_under_mixed_load(
         extra = await asyncio.to_thread(
             db.query, "SELECT request_id FROM requests WHERE status_code = 200"
         )
-        steps = dict(
-            await asyncio.to_thread(
-                db.query,
-                "SELECT request_id, step_index FROM requests WHERE run_id IS NOT NULL",
-            )
+        numbered = await asyncio.to_thread(
+            db.query,
+            "SELECT request_id, step_index, run_id FROM requests WHERE run_id IS NOT NULL",
         )
+        steps = {request_id: step for request_id, step, _ in numbered}
+        recorded_runs = {request_id: run_id for request_id, _, run_id in numbered}
 
     # what failed: the killed router's requests in flight at the kill, nothing else
     answered_ids = {r.request_id for r in load.replies if r.complete}
@@ -402,6 +413,10 @@ async def test_kill_9_of_one_of_three_routers_under_mixed_load(
             numbers,
         )
         assert [s for _, s in numbers] == sorted({s for _, s in numbers}), (run_id, numbers)
+        # the session's task: one run, the session's n-th, whichever routers took its steps
+        recorded = {recorded_runs[a.reply.request_id] for a in attempts if a.reply.complete}
+        assert recorded == {run_id}, (run_id, recorded)
+    assert any(":" in run_id for run_id in runs), "no session task was served"
     print(
         f"[drill] kill -9: {len(load.replies)} requests, {len(answered_ids)} answered,"
         f" {len(failed)} failed (in flight at the kill), {len(refused)} refused after it;"
