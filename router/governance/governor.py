@@ -74,7 +74,7 @@ from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
 from router.governance.replica import ReplicaBudgets
 from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
-from router.governance.shared import NextStep, SessionStep
+from router.governance.shared import SESSION_FRESH_S, NextStep, SessionStep
 from router.governance.speculation import SPECULATE_WITHIN_S, DeferredStep, Speculation
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
@@ -529,22 +529,29 @@ class Governor:
             return None
         if fold and self._foldable(st, ctx) is not None:
             return None
-        session = self._session_step(st, ctx)
+        session, pinned = self._session_step(st, ctx)
         task = replica.begin(st.config.name, ctx.request_id, limit, ctx.run_id, session)
-        pinned = session is not None and session.run is not None
         return _Early(st.config.name, task, self.clock(), pinned=pinned)
 
-    def _session_step(self, st: _Tenant, ctx: RequestContext) -> SessionStep | None:
-        """A session's step for the store to map (None: not a session's): numbered in the
-        run `prepare` gave it when this replica knows that run (its step may go on before
-        the answer), else in whatever run the store maps its anchor to."""
+    def _session_step(self, st: _Tenant, ctx: RequestContext) -> tuple[SessionStep | None, bool]:
+        """A session's step for the store to map, and whether it is pinned to the run
+        `prepare` gave it. Pinned when this replica knows that run (its step may go on
+        before the answer): numbered there whatever the store maps its anchor to; within
+        SESSION_FRESH_S of this replica's last mapping of the same task, with the run's own
+        statement (`NEXT_STEP_SQL`, None here: the mapping would change nothing, and the
+        store's rows are fresh). Not pinned: numbered in the run the store maps it to."""
         if ctx.session_id is None or ctx.run_id is None:
-            return None
-        runs_of = st.sessions.get(ctx.session_id)
-        floor = 0 if runs_of is None else runs_of.floor
+            return None, False
+        runs_of = self._session(st, ctx.session_id)
+        now = self.clock()
         known = self._known_run(st, ctx) is not None
+        if known and now - runs_of.mapped_s.get(ctx.session_turn, -SESSION_FRESH_S) < (
+            SESSION_FRESH_S
+        ):
+            return None, True
+        runs_of.mapped(ctx.session_turn, now)
         number = int(ctx.run_id.rpartition(":")[2]) if known else None
-        return SessionStep(ctx.session_id, ctx.session_turn, number, floor)
+        return SessionStep(ctx.session_id, ctx.session_turn, number, runs_of.floor), known
 
     def abandon(self, request_id: str) -> None:
         """The request ends before `enter` (refused or failed in the gateway): what
@@ -834,7 +841,7 @@ class Governor:
         name, run_id = st.config.name, ctx.run_id
         predicted = run.store_step = run.store_step + 1
         took.step = predicted
-        session = self._session_step(st, ctx)  # a session's: numbered in this run
+        session, _ = self._session_step(st, ctx)  # a session's: numbered in this run
         sql, params = replica.step_statement(name, run_id, session)
 
         def read(stored: NextStep | None, failed: bool) -> BaseException | None:

@@ -49,6 +49,9 @@ class SessionRuns:
     # with a shared store: the highest number given here while it could not be asked (the
     # store numbers the session's new runs past it once it answers again)
     floor: int = 0
+    # with a shared store: when this replica last asked it to map each task (its anchor;
+    # None: the steps without one), on the governor's clock; oldest first
+    mapped_s: OrderedDict[str | None, float] = field(default_factory=OrderedDict)
 
     def run_for(self, anchor_key: str | None) -> int:
         """The run number of a step with this anchor (None: no anchor)."""
@@ -75,6 +78,13 @@ class SessionRuns:
                 self.anchors.popitem(last=False)
         self.current = number
         self.last = max(self.last, number)
+
+    def mapped(self, anchor_key: str | None, now_s: float) -> None:
+        """This replica asked the shared store to map a step with this anchor at `now_s`."""
+        self.mapped_s[anchor_key] = now_s
+        self.mapped_s.move_to_end(anchor_key)
+        while len(self.mapped_s) > MAX_ANCHORS:
+            self.mapped_s.popitem(last=False)
 
     def ended(self, number: int) -> None:
         """Run `number` ended: its task's next step starts a new run."""

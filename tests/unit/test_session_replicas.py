@@ -236,13 +236,21 @@ async def test_a_tasks_later_steps_rewrite_the_sessions_rows_only_when_stale(
             (session,) = conn.execute("SELECT updated_at_s FROM session_runs").fetchone()
         return float(anchor), float(session)
 
+    clocks = [wall, a.clock, b.clock]
+
+    def later(s: float) -> None:
+        for clock in clocks:
+            assert isinstance(clock, Clock)
+            clock.now_s += s
+
     await step(a, "task 1")
     first = await asyncio.to_thread(seen)
-    wall.now_s += SESSION_FRESH_S / 2
-    assert (await step(b, "task 1")).step_index == 1
+    later(SESSION_FRESH_S / 2)
+    assert (await step(b, "task 1")).step_index == 1  # mapped: the rows are fresh
+    assert (await step(a, "task 1")).step_index == 2  # a knows the run: its own statement
     assert await asyncio.to_thread(seen) == first
-    wall.now_s += SESSION_FRESH_S
-    assert (await step(a, "task 1")).step_index == 2
+    later(SESSION_FRESH_S)
+    assert (await step(a, "task 1")).step_index == 3
     assert await asyncio.to_thread(seen) == (wall.now_s, wall.now_s)
 
 
