@@ -1,16 +1,24 @@
 """The router's Prometheus metrics, on a registry of its own (never the global one).
 
 Labels are bounded: pool, class, tenant, instance, outcome, reason; never a run or request id.
-Label children are cached so the request path pays one dict lookup, not `.labels()`.
+Label children are cached so the request path pays one dict lookup, not `.labels()`. The
+series a request updates (its count, latency, overhead, estimate error, TTFT and TPOT) are
+written through `hot_observer`/`hot_counter` (issue 28): ~0.4 us an observation instead of
+prometheus_client's ~1.9 (a lock per value and a linear scan of the buckets), ~0.1 us an
+increment instead of ~1.2, on the same values, so the exposition is unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+from bisect import bisect_left
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.values import MutexValue
 
-__all__ = ["RouterMetrics"]
+__all__ = ["RouterMetrics", "hot_counter", "hot_observer"]
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
@@ -19,6 +27,55 @@ _QUEUE_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 _ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _FORECAST_ERROR_BUCKETS = (-1024, -256, -64, -16, -4, -1, 0, 1, 4, 16, 64, 256, 1024)
 _RUN_BUCKETS_S = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+
+
+def _plain(value: object) -> bool:
+    return type(value) is MutexValue  # not multiprocess mode's file-backed values
+
+
+def hot_observer(child: Any) -> Callable[[float], None]:
+    """`child.observe` for a labelled `Histogram` child, without its locks: the observation
+    goes to the first bucket whose bound is >= it (bisect, as prometheus_client's scan finds
+    it) and to the sum, on the child's own values. Only for series written on the event loop
+    alone (an unlocked `+=` from two threads could lose one). NaN, and any child whose values
+    are not plain in-process ones (multiprocess mode, another prometheus_client layout), take
+    `child.observe`."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total: Any = getattr(child, "_sum", None)
+    if (
+        not isinstance(bounds, list)
+        or not isinstance(buckets, list)
+        or len(bounds) != len(buckets)
+        or not bounds
+        or bounds[-1] != float("inf")
+        or not all(_plain(value) for value in (*buckets, total))
+    ):
+        observe: Callable[[float], None] = child.observe
+        return observe
+
+    def hot(amount: float) -> None:
+        if amount != amount:  # NaN: no bucket takes it; prometheus_client's own handling
+            child.observe(amount)
+            return
+        buckets[bisect_left(bounds, amount)]._value += 1
+        total._value += amount
+
+    return hot
+
+
+def hot_counter(child: Any) -> Callable[[], None]:
+    """`child.inc` (by one) for a labelled `Counter` child, without its lock; the same
+    conditions as `hot_observer`."""
+    value: Any = getattr(child, "_value", None)
+    if not _plain(value):
+        inc: Callable[[], None] = child.inc
+        return inc
+
+    def hot() -> None:
+        value._value += 1
+
+    return hot
 
 
 class RouterMetrics:
@@ -260,6 +317,10 @@ class RouterMetrics:
             registry=r,
         )
         self._children: dict[tuple[str, ...], object] = {}
+        # the request path's series, written through `hot_observer` / `hot_counter`
+        self._observers: dict[tuple[str, ...], Callable[[float], None]] = {}
+        self._counters: dict[tuple[str, ...], Callable[[], None]] = {}
+        self.observe_overhead = hot_observer(self.overhead)
         self._preemptions_exported: dict[str, float] = {}
         self._gone: set[str] = set()  # instances forgotten and not joined again
         # every family labelled by instance alone: `forget_instance` drops their series
@@ -301,30 +362,30 @@ class RouterMetrics:
         latency_s: float,
         endpoint: str = "chat",
     ) -> None:
-        key = ("r", pool, cls, outcome, reason, endpoint)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.requests.labels(pool, cls, outcome, reason, endpoint)
-        child.inc()  # type: ignore[attr-defined]
+        key = (pool, cls, outcome, reason, endpoint)
+        inc = self._counters.get(key)
+        if inc is None:
+            inc = self._counters[key] = hot_counter(self.requests.labels(*key))
+        inc()
         lkey = ("l", pool, cls, endpoint)
-        child = self._children.get(lkey)
-        if child is None:
-            child = self._children[lkey] = self.latency.labels(pool, cls, endpoint)
-        child.observe(latency_s)  # type: ignore[attr-defined]
+        observe = self._observers.get(lkey)
+        if observe is None:
+            observe = self._observers[lkey] = hot_observer(self.latency.labels(pool, cls, endpoint))
+        observe(latency_s)
 
     def observe_ttft(self, cls: str, ttft_s: float) -> None:
         key = ("ttft", cls)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.ttft.labels(cls)
-        child.observe(ttft_s)  # type: ignore[attr-defined]
+        observe = self._observers.get(key)
+        if observe is None:
+            observe = self._observers[key] = hot_observer(self.ttft.labels(cls))
+        observe(ttft_s)
 
     def observe_tpot(self, cls: str, tpot_s: float) -> None:
         key = ("tpot", cls)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.tpot.labels(cls)
-        child.observe(tpot_s)  # type: ignore[attr-defined]
+        observe = self._observers.get(key)
+        if observe is None:
+            observe = self._observers[key] = hot_observer(self.tpot.labels(cls))
+        observe(tpot_s)
 
     def set_inflight(self, instance: str, value: int) -> None:
         """The router's sequences on `instance`; ignored for an instance that left the fleet
@@ -359,10 +420,10 @@ class RouterMetrics:
 
     def observe_estimate_error(self, source: str, error_frac: float) -> None:
         key = ("est", source)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.estimate_error.labels(source)
-        child.observe(abs(error_frac))  # type: ignore[attr-defined]
+        observe = self._observers.get(key)
+        if observe is None:
+            observe = self._observers[key] = hot_observer(self.estimate_error.labels(source))
+        observe(abs(error_frac))
 
     def set_preemptions(self, instance: str, total: float) -> None:
         """Export a cumulative count as a counter (increments only)."""

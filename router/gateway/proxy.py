@@ -447,7 +447,7 @@ class CompletionsHandler:
                 await self._stop_waiting(waiter, outcome)
             outcome.admitted_at_s = self.clock()
             queued_s = outcome.admitted_at_s - admit_start_s + governed_s
-            self.metrics.overhead.observe(outcome.admitted_at_s - read_s - queued_s)
+            self.metrics.observe_overhead(outcome.admitted_at_s - read_s - queued_s)
             while True:
                 instance = lease.state
                 instance_id = lease.instance_id
