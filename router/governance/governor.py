@@ -755,9 +755,11 @@ class Governor:
             if ctx.run_id is not None:
                 took.home = stored
                 took.step = None if stored is None else stored.step
-                if stored is not None and early is not None and not early.pinned:
-                    took.run_id = self._session_answer(st, ctx, stored)
-                elif stored is None and ctx.session_id is not None:  # numbered here: an outage
+                if stored is not None:  # a session's: the run its task maps to, learned
+                    mapped = self._session_answer(st, ctx, stored)
+                    if early is not None and not early.pinned:  # and the step's run
+                        took.run_id = mapped
+                elif ctx.session_id is not None:  # numbered here: an outage
                     number = int(ctx.run_id.rpartition(":")[2])
                     self._numbered_here(st, ctx.session_id, ctx.session_turn, number)
         except BaseException:
