@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from router.governance.shared import SharedBudgets
+from router.governance.shared import SessionStep, SharedBudgets
 from router.governance.store import MIGRATIONS
 from router.store import PostgresStore, Store, migrate
 from tests.postgres import PASSWORD, PostgresServer
@@ -146,3 +146,34 @@ def test_a_runs_counters_and_stop_are_kept_for_every_replica(any_store: Store) -
     again = b.next_step("t", "run-1", T0)
     assert (again.step, again.tokens, again.gpu_seconds, again.stop_code) == (3, 0, 0.0, None)
     assert b.next_step("t", "never-numbered", T0).tokens == 0  # no row was made for it
+
+
+def test_a_sessions_runs_map_its_tasks_on_both_backends(any_store: Store) -> None:
+    """`session_step`'s contract (PostgreSQL: one call of `gpupool_session_step`; SQLite:
+    the same steps in one transaction): a task keeps its run, a new task takes the session's
+    next number, a step without a task joins the current run, a pinned step is numbered in
+    its run, the anchors stay bounded, an ended run's task starts a new run, and what a
+    replica numbered during an outage is adopted."""
+    b = _budgets(any_store)
+    clock = iter(range(1, 1000))  # a step a second: the anchors' order is their last step's
+
+    def step(anchor: str | None, run: int | None = None, floor: int = 0) -> tuple[int, int]:
+        at = float(next(clock))
+        got = b.session_step("t", SessionStep("S", anchor, run, floor), at, max_anchors=4)
+        assert got.run is not None
+        return got.run, got.step
+
+    assert [step("x"), step("x"), step("y"), step(None), step("x")] == [
+        (1, 0), (1, 1), (2, 0), (2, 1), (1, 2)
+    ]  # fmt: skip
+    assert step("y", run=1) == (2, 3)  # numbered in run 1, whose step 3 it is: y maps to 2
+    assert step("z", floor=7) == (8, 0)  # past the replica's outage numbers
+    for task in ("p", "q", "r"):
+        step(task)
+    assert sorted(b.session_anchors("t", "S")) == ["p", "q", "r", "z"]  # the newest 4
+    b.forget_session_run("t", "S", 8)
+    assert step("z") == (12, 0)  # its task's next step: a new run (9..11 are p, q, r)
+    b.adopt_session_runs([("t", "S", 20, [("w", 20), ("z", 5)])], 100.0)
+    assert step("w") == (20, 0)  # adopted (its steps during the outage were numbered alone)
+    assert step("z") == (12, 1)  # mapped by the store already: kept
+    assert step("v") == (21, 0)
