@@ -51,7 +51,7 @@ def _port_open(port: int) -> bool:
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`ray start --head --block` on explicit ports, in its own process group (stopped by
-    that group's id, never by name)."""
+    that group's id, never by name), its workers at niceness 0."""
     p = GCS_PORT
     log = (tmp_path_factory.mktemp("ray") / "head.log").open("wb")
     head = subprocess.Popen(
@@ -95,7 +95,10 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+        # Ray renices its workers to 15, and the engines the actors start inherit it: on two
+        # cores they then start behind every other process (the test's own gateway and
+        # requests, Ray's daemons, anything else running); at 0 they share the CPU fairly
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"},
     )
     try:
         deadline = time.monotonic() + 90
@@ -245,6 +248,8 @@ async def test_ray_engines_serve_and_a_killed_actor_is_restarted_and_readmitted(
 
             old_engine = _engine_tree(old_url)
             assert any("EngineCore" in " ".join(p.cmdline()) for p in old_engine), old_engine
+            # the fixture's RAY_worker_niceness reached the engines (Ray's default is 15)
+            assert {p.nice() for p in old_engine} == {0}, [(p.pid, p.nice()) for p in old_engine]
             ray.kill(launcher.actors[0], no_restart=False)  # Ray restarts it (max_restarts -1)
             killed_at = time.monotonic()
 
