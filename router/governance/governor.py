@@ -8,7 +8,8 @@
     dispatched(outcome)                  the step reached an engine: it counts toward max_steps
     finished(outcome)                    settle to the real usage (a step the engine failed
                                          stops counting)
-    rate_headers(tenant)                 OpenAI's x-ratelimit-* headers for a response
+    rate_headers(tenant)                 OpenAI's x-ratelimit-* headers for a response (with a
+                                         shared store: the shared budgets, as last learned)
 
 `dispatched` and `finished` are called by `router.settlement.Settlement`, whose fixed order
 puts governance after the meter (so the request's GPU-seconds are known) and before the ledger
@@ -63,7 +64,13 @@ from router.governance.guards import (
     check_step,
     touch,
 )
-from router.governance.headers import rate_limit_headers
+from router.governance.headers import (
+    BucketView,
+    local_view,
+    rate_limit_headers,
+    shared_view,
+    view_headers,
+)
 from router.governance.limits import (
     TenantLimits,
     run_limit_settings,
@@ -85,6 +92,9 @@ log = logging.getLogger(__name__)
 
 RUN_END_HEADER = "x-gpupool-run-end"
 TASK_TYPE_HEADER = "x-gpupool-task-type"
+# with a shared store: which view the x-ratelimit-* headers show, and the age of its read
+SCOPE_HEADER = b"x-gpupool-ratelimit-scope"
+AGE_HEADER = b"x-gpupool-ratelimit-age-s"
 HOUR_S = 3600.0
 DAY_S = 86_400.0
 MAX_RUNS_PER_TENANT = 10_000  # run states kept per tenant (stopped runs stay refused while kept)
@@ -1577,28 +1587,91 @@ class Governor:
     # ------------------------------------------------------------------ reading
 
     def rate_headers(self, tenant: str) -> list[tuple[bytes, bytes]]:
+        """No round trip: with a shared store, the shared levels this replica last learned
+        (`x-gpupool-ratelimit-scope: shared` and the read's age in
+        `x-gpupool-ratelimit-age-s`), else its own buckets (`scope: replica`)."""
         st = self._tenants.get(tenant)
         if st is None:
             return []
         now = self.clock()
         self._apply_daily_budget(st, now)
-        return rate_limit_headers(st.requests, st.tokens, now)
+        if self._replica is None:
+            return rate_limit_headers(st.requests, st.tokens, now)
+        shared = self._shared_views(st, now)
+        if shared is None:
+            out = rate_limit_headers(st.requests, st.tokens, now)
+            return [*out, (SCOPE_HEADER, b"replica")] if out else out
+        views, age_s = shared
+        out = view_headers(views["requests"], views["tokens"])
+        return [*out, (SCOPE_HEADER, b"shared"), (AGE_HEADER, f"{age_s:.3f}".encode())]
 
-    def budget(self, tenant: TenantConfig) -> dict[str, Any]:
-        """`GET /v1/budget`: what the tenant has left and when each limit refills."""
+    def _shared_views(
+        self, st: _Tenant, now: float
+    ) -> tuple[dict[str, BucketView | None], float] | None:
+        """The tenant's buckets as the shared store holds them for this replica (each the
+        least of its own bucket and the shared level last learned plus its lease) and the
+        oldest read's age; None when a limited bucket has no shared level (none learned
+        yet, or the store is down): then only the replica's own view can be given."""
+        replica = self._replica
+        assert replica is not None
+        views: dict[str, BucketView | None] = {}
+        age_s = 0.0
+        for name, local in (("requests", st.requests), ("tokens", st.tokens)):
+            if local is None:
+                views[name] = None
+                continue
+            learned = replica.shared_level(st.config.name, name)
+            if learned is None:
+                return None
+            views[name] = shared_view(local, now, learned[0])
+            age_s = max(age_s, learned[1])
+        return views, age_s
+
+    async def budget_now(self, tenant: TenantConfig) -> dict[str, Any]:
+        """`GET /v1/budget`: `budget` after reading the tenant's shared buckets (one read of
+        the database when `store.url` is set, bounded by the store's connect timeout; if it
+        fails the answer is the replica's own view, `"scope": "replica"`, and says why)."""
+        st = self._state(tenant)
+        replica = self._replica
+        problem = None
+        if replica is not None:
+            buckets = [
+                (name, b.capacity, b.rate_per_s)
+                for name, b in (("tokens", st.tokens), ("requests", st.requests))
+                if b is not None
+            ]
+            if buckets:
+                problem = await replica.read_levels(tenant.name, buckets)
+        return self.budget(tenant, problem)
+
+    def budget(self, tenant: TenantConfig, problem: str | None = None) -> dict[str, Any]:
+        """What the tenant has left and when each limit refills: with a shared store, the
+        shared view (`"scope": "shared"`, docs/replicas.md) as last learned (`budget_now`
+        reads it first), or the replica's own (`"scope": "replica"`, `problem` saying why)."""
         st = self._state(tenant)
         now = self.clock()
         self._apply_daily_budget(st, now)
         self._expire_idle(st, now)
         lim = st.limits
+        scope: dict[str, Any] = {}
+        shared = None
+        if self._replica is not None:
+            shared = None if problem is not None else self._shared_views(st, now)
+            scope = {"scope": "replica" if shared is None else "shared"}
+            if shared is None and (st.tokens is not None or st.requests is not None):
+                scope["scope_reason"] = problem or "no shared level read yet"
+            elif shared is not None:
+                scope["as_of_s"] = round(shared[1], 3)  # the read's age
 
-        def bucket(b: TokenBucket | None) -> dict[str, Any] | None:
+        def bucket(name: str, b: TokenBucket | None) -> dict[str, Any] | None:
             if b is None:
                 return None
+            view = local_view(b, now) if shared is None else shared[0][name]
+            assert view is not None
             return {
-                "limit_per_minute": round(b.rate_per_s * 60),
-                "remaining": max(0, int(b.level(now))),
-                "reset_s": round(b.reset_s(now), 3),
+                "limit_per_minute": view.limit_per_minute,
+                "remaining": view.remaining,
+                "reset_s": round(view.reset_s, 3),
             }
 
         def window(cap: float | None, w: WindowSum) -> dict[str, Any] | None:
@@ -1616,9 +1689,10 @@ class Governor:
             "object": "gpupool.budget",
             "tenant": tenant.name,
             "tier": tenant.tier,
-            "tokens": bucket(st.tokens),
+            **scope,
+            "tokens": bucket("tokens", st.tokens),
             "tokens_reserved": round(st.reserved_tokens),
-            "requests": bucket(st.requests),
+            "requests": bucket("requests", st.requests),
             "concurrency": {
                 "runs": {"limit": lim.max_concurrent_runs, "active": len(st.active)},
                 "requests": {"limit": lim.max_concurrent_requests, "in_flight": st.inflight},

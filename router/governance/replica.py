@@ -68,6 +68,7 @@ from router.governance.shared import (
     NextStep,
     SessionStep,
     SharedBudgets,
+    SharedLevel,
     Slices,
 )
 from router.store import Store, StoreError
@@ -87,6 +88,7 @@ OUTAGE_RETRY_AFTER_S = 1.0  # what a refusal under `closed` tells the client (on
 # how long a finished request's slot waits for its tenant's next request on this replica (the
 # hand-over) before it is released: the longest a freed slot stays unseen by the others
 HANDOVER_S = 0.01
+READ_TIMEOUT_S = 5.0  # GET /v1/budget's read (PostgreSQL: the store's connect timeout)
 
 
 class _Down(Exception):
@@ -115,6 +117,12 @@ class ReplicaBudgets:
         self._wall = wall_clock
         self._errors: tuple[type[Exception], ...] = (StoreError, *store.errors)
         self.leases: dict[tuple[str, str], float] = {}  # (tenant, bucket) -> units held
+        # each shared bucket's level as this replica last read it (a top-up, the sweep,
+        # `GET /v1/budget`): what the x-ratelimit-* headers show without a round trip
+        self.learned: dict[tuple[str, str], SharedLevel] = {}
+        # top-ups started and under way: a read that overlapped one may miss its take while
+        # the lease already holds it, so it is not kept (`_read_from`, `_read_clean`)
+        self._top_ups = self._topping_now = 0
         self.down_since_s: float | None = None  # unix time of the failure that began it
         self._pending: set[asyncio.Task[None]] = set()  # slot releases, homes under way
         self._topping: dict[tuple[str, str], asyncio.Lock] = {}  # a top-up under way
@@ -138,11 +146,13 @@ class ReplicaBudgets:
         # their own: on the first, the next request's slot would find the release in flight
         # (at c=1 one request in 5-20 did) and take the thread path
         self._loop_background: LoopConnection | None = None
+        self.read_timeout_s = READ_TIMEOUT_S  # GET /v1/budget's read of the shared levels
         if store.dialect == "postgresql":
             from router.store import PostgresStore
             from router.store.loop_connection import LoopConnection
 
             assert isinstance(store, PostgresStore)
+            self.read_timeout_s = store.connect_timeout_s
             self._loop = LoopConnection(
                 store, "gpupool-governance", timeout_s=store.connect_timeout_s
             )
@@ -260,14 +270,26 @@ class ReplicaBudgets:
             least = amount - held
             try:
                 most, now_s = max(least, self.chunk_frac * capacity), self._wall()
-                taken, level = await self._call(
-                    lambda: self.db.reserve_up_to(
-                        tenant, bucket, least, most, now_s, capacity=capacity, rate_per_s=rate_per_s
+                self._top_ups += 1
+                self._topping_now += 1
+                try:
+                    taken, level = await self._call(
+                        lambda: self.db.reserve_up_to(
+                            tenant,
+                            bucket,
+                            least,
+                            most,
+                            now_s,
+                            capacity=capacity,
+                            rate_per_s=rate_per_s,
+                        )
                     )
-                )
+                finally:
+                    self._topping_now -= 1
             except _Down:
                 pass
             else:
+                self._learn(key, SharedLevel(level, now_s, capacity, rate_per_s))
                 if taken <= 0.0:
                     return max(1e-3, (min(least, capacity) - level) / rate_per_s)
                 self.metrics.shared_reservations.labels(tenant, bucket).inc()
@@ -276,6 +298,58 @@ class ReplicaBudgets:
         self._outage(tenant, f"{bucket} budget")
         self.leases[key] = self.leases.get(key, 0.0) - amount  # a debt, charged on reconnect
         return 0.0
+
+    def _learn(self, key: tuple[str, str], seen: SharedLevel) -> None:
+        """Keep the latest read of a shared bucket (reads may come back out of order)."""
+        known = self.learned.get(key)
+        if known is None or seen.at_s >= known.at_s:
+            self.learned[key] = seen
+
+    def _read_from(self) -> int | None:
+        """Before a read of the levels: a mark for `_read_clean` (None: a top-up is under way)."""
+        return None if self._topping_now else self._top_ups
+
+    def _read_clean(self, mark: int | None) -> bool:
+        """After it: no top-up overlapped the read (its levels and the leases agree)."""
+        return mark is not None and mark == self._top_ups
+
+    def shared_level(self, tenant: str, bucket: str) -> tuple[float, float] | None:
+        """What this replica may spend of the tenant's shared bucket now as it last learned
+        it: (the bucket's level then, refilled since, plus this replica's lease (negative: its
+        debt), that read's age in seconds); None when it learned none or the store is down.
+        Other replicas' spending since the read is not in it (docs/replicas.md: the bound)."""
+        seen = self.learned.get((tenant, bucket))
+        if seen is None or self.down_since_s is not None:
+            return None
+        now_s = self._wall()
+        held = self.leases.get((tenant, bucket), 0.0)
+        return seen.at(now_s) + held, max(0.0, now_s - seen.at_s)
+
+    async def read_levels(
+        self, tenant: str, buckets: Sequence[tuple[str, float, float]]
+    ) -> str | None:
+        """Read the tenant's shared buckets (`(bucket, capacity, rate_per_s)`; one never used
+        is full) now, for `GET /v1/budget`. Returns None when read, else why not. A failed
+        read does not start an outage (the sweep decides that; the request path is not
+        affected) and takes at most `read_timeout_s` (the store's connect timeout)."""
+        if self.down_since_s is not None:
+            return "the shared store cannot be reached (store.budgets_on_outage applies)"
+        now_s, mark, timeout_s = self._wall(), self._read_from(), self.read_timeout_s
+        try:
+            read = await asyncio.wait_for(
+                asyncio.to_thread(self.db.levels, tenant, now_s), timeout=timeout_s
+            )
+        except TimeoutError:
+            return f"the shared store did not answer within {timeout_s:g} s"
+        except self._errors as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            return f"the shared store did not answer: {first}"
+        if not self._read_clean(mark):  # the top-up's own read is as fresh
+            return None
+        for bucket, capacity, rate_per_s in buckets:
+            key = (tenant, bucket)
+            self._learn(key, read.get(key) or SharedLevel(capacity, now_s, capacity, rate_per_s))
+        return None
 
     def give(self, tenant: str, bucket: str, amount: float) -> None:
         """Put `amount` back into the lease (negative: a request used more than it took)."""
@@ -743,10 +817,11 @@ class ReplicaBudgets:
         now_s = self._wall()
         unreleased, self._unreleased = self._unreleased, []
         usage, self.run_usage = self.run_usage, {}
+        mark = self._read_from()
 
         settled = added = False
 
-        def work() -> dict[str, tuple[Slices, Slices]]:
+        def work() -> tuple[dict[str, tuple[Slices, Slices]], dict[tuple[str, str], SharedLevel]]:
             nonlocal settled, added
             self.db.settle_many(amounts)  # one transaction: all of them or none
             settled = True
@@ -755,10 +830,13 @@ class ReplicaBudgets:
             for key, holder in unreleased:
                 self.db.release_slot(key, holder)
             self.db.renew_slots(f"{self.replica}:", now_s, lease_s=self.slot_lease_s)
-            return self.db.publish_windows(self.replica, now_s, windows)
+            others = self.db.publish_windows(self.replica, now_s, windows)
+            # the buckets' levels with every lease given back: the headers' source is at
+            # most one sweep old (docs/replicas.md)
+            return others, self.db.levels(None, now_s) if self.learned else {}
 
         try:
-            others = await asyncio.to_thread(work)
+            others, levels = await asyncio.to_thread(work)
         except self._errors as err:
             if not settled:  # not given back: kept for the next sweep
                 for t, b, units in amounts:
@@ -780,6 +858,10 @@ class ReplicaBudgets:
             )
             self.down_since_s = None
             self.metrics.store_up.set(1)
+        if self._read_clean(mark):
+            for key, seen in levels.items():
+                if key in self.learned:
+                    self._learn(key, seen)
         return others
 
     async def aclose(self) -> None:

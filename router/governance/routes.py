@@ -55,7 +55,7 @@ def register(
     @api.get("/v1/budget")
     async def budget(request: Request) -> dict[str, Any]:
         tenant = tenants.caller(request.headers)
-        return governor.budget(tenant)
+        return await governor.budget_now(tenant)  # shared store: one read of its buckets
 
     @api.post("/v1/runs/{run_id}/end")
     async def end_run(run_id: str, request: Request) -> dict[str, Any]:

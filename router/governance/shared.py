@@ -32,6 +32,8 @@ docs/replicas.md).
   step numbered in that run, one statement (PostgreSQL: `gpupool_session_step`, migration
   10); `forget_session_run` drops an ended run's anchors (its task's next step starts a new
   run).
+- `levels(tenant, now_s)`: the `tokens` and `requests` buckets' levels refilled to `now_s`
+  (`GET /v1/budget`'s read and the sweep's: docs/replicas.md).
 - `publish_windows` / cost windows: each replica's hourly and daily GPU-seconds slices, one
   row per (tenant, replica), replaced every governance sweep; `others_windows` reads the other
   replicas' rows (a dead replica's spending keeps counting until it leaves the window).
@@ -68,6 +70,8 @@ __all__ = [
     "NextStep",
     "SessionStep",
     "SharedBudgets",
+    "SharedLevel",
+    "refilled",
 ]
 
 _TABLES = """
@@ -507,6 +511,29 @@ _SETTLE = (
 _SLOT_BUCKET = "__slots__"  # the row locked while a tenant's slots are counted
 
 
+def refilled(level: float, at_s: float, capacity: float, rate_per_s: float, now_s: float) -> float:
+    """A stored bucket's level at `now_s`: refilled since `at_s`, never above `capacity`, never
+    backwards (a clock behind the row's)."""
+    level = float(level)
+    if now_s > at_s:
+        level = min(float(capacity), level + (now_s - float(at_s)) * float(rate_per_s))
+    return level
+
+
+@dataclass(frozen=True, slots=True)
+class SharedLevel:
+    """A shared bucket's level as a replica learned it: `level` at unix `at_s` (refilled to
+    then), with the bucket's `capacity` and `rate_per_s` to refill it further."""
+
+    level: float
+    at_s: float
+    capacity: float
+    rate_per_s: float
+
+    def at(self, now_s: float) -> float:
+        return refilled(self.level, self.at_s, self.capacity, self.rate_per_s, now_s)
+
+
 class SharedBudgets:
     """Sync, thread-safe (each call takes its own connection); call it off the event loop."""
 
@@ -554,9 +581,7 @@ class SharedBudgets:
                 " WHERE tenant = ? AND bucket = ?",
                 (tenant, bucket),
             ).fetchone()
-            level, cap = float(level), float(cap)
-            if now_s > at_s:
-                level = min(cap, level + (now_s - float(at_s)) * float(rate))
+            level, cap = refilled(level, at_s, cap, rate, now_s), float(cap)
             if least > cap:
                 taken = least if level >= cap else 0.0
             else:
@@ -590,6 +615,25 @@ class SharedBudgets:
                 (tenant, bucket),
             ).fetchone()
         return None if row is None else float(row[0])
+
+    def levels(self, tenant: str | None, now_s: float) -> dict[tuple[str, str], SharedLevel]:
+        """The `tokens` and `requests` buckets' levels refilled to `now_s` (one tenant's, or
+        every tenant's with None), one read; a bucket never used has no row (it starts full)."""
+        sql = (
+            "SELECT tenant, bucket, level, updated_at_s, capacity, rate_per_s FROM budget_buckets"
+            " WHERE bucket IN ('tokens', 'requests')"
+        )
+        with self.store.connection() as conn:
+            if tenant is None:
+                rows = conn.execute(sql).fetchall()
+            else:
+                rows = conn.execute(sql + " AND tenant = ?", (tenant,)).fetchall()
+        return {
+            (str(t), str(b)): SharedLevel(
+                refilled(level, at_s, cap, rate, now_s), now_s, float(cap), float(rate)
+            )
+            for t, b, level, at_s, cap, rate in rows
+        }
 
     def acquire_slot(
         self,
