@@ -337,7 +337,7 @@ class ReplicaBudgets:
         now_s, mark, timeout_s = self._wall(), self._read_from(), self.read_timeout_s
         try:
             read = await asyncio.wait_for(
-                asyncio.to_thread(self.db.levels, tenant, now_s), timeout=timeout_s
+                asyncio.to_thread(self.db.levels, [tenant], now_s), timeout=timeout_s
             )
         except TimeoutError:
             return f"the shared store did not answer within {timeout_s:g} s"
@@ -818,6 +818,7 @@ class ReplicaBudgets:
         unreleased, self._unreleased = self._unreleased, []
         usage, self.run_usage = self.run_usage, {}
         mark = self._read_from()
+        learned = [t for t, _ in self.learned]
 
         settled = added = False
 
@@ -833,7 +834,7 @@ class ReplicaBudgets:
             others = self.db.publish_windows(self.replica, now_s, windows)
             # the buckets' levels with every lease given back: the headers' source is at
             # most one sweep old (docs/replicas.md)
-            return others, self.db.levels(None, now_s) if self.learned else {}
+            return others, self.db.levels(learned, now_s) if learned else {}
 
         try:
             others, levels = await asyncio.to_thread(work)

@@ -32,7 +32,7 @@ docs/replicas.md).
   step numbered in that run, one statement (PostgreSQL: `gpupool_session_step`, migration
   10); `forget_session_run` drops an ended run's anchors (its task's next step starts a new
   run).
-- `levels(tenant, now_s)`: the `tokens` and `requests` buckets' levels refilled to `now_s`
+- `levels(tenants, now_s)`: their `tokens` and `requests` buckets' levels refilled to `now_s`
   (`GET /v1/budget`'s read and the sweep's: docs/replicas.md).
 - `publish_windows` / cost windows: each replica's hourly and daily GPU-seconds slices, one
   row per (tenant, replica), replaced every governance sweep; `others_windows` reads the other
@@ -511,6 +511,9 @@ _SETTLE = (
 _SLOT_BUCKET = "__slots__"  # the row locked while a tenant's slots are counted
 
 
+_LEVELS_PER_READ = 200  # tenants whose levels one statement reads (`levels`)
+
+
 def refilled(level: float, at_s: float, capacity: float, rate_per_s: float, now_s: float) -> float:
     """A stored bucket's level at `now_s`: refilled since `at_s`, never above `capacity`, never
     backwards (a clock behind the row's)."""
@@ -616,24 +619,24 @@ class SharedBudgets:
             ).fetchone()
         return None if row is None else float(row[0])
 
-    def levels(self, tenant: str | None, now_s: float) -> dict[tuple[str, str], SharedLevel]:
-        """The `tokens` and `requests` buckets' levels refilled to `now_s` (one tenant's, or
-        every tenant's with None), one read; a bucket never used has no row (it starts full)."""
-        sql = (
-            "SELECT tenant, bucket, level, updated_at_s, capacity, rate_per_s FROM budget_buckets"
-            " WHERE bucket IN ('tokens', 'requests')"
-        )
+    def levels(self, tenants: Sequence[str], now_s: float) -> dict[tuple[str, str], SharedLevel]:
+        """The `tenants`' `tokens` and `requests` buckets' levels refilled to `now_s`, one read
+        per `_LEVELS_PER_READ` tenants; a bucket never used has no row (it starts full)."""
+        out: dict[tuple[str, str], SharedLevel] = {}
+        names = sorted(set(tenants))
         with self.store.connection() as conn:
-            if tenant is None:
-                rows = conn.execute(sql).fetchall()
-            else:
-                rows = conn.execute(sql + " AND tenant = ?", (tenant,)).fetchall()
-        return {
-            (str(t), str(b)): SharedLevel(
-                refilled(level, at_s, cap, rate, now_s), now_s, float(cap), float(rate)
-            )
-            for t, b, level, at_s, cap, rate in rows
-        }
+            for i in range(0, len(names), _LEVELS_PER_READ):
+                part = names[i : i + _LEVELS_PER_READ]
+                rows = conn.execute(
+                    "SELECT tenant, bucket, level, updated_at_s, capacity, rate_per_s"
+                    " FROM budget_buckets WHERE bucket IN ('tokens', 'requests')"
+                    f" AND tenant IN ({', '.join('?' * len(part))})",
+                    part,
+                ).fetchall()
+                for t, b, level, at_s, cap, rate in rows:
+                    refill = refilled(level, at_s, cap, rate, now_s)
+                    out[(str(t), str(b))] = SharedLevel(refill, now_s, float(cap), float(rate))
+        return out
 
     def acquire_slot(
         self,

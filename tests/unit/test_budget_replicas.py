@@ -22,10 +22,7 @@ from pools.testing.config import config_for_test
 from router.errors import RateLimited
 from router.governance import GovernanceMetrics, Governor
 from router.governance.routes import register
-from router.governance.shared import SharedBudgets
-from router.governance.store import GovernanceStore
 from router.identity import OperatorAccess, Tenants
-from router.store import PostgresStore
 from tests.postgres import PostgresServer, start_postgres
 from tests.unit.test_governance_replicas import (
     PASSWORD,
@@ -252,23 +249,6 @@ def test_one_router_without_a_store_url_is_unchanged() -> None:
         "x-ratelimit-remaining-tokens",
         "x-ratelimit-reset-tokens",
     }
-
-
-def test_shared_levels_read_refills_to_now(postgres_server: PostgresServer) -> None:
-    """`SharedBudgets.levels`: the stored level refilled by the row's own rate, capped."""
-    store = PostgresStore(postgres_server.create_database("budget_levels"), password=PASSWORD)
-    store.open()
-    try:
-        GovernanceStore(store).open()
-        db = SharedBudgets(store)
-        taken, level = db.reserve_up_to("t", "tokens", 100, 100, T0, capacity=600, rate_per_s=10)
-        assert (taken, level) == (100, 500)
-        read = db.levels("t", T0 + 3)
-        assert read[("t", "tokens")].level == 530
-        assert db.levels(None, T0 + 60)[("t", "tokens")].level == 600
-        assert ("t", "requests") not in read  # never used: no row (full)
-    finally:
-        store.close()
 
 
 async def test_a_read_overlapping_a_top_up_is_not_kept(postgres_server: PostgresServer) -> None:

@@ -38,6 +38,22 @@ def test_a_bucket_reserves_refills_and_settles(any_store: Store) -> None:
     assert b.level("t", "other") is None
 
 
+def test_levels_are_read_refilled_to_now_for_the_tenants_asked(any_store: Store) -> None:
+    """`levels` (GET /v1/budget's read, the sweep's): by each row's own rate, capped, one
+    tenant's or several's, a bucket never used absent (it is full)."""
+    b = _budgets(any_store)
+    assert b.reserve_up_to("t", "tokens", 100, 100, T0, capacity=600, rate_per_s=10) == (100, 500)
+    b.reserve_up_to("u", "tokens", 10, 10, T0, capacity=60, rate_per_s=1)
+    read = b.levels(["t"], T0 + 3)
+    assert set(read) == {("t", "tokens")}
+    assert (read[("t", "tokens")].level, read[("t", "tokens")].at_s) == (530, T0 + 3)
+    assert read[("t", "tokens")].at(T0 + 4) == 540
+    later = b.levels(["u", "t", "nobody"], T0 + 60)
+    assert later[("t", "tokens")].level == 600 and later[("u", "tokens")].level == 60
+    assert b.levels(["t"], T0 - 5)[("t", "tokens")].level == 500  # a clock behind: no refill
+    assert b.levels([], T0) == {}
+
+
 def test_an_oversized_reservation_only_from_a_full_bucket(any_store: Store) -> None:
     b = _budgets(any_store)
     kw = {"capacity": 100.0, "rate_per_s": 1.0}
