@@ -1,8 +1,8 @@
 """Time CPU vLLM engine starts of the dev model as the integration fleet starts them: gpupool's
-`LocalLauncher`, 64 MiB KV cache, `max_model_len` 4096, `--max-num-seqs 32`, a key, KV events
-on (the default; the fleet also exports spans, this does not). Prints the seconds from spawn to
-every engine's `/health` 200 (the launcher's own poll, every 1 s), then stops them. Run it under
-the lock, e.g. with py-spy over the whole tree:
+`LocalLauncher` (`benchmarks.engines.cpu_engines`), 64 MiB KV cache, `max_model_len` 4096,
+`--max-num-seqs 32`, a key, KV events on (the default; the fleet also exports spans, this does
+not). Prints the seconds from spawn to every engine's `/health` 200 (the launcher's own poll,
+every 1 s), then stops them. Run it under the lock, e.g. with py-spy over the whole tree:
 
     flock /tmp/gpupool-engines.lock .venv-peers/pyspy/bin/py-spy record --subprocesses \
         --rate 50 --format raw -o start.raw -- .venv/bin/python tests/tools/engine_start.py
@@ -23,9 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pools.config import parse_config  # noqa: E402
+from benchmarks.engines import cpu_engines  # noqa: E402
 from pools.devmodel import is_dev_model, make_dev_model  # noqa: E402
-from pools.launchers import LocalLauncher  # noqa: E402
 from tests.e2e.stack import seed_vllm_flags  # noqa: E402
 
 MODEL_DIR = REPO / ".gpupool" / "models" / "tiny"
@@ -35,30 +34,15 @@ KEY_ENV = "GPUPOOL_ENGINE_START_KEY"
 async def start_and_stop(count: int, port: int, run_dir: Path) -> float:
     """Seconds until all `count` engines answered /health; they are stopped before it returns."""
     os.environ.setdefault(KEY_ENV, "engine-start-" + os.urandom(6).hex())
-    config = parse_config(
-        {
-            "model": {"name": "tiny", "path": str(MODEL_DIR), "max_model_len_tokens": 4096},
-            "engines": {
-                "launcher": "local",
-                "local": {
-                    "count": count,
-                    "base_port": port,
-                    "kv_cache_bytes": 64 * 1024 * 1024,
-                    "api_key_env": KEY_ENV,
-                    "run_dir": str(run_dir),
-                    "startup_timeout_s": 300,
-                    "vllm_args": ["--max-num-seqs", "32"],
-                },
-            },
-            "pools": {"normal": {"classes": ["normal", "agent"], "share": {"initial_frac": 1}}},
-        }
-    )
     t0 = time.monotonic()
-    launcher = LocalLauncher(
-        config.engines.local,
-        config.model,
+    launcher = cpu_engines(
+        MODEL_DIR,
+        count=count,
+        port=port,
+        key_env=KEY_ENV,
+        run_dir=run_dir,
+        max_num_seqs=32,
         progress=lambda m: print(f"[{time.monotonic() - t0:6.2f} s] {m}", flush=True),
-        gpu_count=0,
     )
     try:
         await launcher.start()
