@@ -5,7 +5,8 @@ on an existing cluster (`engines.ray.address`: "auto" or "host:port") or a local
 The actor (`EngineHost`) runs on whichever node Ray chose: it picks a free port there, builds
 the vLLM command with the same launcher-neutral builder as the local launcher
 (`engine_args.build_engine_command`, with `engine_plan.plan_engines` run on that node, so
-dtype and KV size fit the node), and starts the engine as its child under `reaper.py`, which
+dtype and KV size fit the node), sets itself back to niceness 0 (Ray runs its workers at 15,
+which the engine would inherit), and starts the engine as its child under `reaper.py`, which
 takes the engine's whole process tree (its OpenAI server and `VLLM::EngineCore`) down when the
 engine exits, when the actor stops it, or when the actor's process dies (`ray.kill`). When the
 engine exits, the actor exits too, and Ray restarts the actor (`max_restarts`), which starts a
@@ -55,9 +56,35 @@ from pools.launchers.engine_plan import plan_engines, plan_problems, probe_host
 from pools.launchers.health import wait_healthy
 from pools.launchers.reaper import ReapedProcess
 
-__all__ = ["EngineHost", "RayEngineSource", "RayLauncher", "engine_settings"]
+__all__ = [
+    "EngineHost",
+    "RayEngineSource",
+    "RayLauncher",
+    "engine_settings",
+    "undo_worker_niceness",
+]
 
 log = logging.getLogger(__name__)
+
+
+def undo_worker_niceness(target: int = 0) -> str | None:
+    """Ray renices its workers to 15 (`RAY_worker_niceness`), and an engine started by an actor
+    would inherit it: on a busy node its scheduler (CPU work on every step) would then run behind
+    everything else. Set this process (the actor, whose children the engine and its EngineCore
+    are) back to `target`. None when done or not needed; where the node forbids lowering it
+    (no root, no CAP_SYS_NICE), what to do instead, for the caller to say."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if current <= target:
+        return None
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, target)
+    except PermissionError:
+        return (
+            f"the engine runs at niceness {current} (Ray's worker niceness) and this node does "
+            f"not let the actor lower it to {target}: start Ray with RAY_worker_niceness={target} "
+            "in its environment, or give its workers CAP_SYS_NICE"
+        )
+    return None
 
 
 def engine_settings(ray: RayEnginesConfig, *, port: int, run_dir: Path) -> LocalEnginesConfig:
@@ -174,6 +201,9 @@ class EngineHost:
         self.url = f"http://{node_ip}:{port}"
         self.kv_events = command.kv_events  # None: this vLLM cannot publish them
         self.log_path = run_dir / f"engine-{index}-{port}.log"
+        problem = undo_worker_niceness()
+        if problem:
+            print(f"gpupool: {problem}")  # the actor's stdout: Ray's worker log
         with self.log_path.open("ab") as logfile:
             self._proc = ReapedProcess(
                 command.argv,

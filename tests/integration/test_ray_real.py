@@ -248,7 +248,8 @@ async def test_ray_engines_serve_and_a_killed_actor_is_restarted_and_readmitted(
 
             old_engine = _engine_tree(old_url)
             assert any("EngineCore" in " ".join(p.cmdline()) for p in old_engine), old_engine
-            # the fixture's RAY_worker_niceness reached the engines (Ray's default is 15)
+            # niceness 0 on the engines (Ray's default is 15): the fixture's RAY_worker_niceness,
+            # and the actor sets itself back to 0 before it starts its engine
             assert {p.nice() for p in old_engine} == {0}, [(p.pid, p.nice()) for p in old_engine]
             ray.kill(launcher.actors[0], no_restart=False)  # Ray restarts it (max_restarts -1)
             killed_at = time.monotonic()
