@@ -194,7 +194,9 @@ class CompletionsHandler:
                 now_s=now,
                 protocol=adapter.name,
             )
-            ctx, stored = self._follow_up(ctx, body, adapter)
+            stored = None
+            if adapter.stateful and (previous := body.get("previous_response_id")):
+                ctx, stored = await self._follow_up(ctx, previous)
             try:
                 parsed = adapter.estimate_input(body)
                 if (needed := self.estimator.context_exceeded_early(parsed)) is not None:
@@ -299,16 +301,18 @@ class CompletionsHandler:
             raise BadRequest("'stream' must be a boolean", "invalid_field", param="stream")
         return body
 
-    def _follow_up(
-        self, ctx: RequestContext, body: dict[str, Any], adapter: ProtocolAdapter
+    async def _follow_up(
+        self, ctx: RequestContext, previous: object
     ) -> tuple[RequestContext, StoredResponse | None]:
         """A follow-up response (`previous_response_id`): where the response it continues is
-        stored, which must be a healthy instance of the fleet; the chain is the request's run
-        when it names no other, and its pool is one the instance serves."""
-        previous = body.get("previous_response_id") if adapter.stateful else None
-        if not isinstance(previous, str) or not previous:
+        stored (this replica's memory, else, with a shared store, the store: it may have been
+        made on another replica), which must be a healthy instance of the fleet; the chain is
+        the request's run when it names no other, and its pool is one the instance serves."""
+        if not isinstance(previous, str):
             return ctx, None
         stored = self.placement.get(previous)
+        if stored is None and self.placement.shared:
+            stored = await self.placement.fetch(previous)  # StoreUnavailable: 503
         if stored is None or stored.tenant != ctx.tenant:
             raise BadRequest(
                 f"previous response {previous[:80]!r} was not made through gpupool, or is "
@@ -749,9 +753,10 @@ class CompletionsHandler:
             and adapter.add_body_usage(data, extra)
         ):
             raw = orjson.dumps(data)
-        if outcome.response_id is not None:
-            self._remember_response(outcome, ctx, stored)
+        placed = self._remember_response(outcome, ctx, stored)
         refusal = await self.settlement.settle(outcome)
+        if placed is not None:  # a shared store: in it before the final bytes
+            await placed
         if refusal is not None:  # a run's step the store refused as it numbered it
             raise refusal
         outcome.response_started = True
@@ -866,19 +871,22 @@ class CompletionsHandler:
         if splice is not None and splice.pending:  # the body ended while it held these
             buf, splice.pending = splice.pending + buf, b""
         outcome.ended_at_s = self.clock()
-        self._remember_response(outcome, ctx, stored)
+        placed = self._remember_response(outcome, ctx, stored)
         await self.settlement.settle(outcome)
+        if placed is not None:  # a shared store: in it before the final bytes
+            await placed
         await send({"type": "http.response.body", "body": tail + buf, "more_body": False})
 
     def _remember_response(
         self, outcome: RequestOutcome, ctx: RequestContext, previous: StoredResponse | None
-    ) -> None:
+    ) -> asyncio.Future[bool] | None:
         """A stored response's place, before the client can send a follow-up to it; its
-        chain is the previous response's, or starts with it."""
+        chain is the previous response's, or starts with it. With a shared store, the write
+        for the final bytes to wait for (sent now, beside the ledger's commit)."""
         rid = outcome.response_id
         if rid is None or outcome.instance_id is None:
-            return
-        self.placement.remember(
+            return None
+        return self.placement.remember(
             rid,
             StoredResponse(
                 tenant=ctx.tenant,
