@@ -3,7 +3,7 @@ concurrency 1, against the embedded SQLite store, side by side in one run (issue
 p50 within 0.3 ms).
 
     .venv/bin/python -m benchmarks.store_router_latency [--requests 400] [--rounds 5]
-        [--kinds plain,governed,agent,governed-agent,session,governed-session]
+        [--kinds plain,governed,agent,governed-agent,session,governed-session,responses]
         [--baseline-tree DIR] [--out FILE]
 
 It starts a real PostgreSQL (tests/postgres.py's server: unix socket, fsync off), one fake
@@ -25,6 +25,9 @@ one at a time:
   router, a new user message every 10 steps: a task, one run each): the session's run from
   the store with the step's number (since s45: `gpupool_session_step`, one statement);
   `governed-session`: the governed tenant's.
+- `responses`: the plain tenant's Responses API requests (`/v1/responses`, stored: each a
+  new response, no `previous_response_id`): on PostgreSQL its placement is written before
+  the final bytes beside the ledger's record (since s46).
 
 `--baseline-tree DIR`: a third router, on the PostgreSQL store too (a database of its own),
 runs the router code of DIR (a checkout of another commit, e.g. `git worktree add DIR
@@ -77,7 +80,16 @@ KEYS = {"plain": "plain-" + "p" * 24, "governed": "governed-" + "g" * 24}
 METRICS_KEY = "metrics-" + "m" * 24  # GET /metrics (router.metrics_api_key_env)
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 STEPS_PER_RUN = 10
-KINDS = ("plain", "governed", "agent", "governed-agent", "session", "governed-session")
+KINDS = (
+    "plain",
+    "governed",
+    "agent",
+    "governed-agent",
+    "session",
+    "governed-session",
+    "responses",
+)
+RESPONSES_BODY = {"model": "tiny", "input": "hi", "max_output_tokens": 8}
 STORES = ("sqlite", "postgres")
 BASELINE = "postgres-base"  # the --baseline-tree router
 
@@ -131,7 +143,9 @@ def _headers(kind: str, k: int, tag: str) -> dict[str, str]:
 
 def _body(kind: str, k: int) -> dict[str, object]:
     """A session's step k belongs to task k // STEPS_PER_RUN (its user message: a new task
-    starts the session's next run); other kinds send BODY."""
+    starts the session's next run); `responses` sends RESPONSES_BODY; other kinds BODY."""
+    if kind == "responses":
+        return RESPONSES_BODY
     if not kind.endswith("session"):
         return BODY
     task = {"role": "user", "content": f"task {k // STEPS_PER_RUN}"}
@@ -150,7 +164,8 @@ async def _send(
         headers = _headers(kind, k, tag)
         started = time.perf_counter()
         body = _body(kind, k)
-        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        path = "/v1/responses" if kind == "responses" else "/v1/chat/completions"
+        async with session.post(f"{url}{path}", json=body, headers=headers) as r:
             await r.read()
             if r.status != 200:
                 raise RuntimeError(f"{kind}: HTTP {r.status}: {await r.text()}")
