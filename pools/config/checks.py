@@ -103,6 +103,36 @@ def _replica_problems(config: Config) -> list[str]:
     return problems
 
 
+def _metrics_port_problems(config: Config) -> list[str]:
+    """`router.metrics_port` + i for router process i: within 1-65535, apart from
+    `router.port` and from the local engines' ports (after `--port` / `--replicas`)."""
+    rc = config.router
+    if rc.metrics_port is None:
+        return []
+    first, last = rc.metrics_port, rc.metrics_port + rc.replicas - 1
+    ports = str(first) if first == last else f"{first}-{last} (one per router process)"
+    problems = []
+    if last > 65535:
+        problems.append(
+            f"router.metrics_port: {rc.replicas} router processes would listen on {first}-{last},"
+            f" past 65535: give at most {65536 - rc.replicas}"
+        )
+    if first <= rc.port <= last:
+        problems.append(
+            f"router.metrics_port: {ports} takes router.port {rc.port}: the client API and the"
+            " metrics port need ports of their own"
+        )
+    local = config.engines.local
+    if config.engines.launcher == "local" and local.count:
+        engines_last = local.base_port + local.count - 1
+        if first <= engines_last and local.base_port <= last:
+            problems.append(
+                f"router.metrics_port: {ports} overlaps the local engines' ports"
+                f" {local.base_port}-{engines_last} (engines.local.base_port + i)"
+            )
+    return problems
+
+
 def _governance_problems(config: Config, tenant: TenantConfig) -> list[str]:
     """A tenant's limits that do not fit together, or that the engines cannot honour."""
     problems = []
@@ -140,6 +170,8 @@ def contract_problems(config: Config) -> list[str]:
       shared store (borrowing is off there);
     - `router.replicas` above 1 has a PostgreSQL store and engines known at start (not the
       kubernetes or ray launchers);
+    - `router.metrics_port` (+ i per router process) fits in 1-65535, apart from `router.port`
+      and the local engines' ports;
     - the `admission` section is left at its defaults when `router.admission` is off;
     - a class's run guard `max_duration_s` is not shorter than one request of it may take
       (`timeout_s`); a tenant's tier allows no more requests in flight than the engines run.
@@ -190,6 +222,7 @@ def contract_problems(config: Config) -> list[str]:
     problems.extend(_rebalancer_problems(config))
     problems.extend(_admission_problems(config))
     problems.extend(_replica_problems(config))
+    problems.extend(_metrics_port_problems(config))
     affinity = config.engines.local.cpu_affinity
     if config.engines.launcher == "local" and affinity is not None and len(affinity) != n:
         problems.append(

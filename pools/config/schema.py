@@ -895,6 +895,10 @@ class RouterConfig:
     # router processes `gpupool up` / `serve` run on router.port (SO_REUSEPORT: the kernel
     # spreads new connections over them); more than 1 needs a PostgreSQL store (store.url)
     replicas: int = Field(default=1, ge=1, le=64)
+    # each router process also listens here (router process i of `replicas`: metrics_port + i)
+    # for /metrics, /health, /ready, /admin/* and the status page only, so a scraper reads each
+    # one on its own; null: none (the shared router.port serves them, one process per scrape)
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
     # The operators' credential for /admin/* and /metrics, apart from any tenant's: the name of
     # an env var holding the key, or the key's hex SHA-256. With no admin credential (no such key
     # and no `admin: true` tenant) /admin/* answers 403, except on an open router (no keys at

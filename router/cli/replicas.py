@@ -12,7 +12,10 @@ died (`kill -9`) are not reset with it, they wait for the router started again i
 would be reset, not handed to the others, unless the host sets `net.ipv4.tcp_migrate_req`).
 They share the budgets, slots, ledger and rebalancer through the PostgreSQL store
 (`check-config` refuses more than one without `store.url`); each is a replica of its own
-(`host:pid:random`).
+(`host:pid:random`, named in the `x-gpupool-replica` header of every response it writes).
+With `router.metrics_port`, router i also listens on `metrics_port + i` for /metrics and the
+operators' paths only (router/cli/stack.py), a socket this process binds and keeps as it keeps
+the shared port's, so each router's metrics are scraped on a port of its own, across restarts.
 
 Supervision: a router that exits while the others serve (a crash, `kill -9`) is started
 again, unless it failed before serving (then everything stops, exit 1). Ctrl-C or SIGTERM:
@@ -44,6 +47,7 @@ from router.cli.stack import (
     Replica,
     bind_listener,
     instances_without_launching,
+    metrics_url,
     run_router,
     say,
     start_engines,
@@ -72,18 +76,23 @@ def _router_main(
     instances: list[InstanceSpec],
     ready: multiprocessing.synchronize.Event,
     sock: socket.socket,
+    metrics_sock: socket.socket | None,
 ) -> None:
-    """One router process (forked by the fork server), listening on `sock`."""
+    """One router process (forked by the fork server), listening on `sock` (and, with a
+    metrics port, on `metrics_sock`)."""
     _die_with_parent()
     configure_logging(config.router.log_format, config.router.log_level)
     gc.collect()
     gc.freeze()
-    sys.exit(run_router(config, launch=False, replica=Replica(instances, ready.set, sock)))
+    replica = Replica(instances, ready.set, sock, metrics_sock)
+    sys.exit(run_router(config, launch=False, replica=replica))
 
 
 class _Router:
-    """One router process, when it started, and the listening socket of its place (this
-    process's copy: it stays open across the router's restarts; `close()` at the end)."""
+    """One router process, when it started, and the listening sockets of its place (this
+    process's copies: they stay open across the router's restarts; `close_listener()` at the
+    end): the shared port's and, with `router.metrics_port`, its own metrics port
+    (`metrics_port + index`)."""
 
     def __init__(
         self, ctx: multiprocessing.context.ForkServerContext, index: int, config: Config
@@ -91,6 +100,16 @@ class _Router:
         self.index = index
         rc = config.router
         self.sock: socket.socket | None = bind_listener(rc.host, rc.port, reuse_port=True)
+        self.metrics_port = None if rc.metrics_port is None else rc.metrics_port + index
+        self.metrics_sock: socket.socket | None = None
+        if self.metrics_port is not None:
+            try:
+                self.metrics_sock = bind_listener(
+                    rc.host, self.metrics_port, what="router.metrics_port"
+                )
+            except LauncherError:
+                self.close_listener()
+                raise
         self.ready = ctx.Event()
         self._ctx, self._config = ctx, config
         self.proc: multiprocessing.context.ForkServerProcess | None = None
@@ -102,7 +121,7 @@ class _Router:
         self.served = False
         self.proc = self._ctx.Process(
             target=_router_main,
-            args=(self._config, instances, self.ready, self.sock),
+            args=(self._config, instances, self.ready, self.sock, self.metrics_sock),
             name=f"gpupool-router-{self.index}",
         )
         self.proc.start()
@@ -117,11 +136,21 @@ class _Router:
         return None if self.proc is None else self.proc.exitcode
 
     def close_listener(self) -> None:
-        """Close this process's copy of the socket: once the router closes its own, the port
-        no longer sends it connections."""
+        """Close this process's copies of the sockets: once the router closes its own, the
+        ports no longer send it connections."""
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        if self.metrics_sock is not None:
+            self.metrics_sock.close()
+            self.metrics_sock = None
+
+    def where(self, host: str) -> str:
+        """`router i (pid P)`, with its metrics address when it has one."""
+        said = f"router {self.index} (pid {self.pid})"
+        if self.metrics_port is not None:
+            said += f": metrics at {metrics_url(host, self.metrics_port)}"
+        return said
 
 
 def _how(code: int) -> str:
@@ -170,7 +199,9 @@ async def _wait_ready(routers: list[_Router], stop: asyncio.Event) -> str | None
     return None
 
 
-async def _watch(routers: list[_Router], instances: list[InstanceSpec], stop: asyncio.Event) -> int:
+async def _watch(
+    routers: list[_Router], instances: list[InstanceSpec], stop: asyncio.Event, host: str
+) -> int:
     """Until `stop`: start again a router that exits after having served; exit 1 when one
     exits before serving (its start failed: so would the next)."""
     while not stop.is_set():
@@ -191,6 +222,8 @@ async def _watch(routers: list[_Router], instances: list[InstanceSpec], stop: as
             if router.proc is not None:
                 router.proc.close()
             router.start(instances)
+            if router.metrics_port is not None:
+                say(f"{router.where(host)} (started again)")
     return 0
 
 
@@ -222,8 +255,11 @@ async def supervise(config: Config, *, launch: bool) -> int:
             return 130 if why == "interrupted" else 1
         pids = ", ".join(str(r.pid) for r in routers)
         say(f"OpenAI base URL: http://{rc.host}:{rc.port}/v1   (model {config.model.name!r})")
+        for router in routers:
+            if router.metrics_port is not None:
+                say(router.where(rc.host))
         say(f"{rc.replicas} routers on port {rc.port} (pids {pids}); press Ctrl-C to stop")
-        code = await _watch(routers, instances, stop)
+        code = await _watch(routers, instances, stop, rc.host)
         say("shutting down")
         return code
     except LauncherError as err:

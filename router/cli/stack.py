@@ -1,6 +1,11 @@
 """Running the stack in one process: engines (optional), the router behind gpupool's own HTTP
 server (router/gateway/server.py), and a clean shutdown on Ctrl-C or SIGTERM (requests in
 flight finish within `router.shutdown_grace_s`) that stops every engine this process started.
+
+Every response names the router process that answered it (`x-gpupool-replica: host:pid:random`,
+the replica id the store's leases and slots carry). With `router.metrics_port` the router also
+listens there for its operators' paths only (`METRICS_PORT_PATHS`: /metrics, /health, /ready,
+/admin/*, the status page), so a scraper reads each router replica on its own port.
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ from pools.launchers.static import static_instances
 from router.ops.tracing.logs import configure_logging
 
 __all__ = [
+    "METRICS_PORT_PATHS",
+    "REPLICA_HEADER",
     "Replica",
     "bind_listener",
     "instances_without_launching",
+    "metrics_url",
     "run_blocking",
     "run_router",
     "run_stack",
@@ -42,6 +50,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 # how long an idle client connection stays open (see `run_stack`)
 CLIENT_KEEP_ALIVE_S = 75
+# the response header naming the router replica that answered (on every response)
+REPLICA_HEADER = b"x-gpupool-replica"
+# what the metrics port answers (router.metrics_port): the operators' reads and commands of
+# this one router process; the client API stays on router.port
+METRICS_PORT_PATHS = ("/metrics", "/health", "/ready", "/admin/", "/ui", "/ui/")
 
 
 def say(message: str) -> None:
@@ -74,9 +87,12 @@ def instances_without_launching(config: Config) -> list[InstanceSpec]:
     ]
 
 
-def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+def bind_listener(
+    host: str, port: int, *, reuse_port: bool = False, what: str = "router.port"
+) -> socket.socket:
     """A listening socket; `reuse_port`: one of several router processes on the same port
-    (SO_REUSEPORT: the kernel spreads new connections over them)."""
+    (SO_REUSEPORT: the kernel spreads new connections over them). `what`: the setting that
+    names the port, for the error."""
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only for TCP
     # sockets it recognises as such; with proto 0 every keep-alive response waited ~40 ms for
     # the client's delayed ACK (Nagle), measured in benchmarks/results/router_overhead.md.
@@ -90,15 +106,31 @@ def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.s
     except OSError as err:
         sock.close()
         raise LauncherError(
-            f"cannot listen on {host}:{port}: {err.strerror} (set router.port in the config)"
+            f"cannot listen on {host}:{port}: {err.strerror} (set {what} in the config)"
         ) from None
     sock.listen(2048)
     sock.setblocking(False)
     return sock
 
 
+def metrics_url(host: str, port: int) -> str:
+    return f"http://{host}:{port}/metrics"
+
+
+def _bind_or_close(other: socket.socket, host: str, port: int) -> socket.socket:
+    """`bind_listener(host, port)`; when that fails, `other` is closed before it raises."""
+    try:
+        return bind_listener(host, port, what="router.metrics_port")
+    except LauncherError:
+        other.close()
+        raise
+
+
 def _banner(config: Config, gateway_view: dict[str, object], host: str, port: int) -> None:
     say(f"OpenAI base URL: http://{host}:{port}/v1   (model {config.model.name!r})")
+    if config.router.metrics_port is not None:
+        url = metrics_url(host, config.router.metrics_port)
+        say(f"metrics (and /health, /ready, /admin/*): {url}")
     pools = gateway_view.get("pools", {})
     assert isinstance(pools, dict)
     for name, view in pools.items():
@@ -180,11 +212,13 @@ class Replica:
     (SO_REUSEPORT); `ready` is called once it serves, instead of printing the banner.
     `sock`: the listening socket its supervisor bound and keeps open for this router's place
     (a router started again after a crash accepts what queued there meanwhile); None: bind
-    one here."""
+    one here. `metrics_sock`: likewise, this place's own metrics port (`router.metrics_port`
+    + its index); None: none."""
 
     instances: list[InstanceSpec]
     ready: Callable[[], None]
     sock: socket.socket | None = None
+    metrics_sock: socket.socket | None = None
 
 
 async def run_stack(config: Config, *, launch: bool, replica: Replica | None = None) -> int:
@@ -192,16 +226,21 @@ async def run_stack(config: Config, *, launch: bool, replica: Replica | None = N
     # the router's modules, imported here: a replicas' supervisor (router/cli/replicas.py)
     # imports this module and never runs a router itself
     from router.gateway.app import create_app
-    from router.gateway.server import Server, ServerSettings, StartupFailed
+    from router.gateway.server import PathListener, Server, ServerSettings, StartupFailed
 
     stop = stop_on_signals()
     rc = config.router
+    metrics_sock: socket.socket | None = None
     try:
         sock = (
             replica.sock
             if replica is not None and replica.sock is not None
             else bind_listener(rc.host, rc.port, reuse_port=replica is not None)
         )
+        if replica is not None:
+            metrics_sock = replica.metrics_sock
+        elif rc.metrics_port is not None:
+            metrics_sock = _bind_or_close(sock, rc.host, rc.metrics_port)
     except LauncherError as err:
         say(str(err))
         return 1
@@ -212,6 +251,8 @@ async def run_stack(config: Config, *, launch: bool, replica: Replica | None = N
     except LauncherError as err:
         say(f"error: {err}")
         sock.close()
+        if metrics_sock is not None:
+            metrics_sock.close()
         return 1
     try:
         if replica is not None:
@@ -237,9 +278,12 @@ async def run_stack(config: Config, *, launch: bool, replica: Replica | None = N
                 max_connections=rc.max_connections,
             ),
             shutdown_grace_s=rc.shutdown_grace_s,
+            # built once: the replica id the store's leases and slots carry
+            headers=[(REPLICA_HEADER, gateway.rebalancer.replica.encode("ascii", "replace"))],
         )
+        also = [] if metrics_sock is None else [PathListener(metrics_sock, METRICS_PORT_PATHS)]
         try:
-            await server.start(sock)
+            await server.start(sock, also=also)
         except StartupFailed as err:
             log.error("the application's startup failed: %s", err)
             say("the router failed to start")
@@ -268,3 +312,5 @@ async def run_stack(config: Config, *, launch: bool, replica: Replica | None = N
             await launcher.aclose()
             say("engines stopped")
         sock.close()
+        if metrics_sock is not None:
+            metrics_sock.close()

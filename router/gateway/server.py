@@ -37,6 +37,13 @@ Each request's exchange is its `ClientLink` (router/gateway/http_protocol.py) in
 `scope[CLIENT_LINK]`: `take_body`, `respond` and `write_more` without `receive`'s and `send`'s
 per-message work, and its task cancelled when the client leaves.
 
+Beyond uvicorn: constant response headers (`Server(..., headers=...)`: the router's
+`x-gpupool-replica`), written on every answer, the server's own errors included, as part of
+the `date` line built once a second (no work per request); and further listening sockets
+that answer only some paths of the application (`Server.start(sock, also=[PathListener(...)])`:
+a router replica's metrics port), each with its own connections and tasks, through the one
+lifespan, the one shutdown and the same limits.
+
 No TLS, no WebSocket upgrade (the router serves neither: an upgrade request is served as plain
 HTTP), no access log.
 """
@@ -52,7 +59,8 @@ import re
 import socket
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
 from email.utils import formatdate
 from typing import Any
 
@@ -60,7 +68,7 @@ import httptools
 
 from router.gateway.http_protocol import _OVERLOADED, CLIENT_LINK, ClientLink, _error, _error_body
 
-__all__ = ["Server", "ServerSettings", "StartupFailed"]
+__all__ = ["PathListener", "Server", "ServerSettings", "StartupFailed"]
 
 log = logging.getLogger(__name__)
 
@@ -125,20 +133,41 @@ class ServerSettings:
 
 
 class _Date:
-    """The `date` header, formatted once a second."""
+    """The `date` header, formatted once a second, followed by the server's constant
+    headers (`extra`: whole lines, CRLF-ended)."""
 
-    __slots__ = ("line", "second")
+    __slots__ = ("extra", "line", "second")
 
-    def __init__(self) -> None:
+    def __init__(self, extra: bytes = b"") -> None:
         self.second = -1
         self.line = b""
+        self.extra = extra
 
     def now(self) -> bytes:
         second = int(time.time())
         if second != self.second:
             self.second = second
-            self.line = b"date: %b\r\n" % formatdate(second, usegmt=True).encode("ascii")
+            date = formatdate(second, usegmt=True).encode("ascii")
+            self.line = b"date: %b\r\n%b" % (date, self.extra)
         return self.line
+
+
+def _header_lines(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+    """`headers` as response header lines; ValueError for what `send` would refuse."""
+    lines = []
+    for name, value in headers:
+        if not name or HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+            raise ValueError(f"not a valid response header: {name!r}: {value!r}")
+        lines.append(b"%b: %b\r\n" % (name.lower(), value))
+    return b"".join(lines)
+
+
+def _with_lines(answer: bytes, lines: bytes) -> bytes:
+    """A whole answer (status line first) with header `lines` after its status line."""
+    if not lines:
+        return answer
+    end = answer.index(b"\r\n") + 2
+    return answer[:end] + lines + answer[end:]
 
 
 class _Exchange(ClientLink):
@@ -340,17 +369,39 @@ class _Exchange(ClientLink):
 
 
 class _ServerState:
-    """What every connection of one server shares."""
+    """What every connection of one listener shares (the lifespan's state: with the
+    server's other listeners too)."""
 
-    __slots__ = ("app", "app_state", "connections", "date", "settings", "tasks")
+    __slots__ = (
+        "answer_500",
+        "answer_overloaded",
+        "app",
+        "app_state",
+        "connections",
+        "date",
+        "settings",
+        "tasks",
+    )
 
-    def __init__(self, app: App, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        app: App,
+        settings: ServerSettings,
+        header_lines: bytes = b"",
+        app_state: dict[str, Any] | None = None,
+    ) -> None:
         self.app = app
         self.settings = settings
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[Any]] = set()
-        self.app_state: dict[str, Any] = {}
-        self.date = _Date()
+        self.app_state: dict[str, Any] = {} if app_state is None else app_state
+        self.date = _Date(header_lines)
+        self.answer_500 = _with_lines(_500, header_lines)
+        self.answer_overloaded = _with_lines(_OVERLOADED_ANSWER, header_lines)
+
+    def with_headers(self, answer: bytes) -> bytes:
+        """One of the server's own whole answers with the constant headers."""
+        return _with_lines(answer, self.date.extra)
 
 
 class _Connection(asyncio.Protocol):
@@ -457,9 +508,9 @@ class _Connection(asyncio.Protocol):
             if self._head_bytes > max_head and not 0 <= end <= room - 4:
                 self._disarm_head_timer()
                 message = f"request line and headers larger than {max_head} bytes"
-                self.transport.write(
-                    _error(431, "Request Header Fields Too Large", message, "headers_too_large")
-                )
+                reason = "Request Header Fields Too Large"
+                answer = _error(431, reason, message, "headers_too_large")
+                self.transport.write(self.state.with_headers(answer))
                 self.transport.close()
                 return
         self._idle_since_s = None
@@ -609,12 +660,12 @@ class _Connection(asyncio.Protocol):
         if exchange.disconnected:
             return
         exchange.started = True
-        self.transport.write(_500)
+        self.transport.write(self.state.answer_500)
         exchange._finish(False)
 
     def _answer_overloaded(self, exchange: _Exchange) -> None:
         exchange.started = True
-        self.transport.write(_OVERLOADED_ANSWER)
+        self.transport.write(self.state.answer_overloaded)
         exchange._finish(False)
 
     def response_done(self, exchange: _Exchange) -> None:
@@ -664,7 +715,8 @@ class _Connection(asyncio.Protocol):
         if self._head_bytes == 0 and self._idle_since_s is not None:
             return  # idle between requests: the keep-alive's timer closes it, quietly
         message = f"the request head did not arrive within {self.settings.head_timeout_s:g} s"
-        self.transport.write(_error(408, "Request Timeout", message, "head_timeout"))
+        answer = _error(408, "Request Timeout", message, "head_timeout")
+        self.transport.write(self.state.with_headers(answer))
         self.transport.close()
 
     def _keep_alive_check(self) -> None:
@@ -681,8 +733,8 @@ class _Connection(asyncio.Protocol):
     def _answer_400(self, reason: str) -> None:
         body = _error_body(f"not a valid HTTP request: {reason}", "invalid_http")
         self.transport.write(
-            STATUS_LINE[400] + b"content-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%b" % (len(body), body)
+            STATUS_LINE[400] + self.state.date.extra + b"content-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(body), body)
         )
         self.transport.close()
 
@@ -702,55 +754,126 @@ def _address(address: Any) -> tuple[str, int] | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class PathListener:
+    """A further listening socket (bound and listening) on which the server answers only the
+    paths in `paths`: an entry ending in "/" takes every path under it, any other only
+    itself. Any other path gets a 404 (OpenAI-shaped, code `not_on_this_port`)."""
+
+    sock: socket.socket
+    paths: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.paths or not all(p.startswith("/") for p in self.paths):
+            raise ValueError(f"paths must be absolute paths, at least one: {self.paths!r}")
+
+
+class _PathsOnly:
+    """The application, for the paths of a `PathListener` only (no `hot_route`: the generation
+    endpoints are not among them, and the main listener's hot path is not touched)."""
+
+    __slots__ = ("_app", "_exact", "_prefixes")
+
+    def __init__(self, app: App, paths: tuple[str, ...]) -> None:
+        self._app = app
+        self._exact = frozenset(p for p in paths if not p.endswith("/"))
+        self._prefixes = tuple(p for p in paths if p.endswith("/"))
+
+    async def __call__(
+        self, scope: Scope, receive: Callable[[], Awaitable[Message]], send: Any
+    ) -> None:
+        path = scope["path"]
+        if path in self._exact or path.startswith(self._prefixes):
+            await self._app(scope, receive, send)
+            return
+        body = _error_body(
+            f"{path[:200]} is not served on this port (the router's metrics and admin port:"
+            " the client API is on router.port)",
+            "not_on_this_port",
+        )
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 404, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
 class Server:
     """The application served on a listening socket: `await start(sock)` (the lifespan's
-    startup, then accepting), `await aclose()` (graceful shutdown, then the lifespan's)."""
+    startup, then accepting), `await aclose()` (graceful shutdown, then the lifespan's).
+    `headers`: name/value pairs written on every response of every listener (built once;
+    ValueError for a name or value `send` would refuse)."""
 
     def __init__(
-        self, app: App, settings: ServerSettings, *, shutdown_grace_s: float = 30.0
+        self,
+        app: App,
+        settings: ServerSettings,
+        *,
+        shutdown_grace_s: float = 30.0,
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
-        self._state = _ServerState(app, settings)
+        self._app = app
+        self._settings = settings
+        self._header_lines = _header_lines(headers)
+        self._state = _ServerState(app, settings, self._header_lines)
+        self._states = [self._state]  # the main listener's, then each PathListener's
         self._grace_s = shutdown_grace_s
-        self._listener: asyncio.Server | None = None
+        self._listeners: list[asyncio.Server] = []
         self._lifespan: asyncio.Task[None] | None = None
         self._to_app: asyncio.Queue[Message] = asyncio.Queue()
         self._from_app: asyncio.Queue[Message] = asyncio.Queue()
 
     @property
     def connections(self) -> int:
-        return len(self._state.connections)
+        return sum(len(state.connections) for state in self._states)
 
-    async def start(self, sock: socket.socket) -> None:
+    async def start(self, sock: socket.socket, *, also: Sequence[PathListener] = ()) -> None:
         """The lifespan's startup (raises `StartupFailed` with the application's reason),
-        then accept on `sock` (bound and listening)."""
+        then accept on `sock` (bound and listening) and on each of `also`."""
         await self._startup()
         log.info("Application startup complete")
         loop = asyncio.get_running_loop()
         state = self._state
-        self._listener = await loop.create_server(lambda: _Connection(state, loop), sock=sock)
+        self._listeners.append(
+            await loop.create_server(lambda: _Connection(state, loop), sock=sock)
+        )
+        for listener in also:
+            side = _ServerState(
+                _PathsOnly(self._app, listener.paths),
+                self._settings,
+                self._header_lines,
+                app_state=state.app_state,  # the one lifespan's
+            )
+            self._states.append(side)
+            self._listeners.append(
+                await loop.create_server(
+                    functools.partial(_Connection, side, loop), sock=listener.sock
+                )
+            )
 
     def stop_accepting(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
+        for listener in self._listeners:
+            listener.close()
 
     async def aclose(self) -> None:
         """Stop accepting, close idle connections, let requests in flight finish within the
         grace period (then cancel them), and run the lifespan's shutdown."""
         self.stop_accepting()
-        state = self._state
-        for conn in list(state.connections):
-            conn.shutdown()
+        for state in self._states:
+            for conn in list(state.connections):
+                conn.shutdown()
         # a busy connection closes after its response (no keep-alive, nothing pipelined
         # started): once the tasks are done, no request is left in flight
-        if state.tasks:
-            await asyncio.wait(set(state.tasks), timeout=self._grace_s)
-        if state.tasks:
-            log.error("cancelling %d request(s) after the shutdown grace", len(state.tasks))
-            for task in list(state.tasks):
+        tasks = {task for state in self._states for task in state.tasks}
+        if tasks:
+            await asyncio.wait(tasks, timeout=self._grace_s)
+        tasks = {task for state in self._states for task in state.tasks}
+        if tasks:
+            log.error("cancelling %d request(s) after the shutdown grace", len(tasks))
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*state.tasks, return_exceptions=True)
-        for conn in list(state.connections):
-            conn.transport.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for state in self._states:
+            for conn in list(state.connections):
+                conn.transport.close()
         await self._shutdown()
         log.info("Application shutdown complete")
 
