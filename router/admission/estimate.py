@@ -304,8 +304,10 @@ class _TokenCounter:
         `max_new_chars`, None instead when more text than that has never been seen (the caller
         then counts in a worker thread): lookups are cheap, encoding is not."""
         totals = [0.0] * len(groups)
-        work: list[tuple[int, tuple[int, int] | None, str, list[str]]] = []
+        work: list[tuple[int, tuple[int, int] | None, list[str], list[str]]] = []
         pieces_seen = self._pieces
+        chunk_counts = self._chunks
+        first_delta = self._first_delta
         for group, pieces in enumerate(groups):
             small = []
             for piece in pieces:
@@ -315,19 +317,26 @@ class _TokenCounter:
                 piece_key = (hash(piece), len(piece))
                 known = pieces_seen.get(piece_key)
                 if known is None:
-                    work.append((group, piece_key, piece, [piece.partition(" ")[0]]))
+                    work.append((group, piece_key, piece.split(" "), [piece.partition(" ")[0]]))
                 else:
                     totals[group] += known
             if small:
                 firsts = [piece.partition(" ")[0] for piece in small]
-                work.append((group, None, " ".join(small), firsts))
+                chunks = " ".join(small).split(" ")
+                # the common case, every chunk and first chunk seen before: summed here, in
+                # C calls (a miss is _MISS among the chunks, NaN among the first chunks)
+                summed = sum(map(chunk_counts.get, chunks, repeat(_MISS)))
+                deltas = sum(map(first_delta.get, firsts, repeat(math.nan)))
+                if summed < _MISS and deltas == deltas:
+                    totals[group] += summed + self._space_tokens * chunks.count("") + deltas
+                else:
+                    work.append((group, None, chunks, firsts))
+        if not work:
+            return totals
         pending: list[tuple[int, tuple[int, int] | None, float, list[str], list[str]]] = []
         new: dict[str, int] = {}
         new_firsts: dict[str, None] = {}
-        chunk_counts = self._chunks
-        first_delta = self._first_delta
-        for group, key, text, firsts in work:
-            chunks = text.split(" ")
+        for group, key, chunks, firsts in work:
             misses, hits = divmod(sum(map(chunk_counts.get, chunks, repeat(_MISS))), _MISS)
             partial = hits + self._space_tokens * chunks.count("")
             missing = [c for c in chunks if c not in chunk_counts] if misses else []

@@ -363,6 +363,31 @@ def test_repeated_history_counts_the_same(model_dir: Path) -> None:
     assert first.prompt_tokens == again.prompt_tokens == fresh.prompt_tokens
 
 
+def test_short_messages_count_the_same_cold_and_warm(model_dir: Path) -> None:
+    """Short pieces whose chunks were all seen are summed on the counter's fast path: the
+    same counts as counted cold (spaces doubled, leading and trailing, a new first chunk)."""
+    short = [
+        "Say hello to the benchmark in a few words.",
+        "  leading and  double spaces ",
+        "What is the capital of France?",
+        "Paris.",
+        "",
+        "capital Paris France",  # seen chunks, but "capital" never first
+    ]
+    body = {"model": "m", "messages": [{"role": "user", "content": m} for m in short]}
+    warm = estimator(model_dir)
+    cold = warm.estimate(body, chat=True, class_name="normal")
+    again = warm.estimate(body, chat=True, class_name="normal")
+    assert cold.prompt_tokens == again.prompt_tokens
+    assert cold.features == again.features
+    # one new first chunk among known ones: the general path again, the same total
+    body["messages"].append({"role": "user", "content": "France capital"})
+    grown = warm.estimate(body, chat=True, class_name="normal")
+    fresh = estimator(model_dir).estimate(body, chat=True, class_name="normal")
+    assert grown.features == fresh.features
+    assert grown.features[0] > cold.features[0]
+
+
 async def test_estimate_async_matches_sync(model_dir: Path, oracle: Oracle) -> None:
     rng = random.Random(7)
     seen = {"messages": [{"role": "user", "content": words(rng, 12_000)}]}  # known chunks
