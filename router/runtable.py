@@ -102,6 +102,10 @@ class RunTable:
     def __iter__(self) -> Iterator[Hashable]:
         return iter(self._records)
 
+    def recent(self) -> Iterator[Hashable]:
+        """The keys, most recently touched first (do not touch while iterating)."""
+        return reversed(self._records)
+
     def get(self, key: Hashable) -> RunRecord | None:
         """The run's record without touching it (None: not kept)."""
         return self._records.get(key)

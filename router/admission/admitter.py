@@ -65,6 +65,7 @@ from router.admission.tool_pauses import PauseHolds
 from router.errors import CapacityExceeded, NoHealthyInstance
 from router.metrics import RouterMetrics
 from router.request import RequestContext
+from router.runtable import RunTable
 
 __all__ = ["Admitter", "Reserve", "Waiter"]
 
@@ -166,9 +167,13 @@ class Admitter:
             )
             for p in config.pools
         }
+        self._run_usage = run_usage
         self._attained = {
             p.name: AttainedService(
-                run_usage, idle_decay_s=p.queue.run_las_idle_decay_s, pool=p.name, runs=runs
+                self._shared_run_usage,
+                idle_decay_s=p.queue.run_las_idle_decay_s,
+                pool=p.name,
+                runs=runs,
             )
             for p in config.pools
             if p.queue.order == "run_las" and run_usage is not None
@@ -903,6 +908,22 @@ class Admitter:
             ctx.pool,
         )
         return lease
+
+    @property
+    def attained_runs(self) -> RunTable | None:
+        """The router's `RunTable` when a pool orders its queue by run_las (what the other
+        replicas are told of this one's attained service: `SharedReservations.for_store`),
+        else None."""
+        return self.affinity.runs if self._attained else None
+
+    def _shared_run_usage(self, run_key: Hashable, now_s: float) -> RunUsage | None:
+        """A run's usage for run_las: this replica's (`run_usage`), with the other replicas'
+        shares on a shared store (router/admission/shared_attained.py): a dict lookup, no
+        store round trip."""
+        assert self._run_usage is not None
+        own = self._run_usage(run_key, now_s)
+        peers = self.peers.attained if self.peers is not None else None
+        return own if peers is None else peers.with_peers(run_key, own)
 
     def _attained_gpu_s(self, ctx: RequestContext, now_s: float) -> float:
         """The GPU-seconds the request's run has received (run_las pools; 0 otherwise or for a

@@ -37,6 +37,11 @@ blocks: at most the prompts of the sequences another replica started within one
 `router.scrape_interval_s`, until this replica's next scrape. Nothing is preempted by the
 router; vLLM preempts only if the sequences actually grow into the excess.
 
+With a pool ordered by `run_las`, the same exchange (same tick, same connection) also writes
+this replica's share of each changed run's attained GPU-seconds and reads the others' new ones
+(router/admission/shared_attained.py; the admitter adds them to the run's own: no round trip
+on the request path).
+
 Every database call runs in a worker thread, one exchange at a time; the snapshot and the
 adjustment run on the event loop.
 """
@@ -57,7 +62,11 @@ from prometheus_client import CollectorRegistry, Gauge
 from pools.fleet import Fleet, InstanceState, Lease
 from pools.periodic import Periodic
 from router.admission.decision import InstanceView
-from router.store import Store, StoreError
+from router.admission.shared_attained import KEEP_S, AttainedRow, Share, SharedAttained
+from router.admission.shared_attained import MIGRATIONS as ATTAINED_MIGRATIONS
+from router.runtable import RunTable
+from router.store import Store, StoreError, migrate
+from router.store.base import Conn
 
 __all__ = ["PeerLoad", "ReservationsTable", "SharedReservations", "snapshot"]
 
@@ -101,9 +110,15 @@ class ReservationsTable:
         """Write this replica's snapshot (None: write nothing), then read every other replica's
         written within `lease_s`: {replica: snapshot}."""
         with self.store.connection() as conn:
-            if mine is not None:
-                conn.execute(self._publish, (replica, orjson.dumps(mine).decode()))
-            rows = conn.execute(self._read, (replica, lease_s)).fetchall()
+            return self.exchange_on(conn, replica, mine, lease_s)
+
+    def exchange_on(
+        self, conn: Conn, replica: str, mine: Snapshot | None, lease_s: float
+    ) -> dict[str, Snapshot]:
+        """`exchange` on a connection the caller holds."""
+        if mine is not None:
+            conn.execute(self._publish, (replica, orjson.dumps(mine).decode()))
+        rows = conn.execute(self._read, (replica, lease_s)).fetchall()
         return {str(r): _parse(text) for r, text in rows}
 
     def forget(self, older_than_s: float) -> int:
@@ -211,9 +226,14 @@ class SharedReservations:
         on_change: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
+        attained: SharedAttained | None = None,
     ) -> None:
-        """`registry`: where the `gpupool_admission_peer_*` gauges go (none: no gauges)."""
+        """`registry`: where the `gpupool_admission_peer_*` gauges go (none: no gauges).
+        `attained`: run_las's attained service, exchanged on the same tick (none: not shared;
+        router/admission/shared_attained.py); `clock` must then be the accountant's."""
         self.table = ReservationsTable(store)
+        self.attained = attained
+        self._discovered_at_s = -float("inf")
         self.fleet = fleet
         self.replica = replica
         self.interval_s, self.lease_s, self.refresh_s = interval_s, lease_s, refresh_s
@@ -243,15 +263,24 @@ class SharedReservations:
         *,
         interval_s: float = INTERVAL_S,
         registry: CollectorRegistry | None = None,
+        attained_runs: RunTable | None = None,
     ) -> SharedReservations | None:
         """A PostgreSQL store's (several routers may share it), exchanging every `interval_s`
         (`store.admission_interval_s`); None on the embedded store, whose one router has no
         other replicas, or with `interval_s` 0 (not shared): nothing runs, admission is
-        unchanged."""
+        unchanged. `attained_runs`: the router's `RunTable` when a pool orders its queue by
+        run_las (their attained service is then exchanged too); None: it is not."""
         if store.dialect != "postgresql" or interval_s <= 0:
             return None
+        attained = None if attained_runs is None else SharedAttained(attained_runs, store.dialect)
         return cls(
-            store, fleet, replica, interval_s=interval_s, on_change=on_change, registry=registry
+            store,
+            fleet,
+            replica,
+            interval_s=interval_s,
+            on_change=on_change,
+            registry=registry,
+            attained=attained,
         )
 
     async def start(self) -> None:
@@ -271,8 +300,11 @@ class SharedReservations:
         mine: Snapshot | None = snapshot(self.fleet)
         if mine == self._published and now - self._published_at_s < self.refresh_s:
             mine = None
+        attained = self.attained
+        version, shares = attained.changes(now) if attained is not None else (0, [])
+        discover = attained is not None and now - self._discovered_at_s >= FORGET_S / 60
         try:
-            others = await asyncio.to_thread(self.table.exchange, self.replica, mine, self.lease_s)
+            others, read = await asyncio.to_thread(self._exchange, mine, version, shares, discover)
             if now - self._forgot_at_s >= FORGET_S / 60:
                 self._forgot_at_s = now
                 await asyncio.to_thread(self.table.forget, FORGET_S)
@@ -286,6 +318,37 @@ class SharedReservations:
             self._published, self._published_at_s = mine, now
         self._read_at_s = now
         self._set(others)
+        if attained is not None and read is not None:
+            rows, db_now_s = read
+            if shares:
+                attained.published(shares)
+            attained.absorb(rows, others, now)
+            if discover:
+                self._discovered_at_s = now
+                attained.forget(db_now_s)
+
+    def _exchange(
+        self, mine: Snapshot | None, version: int, shares: list[Share], discover: bool
+    ) -> tuple[dict[str, Snapshot], tuple[list[AttainedRow], float] | None]:
+        """One exchange on one connection (in a worker thread): the reservations; with run_las
+        shared, this replica's changed shares written and the others' new ones read (on a
+        `discover` tick also every replica with rows found, and rows past retention deleted)."""
+        attained = self.attained
+        if attained is not None and not attained.migrated:
+            migrate(self.table.store, ATTAINED_MIGRATIONS)
+            attained.migrated = True  # a flag only this thread writes, once
+        with self.table.store.connection() as conn:
+            others = self.table.exchange_on(conn, self.replica, mine, self.lease_s)
+            if attained is None:
+                return others, None
+            attained.table.publish(conn, self.replica, version, shares)
+            found: set[str] = set()
+            db_now_s = 0.0
+            if discover:
+                db_now_s = attained.table.forget(conn, KEEP_S)
+                found = attained.table.replicas(conn, self.replica)
+            rows = attained.table.read(conn, attained.to_read(others, found))
+        return others, (rows, db_now_s)
 
     def _failed(self, now_s: float, err: Exception) -> None:
         if not self._failing:
@@ -299,6 +362,8 @@ class SharedReservations:
         if self._read_at_s is not None and now_s - self._read_at_s >= self.lease_s:
             self._read_at_s = None
             self._set({})
+            if self.attained is not None:  # nobody seen live: their steps in flight stop
+                self.attained.absorb([], (), now_s)
 
     def _set(self, others: dict[str, Snapshot]) -> None:
         peers = combine(others)
@@ -313,8 +378,9 @@ class SharedReservations:
     def view(self) -> dict[str, Any]:
         """This replica on `GET /admin/pools`: its id, how many other replicas admission counts,
         how long ago their rows were read (monotonic seconds; None: not read, or the last read
-        is older than the lease), and whether the store answers."""
-        return {
+        is older than the lease), whether the store answers; with run_las shared, how many
+        runs hold another replica's share."""
+        answer: dict[str, Any] = {
             "id": self.replica,
             "shared_admission": True,
             "interval_s": self.interval_s,
@@ -324,6 +390,9 @@ class SharedReservations:
             else round(max(0.0, self._clock() - self._read_at_s), 3),
             "store_answers": not self._failing,
         }
+        if self.attained is not None:  # run_las: runs with another replica's share held
+            answer["attained_peer_runs"] = self.attained.peer_runs()
+        return answer
 
     def instance_view(self, instance_id: str) -> dict[str, Any]:
         """What admission counts of the other replicas on one instance (`adjust`): their

@@ -173,6 +173,7 @@ class Gateway:
             self.admitter.schedule_pump,
             interval_s=config.store.admission_interval_s,
             registry=self.metrics.registry,
+            attained_runs=self.admitter.attained_runs,  # run_las's attained service, shared
         )
         self.accounting_observer = AccountingObserver(
             self.accountant, self.ledger, self.accounting_metrics, clock=clock

@@ -44,6 +44,7 @@ def test_migrate_then_status_on_postgres(
     assert main(["store", "migrate", "--config", config]) == 0
     out = capsys.readouterr().out
     assert "ledger 1:" in out and "governance 2:" in out and "rebalancer 4:" in out
+    assert "admission 1:" in out
     assert PASSWORD not in out
     assert main(["store", "migrate", "--config", config]) == 0
     assert capsys.readouterr().out.strip().endswith("up to date")

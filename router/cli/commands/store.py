@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from router.accounting.ledger import MIGRATIONS as LEDGER
+from router.admission.shared_attained import MIGRATIONS as ADMISSION
 from router.cli.commands._config import load_or_report
 from router.gateway.response_placement import MIGRATIONS as RESPONSES
 from router.governance.store import MIGRATIONS as GOVERNANCE
@@ -55,6 +56,8 @@ def _by_store(stores: Stores) -> list[tuple[Store, tuple[Migration, ...]]]:
         (stores.governance, GOVERNANCE),
         (stores.rebalancer, REBALANCER),
         (stores.responses, RESPONSES),
+        # run_las across replicas: only a shared store has other replicas to tell
+        (stores.governance, ADMISSION if stores.governance.dialect == "postgresql" else ()),
     ):
         for i, (seen, held) in enumerate(pairs):
             if seen is store:

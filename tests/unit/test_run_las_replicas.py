@@ -1,0 +1,285 @@
+"""`queue.order: run_las` across router replicas (router/admission/shared_attained.py): each
+replica publishes its share of each run's attained GPU-seconds on the admission exchange and
+orders its queue by the run's service on every replica. On both store backends (embedded
+SQLite, a real PostgreSQL), two or three replicas, each with its own accountant, run table,
+admitter and exchange, over one store, in simulated time (one fake clock; `tick()` called by
+hand, so nothing depends on sleep timing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pools.config import Config
+from pools.fleet import Lease
+from pools.launchers.base import InstanceSpec
+from pools.testing.config import config_for_test, one_pool
+from router.accounting.accountant import Accountant, SequenceToken
+from router.admission.decision import Need
+from router.admission.picking import RunAffinity
+from router.admission.shared_attained import KEEP_S, SharedAttained
+from router.admission.shared_reservations import SharedReservations
+from router.core import Core, build_core
+from router.errors import CapacityExceeded
+from router.governance.store import MIGRATIONS
+from router.request import RequestContext
+from router.runtable import RunTable
+from router.store import SqliteStore, Store, migrate
+from tests.unit.test_rebalance_borrow import ctx
+from tests.unit.test_shared_reservations import Clock
+
+SPEC = InstanceSpec("engine-0", "http://127.0.0.1:9", 1)
+NEED = Need(prompt_tokens=8, total_tokens=16, deadline_s=1e9)
+DECAY_S = 60.0  # run_las_idle_decay_s
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class _Waiter:
+    ctx: RequestContext
+    need: Need = NEED
+    exclude: frozenset[str] = frozenset()
+
+    def gone(self) -> bool:
+        return False
+
+    def admitted(self, lease: Lease) -> None:
+        raise AssertionError("only queued here, never dispatched")
+
+    def refused(self, err: CapacityExceeded) -> None:
+        raise AssertionError(err)
+
+
+def _config(tmp_path: Path, order: str = "run_las") -> Config:
+    queue = {"order": order}
+    if order == "run_las":
+        queue |= {"run_las_idle_decay_s": DECAY_S, "run_las_max_slowdown": None}
+    return config_for_test(
+        tmp_path,
+        urls=[SPEC.url],
+        pools=one_pool(queue=queue),
+        rebalancer={"decision_log_path": str(tmp_path / f"d{next(_ids)}.sqlite")},
+    )
+
+
+class Replica:
+    """One router's run table, accountant, admitter and exchange."""
+
+    def __init__(
+        self, tmp_path: Path, store: Store, name: str, clock: Clock, max_rows_per_tick: int = 1000
+    ) -> None:
+        self.clock = clock
+        self.runs = RunTable()
+        self.accountant = Accountant(runs=self.runs)
+        self.accountant.add_instance(SPEC.instance_id, 1.0, {"normal": 1.0}, 0.0)
+        self.core: Core = build_core(
+            _config(tmp_path),
+            [SPEC],
+            clock,
+            random.Random(0),
+            affinity=RunAffinity(runs=self.runs),
+            run_usage=self.accountant.run_usage,
+            wall_clock=clock,
+        )
+        assert self.core.admitter.attained_runs is self.runs
+        self.attained = SharedAttained(
+            self.runs, store.dialect, max_rows_per_tick=max_rows_per_tick
+        )
+        self.shared = SharedReservations(
+            store, self.core.fleet, name, clock=clock, attained=self.attained
+        )
+        self.core.admitter.peers = self.shared
+
+    def serve(self, run: str, start_s: float, end_s: float | None) -> SequenceToken:
+        """A step of `run` alone on the engine (1 GPU) from `start_s`: its GPU-seconds are
+        its duration; `end_s` None: still in flight."""
+        token = self.accountant.begin(SPEC.instance_id, start_s, ("t", run))
+        if end_s is not None:
+            self.accountant.end(token, end_s)
+        return token
+
+    def attained_gpu_s(self, run: str) -> float:
+        """What run_las orders a step of `run` queued now by."""
+        entry = self.core.admitter.enqueue(_Waiter(_ctx(run)), self.clock())
+        self.core.admitter.withdraw(entry)
+        return entry.attained_gpu_s
+
+    def order(self, *runs: str) -> list[str]:
+        """The runs in the order their steps, queued now in this order, would go."""
+        admitter, now = self.core.admitter, self.clock()
+        entries = [admitter.enqueue(_Waiter(_ctx(run)), now) for run in runs]
+        queue = admitter.queues["normal"]
+        went = []
+        while (entry := queue.peek(now)) is not None:
+            queue.pop(entry, now)
+            went.append(entry.payload.ctx.run_id)
+        for entry in entries:
+            admitter.withdraw(entry)
+        return went
+
+
+def _two(
+    tmp_path: Path, store: Store, b_rows_per_tick: int = 1000
+) -> tuple[Clock, Replica, Replica]:
+    """Replicas a and b on one clock (b publishing at most `b_rows_per_tick` a tick)."""
+    clock = Clock()
+    return (
+        clock,
+        Replica(tmp_path, store, "a", clock),
+        Replica(tmp_path, store, "b", clock, b_rows_per_tick),
+    )
+
+
+async def _exchange(*replicas: Replica) -> None:
+    """One exchange of each, in this order."""
+    for replica in replicas:
+        await replica.shared.tick()
+
+
+def _ctx(run: str) -> RequestContext:
+    return dataclasses.replace(ctx("normal", next(_ids)), run_id=run)
+
+
+@pytest.fixture
+def store(any_store: Store) -> Store:
+    migrate(any_store, MIGRATIONS)  # governance's (admission_reservations); the exchange
+    return any_store  # applies admission's own migration at its first tick
+
+
+async def test_a_run_served_on_two_replicas_is_ordered_by_its_total_on_both(
+    tmp_path: Path, store: Store
+) -> None:
+    clock, a, b = _two(tmp_path, store)
+    a.serve("x", 0.0, 30.0)  # 30 GPU-s on a
+    b.serve("x", 0.0, 30.0)  # and 30 on b: 60 in all
+    b.serve("y", 30.0, 70.0)  # 40 on b alone
+    clock.now = 71.0
+    # each replica alone: b puts x (30 here) before y (40 here)
+    assert b.order("x", "y") == ["x", "y"]
+    assert (a.attained_gpu_s("x"), a.attained_gpu_s("y")) == (30.0, 0.0)
+    await _exchange(a, b, a)  # one publication each, and a reads b's
+    assert a.attained_gpu_s("x") == pytest.approx(60.0)
+    assert b.attained_gpu_s("x") == pytest.approx(60.0)
+    assert a.attained_gpu_s("y") == b.attained_gpu_s("y") == pytest.approx(40.0)
+    assert a.order("x", "y") == ["y", "x"]
+    assert b.order("x", "y") == ["y", "x"]
+    # a replica's own rows are never read back as another's
+    assert a.attained.peer_runs() == 2 and b.attained.peer_runs() == 1
+    # nothing changed: nothing is written again
+    assert a.attained.changes(clock.now)[1] == []
+
+
+async def test_idle_forgiveness_goes_by_the_runs_idle_time_on_every_replica(
+    tmp_path: Path, store: Store
+) -> None:
+    clock, a, b = _two(tmp_path, store)
+    a.serve("x", 0.0, 30.0)  # on a until t=30
+    b.serve("x", 170.0, 200.0)  # then on b until t=200
+    clock.now = 201.0
+    await _exchange(a, b, a)
+    clock.now = 220.0  # idle 190 s on a, 20 s in all: nothing forgiven
+    assert a.attained_gpu_s("x") == pytest.approx(60.0, abs=0.01)
+    assert b.attained_gpu_s("x") == pytest.approx(60.0, abs=0.01)
+    clock.now = 320.0  # idle 120 s in all: one halving past the first 60 s, on both
+    assert a.attained_gpu_s("x") == pytest.approx(30.0, abs=0.01)
+    assert b.attained_gpu_s("x") == pytest.approx(30.0, abs=0.01)
+    # a step in flight on b: the run is not idle anywhere, its forgiveness stays as it was
+    b.serve("x", 330.0, None)
+    clock.now = 331.0
+    await _exchange(b, a)
+    clock.now = 500.0
+    assert a.attained_gpu_s("x") == pytest.approx(30.0, abs=0.01)
+
+
+async def test_past_the_cap_the_rest_wait_for_the_next_ticks(tmp_path: Path, store: Store) -> None:
+    clock, a, b = _two(tmp_path, store, b_rows_per_tick=2)
+    for i in range(5):
+        b.serve(f"r{i}", float(i), float(i) + 1.0)
+    clock.now = 10.0
+    seen = []
+    for _ in range(3):
+        await _exchange(b, a)
+        seen.append(a.attained.peer_runs())
+    assert seen == [2, 4, 5]
+    assert [a.attained_gpu_s(f"r{i}") for i in range(5)] == pytest.approx([1.0] * 5)
+    assert b.attained.changes(clock.now)[1] == []
+
+
+async def test_a_dead_replicas_share_counts_and_its_step_in_flight_stops(
+    tmp_path: Path, store: Store
+) -> None:
+    clock, a, b = _two(tmp_path, store)
+    b.serve("x", 0.0, 30.0)
+    b.serve("x", 40.0, None)  # b dies with this step in flight
+    clock.now = 41.0
+    await _exchange(b, a)
+    clock.now = 200.0
+    await a.shared.tick()  # b's reservations are still live (its row is < 3 s old in the db)
+    assert a.attained_gpu_s("x") == pytest.approx(30.0)  # in flight on b: not idle
+    with store.connection() as conn:  # b last wrote 10 s ago by the database's clock
+        conn.execute(
+            "UPDATE admission_reservations SET updated_at_s = updated_at_s - 10 WHERE replica = ?",
+            ("b",),
+        )
+    clock.now = 210.0
+    await a.shared.tick()  # b is gone, last seen at t=200
+    assert a.shared.view()["peers_counted"] == 0
+    assert a.attained_gpu_s("x") == pytest.approx(30.0)  # its service still counts
+    clock.now = 200.0 + 2 * DECAY_S  # idle since b was last seen: one halving
+    assert a.attained_gpu_s("x") == pytest.approx(15.0, abs=0.01)
+    # a replica that starts after b died finds b's rows too
+    c = Replica(tmp_path, store, "c", clock)
+    await c.shared.tick()
+    assert c.attained.peer_runs() == 1
+    assert c.attained_gpu_s("x") > 0.0
+
+
+async def test_rows_past_retention_are_deleted_and_forgotten(tmp_path: Path, store: Store) -> None:
+    clock, a, b = _two(tmp_path, store)
+    b.serve("x", 0.0, 30.0)
+    clock.now = 31.0
+    await _exchange(b, a)
+    assert a.attained_gpu_s("x") == pytest.approx(30.0)
+    with store.connection() as conn:  # written two hours ago by the database's clock
+        conn.execute("UPDATE admission_attained SET updated_at_s = updated_at_s - 7200")
+    c = Replica(tmp_path, store, "c", clock)
+    await c.shared.tick()  # its first exchange deletes the rows past retention, then reads
+    with store.connection() as conn:
+        assert conn.execute("SELECT COUNT(*) FROM admission_attained").fetchone()[0] == 0
+    assert c.attained.peer_runs() == 0 and c.attained_gpu_s("x") == 0.0
+    # a forgets what it read once the database's clock is past the retention
+    a.attained.forget(time.time() + KEEP_S - 60.0)
+    assert a.attained.peer_runs() == 1
+    a.attained.forget(time.time() + KEEP_S + 60.0)
+    assert a.attained.peer_runs() == 0
+    assert a.attained_gpu_s("x") == 0.0
+
+
+async def test_only_a_shared_store_with_a_run_las_pool_shares_attained_service(
+    tmp_path: Path, store: Store
+) -> None:
+    clock = Clock()
+    wfq = build_core(_config(tmp_path, "wfq"), [SPEC], clock, random.Random(0), wall_clock=clock)
+    assert wfq.admitter.attained_runs is None  # no run_las pool: nothing to share
+    las = Replica(tmp_path, store, "a", clock).core
+    shared = SharedReservations.for_store(
+        store, las.fleet, "a", lambda: None, attained_runs=las.admitter.attained_runs
+    )
+    if isinstance(store, SqliteStore):  # the embedded store: one router, nothing built
+        assert shared is None
+    else:
+        assert shared is not None and shared.attained is not None
+    plain = SharedReservations.for_store(store, las.fleet, "a", lambda: None)
+    assert plain is None or plain.attained is None
+
+
+def test_the_limits_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_rows_per_tick"):
+        SharedAttained(RunTable(), "postgresql", max_rows_per_tick=0)
