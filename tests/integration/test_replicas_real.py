@@ -515,3 +515,68 @@ async def test_postgres_stopped_and_started_under_mixed_load(
         f" runs with a step number taken twice: {sum(1 for _, d in numbered if d)}"
         f" of {len(numbered)}"
     )
+
+
+async def test_a_responses_follow_up_continues_on_another_router(
+    postgres: PostgresServer, real_engines: list[InstanceSpec], tmp_path: Path
+) -> None:
+    """Two `gpupool serve` processes on two ports sharing one database (so the test picks
+    which router answers): a stored response made through router a, its follow-up
+    (`previous_response_id`, streamed) sent to router b as soon as a's response ended, and
+    the follow-up's follow-up back through a: each goes to the engine that stored the
+    previous one, and vLLM continues it (it would answer 404 elsewhere: gpupool's 400), its
+    prompt the whole conversation so far."""
+    url = await asyncio.to_thread(postgres.create_database, "replicas_responses")
+    env = {**os.environ, PASSWORD_ENV: PASSWORD}
+    env.update({f"GPUPOOL_REPLICAS_{name.upper()}_KEY": key for name, key in KEYS.items()})
+    routers = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        config = _config(tmp_path / name, [e.url for e in real_engines], url)
+        routers.append(RouterProcess(config, tmp_path / f"{name}.log", env=env))
+    a, b = routers
+    try:
+        for router in routers:
+            await router.wait_ready_async(DEADLINE_S)
+        auth = {"Authorization": f"Bearer {KEYS['chat']}"}
+        body = {"model": "tiny", "max_output_tokens": MAX_TOKENS}
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            first = await client.post(
+                f"{a.url}/v1/responses", json={**body, "input": "Say hello."}, headers=auth
+            )
+            assert first.status_code == 200, first.text + a.tail(40)
+            home = first.headers["x-gpupool-instance"]
+            usage = first.json()["usage"]
+            so_far = usage["input_tokens"] + usage["output_tokens"]
+            second = await client.post(
+                f"{b.url}/v1/responses",
+                json={
+                    **body,
+                    "input": "Go on.",
+                    "previous_response_id": first.json()["id"],
+                    "stream": True,
+                },
+                headers=auth,
+            )
+            assert second.status_code == 200, second.text + b.tail(40)
+            assert second.headers["x-gpupool-instance"] == home
+            events = [
+                json.loads(line[6:])
+                for line in second.text.splitlines()
+                if line.startswith("data: ")
+            ]
+            assert events[-1]["type"] == "response.completed", events[-1]
+            streamed = events[-1]["response"]
+            assert streamed["usage"]["input_tokens"] > so_far  # the stored conversation too
+            third = await client.post(
+                f"{a.url}/v1/responses",
+                json={**body, "input": "And then?", "previous_response_id": streamed["id"]},
+                headers=auth,
+            )
+            assert third.status_code == 200, third.text + a.tail(40)
+            assert third.headers["x-gpupool-instance"] == home
+            so_far = streamed["usage"]["input_tokens"] + streamed["usage"]["output_tokens"]
+            assert third.json()["usage"]["input_tokens"] > so_far
+    finally:
+        for router in routers:
+            await router.stop_async()
