@@ -4,7 +4,7 @@ p50 within 0.3 ms).
 
     .venv/bin/python -m benchmarks.store_router_latency [--requests 400] [--rounds 5]
         [--kinds plain,governed,agent,governed-agent,session,governed-session,responses]
-        [--baseline-tree DIR] [--out FILE]
+        [--baseline-tree DIR] [--queue-order run_las] [--out FILE]
 
 It starts a real PostgreSQL (tests/postgres.py's server: unix socket, fsync off), one fake
 engine process (`pools.testing.fake_engine`, no delays) and two `gpupool serve` processes
@@ -377,6 +377,8 @@ async def _run(
             folder_of = folder / store
             folder_of.mkdir()
             data = _config(folder_of, f"http://127.0.0.1:{port}", shared, _options(args.router))
+            if args.queue_order is not None:  # every router's pool, e.g. run_las
+                data["pools"]["normal"]["queue"] = {"order": args.queue_order}
             config = folder_of / "config.json"
             config.write_text(json.dumps(data))
             routers[store] = RouterProcess(config, folder_of / "router.log", env=router_env)
@@ -434,6 +436,11 @@ def main(argv: list[str] | None = None) -> None:
         "--baseline-tree",
         type=Path,
         help="a third router (PostgreSQL) running the router code of this checkout",
+    )
+    parser.add_argument(
+        "--queue-order",
+        choices=("fifo", "wfq", "run_las"),
+        help="the pool's queue.order on every router (default: the config's default, wfq)",
     )
     parser.add_argument("--out", type=Path, help="write the report (Markdown) here too")
     args = parser.parse_args(argv)

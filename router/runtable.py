@@ -92,6 +92,7 @@ class RunTable:
         # the ended ones, in the order they ended (or were last used since)
         self._ended: OrderedDict[Hashable, None] = OrderedDict()
         self.evicted = 0  # records forgotten to keep the bound
+        self.touches = 0  # `touch` calls so far (the runs touched since a moment: at most that)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -113,6 +114,7 @@ class RunTable:
     def touch(self, key: Hashable) -> RunRecord:
         """The run's record, created when new, now the most recently used; may forget another
         run to keep the bound (never this one)."""
+        self.touches += 1
         record = self._records.get(key)
         if record is None:
             record = self._records[key] = RunRecord()

@@ -10,10 +10,13 @@ docs/replicas.md, "Run-aware order across replicas (s46)".
   per replica and run), the GPU-seconds of the run's steps that ended on it, its steps in
   flight there, and how long the run had been idle there at the write (0 with a step in
   flight). A row is rewritten only when the run changed there (a step began or ended): the
-  tick compares the `max_scan_runs` most recently touched runs of the router's `RunTable`
-  (a step's start and end both touch its run) and the runs it last published in flight with
-  what it last wrote. At most `max_rows_per_tick` rows a tick; past that the rest wait for
-  the next tick, oldest change first (each tick adds one interval to their staleness).
+  tick compares the runs of the router's `RunTable` touched since the last tick (a step's
+  start and its end's settlement both touch its run; the table counts its touches, so a
+  quiet tick compares none), at most `max_scan_runs` of them, most recent first, and the
+  runs it last wrote in flight, with what it last wrote. Past `max_scan_runs` touches in one
+  interval the older ones are missed until their next touch (a step's end). At most
+  `max_rows_per_tick` rows a tick; past that the rest wait for the next tick, oldest change
+  first (each tick adds one interval to their staleness).
 - **What it reads**: the rows other replicas wrote since the last read, per replica by its own
   publication number (`version`: one writer per replica, so a row it has not read is never
   behind one it has), into `{run: {replica: share}}`. Idle times are converted to this
@@ -54,7 +57,7 @@ __all__ = ["MIGRATIONS", "AttainedRow", "AttainedTable", "SharedAttained"]
 log = logging.getLogger(__name__)
 
 MAX_ROWS_PER_TICK = 1000  # changed runs published per tick; the rest wait for the next
-MAX_SCAN_RUNS = 1024  # most recently touched runs compared each tick
+MAX_SCAN_RUNS = 4096  # runs touched since the last tick compared, at most
 MAX_PEER_RUNS = 100_000  # runs the map of the others' shares holds (the RunTable's default cap)
 KEEP_S = 3600.0  # a row not rewritten this long is deleted and forgotten
 _CHUNK_ROWS = 100  # rows per INSERT (7 parameters each: under SQLite's old 999)
@@ -212,6 +215,7 @@ class SharedAttained:
         self._gone_at: dict[str, float] = {}  # replica no longer live -> when last seen
         self._shares: dict[Hashable, dict[str, _PeerShare]] = {}
         self._full_warned = False
+        self._touches_seen = 0  # the run table's `touches` at the last scan
         self.migrated = False
 
     # ------------------------------------------------------------------ publish
@@ -221,8 +225,10 @@ class SharedAttained:
         of up to `max_rows_per_tick` runs changed here since they were last written (none:
         nothing to write)."""
         records = self.runs
+        touched = min(records.touches - self._touches_seen, self.max_scan_runs)
+        self._touches_seen = records.touches
         for n, key in enumerate(records.recent()):
-            if n >= self.max_scan_runs:
+            if n >= touched:  # past the runs touched since the last tick
                 break
             self._compare(key)
         for key in list(self._in_flight):

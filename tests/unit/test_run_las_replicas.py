@@ -212,6 +212,23 @@ async def test_past_the_cap_the_rest_wait_for_the_next_ticks(tmp_path: Path, sto
     assert b.attained.changes(clock.now)[1] == []
 
 
+async def test_a_tick_compares_the_runs_touched_since_the_last_at_most_the_scan_cap(
+    tmp_path: Path, store: Store
+) -> None:
+    clock, _, b = _two(tmp_path, store)
+    b.attained.max_scan_runs = 3
+    await _exchange(b)
+    assert b.attained.changes(clock.now)[1] == []  # nothing touched: nothing compared
+    for i in range(4):  # four runs touched (each step's begin) in one interval
+        b.serve(f"r{i}", 0.0, 1.0)
+    clock.now = 2.0
+    shares = b.attained.changes(clock.now)[1]  # the 3 most recently touched compared
+    assert sorted(run for _, run, *_ in shares) == ["r1", "r2", "r3"]  # r0 missed
+    b.attained.published(shares)
+    b.runs.touch(("t", "r0"))  # r0's next touch (its next step, or its end's settlement)
+    assert [run for _, run, *_ in b.attained.changes(clock.now)[1]] == ["r0"]
+
+
 async def test_a_dead_replicas_share_counts_and_its_step_in_flight_stops(
     tmp_path: Path, store: Store
 ) -> None:
