@@ -47,6 +47,8 @@ import logging
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import orjson
+
 from router.admission.queueing import RunUsage
 from router.runtable import RunTable
 from router.store import Migration
@@ -60,7 +62,6 @@ MAX_ROWS_PER_TICK = 1000  # changed runs published per tick; the rest wait for t
 MAX_SCAN_RUNS = 4096  # runs touched since the last tick compared, at most
 MAX_PEER_RUNS = 100_000  # runs the map of the others' shares holds (the RunTable's default cap)
 KEEP_S = 3600.0  # a row not rewritten this long is deleted and forgotten
-_CHUNK_ROWS = 100  # rows per INSERT (7 parameters each: under SQLite's old 999)
 
 _TABLE = """
 CREATE TABLE IF NOT EXISTS admission_attained (
@@ -93,6 +94,14 @@ _NOW = {
     "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
 }
 
+# one JSON array of rows, each [tenant, run id, gpu_s, in_flight, idle_s], as columns
+_ROWS = {
+    "sqlite": ", ".join(f"json_extract(value, '$[{i}]')" for i in range(5)),
+    "postgresql": "r->>0, r->>1, (r->>2)::double precision, (r->>3)::integer,"
+    " (r->>4)::double precision",
+}
+_EACH = {"sqlite": "json_each(?)", "postgresql": "json_array_elements(?::json) AS r"}
+
 # (tenant, run id, GPU-seconds of ended steps, steps in flight, idle seconds at the write)
 Share = tuple[str, str, float, int, float]
 
@@ -119,12 +128,13 @@ class AttainedTable:
     def __init__(self, dialect: str) -> None:
         now = _NOW[dialect]
         self._now = now
-        self._upsert_head = (
+        # the rows as one JSON parameter ([[tenant, run id, gpu_s, in_flight, idle_s], ...]):
+        # one statement, one round trip, one parameter to adapt, whatever their number
+        rows = _ROWS[dialect]
+        self._upsert = (
             "INSERT INTO admission_attained"
-            " (replica, tenant, run_id, gpu_s, in_flight, idle_s, version, updated_at_s) VALUES "
-        )
-        self._values = f"(?, ?, ?, ?, ?, ?, ?, {now})"
-        self._upsert_tail = (
+            " (replica, tenant, run_id, gpu_s, in_flight, idle_s, version, updated_at_s)"
+            f" SELECT ?, {rows}, ?, {now} FROM {_EACH[dialect]} WHERE true"
             " ON CONFLICT (replica, tenant, run_id) DO UPDATE SET gpu_s = excluded.gpu_s,"
             " in_flight = excluded.in_flight, idle_s = excluded.idle_s,"
             " version = excluded.version, updated_at_s = excluded.updated_at_s"
@@ -137,17 +147,9 @@ class AttainedTable:
         self._forget = f"DELETE FROM admission_attained WHERE updated_at_s < {now} - ?"
 
     def publish(self, conn: Conn, replica: str, version: int, shares: Sequence[Share]) -> None:
-        """Write this replica's `shares` as publication `version` (one transaction)."""
-        if not shares:
-            return
-        with conn.transaction():
-            for i in range(0, len(shares), _CHUNK_ROWS):
-                chunk = shares[i : i + _CHUNK_ROWS]
-                sql = self._upsert_head + ", ".join([self._values] * len(chunk)) + self._upsert_tail
-                params: list[object] = []
-                for tenant, run_id, gpu_s, in_flight, idle_s in chunk:
-                    params += (replica, tenant, run_id, gpu_s, in_flight, idle_s, version)
-                conn.execute(sql, params)
+        """Write this replica's `shares` as publication `version` (one statement)."""
+        if shares:
+            conn.execute(self._upsert, (replica, version, orjson.dumps(shares).decode()))
 
     def read(self, conn: Conn, since: Mapping[str, int]) -> list[AttainedRow]:
         """The rows of the replicas in `since` written after the version given for each."""
