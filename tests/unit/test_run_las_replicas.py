@@ -27,6 +27,7 @@ from router.admission.shared_attained import KEEP_S, SharedAttained
 from router.admission.shared_reservations import SharedReservations
 from router.core import Core, build_core
 from router.errors import CapacityExceeded
+from router.gateway.app import Gateway
 from router.governance.store import MIGRATIONS
 from router.request import RequestContext
 from router.runtable import RunTable
@@ -37,6 +38,7 @@ from tests.unit.test_shared_reservations import Clock
 SPEC = InstanceSpec("engine-0", "http://127.0.0.1:9", 1)
 NEED = Need(prompt_tokens=8, total_tokens=16, deadline_s=1e9)
 DECAY_S = 60.0  # run_las_idle_decay_s
+PASSWORD_ENV = "GPUPOOL_TEST_STORE_PASSWORD"
 
 _ids = itertools.count()
 
@@ -300,3 +302,21 @@ async def test_only_a_shared_store_with_a_run_las_pool_shares_attained_service(
 def test_the_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_rows_per_tick"):
         SharedAttained(RunTable(), "postgresql", max_rows_per_tick=0)
+
+
+@pytest.mark.parametrize(("order", "shared"), [("run_las", True), ("wfq", False)])
+def test_the_gateway_shares_attained_service_on_a_shared_store_with_a_run_las_pool(
+    monkeypatch: pytest.MonkeyPatch, order: str, shared: bool
+) -> None:
+    monkeypatch.setenv(PASSWORD_ENV, "x")  # nothing connects: the gateway is not started
+    config = config_for_test(
+        urls=[SPEC.url],
+        pools=one_pool(queue={"order": order}),
+        store={"url": "postgresql://u@127.0.0.1:1/db", "password_env": PASSWORD_ENV},
+    )
+    gw = Gateway(config, [SPEC])
+    peers = gw.admitter.peers
+    assert peers is not None  # the reservations are shared in any case
+    assert (peers.attained is not None) is shared
+    if peers.attained is not None:
+        assert peers.attained.runs is gw.runs  # the accountant's run table
