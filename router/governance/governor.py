@@ -60,6 +60,7 @@ from router.governance.guards import (
     RunLimits,
     RunState,
     Stop,
+    active_span_s,
     active_time_s,
     check_step,
     touch,
@@ -260,6 +261,8 @@ class Governor:
                 slot_lease_s=sc.slot_lease_s,
                 wall_clock=wall_clock,
                 replica_id=replica_id,
+                clock=clock,
+                idle_timeout_s=self._idle_timeout_s,
             )
         for tenant in config.tenants:
             self._state(tenant)
@@ -456,6 +459,7 @@ class Governor:
                 active_s=r.active_s,
                 settings=dict(r.settings),
             )
+            run.active_since_s = run.last_seen_s  # its stretch before the restart: unknown
             st.runs[run.run_id] = run
             if run.ended is None:
                 st.active[run.run_id] = run
@@ -540,8 +544,18 @@ class Governor:
         if fold and self._foldable(st, ctx) is not None:
             return None
         session, pinned = self._session_step(st, ctx)
-        task = replica.begin(st.config.name, ctx.request_id, limit, ctx.run_id, session)
+        span_s = self._span(st, ctx.run_id)
+        task = replica.begin(st.config.name, ctx.request_id, limit, ctx.run_id, session, span_s)
         return _Early(st.config.name, task, self.clock(), pinned=pinned)
+
+    def _span(self, st: _Tenant, run_id: str | None) -> float:
+        """How long the run has been active here without a pause, now (0: a run not known
+        here): the stretch an event of it tells the shared store (its active time across
+        replicas, router/governance/shared.py)."""
+        run = None if run_id is None else st.runs.get(run_id)
+        if run is None:
+            return 0.0
+        return active_span_s(run, self.clock(), self._idle_timeout_s)
 
     def _session_step(self, st: _Tenant, ctx: RequestContext) -> tuple[SessionStep | None, bool]:
         """A session's step for the store to map, and whether it is pinned to the run
@@ -854,7 +868,10 @@ class Governor:
         predicted = run.store_step = run.store_step + 1
         took.step = predicted
         session, _ = self._session_step(st, ctx)  # a session's: numbered in this run
-        sql, params = replica.step_statement(name, run_id, session)
+        sql, _ = replica.step_statement(name, run_id, session)
+
+        def params() -> Sequence[object]:  # when the record is committed: the step's end
+            return replica.step_statement(name, run_id, session, self._span(st, run_id))[1]
 
         def read(stored: NextStep | None, failed: bool) -> BaseException | None:
             try:
@@ -867,7 +884,7 @@ class Governor:
             sql,
             params,
             predicted,
-            lambda: replica.next_step(name, run_id, session=session),
+            lambda: replica.next_step(name, run_id, session=session, span_s=self._span(st, run_id)),
             read,
         )
         return True
@@ -986,7 +1003,7 @@ class Governor:
         now = self.clock()
         run.steps -= counted  # the steps before this one, as `enter` counts them
         try:
-            stored_stop = self._merge_stored(st, run, stored)
+            stored_stop = self._merge_stored(st, run, stored, now)
             stop = check_step(run, now, None, self._idle_timeout_s) or stored_stop
         finally:
             run.steps += counted
@@ -1079,8 +1096,9 @@ class Governor:
         restarts) being active. `stored`: the run in the shared store as this step was
         numbered there: the steps numbered before it on every replica count toward
         `max_steps`, the usage every replica's sweeps added (plus this replica's not yet
-        added) toward `max_tokens` and `max_gpu_seconds`, and a guard that stopped the run on
-        another replica stops it here."""
+        added) toward `max_tokens` and `max_gpu_seconds`, its active time on every replica
+        toward `max_duration_s`, and a guard that stopped the run on another replica stops it
+        here."""
         run: RunState | None = None
         new_run = True
         if ctx.run_id is not None:
@@ -1100,7 +1118,7 @@ class Governor:
                 new_run = run.ended is not None
             stored_stop = None
             if stored is not None:  # what other replicas served counts here too
-                stored_stop = self._merge_stored(st, run, stored)
+                stored_stop = self._merge_stored(st, run, stored, now_s)
             looping = None
             if signals.messages is not None:
                 looping = repeated_tool_call(signals.messages, run.limits.loop_repeats)
@@ -1124,16 +1142,20 @@ class Governor:
             )
         return run, new_run
 
-    def _merge_stored(self, st: _Tenant, run: RunState, stored: NextStep) -> Stop | None:
+    def _merge_stored(
+        self, st: _Tenant, run: RunState, stored: NextStep, now_s: float
+    ) -> Stop | None:
         """Count what the store says the run did on every replica; the stop another replica's
-        guard gave it, if any."""
+        guard gave it, if any. Its active time: the larger of this replica's (the step an
+        event here, `touch`) and the store's (this step's arrival counted, so the run's
+        time up to now), never less than it was."""
         run.steps = max(run.steps, stored.step)
         assert self._replica is not None
-        pending_tokens, pending_gpu_s = self._replica.run_usage.get(
-            (st.config.name, run.run_id), (0, 0.0)
-        )
+        pending_tokens, pending_gpu_s = self._replica.pending_usage(st.config.name, run.run_id)
         run.tokens = max(run.tokens, stored.tokens + pending_tokens)
         run.gpu_seconds = max(run.gpu_seconds, stored.gpu_seconds + pending_gpu_s)
+        touch(run, now_s, self._idle_timeout_s)
+        run.active_s = max(run.active_s, stored.active_s)
         code = stored.stop_code
         if code is None or run.stopped is not None:
             return None
@@ -1390,8 +1412,11 @@ class Governor:
             # session's run: a session's home follows the session, which is not shared)
             home, step, run_id = outcome.instance_id, took.step, outcome.ctx.run_id
             alone = outcome.ctx.session_id is None
-            if run_id is not None and ticket.run is not None:
-                self._replica.add_run_usage(ticket.tenant, run_id, used, outcome.gpu_seconds)
+            if run_id is not None and ticket.run is not None:  # and its end, at `now`
+                span_s = active_span_s(ticket.run, now, self._idle_timeout_s)
+                self._replica.add_run_usage(
+                    ticket.tenant, run_id, used, outcome.gpu_seconds, ended_s=now, span_s=span_s
+                )
             if outcome.outcome == "ok" and home and step is not None and run_id and alone:
                 stored = None if took.home is None else took.home.home
                 self._replica.record_home(
@@ -1746,6 +1771,7 @@ class Governor:
             self._export(st, now)
         if self._replica is not None:  # a parked slot would skip a lowered limit's check
             self._replica.release_parked()
+            self._replica.idle_timeout_s = self._idle_timeout_s
         log.info("governance settings reloaded for %d tenants", len(config.tenants))
         return [t.name for t in config.tenants]
 

@@ -18,7 +18,10 @@ so a step that starts under the limit may end over it; the next step is refused.
 
 Duration is active time: the run's time between consecutive events (a step arriving or
 finishing) counts, except a gap longer than `governance.run_idle_timeout_s` with no step in
-flight (a user reading, a long pause): `touch` keeps the sum.
+flight (a user reading, a long pause): `touch` keeps the sum. With a shared store each
+replica also tells the store how long the run has been active here without such a pause
+(`active_span_s`), so the run's active time is counted across replicas there
+(router/governance/shared.py: `RUN_ACTIVE`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "RunLimits",
     "RunState",
     "Stop",
+    "active_span_s",
     "active_time_s",
     "check_step",
     "touch",
@@ -84,6 +88,9 @@ class RunState:
     # with a shared store: the store's number of this run's latest step here (its next step
     # here may go on as this + 1 before the store answers: router/governance/speculation.py)
     store_step: int | None = None
+    # the start of the run's current active stretch here: every gap since counted (none a
+    # pause longer than the idle timeout with no step in flight); None: `started_at_s`
+    active_since_s: float | None = None
 
     def setting(self, name: str) -> str:
         return self.settings.get(name, f"run_guards.{name}")
@@ -98,8 +105,20 @@ def active_time_s(state: RunState, now_s: float, idle_timeout_s: float) -> float
     return state.active_s
 
 
+def active_span_s(state: RunState, now_s: float, idle_timeout_s: float) -> float:
+    """How long the run has been active without a pause up to `now_s` (an event then): 0
+    when the gap since it was last seen is a pause (`active_time_s` leaves it out)."""
+    gap_s = now_s - state.last_seen_s
+    if state.inflight <= 0 and gap_s > idle_timeout_s:
+        return 0.0
+    since_s = state.started_at_s if state.active_since_s is None else state.active_since_s
+    return max(0.0, now_s - since_s)
+
+
 def touch(state: RunState, now_s: float, idle_timeout_s: float) -> None:
     """Record an event of the run at `now_s` (a step arriving or finishing)."""
+    if state.inflight <= 0 and now_s - state.last_seen_s > idle_timeout_s:
+        state.active_since_s = now_s  # after a pause: a new stretch
     state.active_s = active_time_s(state, now_s, idle_timeout_s)
     state.last_seen_s = max(state.last_seen_s, now_s)
 

@@ -51,6 +51,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -66,10 +68,12 @@ from router.governance.shared import (
     SLOT_AND_SESSION_STEP_SQL,
     SLOT_AND_STEP_SQL,
     NextStep,
+    RunUsage,
     SessionStep,
     SharedBudgets,
     SharedLevel,
     Slices,
+    Stretch,
 )
 from router.store import Store, StoreError
 from router.store.leader import new_replica_id
@@ -107,6 +111,8 @@ class ReplicaBudgets:
         wall_clock: Callable[[], float],
         replica_id: str | None = None,
         handover_s: float = HANDOVER_S,
+        clock: Callable[[], float] = time.monotonic,
+        idle_timeout_s: float = math.inf,
     ) -> None:
         self.db = SharedBudgets(store)
         self.replica = replica_id or new_replica_id()
@@ -133,8 +139,13 @@ class ReplicaBudgets:
         self._parked: dict[str, list[tuple[str, asyncio.TimerHandle]]] = {}
         self.handovers = 0  # requests that took a parked slot (no round trip for it)
         # runs' settled usage not yet added to the shared counters: (tenant, run) -> (tokens,
-        # GPU-seconds), added by the next sweep
-        self.run_usage: dict[tuple[str, str], tuple[int, float]] = {}
+        # GPU-seconds, its steps' ends here: (when on `clock`, the stretch then), oldest
+        # first, one per stretch), added by the next sweep
+        self.run_usage: dict[tuple[str, str], _Usage] = {}
+        self._clock = clock  # monotonic: how long ago a step ended, told to the store
+        # `governance.run_idle_timeout_s`: a longer gap with no step in flight is a pause,
+        # which a run's active time across replicas leaves out as each replica's does
+        self.idle_timeout_s = idle_timeout_s
         self._closed = False
         # the latest `begin`: (its task, the statement it sent on the loop's connection)
         self._begun: tuple[asyncio.Task[Any], asyncio.Task[list[Row]]] | None = None
@@ -366,6 +377,7 @@ class ReplicaBudgets:
         limit: int | None,
         run_id: str | None,
         session: SessionStep | None = None,
+        span_s: float = 0.0,
     ) -> asyncio.Task[tuple[bool, str | None, NextStep | None]]:
         """A request's slot (`limit`: its tier's `max_concurrent_requests`, None: no tier),
         then, when admitted, its run's next step (`run_id`), as `acquire` and `next_step`:
@@ -375,16 +387,17 @@ class ReplicaBudgets:
         a holder the task got is the caller's to release, awaited or not. A slot parked by
         the tenant's previous request here is taken at once (the hand-over): then only the
         step number, if any, is asked for. `session`: a session's step, whose run the store
-        maps (`SESSION_STEP_SQL`: the answer's `NextStep.run`)."""
+        maps (`SESSION_STEP_SQL`: the answer's `NextStep.run`). `span_s`: how long the run
+        has been active here without a pause (its active time across replicas)."""
         now_s = self._wall()
         sent: asyncio.Task[list[Row]] | None = None
         handed = None if limit is None else self._take_parked(f"{tenant}/requests")
         if handed is not None:
             self.handovers += 1
             if run_id is not None and self._loop is not None and self._loop.ready():
-                sent = self._loop.begin(*self._step_sql(tenant, run_id, session, now_s))
+                sent = self._loop.begin(*self._step_sql(tenant, run_id, session, now_s, span_s))
             task = asyncio.get_running_loop().create_task(
-                self._handed_over(tenant, handed, run_id, sent, session)
+                self._handed_over(tenant, handed, run_id, sent, session, span_s)
             )
             self._begun = None if sent is None else (task, sent)
             return task
@@ -395,12 +408,12 @@ class ReplicaBudgets:
                     sent = self._loop.begin(ACQUIRE_SLOT_SQL, params)
                 else:  # both in one round trip
                     sent = self._loop.begin(
-                        *self._slot_and_step_sql(params, tenant, run_id, session, now_s)
+                        *self._slot_and_step_sql(params, tenant, run_id, session, now_s, span_s)
                     )
             elif run_id is not None:
-                sent = self._loop.begin(*self._step_sql(tenant, run_id, session, now_s))
+                sent = self._loop.begin(*self._step_sql(tenant, run_id, session, now_s, span_s))
         task = asyncio.get_running_loop().create_task(
-            self._slot_and_step(tenant, request_id, limit, run_id, now_s, sent, session)
+            self._slot_and_step(tenant, request_id, limit, run_id, now_s, sent, session, span_s)
         )
         self._begun = None if sent is None else (task, sent)
         return task
@@ -414,11 +427,12 @@ class ReplicaBudgets:
         now_s: float,
         sent: asyncio.Task[list[Row]] | None,
         session: SessionStep | None = None,
+        span_s: float = 0.0,
     ) -> tuple[bool, str | None, NextStep | None]:
         holder = None
         if limit is not None and run_id is not None:
             together = await self._slot_and_step_together(
-                tenant, request_id, limit, run_id, now_s, sent, session
+                tenant, request_id, limit, run_id, now_s, sent, session, span_s
             )
             if together is not None:
                 return together
@@ -434,7 +448,7 @@ class ReplicaBudgets:
             step = (
                 None
                 if run_id is None
-                else await self.next_step(tenant, run_id, sent=sent, session=session)
+                else await self.next_step(tenant, run_id, sent=sent, session=session, span_s=span_s)
             )
         except BaseException:
             if holder is not None:
@@ -442,31 +456,29 @@ class ReplicaBudgets:
             raise
         return True, holder, step
 
-    @staticmethod
     def _step_sql(
-        tenant: str, run_id: str, session: SessionStep | None, now_s: float
+        self, tenant: str, run_id: str, session: SessionStep | None, now_s: float, span_s: float
     ) -> tuple[str, tuple[object, ...]]:
         """The statement that numbers a run's step: `NEXT_STEP_SQL`, or for a session's step
-        `SESSION_STEP_SQL` (its run mapped by the store)."""
+        `SESSION_STEP_SQL` (its run mapped by the store); either counts its active time."""
+        stretch = Stretch(span_s, self.idle_timeout_s)
         if session is None:
-            return NEXT_STEP_SQL, (tenant, run_id, now_s)
-        return SESSION_STEP_SQL, session.params(tenant, now_s, MAX_ANCHORS)
+            return NEXT_STEP_SQL, (tenant, run_id, now_s, *stretch.params())
+        return SESSION_STEP_SQL, session.params(tenant, now_s, MAX_ANCHORS, stretch)
 
-    @staticmethod
     def _slot_and_step_sql(
+        self,
         slot_params: tuple[object, ...],
         tenant: str,
         run_id: str,
         session: SessionStep | None,
         now_s: float,
+        span_s: float,
     ) -> tuple[str, tuple[object, ...]]:
         """A request's slot and its run's step in one statement."""
-        if session is None:
-            return SLOT_AND_STEP_SQL, (*slot_params, tenant, run_id, now_s)
-        return SLOT_AND_SESSION_STEP_SQL, (
-            *slot_params,
-            *session.params(tenant, now_s, MAX_ANCHORS),
-        )
+        _, step = self._step_sql(tenant, run_id, session, now_s, span_s)
+        both = SLOT_AND_STEP_SQL if session is None else SLOT_AND_SESSION_STEP_SQL
+        return both, (*slot_params, *step)
 
     def _slot_params(
         self, tenant: str, request_id: str, limit: int, now_s: float
@@ -485,6 +497,7 @@ class ReplicaBudgets:
         now_s: float,
         sent: asyncio.Task[list[Row]] | None,
         session: SessionStep | None = None,
+        span_s: float = 0.0,
     ) -> tuple[bool, str | None, NextStep | None] | None:
         """A run's step that needs a request slot: the slot and, when granted, the step
         number in one statement on the loop's connection (`SLOT_AND_STEP_SQL`), as `acquire`
@@ -494,7 +507,7 @@ class ReplicaBudgets:
         if sent is None and (self.down_since_s is not None or loop is None or not loop.ready()):
             return None
         slot = self._slot_params(tenant, request_id, limit, now_s)
-        sql, both = self._slot_and_step_sql(slot, tenant, run_id, session, now_s)
+        sql, both = self._slot_and_step_sql(slot, tenant, run_id, session, now_s, span_s)
         try:
             if sent is not None:
                 rows = await sent
@@ -519,13 +532,14 @@ class ReplicaBudgets:
         run_id: str | None,
         sent: asyncio.Task[list[Row]] | None,
         session: SessionStep | None = None,
+        span_s: float = 0.0,
     ) -> tuple[bool, str | None, NextStep | None]:
         """`_slot_and_step` for a request that took a parked slot (`holder`)."""
         try:
             step = (
                 None
                 if run_id is None
-                else await self.next_step(tenant, run_id, sent=sent, session=session)
+                else await self.next_step(tenant, run_id, sent=sent, session=session, span_s=span_s)
             )
         except BaseException:
             self.release(tenant, "requests", holder)
@@ -604,19 +618,24 @@ class ReplicaBudgets:
         *,
         sent: asyncio.Task[list[Row]] | None = None,
         session: SessionStep | None = None,
+        span_s: float = 0.0,
     ) -> NextStep | None:
         """The run's next step number (and its home) from the store; None while it cannot be
         reached (the ledger then numbers the step from this replica's memory). `sent`: as
-        `begin` sent it. `session`: a session's step (the store maps its run: `run`)."""
+        `begin` sent it. `session`: a session's step (the store maps its run: `run`).
+        `span_s`: as `begin`'s."""
         if self.down_since_s is not None and sent is None:
             return None
         now_s = self._wall()
-        sql, params = self._step_sql(tenant, run_id, session, now_s)
+        sql, params = self._step_sql(tenant, run_id, session, now_s, span_s)
+        stretch = Stretch(span_s, self.idle_timeout_s)
 
         def in_thread() -> NextStep:
             if session is None:
-                return self.db.next_step(tenant, run_id, now_s)
-            return self.db.session_step(tenant, session, now_s, max_anchors=MAX_ANCHORS)
+                return self.db.next_step(tenant, run_id, now_s, stretch)
+            return self.db.session_step(
+                tenant, session, now_s, max_anchors=MAX_ANCHORS, stretch=stretch
+            )
 
         try:
             got = await self._statement(sql, params, in_thread, sent=sent)
@@ -625,11 +644,11 @@ class ReplicaBudgets:
         return NextStep.from_row(got) if isinstance(got, tuple) else got
 
     def step_statement(
-        self, tenant: str, run_id: str, session: SessionStep | None = None
+        self, tenant: str, run_id: str, session: SessionStep | None = None, span_s: float = 0.0
     ) -> tuple[str, tuple[object, ...]]:
         """`next_step`'s statement and parameters, for a statement of another component to
         carry (the ledger's commit of the step's record, router/settlement.py)."""
-        return self._step_sql(tenant, run_id, session, self._wall())
+        return self._step_sql(tenant, run_id, session, self._wall(), span_s)
 
     def number_later(self, tenant: str, run_id: str) -> None:
         """Count a step of the run in the store, in the background (a step sent on with no
@@ -709,11 +728,29 @@ class ReplicaBudgets:
                 waited=False,
             )
 
-    def add_run_usage(self, tenant: str, run_id: str, tokens: int, gpu_seconds: float) -> None:
-        """A step of the run settled: its usage, for the shared counters at the next sweep."""
+    def add_run_usage(
+        self,
+        tenant: str,
+        run_id: str,
+        tokens: int,
+        gpu_seconds: float,
+        *,
+        ended_s: float | None = None,
+        span_s: float = 0.0,
+    ) -> None:
+        """A step of the run settled: its usage, for the shared counters at the next sweep,
+        and its end (`ended_s` on `clock`; the run active here for `span_s` before it), for
+        the run's active time there."""
         key = (tenant, run_id)
-        had_tokens, had_gpu_s = self.run_usage.get(key, (0, 0.0))
-        self.run_usage[key] = (had_tokens + tokens, had_gpu_s + gpu_seconds)
+        usage = self.run_usage.get(key)
+        if usage is None:
+            usage = self.run_usage[key] = _Usage()
+        usage.add(tokens, gpu_seconds, ended_s, span_s)
+
+    def pending_usage(self, tenant: str, run_id: str) -> tuple[int, float]:
+        """The run's tokens and GPU-seconds settled here since the last sweep."""
+        usage = self.run_usage.get((tenant, run_id))
+        return (0, 0.0) if usage is None else (usage.tokens, usage.gpu_seconds)
 
     def forget_session_run(self, tenant: str, session_id: str, run: int) -> None:
         """The session's run ended here (its client ended it): its anchors are forgotten in
@@ -817,6 +854,7 @@ class ReplicaBudgets:
         now_s = self._wall()
         unreleased, self._unreleased = self._unreleased, []
         usage, self.run_usage = self.run_usage, {}
+        rows = _usage_rows(usage, self._clock(), self.idle_timeout_s)
         mark = self._read_from()
         learned = [t for t, _ in self.learned]
 
@@ -826,7 +864,7 @@ class ReplicaBudgets:
             nonlocal settled, added
             self.db.settle_many(amounts)  # one transaction: all of them or none
             settled = True
-            self.db.add_run_usage([(t, r, n, g) for (t, r), (n, g) in usage.items()])
+            self.db.add_run_usage(rows)
             added = True
             for key, holder in unreleased:
                 self.db.release_slot(key, holder)
@@ -842,9 +880,9 @@ class ReplicaBudgets:
             if not settled:  # not given back: kept for the next sweep
                 for t, b, units in amounts:
                     self.give(t, b, units)
-            if not added:
-                for (t, r), (n, g) in usage.items():
-                    self.add_run_usage(t, r, n, g)
+            if not added:  # kept for the next sweep (with what settled meanwhile)
+                for key, kept in usage.items():
+                    self.run_usage[key] = kept.then(self.run_usage.get(key))
             self._unreleased.extend(unreleased)  # a second release deletes nothing
             self._down(err)
             return None
@@ -891,3 +929,50 @@ class ReplicaBudgets:
             await asyncio.to_thread(work)
         except self._errors as err:
             log.warning("could not give back this replica's budget leases and slots: %s", err)
+
+
+MAX_ENDS = 16  # a run's step ends kept between sweeps (an outage's: one per stretch)
+
+
+class _Usage:
+    """A run's usage settled here since the last sweep, and its steps' ends."""
+
+    __slots__ = ("ends", "gpu_seconds", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.gpu_seconds = 0.0
+        self.ends: list[tuple[float, float]] = []  # (when, the stretch then), oldest first
+
+    def add(self, tokens: int, gpu_seconds: float, ended_s: float | None, span_s: float) -> None:
+        self.tokens += tokens
+        self.gpu_seconds += gpu_seconds
+        if ended_s is None:
+            return
+        # an end whose stretch reaches back to the last one's covers it: one end per stretch
+        while self.ends and ended_s - span_s <= self.ends[-1][0] <= ended_s:
+            self.ends.pop()
+        self.ends.append((ended_s, span_s))
+        del self.ends[:-MAX_ENDS]
+
+    def then(self, later: _Usage | None) -> _Usage:
+        """This (not swept) followed by `later` (settled since), as one."""
+        if later is not None:
+            self.add(later.tokens, later.gpu_seconds, None, 0.0)
+            for ended_s, span_s in later.ends:
+                self.add(0, 0.0, ended_s, span_s)
+        return self
+
+
+def _usage_rows(
+    usage: dict[tuple[str, str], _Usage], now_s: float, idle_s: float
+) -> list[RunUsage]:
+    """The sweep's rows: per run its usage with its first end, then its later ends."""
+    rows = []
+    for (tenant, run_id), u in usage.items():
+        ends = u.ends or [(now_s, 0.0)]  # none (not expected): a point event now
+        for i, (ended_s, span_s) in enumerate(ends):
+            tokens, gpu_s = (u.tokens, u.gpu_seconds) if i == 0 else (0, 0.0)
+            age_s = now_s - ended_s
+            rows.append(RunUsage(tenant, run_id, tokens, gpu_s, age_s, span_s, idle_s))
+    return rows

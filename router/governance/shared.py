@@ -23,9 +23,14 @@ docs/replicas.md).
   `unit` (default: the holder) is what the limit counts: holders of one unit (a run's slot
   on each replica its steps run on) take one slot together (migration 9).
 
-- `next_step(tenant, run_id, now_s)`: the run's next step number (0, 1, 2, ...) and its home
-  (`record_home`: the instance its latest answered step went to), one upsert;
-  two replicas never hand out the same number.
+- `next_step(tenant, run_id, now_s, span_s=, idle_s=)`: the run's next step number (0, 1,
+  2, ...) and its home (`record_home`: the instance its latest answered step went to), one
+  upsert; two replicas never hand out the same number. The same upsert counts the run's
+  active time across replicas (`max_duration_s`, migration 11, `RUN_ACTIVE`): the row keeps
+  the time of the run's latest event on the database's clock and the active seconds, and
+  each event (a step arriving here, a step's end at the next sweep, `add_run_usage`) adds
+  the time since the latest event when the replica's stretch (`span_s`: active there
+  without a pause since) reaches back within `idle_s` of it, else only its own stretch.
 - `session_step(tenant, step, now_s)`: a session's step (router/governance/runtable.py):
   its task anchor mapped to the session's run (the first replica to see an anchor gives it
   the session's next number; a step with no anchor joins the session's current run) and the
@@ -45,6 +50,7 @@ replica's never refills a bucket backwards.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +65,7 @@ __all__ = [
     "NEXT_STEP_SQL",
     "RECORD_HOME_SQL",
     "RELEASE_SLOT_SQL",
+    "RUN_ACTIVE",
     "RUN_COUNTERS",
     "RUN_HOMES",
     "RUN_STEPS",
@@ -68,9 +75,11 @@ __all__ = [
     "SLOT_AND_SESSION_STEP_SQL",
     "SLOT_AND_STEP_SQL",
     "NextStep",
+    "RunUsage",
     "SessionStep",
     "SharedBudgets",
     "SharedLevel",
+    "Stretch",
     "refilled",
 ]
 
@@ -260,12 +269,56 @@ SLOT_UNITS = Migration(
 )
 ACQUIRE_SLOT_SQL = "SELECT gpupool_acquire_unit_slot(?, ?, ?, ?, ?, ?)"  # PostgreSQL only
 RELEASE_SLOT_SQL = "DELETE FROM concurrency_slots WHERE tenant = ? AND holder = ?"
-NEXT_STEP_SQL = (
-    "INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s)"
-    " VALUES (?, ?, 1, ?) ON CONFLICT (tenant, run_id) DO UPDATE SET"
-    " next_step = run_steps.next_step + 1, updated_at_s = excluded.updated_at_s"
-    " RETURNING next_step, home, home_step, context_tokens, tokens, gpu_seconds, stop_code"
+# A run's active time across replicas (migration 11): `run_steps.event_at_s` is the time of
+# its latest event on the database's clock (replicas' clocks may differ; NULL: none yet) and
+# `active_s` its active seconds. An event at `t` whose replica saw the run active for
+# `span` before it (a step in flight, or gaps within its idle timeout) adds the time since
+# the latest event when that stretch reaches back within `idle` of it (the gap counts: the
+# run was not paused), else only the stretch (a pause before it); an event older than the
+# latest adds nothing (concurrent steps on two replicas count the same wall time once: the
+# latest of the event times, not a sum of per-replica gaps). A row without an event (a run
+# numbered before the migration) takes the stretch.
+_DB_NOW = {
+    "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
+    "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+}
+
+
+def _active_added(t: str, span: str, idle: str, last: str) -> str:
+    """What an event at `t` with a stretch of `span` adds to a run's active seconds."""
+    return (
+        f"(CASE WHEN {last} IS NULL THEN {span} WHEN {t} <= {last} THEN 0"
+        f" WHEN {t} - {span} - {last} <= {idle} THEN {t} - {last} ELSE {span} END)"
+    )
+
+
+def _latest(t: str, last: str) -> str:
+    return f"(CASE WHEN {last} IS NULL OR {t} > {last} THEN {t} ELSE {last} END)"
+
+
+_STEP_RETURNING = (
+    " RETURNING next_step, home, home_step, context_tokens, tokens, gpu_seconds, stop_code,"
+    " active_s"
 )
+
+
+def _step_upsert(dialect: str, values: str, idle: str = "?") -> str:
+    """The step's upsert: `values` gives (tenant, run id, updated at, span); the event is
+    now on the database's clock."""
+    added = _active_added("excluded.event_at_s", "excluded.active_s", idle, "run_steps.event_at_s")
+    return (
+        "INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s, active_s, event_at_s)"
+        f" {values.format(now=_DB_NOW[dialect])} ON CONFLICT (tenant, run_id) DO UPDATE SET"
+        " next_step = run_steps.next_step + 1, updated_at_s = excluded.updated_at_s,"
+        f" active_s = run_steps.active_s + {added},"
+        f" event_at_s = {_latest('excluded.event_at_s', 'run_steps.event_at_s')}"
+        f"{_STEP_RETURNING}"
+    )
+
+
+# the run's next step (parameters: tenant, run id, now (unix), span_s, idle_s)
+NEXT_STEP_SQL = _step_upsert("postgresql", "VALUES (?, ?, 1, ?, ?, {now})")
+_NEXT_STEP_SQLITE = _step_upsert("sqlite", "VALUES (?, ?, 1, ?, ?, {now})")
 RECORD_HOME_SQL = (
     "UPDATE run_steps SET home = ?, home_step = ?, context_tokens = ?"
     " WHERE tenant = ? AND run_id = ? AND (home_step IS NULL OR home_step < ?)"
@@ -273,13 +326,14 @@ RECORD_HOME_SQL = (
 # a request's slot and, when it gets one, its run's next step, in one round trip (PostgreSQL
 # only: the slot function's row, then NEXT_STEP_SQL's columns, NULL when refused)
 SLOT_AND_STEP_SQL = (
-    "WITH slot AS (SELECT gpupool_acquire_unit_slot(?, ?, ?, ?, ?, ?) AS ok),"
-    " step AS (INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s)"
-    " SELECT CAST(? AS TEXT), CAST(? AS TEXT), 1, CAST(? AS DOUBLE PRECISION) FROM slot"
-    " WHERE ok ON CONFLICT (tenant, run_id) DO UPDATE SET"
-    " next_step = run_steps.next_step + 1, updated_at_s = excluded.updated_at_s"
-    " RETURNING next_step, home, home_step, context_tokens, tokens, gpu_seconds, stop_code)"
-    " SELECT slot.ok, step.* FROM slot LEFT JOIN step ON TRUE"
+    "WITH slot AS (SELECT gpupool_acquire_unit_slot(?, ?, ?, ?, ?, ?) AS ok), step AS ("
+    + _step_upsert(
+        "postgresql",
+        "SELECT CAST(? AS TEXT), CAST(? AS TEXT), 1, CAST(? AS DOUBLE PRECISION),"
+        " CAST(? AS DOUBLE PRECISION), {now} FROM slot WHERE ok",
+        "CAST(? AS DOUBLE PRECISION)",
+    )
+    + ") SELECT slot.ok, step.* FROM slot LEFT JOIN step ON TRUE"
 )
 SESSION_FRESH_S = 10.0  # a session's rows rewritten by a step only when older than this
 # governance's tenth migration: a session's runs numbered across replicas. One row per
@@ -406,20 +460,82 @@ SESSION_RUNS = Migration(
     _session_tables("REAL"),
     _session_tables("DOUBLE PRECISION"),
 )
+# governance's eleventh migration: a run's active time (`max_duration_s`) counted across
+# replicas, in the statements that number its steps (see `_active_added`). Rows numbered
+# before it have no event yet: their next event starts them at that event's stretch.
+# `gpupool_session_step` gains the step's stretch and the replica's idle timeout (a new
+# overload of nine arguments; migration 10's seven-argument one stays for routers started
+# before it, whose steps then count no active time in the store).
+_SESSION_STEP_ACTIVE_FUNCTION = (
+    _SESSION_STEP_FUNCTION.replace(
+        "p_floor BIGINT, p_max_anchors INTEGER\n)",
+        "p_floor BIGINT, p_max_anchors INTEGER, p_span DOUBLE PRECISION,"
+        " p_idle DOUBLE PRECISION\n)",
+    )
+    .replace(
+        "o_stop_code TEXT, o_run BIGINT",
+        "o_stop_code TEXT, o_active_s DOUBLE PRECISION, o_run BIGINT",
+    )
+    .replace(
+        """    RETURN QUERY INSERT INTO run_steps AS r (tenant, run_id, next_step, updated_at_s)
+        VALUES (p_tenant, p_session || ':' || COALESCE(p_run, v_run), 1, p_now)
+        ON CONFLICT (tenant, run_id) DO UPDATE
+        SET next_step = r.next_step + 1, updated_at_s = excluded.updated_at_s
+        RETURNING r.next_step, r.home, r.home_step, r.context_tokens, r.tokens,
+            r.gpu_seconds, r.stop_code, v_run;""",
+        f"""    RETURN QUERY INSERT INTO run_steps AS r (tenant, run_id, next_step, updated_at_s,
+            active_s, event_at_s)
+        VALUES (p_tenant, p_session || ':' || COALESCE(p_run, v_run), 1, p_now, p_span,
+            {_DB_NOW["postgresql"]})
+        ON CONFLICT (tenant, run_id) DO UPDATE
+        SET next_step = r.next_step + 1, updated_at_s = excluded.updated_at_s,
+            active_s = r.active_s + {
+            _active_added("excluded.event_at_s", "excluded.active_s", "p_idle", "r.event_at_s")
+        },
+            event_at_s = {_latest("excluded.event_at_s", "r.event_at_s")}
+        RETURNING r.next_step, r.home, r.home_step, r.context_tokens, r.tokens,
+            r.gpu_seconds, r.stop_code, r.active_s, v_run;""",
+    )
+    .replace("{fresh}", repr(SESSION_FRESH_S))
+)
+assert "p_span" in _SESSION_STEP_ACTIVE_FUNCTION and "r.active_s" in _SESSION_STEP_ACTIVE_FUNCTION
+_RUN_ACTIVE = """
+ALTER TABLE run_steps ADD COLUMN active_s {real} NOT NULL DEFAULT 0;
+ALTER TABLE run_steps ADD COLUMN event_at_s {real}
+"""
+
+
+def _run_active(real: str) -> Callable[[Conn], None]:
+    def apply(conn: Conn) -> None:
+        for statement in _RUN_ACTIVE.format(real=real).split(";"):
+            conn.execute(statement)
+        if real != "REAL":  # PostgreSQL: the session step's function, with the active time
+            conn.execute(_SESSION_STEP_ACTIVE_FUNCTION)
+
+    return apply
+
+
+RUN_ACTIVE = Migration(
+    "governance",
+    11,
+    "run_steps active_s, event_at_s (a run's active time across replicas)",
+    _run_active("REAL"),
+    _run_active("DOUBLE PRECISION"),
+)
 _SESSION_COLUMNS = (
     "o_next_step AS next_step, o_home AS home, o_home_step AS home_step,"
     " o_context_tokens AS context_tokens, o_tokens AS tokens, o_gpu_seconds AS gpu_seconds,"
-    " o_stop_code AS stop_code, o_run AS run"
+    " o_stop_code AS stop_code, o_active_s AS active_s, o_run AS run"
 )
 # a session's step: its run (the anchor mapped) and its number, NEXT_STEP_SQL's columns and
 # the run's number (PostgreSQL only; parameters: `SessionStep.params`)
-SESSION_STEP_SQL = f"SELECT {_SESSION_COLUMNS} FROM gpupool_session_step(?, ?, ?, ?, ?, ?, ?)"
+SESSION_STEP_SQL = f"SELECT {_SESSION_COLUMNS} FROM gpupool_session_step(?, ?, ?, ?, ?, ?, ?, ?, ?)"
 # SLOT_AND_STEP_SQL for a session's step: the function is called only when the slot was
 # granted (its time argument depends on the slot's row, so it runs after the filter)
 SLOT_AND_SESSION_STEP_SQL = (
     "WITH slot AS (SELECT gpupool_acquire_unit_slot(?, ?, ?, ?, ?, ?) AS ok),"
     f" step AS (SELECT {_SESSION_COLUMNS} FROM slot, LATERAL gpupool_session_step(?, ?, ?,"
-    " CASE WHEN slot.ok THEN CAST(? AS DOUBLE PRECISION) END, ?, ?, ?) WHERE slot.ok)"
+    " CASE WHEN slot.ok THEN CAST(? AS DOUBLE PRECISION) END, ?, ?, ?, ?, ?) WHERE slot.ok)"
     " SELECT slot.ok, step.* FROM slot LEFT JOIN step ON TRUE"
 )
 FORGET_ANCHORS_SQL = "DELETE FROM session_anchors WHERE tenant = ? AND session_id = ? AND run = ?"
@@ -440,15 +556,76 @@ class SessionStep:
     run: int | None = None
     floor: int = 0
 
-    def params(self, tenant: str, now_s: float, max_anchors: int) -> tuple[object, ...]:
+    def params(
+        self, tenant: str, now_s: float, max_anchors: int, stretch: Stretch
+    ) -> tuple[object, ...]:
         """`SESSION_STEP_SQL`'s parameters."""
-        return (tenant, self.session_id, self.anchor, now_s, self.run, self.floor, max_anchors)
+        head = (tenant, self.session_id, self.anchor, now_s, self.run, self.floor, max_anchors)
+        return (*head, *stretch.params())
 
 
-_ADD_RUN_USAGE = (
-    "UPDATE run_steps SET tokens = tokens + ?, gpu_seconds = gpu_seconds + ?"
-    " WHERE tenant = ? AND run_id = ?"
-)
+def _finite(idle_s: float) -> float:
+    """An idle timeout as a parameter (no limit: a number larger than any gap)."""
+    return min(idle_s, 1e18)
+
+
+@dataclass(frozen=True, slots=True)
+class Stretch:
+    """What a replica tells the store with an event of a run, for its active time across
+    replicas: how long the run has been active there without a pause up to the event
+    (`span_s`: a step in flight, or gaps within the idle timeout; 0 after a pause) and that
+    replica's `governance.run_idle_timeout_s` (`idle_s`)."""
+
+    span_s: float = 0.0
+    idle_s: float = math.inf
+
+    def params(self) -> tuple[float, float]:
+        return self.span_s, _finite(self.idle_s)
+
+
+NO_STRETCH = Stretch()  # an event after a pause (or a caller that does not count time)
+
+
+def _add_run_usage_sql(dialect: str) -> str:
+    """A run's settled usage and an event of it (a step's end `age_s` ago, with its replica's
+    stretch): tokens, GPU-seconds, age, span, idle, tenant, run id."""
+    added = _active_added("e.t", "e.span", "e.idle", "run_steps.event_at_s")
+    return (
+        "UPDATE run_steps SET tokens = tokens + ?, gpu_seconds = gpu_seconds + ?,"
+        f" active_s = active_s + {added}, event_at_s = {_latest('e.t', 'run_steps.event_at_s')}"
+        f" FROM (SELECT {_DB_NOW[dialect]} - CAST(? AS DOUBLE PRECISION) AS t,"
+        " CAST(? AS DOUBLE PRECISION) AS span, CAST(? AS DOUBLE PRECISION) AS idle) AS e"
+        " WHERE run_steps.tenant = ? AND run_steps.run_id = ?"
+    )
+
+
+_ADD_RUN_USAGE = {dialect: _add_run_usage_sql(dialect) for dialect in _DB_NOW}
+
+
+@dataclass(frozen=True, slots=True)
+class RunUsage:
+    """What a replica settled of a run since its last sweep, for the shared counters: tokens,
+    GPU-seconds, and the run's latest event here (a step's end `age_s` before the statement,
+    this replica's stretch then `span_s`, its idle timeout `idle_s`), for its active time."""
+
+    tenant: str
+    run_id: str
+    tokens: int
+    gpu_seconds: float
+    age_s: float = 0.0
+    span_s: float = 0.0
+    idle_s: float = math.inf
+
+    def params(self) -> tuple[object, ...]:
+        return (
+            self.tokens,
+            self.gpu_seconds,
+            max(0.0, self.age_s),
+            self.span_s,
+            _finite(self.idle_s),
+            self.tenant,
+            self.run_id,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,13 +642,15 @@ class NextStep:
     tokens: int = 0
     gpu_seconds: float = 0.0
     stop_code: str | None = None  # a guard stopped the run on some replica
+    # its active seconds across replicas, this step's arrival counted (`max_duration_s`)
+    active_s: float = 0.0
     # a session's step (`SESSION_STEP_SQL`): the run its task anchor maps to in the store
     run: int | None = None
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> NextStep:
         """From `NEXT_STEP_SQL`'s row (or `SESSION_STEP_SQL`'s: the same and the run)."""
-        after, home, home_step, context, tokens, gpu_seconds, stop_code, *run = row
+        after, home, home_step, context, tokens, gpu_seconds, stop_code, active, *run = row
         return cls(
             int(after) - 1,
             None if home is None else str(home),
@@ -480,6 +659,7 @@ class NextStep:
             int(tokens or 0),
             float(gpu_seconds or 0.0),
             None if stop_code is None else str(stop_code),
+            float(active or 0.0),
             int(run[0]) if run and run[0] is not None else None,
         )
 
@@ -733,15 +913,25 @@ class SharedBudgets:
                     sums[float(start)] = sums.get(float(start), 0.0) + float(amount)
         return {t: (sorted(h.items()), sorted(d.items())) for t, (h, d) in merged.items()}
 
-    def next_step(self, tenant: str, run_id: str, now_s: float) -> NextStep:
+    def next_step(
+        self, tenant: str, run_id: str, now_s: float, stretch: Stretch = NO_STRETCH
+    ) -> NextStep:
         """The run's next step number: 0 for its first, then 1, 2, ..., with its home as
-        recorded by `record_home` on any replica (one statement)."""
+        recorded by `record_home` on any replica (one statement), and its active seconds
+        with this step's arrival counted (`stretch`: the replica's, see `_active_added`)."""
+        sql = NEXT_STEP_SQL if self.store.dialect == "postgresql" else _NEXT_STEP_SQLITE
         with self.store.connection() as conn:
-            row = conn.execute(NEXT_STEP_SQL, (tenant, run_id, now_s)).fetchone()
+            row = conn.execute(sql, (tenant, run_id, now_s, *stretch.params())).fetchone()
         return NextStep.from_row(row)
 
     def session_step(
-        self, tenant: str, step: SessionStep, now_s: float, *, max_anchors: int
+        self,
+        tenant: str,
+        step: SessionStep,
+        now_s: float,
+        *,
+        max_anchors: int,
+        stretch: Stretch = NO_STRETCH,
     ) -> NextStep:
         """A session's step: its anchor mapped to the session's run (a new anchor gets the
         session's next number, once, whoever asks at the same time) and the step numbered in
@@ -750,7 +940,7 @@ class SharedBudgets:
         if self.store.dialect == "postgresql":
             with self.store.connection() as conn:
                 row = conn.execute(
-                    SESSION_STEP_SQL, step.params(tenant, now_s, max_anchors)
+                    SESSION_STEP_SQL, step.params(tenant, now_s, max_anchors, stretch)
                 ).fetchone()
             return NextStep.from_row(row)
         key = (tenant, step.session_id)
@@ -799,7 +989,8 @@ class SharedBudgets:
                 )
             number = run if step.run is None else step.run
             row = conn.execute(
-                NEXT_STEP_SQL, (tenant, f"{step.session_id}:{number}", now_s)
+                _NEXT_STEP_SQLITE,
+                (tenant, f"{step.session_id}:{number}", now_s, *stretch.params()),
             ).fetchone()
         return NextStep.from_row((*row, run))
 
@@ -843,13 +1034,22 @@ class SharedBudgets:
             ).fetchall()
         return {str(a): int(r) for a, r in rows}
 
-    def add_run_usage(self, usage: Sequence[tuple[str, str, int, float]]) -> None:
-        """Add (tenant, run id, tokens, GPU-seconds) to the runs' shared counters, in one
-        transaction (a run without a row, never numbered here, is skipped)."""
+    def add_run_usage(self, usage: Sequence[RunUsage]) -> None:
+        """Add each run's tokens and GPU-seconds to its shared counters and its event to its
+        active time, in one transaction, in order (a run without a row, never numbered, is
+        skipped)."""
         if not usage:
             return
         with self.store.connection() as conn, conn.transaction():
-            conn.executemany(_ADD_RUN_USAGE, [(n, g, t, r) for t, r, n, g in usage])
+            conn.executemany(_ADD_RUN_USAGE[self.store.dialect], [u.params() for u in usage])
+
+    def active_s(self, tenant: str, run_id: str) -> float | None:
+        """The run's active seconds across replicas as stored (None: no row; tests, tools)."""
+        with self.store.connection() as conn:
+            row = conn.execute(
+                "SELECT active_s FROM run_steps WHERE tenant = ? AND run_id = ?", (tenant, run_id)
+            ).fetchone()
+        return None if row is None else float(row[0])
 
     def mark_run(self, tenant: str, run_id: str, stop_code: str | None) -> None:
         """A guard stopped the run (`stop_code`), or None: it ended and its id starts afresh
@@ -857,8 +1057,8 @@ class SharedBudgets:
         with self.store.connection() as conn:
             if stop_code is None:
                 conn.execute(
-                    "UPDATE run_steps SET tokens = 0, gpu_seconds = 0, stop_code = NULL"
-                    " WHERE tenant = ? AND run_id = ?",
+                    "UPDATE run_steps SET tokens = 0, gpu_seconds = 0, stop_code = NULL,"
+                    " active_s = 0, event_at_s = NULL WHERE tenant = ? AND run_id = ?",
                     (tenant, run_id),
                 )
             else:

@@ -130,26 +130,33 @@ class Speculation:
 class DeferredStep:
     """A known run's step sent on without any statement: numbered by the statement that
     commits its ledger record (`sql`, `params`: the step's upsert, whose row the ledger's
-    statement returns), or, when the ledger cannot commit that way now, by `number()`.
+    statement returns; its parameters taken when read), or, when the ledger cannot commit
+    that way now, by `number()`.
     `read_row` / `read` take the answer once and return the refusal the client gets
     instead of the response (None: served, under the store's number)."""
 
-    __slots__ = ("_number", "_on_answer", "params", "predicted", "sql", "step")
+    __slots__ = ("_number", "_on_answer", "_params", "predicted", "sql", "step")
 
     def __init__(
         self,
         sql: str,
-        params: Sequence[object],
+        params: Sequence[object] | Callable[[], Sequence[object]],
         predicted: int,
         number: Callable[[], Awaitable[NextStep | None]],
         on_answer: Callable[[NextStep | None, bool], BaseException | None],
     ) -> None:
         self.sql = sql
-        self.params = params
+        self._params = params
         self.predicted = predicted  # the number this replica knew
         self.step = predicted  # the store's, once read (the known one when it did not answer)
         self._number = number
         self._on_answer = on_answer
+
+    @property
+    def params(self) -> Sequence[object]:
+        """`sql`'s parameters, taken now when given as a function (the step's end: its run's
+        active time counts to it)."""
+        return self._params() if callable(self._params) else self._params
 
     def read_row(self, row: Sequence[Any]) -> BaseException | None:
         """The ledger's answer: `sql`'s row, or empty when the commit failed (the record is

@@ -26,6 +26,7 @@ from router.governance.shared import (
     ACQUIRE_SLOT,
     ADMISSION_RESERVATIONS,
     COST_WINDOWS,
+    RUN_ACTIVE,
     RUN_COUNTERS,
     RUN_HOMES,
     RUN_STEPS,
@@ -106,6 +107,7 @@ MIGRATIONS = (
     RUN_COUNTERS,
     SLOT_UNITS,
     SESSION_RUNS,
+    RUN_ACTIVE,
 )
 
 

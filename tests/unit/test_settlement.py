@@ -234,7 +234,7 @@ def _deferred(
     return DeferredStep("STEP SQL", ("t", "run-1", 1000.0), 3, number, on_answer)
 
 
-STEP_ROW = (4, "i0", 2, 30, 0, 0.0, None)  # NEXT_STEP_SQL's row: step 3, home i0
+STEP_ROW = (4, "i0", 2, 30, 0, 0.0, None, 0.0)  # NEXT_STEP_SQL's row: step 3, home i0
 
 
 def test_a_step_numbered_with_its_record_is_committed_before_governance_reads_it() -> None:

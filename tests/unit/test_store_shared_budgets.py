@@ -6,14 +6,16 @@ exactly once, the slots never exceed their limit."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
-from router.governance.shared import SessionStep, SharedBudgets
+from router.governance.shared import RunUsage, SessionStep, SharedBudgets, Stretch
 from router.governance.store import MIGRATIONS
-from router.store import PostgresStore, Store, migrate
+from router.store import PostgresStore, Store, applied_versions, migrate
 from tests.postgres import PASSWORD, PostgresServer
 
 T0 = 1_750_000_000.0
+CLOCK_S = 0.002  # the resolution of SQLite's clock (julianday('now')), and then some
 
 
 def _budgets(store: Store) -> SharedBudgets:
@@ -152,8 +154,8 @@ def test_a_runs_counters_and_stop_are_kept_for_every_replica(any_store: Store) -
     b = _budgets(any_store)
     first = b.next_step("t", "run-1", T0)
     assert (first.step, first.tokens, first.gpu_seconds, first.stop_code) == (0, 0, 0.0, None)
-    b.add_run_usage([("t", "run-1", 100, 1.5), ("t", "never-numbered", 5, 0.1)])
-    b.add_run_usage([("t", "run-1", 20, 0.25)])  # another replica's sweep
+    b.add_run_usage([RunUsage("t", "run-1", 100, 1.5), RunUsage("t", "never-numbered", 5, 0.1)])
+    b.add_run_usage([RunUsage("t", "run-1", 20, 0.25)])  # another replica's sweep
     second = b.next_step("t", "run-1", T0)
     assert (second.step, second.tokens, second.gpu_seconds) == (1, 120, 1.75)
     b.mark_run("t", "run-1", "run_loop")
@@ -193,3 +195,48 @@ def test_a_sessions_runs_map_its_tasks_on_both_backends(any_store: Store) -> Non
     assert step("w") == (20, 0)  # adopted (its steps during the outage were numbered alone)
     assert step("z") == (12, 1)  # mapped by the store already: kept
     assert step("v") == (21, 0)
+
+
+def test_a_runs_active_time_is_counted_on_the_databases_clock(any_store: Store) -> None:
+    """The step's upsert and the sweep's update count a run's active time (migration 11):
+    a gap within the idle timeout counts, a longer one (a pause) does not unless the
+    replica's stretch reaches back over it, an event older than the latest adds nothing,
+    and an end clears it. The database's clock is real: each figure is bounded by the real
+    time around it (SQLite's to the millisecond: `CLOCK_S`)."""
+    b = _budgets(any_store)
+    started = time.monotonic()
+    assert b.next_step("t", "r", T0, Stretch(0.0, 60)).active_s == 0.0  # its first event
+    time.sleep(0.2)
+    counted = b.next_step("t", "r", T0, Stretch(0.0, 60)).active_s  # the gap counts
+    assert 0.2 - 0.01 <= counted <= time.monotonic() - started + CLOCK_S
+    time.sleep(0.2)
+    mark = time.monotonic()
+    assert b.next_step("t", "r", T0, Stretch(0.0, 0.05)).active_s == counted  # a pause
+    time.sleep(0.2)
+    bridged = b.next_step("t", "r", T0, Stretch(100.0, 0.05)).active_s  # in flight
+    assert counted + 0.2 - 0.01 <= bridged <= counted + time.monotonic() - mark + CLOCK_S
+    b.add_run_usage([RunUsage("t", "r", 5, 0.5, age_s=1000.0, span_s=5.0, idle_s=60)])
+    assert b.active_s("t", "r") == bridged  # an end before the latest event: nothing
+    b.mark_run("t", "r", None)  # ended by its client: a fresh run's time
+    assert b.active_s("t", "r") == 0.0
+    assert b.next_step("t", "r", T0, Stretch(2.5, 60)).active_s == 2.5  # its stretch
+
+
+def test_rows_numbered_before_the_active_time_migration_start_at_their_next_stretch(
+    any_store: Store,
+) -> None:
+    """`gpupool store migrate` from governance 10 to 11: a run numbered before it keeps its
+    number and counters, has no active time yet, and its next event starts it at that
+    event's stretch."""
+    migrate(any_store, MIGRATIONS[:10])
+    with any_store.connection() as conn:
+        conn.execute(
+            "INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s, tokens)"
+            " VALUES ('t', 'old', 4, ?, 70)",
+            (T0,),
+        )
+    b = _budgets(any_store)  # the rest of the migrations: 11
+    assert applied_versions(any_store)["governance"] == len(MIGRATIONS) >= 11
+    assert b.active_s("t", "old") == 0.0
+    got = b.next_step("t", "old", T0, Stretch(3.0, 60))
+    assert (got.step, got.tokens, got.active_s) == (4, 70, 3.0)
