@@ -212,13 +212,15 @@ class SharedAttained:
         self._written: dict[tuple[str, str], _Signature] = {}  # what its rows say now
         self._dirty: dict[tuple[str, str], None] = {}  # changed, not written yet (oldest first)
         self._in_flight: set[tuple[str, str]] = set()  # written with a step in flight
+        self._sending: dict[tuple[str, str], _Signature] = {}  # what `changes` last gave
         self.since: dict[str, int] = {}  # other replica -> the last version read of it
         self._live: dict[str, float] = {}  # live replica -> when last seen (this clock)
         self._gone_at: dict[str, float] = {}  # replica no longer live -> when last seen
         self._shares: dict[Hashable, dict[str, _PeerShare]] = {}
         self._full_warned = False
         self._touches_seen = 0  # the run table's `touches` at the last scan
-        self.migrated = False
+        self.migrated = False  # admission's migration applied (by the exchange's thread)
+        self.migrate_warned = False
 
     # ------------------------------------------------------------------ publish
 
@@ -238,6 +240,7 @@ class SharedAttained:
         if not self._dirty:
             return self.version, []
         shares: list[Share] = []
+        self._sending = {}
         for key in self._dirty:
             if len(shares) >= self.max_rows_per_tick:
                 break
@@ -247,6 +250,7 @@ class SharedAttained:
             in_flight = len(record.in_flight)
             idle_s = 0.0 if in_flight else max(0.0, now_s - record.last_active_s)
             shares.append((key[0], key[1], record.ended_gpu_s, in_flight, idle_s))
+            self._sending[key] = (record.ended_gpu_s, in_flight, record.last_active_s)
         if shares:  # a number per attempt: a write retried after a failed read is a new one
             self.version += 1
         return self.version, shares
@@ -262,16 +266,18 @@ class SharedAttained:
             self._dirty.setdefault(key, None)
 
     def published(self, shares: Iterable[Share]) -> None:
-        """`shares` were written."""
+        """`shares` (the last `changes`) were written. What they said is what the rows say
+        now, even if a run changed while they were written (its change is compared at the
+        next tick: a step's start touches it, and a run written in flight is compared every
+        tick)."""
         for tenant, run_id, *_ in shares:
             key = (tenant, run_id)
             self._dirty.pop(key, None)
-            record = self.runs.get(key)
-            if record is None:
+            signature = self._sending.get(key)
+            if signature is None:
                 continue
-            in_flight = len(record.in_flight)
-            self._written[key] = (record.ended_gpu_s, in_flight, record.last_active_s)
-            if in_flight:
+            self._written[key] = signature
+            if signature[1]:  # in flight
                 self._in_flight.add(key)
             else:
                 self._in_flight.discard(key)

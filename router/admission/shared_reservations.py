@@ -335,8 +335,14 @@ class SharedReservations:
         `discover` tick also every replica with rows found, and rows past retention deleted)."""
         attained = self.attained
         if attained is not None and not attained.migrated:
-            migrate(self.table.store, ATTAINED_MIGRATIONS)
-            attained.migrated = True  # a flag only this thread writes, once
+            try:  # a failure skips the attained rows this tick, not the reservations
+                migrate(self.table.store, ATTAINED_MIGRATIONS)
+                attained.migrated = True  # a flag only this thread writes, once
+            except self._errors as err:
+                if not attained.migrate_warned:  # once; retried every tick
+                    log.warning("run_las across replicas: admission migration failed: %s", err)
+                    attained.migrate_warned = True
+                attained = None
         with self.table.store.connection() as conn:
             others = self.table.exchange_on(conn, self.replica, mine, self.lease_s)
             if attained is None:

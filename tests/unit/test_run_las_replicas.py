@@ -320,3 +320,34 @@ def test_the_gateway_shares_attained_service_on_a_shared_store_with_a_run_las_po
     assert (peers.attained is not None) is shared
     if peers.attained is not None:
         assert peers.attained.runs is gw.runs  # the accountant's run table
+
+
+async def test_a_run_that_changes_while_its_row_is_written_is_written_again(
+    tmp_path: Path, store: Store
+) -> None:
+    clock, a, b = _two(tmp_path, store)
+    b.serve("x", 0.0, 10.0)
+    clock.now = 11.0
+    shares = b.attained.changes(clock.now)[1]  # x: 10 GPU-s, being written...
+    b.serve("x", 11.0, 15.0)  # ...while its next step begins and ends
+    b.attained.published(shares)
+    await _exchange(b, a)  # the next tick writes 14
+    assert a.attained_gpu_s("x") == pytest.approx(14.0)
+
+
+async def test_a_failed_admission_migration_skips_the_attained_rows_not_the_reservations(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    with store.connection() as conn:  # a newer gpupool's admission tables: refused
+        conn.execute(
+            "INSERT INTO gpupool_schema (component, version, applied_at_s) VALUES (?, ?, ?)",
+            ("admission", 99, 0.0),
+        )
+    clock, a, b = _two(tmp_path, store)
+    b.serve("x", 0.0, 10.0)
+    clock.now = 11.0
+    for _ in range(2):
+        await _exchange(b, a)
+    assert a.shared.view()["peers_counted"] == 1  # the reservations are exchanged
+    assert a.attained_gpu_s("x") == 0.0  # the attained rows are not
+    assert caplog.text.count("admission migration failed") == 2  # once per replica
