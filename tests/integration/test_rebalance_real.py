@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,8 @@ import orjson
 import pytest
 
 from pools.launchers import InstanceSpec
-from tests.integration.conftest import RouterProcess, free_port, write_router_config
+from pools.testing.router_process import free_port
+from tests.integration.conftest import RouterProcess, write_router_config
 
 pytestmark = pytest.mark.integration
 
@@ -60,37 +61,75 @@ class Traffic:
         with httpx.Client(timeout=120) as client:
             while not self._stop.is_set():
                 n += 1
-                headers = {"x-gpupool-run-id": f"run-{w}-{n}"} if kind == "agent" else {}
-                body = {
-                    "model": "tiny",
-                    "messages": [
-                        {
-                            "role": "user",
-                            "content": " ".join(f"{kind}{w}x{i}" for i in range(words)),
-                        }
-                    ],
-                    "max_tokens": max_tokens,
-                    "ignore_eos": True,
-                    "stream": True,
+                self._send(client, kind, str(w), f"run-{w}-{n}", words, max_tokens)
+
+    def witness(self, kind: str, *, words: int, max_tokens: int, timeout_s: float) -> str:
+        """Send one more streaming request, in a thread of its own; return the instance it
+        runs on once its response has begun (its sequence is then on that instance until its
+        `max_tokens` are generated: the test knows it is running without asking the router)."""
+        on: list[str | None] = []
+        begun = threading.Event()
+
+        def on_begun(instance: str | None) -> None:
+            on.append(instance)
+            begun.set()
+
+        def run() -> None:
+            try:
+                with httpx.Client(timeout=120) as client:
+                    self._send(client, kind, "w", "run-witness", words, max_tokens, on_begun)
+            finally:
+                begun.set()  # it failed before it began: no instance
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self._threads.append(t)
+        if not begun.wait(timeout_s) or not on or on[0] is None:
+            raise AssertionError(f"the witness stream did not begin within {timeout_s} s: {on}")
+        return on[0]
+
+    def _send(
+        self,
+        client: httpx.Client,
+        kind: str,
+        who: str,
+        run_id: str,
+        words: int,
+        max_tokens: int,
+        begun: Callable[[str | None], None] | None = None,
+    ) -> None:
+        """One streaming request; `who`'s prompt is the same every time (as a client's)."""
+        headers = {"x-gpupool-run-id": run_id} if kind == "agent" else {}
+        body = {
+            "model": "tiny",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": " ".join(f"{kind}{who}x{i}" for i in range(words)),
                 }
-                started = time.monotonic()
-                status, instance, complete, text = 0, None, False, ""
-                try:
-                    with client.stream(
-                        "POST", f"{self.url}/v1/chat/completions", json=body, headers=headers
-                    ) as resp:
-                        status = resp.status_code
-                        instance = resp.headers.get("x-gpupool-instance")
-                        text = "".join(resp.iter_text())
-                        complete = status == 200 and _complete(text)
-                except httpx.HTTPError as err:
-                    text = repr(err)
-                with self._lock:
-                    self.done.append(
-                        Done(
-                            kind, started, time.monotonic(), status, instance, complete, text[-300:]
-                        )
-                    )
+            ],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        started = time.monotonic()
+        status, instance, complete, text = 0, None, False, ""
+        try:
+            with client.stream(
+                "POST", f"{self.url}/v1/chat/completions", json=body, headers=headers
+            ) as resp:
+                status = resp.status_code
+                instance = resp.headers.get("x-gpupool-instance")
+                if begun is not None:
+                    begun(instance if status == 200 else None)
+                text = "".join(resp.iter_text())
+                complete = status == 200 and _complete(text)
+        except httpx.HTTPError as err:
+            text = repr(err)
+        with self._lock:
+            self.done.append(
+                Done(kind, started, time.monotonic(), status, instance, complete, text[-300:])
+            )
 
     def stop(self) -> list[Done]:
         self._stop.set()
@@ -161,14 +200,17 @@ def _failed(done: list[Done]) -> list[Done]:
 def test_sre_moves_a_busy_engine_it_drains_and_nothing_fails(router: RouterProcess) -> None:
     url = router.url
     view = _admin(url)
-    moving = sorted(view["pools"]["normal"]["instances"])[0]
     traffic = Traffic(url)
     traffic.start("normal", 6, words=40, max_tokens=300)
-    _wait(
-        lambda: _admin(url)["instances"][moving]["running_by_pool"].get("normal", 0) >= 1,
-        60,
-        "chat sequences on the engine to move",
-    )
+    # The engine to move is the one a stream of the test's own has begun on: that stream is
+    # running there until its 1,000 tokens are out (3-5 s idle, more under load), where the
+    # move's POST takes ~60 ms idle and up to 2.4 s at load 11, so the drain is under way
+    # when the router answers. (s45 moved the first normal engine once the admin view showed
+    # a chat sequence on it; the chat streams take 1-5 s at load 11: at load ~8 the ones it
+    # saw ended before the move was applied and saved, the drain ended with them, and the
+    # answer had no drain to show: `KeyError: 'engine-0'`.)
+    moving = traffic.witness("normal", words=40, max_tokens=1000, timeout_s=60)
+    assert moving in view["pools"]["normal"]["instances"], (moving, view["pools"])
     move_s = time.monotonic()
     r = httpx.post(
         f"{url}/admin/pools/move", json={"instance": moving, "to_pool": "agent"}, timeout=10
@@ -180,14 +222,22 @@ def test_sre_moves_a_busy_engine_it_drains_and_nothing_fails(router: RouterProce
     # counted from `move_s + 0.05`: a stream started within the POST landed on the engine.)
     moved_s = time.monotonic()
     assert r.status_code == 200, r.text
-    drain = r.json()["draining"][moving]
+    draining = r.json()["draining"]
+    assert moving in draining, f"no drain of {moving} in the move's answer: {draining}"
+    drain = draining[moving]
     assert drain["from_pool"] == "normal" and drain["old_sequences_left"] >= 1
     _wait(lambda: not _admin(url)["rebalancer"]["draining"], 90, "the drain to end")
     joined_s = time.monotonic()
     view = _admin(url)
     assert moving in view["pools"]["agent"]["instances"]
     assert moving not in view["pools"]["normal"]["instances"]
-    time.sleep(2)  # chat keeps flowing on the remaining normal engine
+    # chat keeps flowing on the remaining normal engine: three streams started after the
+    # move's answer have ended (waited for, where a fixed 2 s sleep stood)
+    _wait(
+        lambda: sum(d.started_s > moved_s for d in list(traffic.done)) >= 3,
+        60,
+        "chat started after the move to finish",
+    )
     done = traffic.stop()
 
     assert not _failed(done), f"failed requests: {_failed(done)[:3]}"
