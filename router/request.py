@@ -16,7 +16,7 @@ plus the ASGI aliases the raw handlers use. Nothing here does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Message",
     "Receive",
+    "RecordCompanion",
     "RequestContext",
     "RequestObserver",
     "RequestOutcome",
@@ -124,6 +125,9 @@ class RequestOutcome:
     settled: bool = False
     committed_as: tuple[str, int] | None = None
     metered: bool = False
+    # a statement to commit in the same statement as the record (a stored response's
+    # placement, router/gateway/response_placement.py); the ledger says whether it did
+    with_record: RecordCompanion | None = None
 
     @property
     def queue_s(self) -> float:
@@ -147,6 +151,20 @@ class RequestOutcome:
         if self.first_token_at_s is None or self.completion_tokens < 2:
             return None
         return (self.ended_at_s - self.first_token_at_s) / (self.completion_tokens - 1)
+
+
+class RecordCompanion(Protocol):
+    """A write that may ride in the statement that commits a request's ledger record
+    (`Ledger.commit`): `sql`, one data-modifying statement (`?` placeholders, no rows
+    returned), and its `params`. The ledger calls exactly one of `carried` (committed with the
+    record) or `declined` (not with it: its owner writes it otherwise, at once)."""
+
+    sql: str
+    params: Sequence[Any]
+
+    def carried(self) -> None: ...
+
+    def declined(self) -> None: ...
 
 
 class TraceHooks(Protocol):

@@ -79,6 +79,7 @@ from router.runtable import RunTable
 from router.store import Conn, Migration, SqliteStore, Store, StoreError, migrate, savepoint, upsert
 
 if TYPE_CHECKING:
+    from router.request import RecordCompanion
     from router.store.loop_connection import LoopConnection
 
 __all__ = [
@@ -334,6 +335,12 @@ def _insert_rows(
         else:
             return 0
     return _write_batch(conn, _Batch(rows, {}, 0.0, 0), bad_row)
+
+
+@functools.lru_cache(maxsize=8)
+def _with_companion_sql(companion_sql: str) -> str:
+    """One row's INSERT after `companion_sql` (a data-modifying statement), in one statement."""
+    return f"WITH companion AS ({companion_sql}) {_insert_rows_sql(1)}"
 
 
 @functools.lru_cache(maxsize=8)
@@ -784,14 +791,21 @@ class Ledger:
         if row is not None and writer is not None:
             writer.put(row, None)
 
-    async def commit(self, record: RequestRecord) -> bool:
+    async def commit(self, record: RequestRecord, companion: RecordCompanion | None = None) -> bool:
         """Write the record durably and return once it is committed (True). Concurrent commits
         share a transaction. False, never an exception, when the record is not on disk yet: the
         commit failed (logged; the record is retried with the next flush), took longer than
         `commit_wait_s` (logged; it is still written), the buffer was full, or the ledger is not
-        durable or not started (then this is `submit`)."""
+        durable or not started (then this is `submit`). `companion`: a write committed in the
+        same statement when the record goes as a lone PostgreSQL commit (`carried`), else
+        `declined` at once, before any wait."""
         writer = self._writer if self.durable else None
         row = self._row(record, queued=writer is not None)
+        if companion is not None and (
+            row is None or writer is None or not self._lone_async_commit()
+        ):
+            companion.declined()
+            companion = None
         if row is None or writer is None:
             return False
         loop = asyncio.get_running_loop()
@@ -824,19 +838,33 @@ class Ledger:
         # Failed or not answered within `commit_wait_s`: buffered for the next flush, as a
         # failed group commit's rows (an upsert: a row that did land counts once).
         async_commit = self._async_commit
-        lone = self._queued == 1 and not self._failing
-        if async_commit is not None and lone and async_commit.ready():
+        if async_commit is not None and self._lone_async_commit():
+            sql, params = _insert_rows_sql(1), row
+            if companion is not None:  # one statement: the companion's, then the record's
+                sql, params = _with_companion_sql(companion.sql), (*companion.params, *row)
             try:
-                await async_commit.execute(_insert_rows_sql(1), row)
+                await async_commit.execute(sql, params)
             except Exception as err:
                 self._committed([row], _NO_WAITER, 0, err)
+                if companion is not None:
+                    companion.declined()
                 return False
             except BaseException:  # cancelled: the writer writes it (an upsert)
                 writer.put(row, None)
+                if companion is not None:
+                    companion.declined()
                 raise
             self._committed([row], _NO_WAITER, 0, None)
+            if companion is not None:
+                companion.carried()
             return True
         return await self._commit_on_writer(writer, loop, row)
+
+    def _lone_async_commit(self) -> bool:
+        """`commit` goes as one INSERT on the loop's PostgreSQL connection now: nothing else
+        queued (this record counted) or failing, the connection idle."""
+        conn = self._async_commit
+        return conn is not None and self._queued == 1 and not self._failing and conn.ready()
 
     @property
     def numbers_steps(self) -> bool:

@@ -117,7 +117,8 @@ class AccountingObserver:
         group commit resumes). Never raises for the ledger."""
         record = self._record(outcome)
         outcome.committed_as = (record.outcome, record.status_code)
-        return self.ledger.commit(record)
+        companion, outcome.with_record = outcome.with_record, None
+        return self.ledger.commit(record, companion)
 
     @property
     def numbers_steps(self) -> bool:
@@ -131,6 +132,9 @@ class AccountingObserver:
         (`Ledger.commit_numbered`: None, nothing written, when it cannot now)."""
         record = self._record(outcome)
         outcome.committed_as = (record.outcome, record.status_code)
+        if (companion := outcome.with_record) is not None:  # not in this statement
+            outcome.with_record = None
+            companion.declined()
         return self.ledger.commit_numbered(record, step_sql, step_params)
 
     def record(self, outcome: RequestOutcome) -> None:

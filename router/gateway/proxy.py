@@ -67,7 +67,11 @@ from router.errors import (
 from router.gateway.classify import classify
 from router.gateway.http_protocol import CLIENT_LINK, ClientLink
 from router.gateway.protocols import ProtocolAdapter
-from router.gateway.response_placement import ResponsePlacement, StoredResponse
+from router.gateway.response_placement import (
+    PlacementWrite,
+    ResponsePlacement,
+    StoredResponse,
+)
 from router.gateway.upstream import ConnectFailed, Response, Upstream
 from router.gateway.wait_comments import HEADER as WAIT_COMMENTS_HEADER
 from router.gateway.wait_comments import WaitComments, wait_comments_after_s
@@ -879,14 +883,14 @@ class CompletionsHandler:
 
     def _remember_response(
         self, outcome: RequestOutcome, ctx: RequestContext, previous: StoredResponse | None
-    ) -> asyncio.Future[bool] | None:
+    ) -> PlacementWrite | None:
         """A stored response's place, before the client can send a follow-up to it; its
         chain is the previous response's, or starts with it. With a shared store, the write
-        for the final bytes to wait for (sent now, beside the ledger's commit)."""
+        for the final bytes to wait for, offered to the ledger's commit of the record."""
         rid = outcome.response_id
         if rid is None or outcome.instance_id is None:
             return None
-        return self.placement.remember(
+        placed = self.placement.remember(
             rid,
             StoredResponse(
                 tenant=ctx.tenant,
@@ -895,6 +899,8 @@ class CompletionsHandler:
                 context_tokens=outcome.prompt_tokens + outcome.completion_tokens,
             ),
         )
+        outcome.with_record = placed
+        return placed
 
 
 class _Splice:

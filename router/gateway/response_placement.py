@@ -13,10 +13,11 @@ store (router/store):
   a background task every `flush_every_s` and on close, read back at start, so a router
   restart keeps its placements (a hard kill loses at most the last batch);
 - shared (PostgreSQL, router replicas): each placement is written before the response's final
-  bytes, so a follow-up the client sends at once to any replica finds it: `remember` sends it
-  on an asyncio connection of its own (`LoopConnection`; placements that arrive while one
-  statement is in flight go together in the next) and returns a future the response awaits
-  beside the ledger's commit, at most `wait_s`. A follow-up whose previous response is not in
+  bytes, so a follow-up the client sends at once to any replica finds it: in the statement
+  that commits the response's ledger record when it can (`PlacementWrite`), else on an
+  asyncio connection of its own (`LoopConnection`; placements that arrive while one statement
+  is in flight go together in the next) beside the ledger's commit; the response waits for
+  it at most `wait_s`. A follow-up whose previous response is not in
   this replica's memory reads its row (`fetch`: one SELECT, only on a miss); a store that
   cannot answer it is `StoreUnavailable` (503, retryable). A failed write stays in memory and
   is retried by the periodic flush, which also deletes the rows beyond `max_entries` (the
@@ -29,6 +30,7 @@ import asyncio
 import functools
 import logging
 from collections import OrderedDict
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +42,7 @@ from router.store import Migration, SqliteStore, Store, migrate
 if TYPE_CHECKING:
     from router.store.loop_connection import LoopConnection
 
-__all__ = ["MIGRATIONS", "WAIT_S", "ResponsePlacement", "StoredResponse"]
+__all__ = ["MIGRATIONS", "WAIT_S", "PlacementWrite", "ResponsePlacement", "StoredResponse"]
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +110,12 @@ class ResponsePlacement:
         self._queue: list[tuple[str, StoredResponse]] = []  # shared: for the next statement
         self._waiters: list[asyncio.Future[bool]] = []  # the queued placements' responses
         self._sender: asyncio.Task[None] | None = None  # shared: the statement in flight
+        # shared: writes neither carried by the ledger nor sent yet, oldest first (the flush
+        # sends those older than `wait_s`, nobody having awaited them; close sends them all)
+        self._unresolved: dict[PlacementWrite, None] = {}
         self._unpruned = False  # shared: rows written since the last prune
         self.written = 0  # shared: placements written before their response's final bytes
+        self.written_with_record = 0  # of them, in the statement of the ledger's record
         self.failed_writes = 0  # shared: placements whose write failed (retried by the flush)
         self._failing = False  # shared: the last write failed (say so once, and when it heals)
         self.fetched = 0  # shared: follow-ups found in the store, not in memory
@@ -138,6 +144,8 @@ class ResponsePlacement:
 
     async def aclose(self) -> None:
         await self._flush_loop.aclose()
+        for write in list(self._unresolved):
+            write.declined()
         if self._sender is not None:
             await asyncio.gather(self._sender, return_exceptions=True)
         self._pending.extend(self._queue)  # none unless closed before the sender ran
@@ -173,17 +181,23 @@ class ResponsePlacement:
         `fetch`."""
         return self._entries.get(response_id)
 
-    def remember(self, response_id: str, stored: StoredResponse) -> asyncio.Future[bool] | None:
-        """Keep a stored response's place. Shared store: its write is sent now, and the future
-        returned answers once it is in the store (True), or failed or took longer than
-        `wait_s` (False: retried by the next flush); the response's final bytes wait for it.
-        None otherwise (written with the next flush)."""
+    def remember(self, response_id: str, stored: StoredResponse) -> PlacementWrite | None:
+        """Keep a stored response's place. Shared store: its write, for the response's final
+        bytes to await (see `PlacementWrite`); None otherwise (written with the next flush)."""
         self._keep(response_id, stored)
         if self.store is None:
             return None
         if not (self.shared and self._open):
             self._pending.append((response_id, stored))
             return None
+        write = PlacementWrite(self, response_id, stored, asyncio.get_running_loop().time())
+        self._unresolved[write] = None
+        return write
+
+    def _enqueue(self, response_id: str, stored: StoredResponse) -> asyncio.Future[bool]:
+        """Write it now on the placement's own connection (with others queued meanwhile);
+        the future answers True once it is in the store, False when that failed or took
+        longer than `wait_s` (retried by the next flush)."""
         waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._queue.append((response_id, stored))
         self._waiters.append(waiter)
@@ -289,6 +303,10 @@ class ResponsePlacement:
     async def flush(self) -> None:
         if not self._open or self.store is None:
             return
+        if self._unresolved:  # made over `wait_s` ago, and still neither carried nor sent
+            too_old_s = asyncio.get_running_loop().time() - self.wait_s
+            for write in [w for w in self._unresolved if w.made_s < too_old_s]:
+                write.declined()
         if not self._pending:
             if self._unpruned:  # shared: the rows beyond the bound, off the request path
                 self._unpruned = False
@@ -317,6 +335,65 @@ class ResponsePlacement:
     def _prune(self, store: Store) -> None:
         with store.connection() as conn:
             conn.execute(_PRUNE, (self.max_entries,))
+
+
+class PlacementWrite:
+    """A placement's write to the shared store before its response's final bytes. It is
+    offered to the ledger first (a `RecordCompanion`: `outcome.with_record`), which commits
+    it in the statement of the response's record when that goes as a lone commit on the loop
+    (`carried`: no statement of its own); otherwise (`declined`: the ledger's group commit,
+    an agent step numbered with its record, a failed commit) it is sent at once on the
+    placement's own connection, beside the ledger's commit. Awaiting it (after the ledger's
+    commit) gives True once it is in the store, False when its write failed or took longer
+    than `wait_s` (kept in memory, retried by the flush); not offered, it is sent then;
+    neither offered nor awaited, the flush sends it after `wait_s`, the close at once."""
+
+    __slots__ = (
+        "_carried",
+        "_placement",
+        "_stored",
+        "_waiter",
+        "made_s",
+        "params",
+        "response_id",
+        "sql",
+    )
+
+    def __init__(
+        self, placement: ResponsePlacement, response_id: str, stored: StoredResponse, made_s: float
+    ) -> None:
+        self._placement = placement
+        self.response_id = response_id
+        self.made_s = made_s  # loop time
+        self._stored = stored
+        self.sql = _upsert_sql(1)
+        self.params: Sequence[Any] = _row(response_id, stored)
+        self._carried = False
+        self._waiter: asyncio.Future[bool] | None = None
+
+    def carried(self) -> None:
+        if not self._carried:
+            self._carried = True
+            placement = self._placement
+            placement._unresolved.pop(self, None)
+            placement.written += 1
+            placement.written_with_record += 1
+            placement._unpruned = True
+
+    def declined(self) -> None:
+        if not self._carried and self._waiter is None:
+            self._placement._unresolved.pop(self, None)
+            self._waiter = self._placement._enqueue(self.response_id, self._stored)
+
+    def __await__(self) -> Generator[Any, None, bool]:
+        return self._wait().__await__()
+
+    async def _wait(self) -> bool:
+        if self._carried:
+            return True
+        self.declined()
+        assert self._waiter is not None
+        return await self._waiter
 
 
 def _row(response_id: str, s: StoredResponse) -> _Row:

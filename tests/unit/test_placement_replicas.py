@@ -8,6 +8,7 @@ embedded store is written in batches as before."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,10 +22,12 @@ import pytest
 from pools.config import Config
 from pools.testing.config import REMOVE, config_for_test, one_pool
 from pools.testing.gateway import GatewayOverFakes, another_router, gateway_over_fakes
+from router.accounting.ledger import Ledger
 from router.gateway.response_placement import ResponsePlacement, StoredResponse
 from router.store import SqliteStore, Store
 from tests.postgres import PASSWORD, PostgresServer
 from tests.unit.conftest import fresh_postgres_store
+from tests.unit.ledger_records import T0, record
 
 ENV = "GPUPOOL_TEST_STORE_PASSWORD"
 KEYS = {"team-a": "sk-placement-a", "team-b": "sk-placement-b"}
@@ -120,6 +123,8 @@ async def test_a_follow_up_on_the_other_replica_goes_to_the_engine_that_stored_i
         assert a.gateway.placement.fetched == 1  # the second response: b's
         assert stored_row(url, response_id(third)) == ("team-a", home, rid)  # one chain
         assert (a.gateway.placement.written, b.placement.written) == (2, 1)
+        # each rode in its ledger record's statement (c=1: lone commits on the loop)
+        assert (a.gateway.placement.written_with_record, b.placement.written_with_record) == (2, 1)
         assert a.gateway.placement.failed_writes == b.placement.failed_writes == 0
 
 
@@ -151,11 +156,13 @@ def database_refusing_connections(url: str) -> Iterator[None]:
     admin = url.replace(f"/{name}?", "/postgres?")
     with psycopg.connect(admin, password=PASSWORD, autocommit=True) as conn:
         conn.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE datname = %s AND pid <> pg_backend_pid()",
-            (name,),
-        )
+        others = "FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()"
+        conn.execute(f"SELECT pg_terminate_backend(pid) {others}", (name,))
+        for _ in range(500):  # until they are gone: each client has its FATAL message
+            row = conn.execute(f"SELECT COUNT(*) {others}", (name,)).fetchone()
+            if row is not None and row[0] == 0:
+                break
+            time.sleep(0.01)
         try:
             yield
         finally:
@@ -208,6 +215,34 @@ async def test_a_write_that_fails_stays_in_memory_and_the_flush_writes_it(
         assert await b.fetch("resp-down") is None
         await a.flush()
         assert await b.fetch("resp-down") == StoredResponse("team-a", "engine-1", "resp-down", 7)
+    finally:
+        await a.aclose()
+        await b.aclose()
+        store.close()
+
+
+async def test_a_write_nobody_awaits_is_sent_by_the_flush_after_wait_s(
+    postgres_server: PostgresServer,
+) -> None:
+    """A placement neither offered to the ledger nor awaited (its response never got to its
+    final bytes) is still written: by the first flush after `wait_s`."""
+    store = fresh_postgres_store(postgres_server)
+    store.open()
+    a, b = (ResponsePlacement(store, flush_every_s=3600, wait_s=0.5) for _ in range(2))
+    try:
+        await a.start()
+        await b.start()
+        assert a.remember("resp-1", StoredResponse("t", "e0", "resp-1", 1)) is not None
+        await a.flush()  # too young: it may still be offered or awaited
+        assert await b.fetch("resp-1") is None
+        await asyncio.sleep(0.55)
+        await a.flush()
+        for _ in range(100):  # its statement is on the way
+            if (found := await b.fetch("resp-1")) is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert found == StoredResponse("t", "e0", "resp-1", 1)
+        assert (a.written, a.written_with_record) == (1, 0)
     finally:
         await a.aclose()
         await b.aclose()
@@ -277,3 +312,39 @@ async def test_the_embedded_store_is_written_in_batches_as_before(tmp_path: Path
     finally:
         await placement.aclose()
         store.close()
+
+
+async def test_the_ledger_commits_a_placement_with_its_record_or_declines_it(
+    any_store: Store,
+) -> None:
+    """PostgreSQL: a lone commit carries the placement in its statement (both rows in, one
+    statement); a commit that finds another queued (it goes to the writer thread's group
+    commit) declines it at once and the placement's own connection writes it beside. The embedded
+    store declines always (its placements are written by the flush, nothing awaited)."""
+    ledger = Ledger(any_store, clock=lambda: T0 + 10.0)
+    placement = ResponsePlacement(any_store, flush_every_s=3600)
+    await ledger.start()
+    await placement.start()
+    try:
+        if not placement.shared:  # SQLite: nothing to carry
+            assert placement.remember("resp-1", StoredResponse("t", "e0", "resp-1", 1)) is None
+            return
+        lone = placement.remember("resp-1", StoredResponse("t", "e0", "resp-1", 1))
+        assert lone is not None
+        assert await ledger.commit(record(request_id="r1"), lone) is True
+        assert (placement.written, placement.written_with_record) == (1, 1)
+        assert await lone is True
+        ledger.submit(record(request_id="r2"))  # queued for the writer thread's group commit
+        third = placement.remember("resp-3", StoredResponse("t", "e1", "x", 3))
+        assert third is not None
+        assert await ledger.commit(record(request_id="r3"), third) is True  # after r2's
+        assert await third is True
+        assert (placement.written, placement.written_with_record) == (2, 1)
+        with any_store.connection() as conn:
+            placed = conn.execute("SELECT response_id FROM responses ORDER BY seq").fetchall()
+            records = conn.execute("SELECT request_id FROM requests ORDER BY 1").fetchall()
+        assert sorted(r[0] for r in placed) == ["resp-1", "resp-3"]
+        assert [r[0] for r in records] == ["r1", "r2", "r3"]
+    finally:
+        await placement.aclose()
+        await ledger.aclose()
