@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import socket
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,12 @@ import httpx
 import pytest
 
 from pools.config import ConfigError, contract_problems, load_config
+from pools.launchers import LauncherError
 from pools.testing.config import config_data, config_for_test
+from pools.testing.router_process import free_port
 from router.cli.commands._config import stack_config
-from router.cli.stack import METRICS_PORT_PATHS
+from router.cli.replicas import _Router
+from router.cli.stack import METRICS_PORT_PATHS, _bind_or_close
 from router.gateway.server import PathListener, Server, ServerSettings
 from tests.unit.test_server import _listener
 
@@ -229,3 +233,27 @@ async def test_the_metrics_listener_answers_only_the_operators_paths() -> None:
         await server.aclose()
         main.close()
         side.close()
+
+
+def test_a_metrics_port_already_taken_is_refused_naming_the_setting() -> None:
+    taken, port = _listener()
+    try:
+        # one router (router/cli/stack.py): the client port's socket is closed again
+        client, _ = _listener()
+        with pytest.raises(LauncherError) as err:
+            _bind_or_close(client, "127.0.0.1", port)
+        assert str(err.value) == (
+            f"cannot listen on 127.0.0.1:{port}: Address already in use"
+            " (set router.metrics_port in the config)"
+        )
+        assert client.fileno() == -1
+        # router process 1 of the supervisor's (metrics_port + 1 taken): refused before its
+        # process is started, and its place's socket on the shared port is closed again
+        shared_port = free_port()
+        config = config_for_test(router={"port": shared_port, "metrics_port": port - 1})
+        with pytest.raises(LauncherError, match=f"127.0.0.1:{port}: Address already in use"):
+            _Router(multiprocessing.get_context("forkserver"), 1, config)
+        with socket.socket() as probe:  # no socket of the failed place holds the shared port
+            probe.bind(("127.0.0.1", shared_port))
+    finally:
+        taken.close()
