@@ -144,6 +144,8 @@ class EngineCalls:
             if cancel:
                 await read_request_body(receive, self.config.router.max_body_bytes)
             stored = self.placement.get(response_id)
+            if stored is None and self.placement.shared:  # made on another router replica
+                stored = await self.placement.fetch(response_id)  # StoreUnavailable: 503
             state = self.fleet.get(stored.instance_id) if stored is not None else None
             if stored is None or stored.tenant != tenant.name:
                 raise NotFound(

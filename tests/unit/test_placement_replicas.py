@@ -122,6 +122,10 @@ async def test_a_follow_up_on_the_other_replica_goes_to_the_engine_that_stored_i
         ]
         assert a.gateway.placement.fetched == 1  # the second response: b's
         assert stored_row(url, response_id(third)) == ("team-a", home, rid)  # one chain
+        auth = {"authorization": f"Bearer {KEYS['team-a']}"}
+        got = await b_client.get(f"/v1/responses/{response_id(third)}", headers=auth)
+        assert got.status_code == 200, got.text  # a's response, read through b
+        assert got.json()["id"] == response_id(third)
         assert (a.gateway.placement.written, b.placement.written) == (2, 1)
         # each rode in its ledger record's statement (c=1: lone commits on the loop)
         assert (a.gateway.placement.written_with_record, b.placement.written_with_record) == (2, 1)
