@@ -16,9 +16,10 @@ the generation endpoints answer) and `asgi` (`send`, as every other route answer
 request head fed to a connection, its `ClientLink.respond` (what the generation endpoints
 write), in blocks of 20,000 alternating with and without the header; ns per request.
 
-    python benchmarks/results/replica-metrics-2026-12-04-s46/measure.py --before /tmp/wt-before \
-        [--rounds 5 --window-s 2.5]
-    python benchmarks/results/replica-metrics-2026-12-04-s46/measure.py --micro [--rounds 5]
+    python benchmarks/results/replica-metrics-2026-12-04-s46/replica_header_cost.py \
+        --before /tmp/wt-before [--rounds 5 --window-s 2.5]
+    python benchmarks/results/replica-metrics-2026-12-04-s46/replica_header_cost.py \
+        --micro [--rounds 5]
 """
 
 from __future__ import annotations
