@@ -7,6 +7,7 @@ hand, so nothing depends on sleep timing)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import random
@@ -19,7 +20,8 @@ import pytest
 from pools.config import Config
 from pools.fleet import Lease
 from pools.launchers.base import InstanceSpec
-from pools.testing.config import config_for_test, one_pool
+from pools.testing.config import REMOVE, config_for_test, one_pool
+from pools.testing.gateway import another_router, gateway_over_fakes
 from router.accounting.accountant import Accountant, SequenceToken
 from router.admission.decision import Need
 from router.admission.picking import RunAffinity
@@ -32,6 +34,7 @@ from router.governance.store import MIGRATIONS
 from router.request import RequestContext
 from router.runtable import RunTable
 from router.store import SqliteStore, Store, migrate
+from tests.postgres import PASSWORD, PostgresServer
 from tests.unit.test_rebalance_borrow import ctx
 from tests.unit.test_shared_reservations import Clock
 
@@ -146,7 +149,11 @@ async def _exchange(*replicas: Replica) -> None:
 
 
 def _ctx(run: str) -> RequestContext:
-    return dataclasses.replace(ctx("normal", next(_ids)), run_id=run)
+    return _ctx_of("t", run)
+
+
+def _ctx_of(tenant: str, run: str) -> RequestContext:
+    return dataclasses.replace(ctx("normal", next(_ids)), tenant=tenant, run_id=run)
 
 
 @pytest.fixture
@@ -351,3 +358,49 @@ async def test_a_failed_admission_migration_skips_the_attained_rows_not_the_rese
     assert a.shared.view()["peers_counted"] == 1  # the reservations are exchanged
     assert a.attained_gpu_s("x") == 0.0  # the attained rows are not
     assert caplog.text.count("admission migration failed") == 2  # once per replica
+
+
+async def test_two_started_routers_order_a_run_by_its_steps_on_both(
+    postgres_server: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two routers over fake engines on one PostgreSQL database, each exchanging every 0.1 s
+    as `start()` starts it: a run's steps on a and on b, and each orders the run by both."""
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    config = config_for_test(
+        tmp_path,
+        pools=one_pool(queue={"order": "run_las"}),
+        router={"ledger_path": REMOVE},
+        store={"url": postgres_server.create_database("run_las_two"), "password_env": PASSWORD_ENV},
+    )
+    key = ("default", "run-1")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with gateway_over_fakes(config) as a, another_router(a, config) as (b, b_client):
+        for client in (a.client, a.client, b_client):
+            answer = await client.post(
+                "/v1/chat/completions", json=body, headers={"x-gpupool-run-id": "run-1"}
+            )
+            assert answer.status_code == 200
+        routers = (a.gateway, b)
+
+        def own(gw: Gateway) -> float:
+            usage = gw.accountant.run_usage(key, gw.clock())
+            assert usage is not None and usage.in_flight == 0
+            return usage.gpu_seconds
+
+        total = own(a.gateway) + own(b)
+        assert own(a.gateway) > 0 and own(b) > 0
+
+        def seen(gw: Gateway) -> float:
+            assert gw.admitter.peers is not None and gw.admitter.peers.attained is not None
+            usage = gw.admitter.peers.attained.with_peers(key, gw.accountant.run_usage(key, 0))
+            return 0.0 if usage is None else usage.gpu_seconds
+
+        async with asyncio.timeout(5):  # two exchanges: 0.2 s, on a loaded machine more
+            while any(seen(gw) != pytest.approx(total) for gw in routers):  # noqa: ASYNC110
+                await asyncio.sleep(0.02)  # the exchange's ticks have no event to wait on
+        for gw in routers:  # what a step of the run queued now is ordered by
+            entry = gw.admitter.enqueue(_Waiter(_ctx_of("default", "run-1")), gw.clock())
+            gw.admitter.withdraw(entry)
+            assert entry.attained_gpu_s == pytest.approx(total)
+            assert gw.admitter.peers is not None
+            assert gw.admitter.peers.view()["attained_peer_runs"] == 1
