@@ -68,7 +68,7 @@ from router.governance.shared import (
     SLOT_AND_SESSION_STEP_SQL,
     SLOT_AND_STEP_SQL,
     NextStep,
-    RunUsage,
+    RunUsageRow,
     SessionStep,
     SharedBudgets,
     SharedLevel,
@@ -966,7 +966,7 @@ class _Usage:
 
 def _usage_rows(
     usage: dict[tuple[str, str], _Usage], now_s: float, idle_s: float
-) -> list[RunUsage]:
+) -> list[RunUsageRow]:
     """The sweep's rows: per run its usage with its first end, then its later ends."""
     rows = []
     for (tenant, run_id), u in usage.items():
@@ -974,5 +974,5 @@ def _usage_rows(
         for i, (ended_s, span_s) in enumerate(ends):
             tokens, gpu_s = (u.tokens, u.gpu_seconds) if i == 0 else (0, 0.0)
             age_s = now_s - ended_s
-            rows.append(RunUsage(tenant, run_id, tokens, gpu_s, age_s, span_s, idle_s))
+            rows.append(RunUsageRow(tenant, run_id, tokens, gpu_s, age_s, span_s, idle_s))
     return rows

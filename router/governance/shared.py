@@ -75,7 +75,7 @@ __all__ = [
     "SLOT_AND_SESSION_STEP_SQL",
     "SLOT_AND_STEP_SQL",
     "NextStep",
-    "RunUsage",
+    "RunUsageRow",
     "SessionStep",
     "SharedBudgets",
     "SharedLevel",
@@ -603,7 +603,7 @@ _ADD_RUN_USAGE = {dialect: _add_run_usage_sql(dialect) for dialect in _DB_NOW}
 
 
 @dataclass(frozen=True, slots=True)
-class RunUsage:
+class RunUsageRow:
     """What a replica settled of a run since its last sweep, for the shared counters: tokens,
     GPU-seconds, and the run's latest event here (a step's end `age_s` before the statement,
     this replica's stretch then `span_s`, its idle timeout `idle_s`), for its active time."""
@@ -1034,7 +1034,7 @@ class SharedBudgets:
             ).fetchall()
         return {str(a): int(r) for a, r in rows}
 
-    def add_run_usage(self, usage: Sequence[RunUsage]) -> None:
+    def add_run_usage(self, usage: Sequence[RunUsageRow]) -> None:
         """Add each run's tokens and GPU-seconds to its shared counters and its event to its
         active time, in one transaction, in order (a run without a row, never numbered, is
         skipped)."""

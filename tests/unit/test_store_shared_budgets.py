@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from router.governance.shared import RunUsage, SessionStep, SharedBudgets, Stretch
+from router.governance.shared import RunUsageRow, SessionStep, SharedBudgets, Stretch
 from router.governance.store import MIGRATIONS
 from router.store import PostgresStore, Store, applied_versions, migrate
 from tests.postgres import PASSWORD, PostgresServer
@@ -154,8 +154,10 @@ def test_a_runs_counters_and_stop_are_kept_for_every_replica(any_store: Store) -
     b = _budgets(any_store)
     first = b.next_step("t", "run-1", T0)
     assert (first.step, first.tokens, first.gpu_seconds, first.stop_code) == (0, 0, 0.0, None)
-    b.add_run_usage([RunUsage("t", "run-1", 100, 1.5), RunUsage("t", "never-numbered", 5, 0.1)])
-    b.add_run_usage([RunUsage("t", "run-1", 20, 0.25)])  # another replica's sweep
+    b.add_run_usage(
+        [RunUsageRow("t", "run-1", 100, 1.5), RunUsageRow("t", "never-numbered", 5, 0.1)]
+    )
+    b.add_run_usage([RunUsageRow("t", "run-1", 20, 0.25)])  # another replica's sweep
     second = b.next_step("t", "run-1", T0)
     assert (second.step, second.tokens, second.gpu_seconds) == (1, 120, 1.75)
     b.mark_run("t", "run-1", "run_loop")
@@ -215,7 +217,7 @@ def test_a_runs_active_time_is_counted_on_the_databases_clock(any_store: Store) 
     time.sleep(0.2)
     bridged = b.next_step("t", "r", T0, Stretch(100.0, 0.05)).active_s  # in flight
     assert counted + 0.2 - 0.01 <= bridged <= counted + time.monotonic() - mark + CLOCK_S
-    b.add_run_usage([RunUsage("t", "r", 5, 0.5, age_s=1000.0, span_s=5.0, idle_s=60)])
+    b.add_run_usage([RunUsageRow("t", "r", 5, 0.5, age_s=1000.0, span_s=5.0, idle_s=60)])
     assert b.active_s("t", "r") == bridged  # an end before the latest event: nothing
     b.mark_run("t", "r", None)  # ended by its client: a fresh run's time
     assert b.active_s("t", "r") == 0.0
