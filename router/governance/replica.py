@@ -29,6 +29,10 @@ each tenant's token and request budgets, concurrency slots and cost windows.
   `SESSION_STEP_SQL` instead of `NEXT_STEP_SQL`: the store maps its task anchor to the
   session's run and numbers the step in it, one statement, so every replica gives a task the
   same run; a run that ends forgets its anchors there (`forget_session_run`, background).
+- Active time (`max_duration_s`): the step's statement and the sweep's update of a run's
+  counters (its steps' ends, told with how long ago they ended) carry the run's stretch
+  here (how long it has been active without a pause), and the store counts the run's active
+  time on the database's clock across replicas (router/governance/shared.py: `RUN_ACTIVE`).
 - Cost windows: each replica publishes its hourly and daily GPU-seconds slices every sweep
   and reads the others' (a cap is seen up to one sweep late).
 - An outage (a call fails: `StoreError` or the driver's error): logged once, loudly; the
