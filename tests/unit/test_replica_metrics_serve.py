@@ -7,11 +7,13 @@ Requests go on new connections, so the kernel spreads them over both routers."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
 import re
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +127,16 @@ async def _served_and_counted(router: RouterProcess, metrics_port: int) -> None:
         r = await client.post("/v1/chat/completions", json=CHAT)  # no key
         assert r.status_code == 401 and r.headers["x-gpupool-replica"] in owner
 
-    # each replica's own metrics: the chats it served, none of the other's
+    # each replica's own metrics: the chats it served, none of the other's (a request is
+    # counted just after its last bytes: read again until it is, then exactly)
     for replica, port in owner.items():
+        deadline = time.monotonic() + DEADLINE_S
         async with httpx.AsyncClient(timeout=10) as client:
-            r = await client.get(f"http://127.0.0.1:{port}/metrics", headers=SCRAPER)
-        assert r.status_code == 200 and r.headers["x-gpupool-replica"] == replica
-        counted = sum(float(v) for v in OK_CHATS.findall(r.text))
+            while True:
+                r = await client.get(f"http://127.0.0.1:{port}/metrics", headers=SCRAPER)
+                assert r.status_code == 200 and r.headers["x-gpupool-replica"] == replica
+                counted = sum(float(v) for v in OK_CHATS.findall(r.text))
+                if counted >= served[replica] or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
         assert counted == served[replica], (replica, counted, dict(served))
