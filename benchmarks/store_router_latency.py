@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -66,6 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +394,22 @@ async def _run(
     return _report(samples, added, loads, args, speculated)
 
 
+@contextlib.contextmanager
+def fake_engine() -> Iterator[int]:
+    """A fake engine process (`pools.testing.fake_engine`, no delays) on a free port, which is
+    yielded; stopped on exit."""
+    port = free_port()
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "pools.testing.fake_engine", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        yield port
+    finally:
+        engine.terminate()
+        engine.wait(10)
+
+
 def _options(pairs: list[str]) -> dict[str, Any]:
     """`key=value` pairs, each value read as JSON (else a string)."""
     out: dict[str, Any] = {}
@@ -452,16 +470,8 @@ def main(argv: list[str] | None = None) -> None:
         urls = {"postgres": server.create_database("store_router_latency")}
         if args.baseline_tree:
             urls[BASELINE] = server.create_database("store_router_latency_base")
-        port = free_port()
-        engine = subprocess.Popen(
-            [sys.executable, "-m", "pools.testing.fake_engine", "--port", str(port)],
-            stdout=subprocess.DEVNULL,
-        )
-        try:
+        with fake_engine() as port:
             report = asyncio.run(_run(args, urls, pg.PASSWORD, Path(tmp), port))
-        finally:
-            engine.terminate()
-            engine.wait(10)
     print(report)
     if args.out is not None:
         args.out.write_text(report)
