@@ -8,11 +8,18 @@ own temporary folder only (no TCP port to collide with another suite), with pass
 authentication (scram), fsync off and small buffers (~40 MB on disk, ~30 MB of memory; about a
 second to start). The process is this one's child and carries the session's id in its
 environment, so tests/conftest.py would report it if it outlived the suite.
+
+A pytest killed with SIGKILL runs no teardown: the server then gets SIGINT (PostgreSQL's fast
+shutdown, which ends open sessions; SIGTERM would wait for them) from the kernel when the
+thread that started it dies (`prctl(PR_SET_PDEATHSIG)`, set in the child after the switch to
+`nobody`, which would clear it). Its data folder stays behind; the next start removes the
+folders whose owner (the pid in `owner.pid`) is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import pwd
 import shutil
@@ -20,7 +27,8 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,6 +39,10 @@ USER = "gpupool"
 PASSWORD = "gpupool-test-secret"
 PORT = 5432  # names the socket file; nothing listens on TCP
 START_TIMEOUT_S = 30.0
+FOLDER_PREFIX = "gpupool-pg-"
+OWNER_FILE = "owner.pid"  # the pid of the process that made the folder
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child only calls it
 
 
 def pg_binaries() -> Path | None:
@@ -45,7 +57,7 @@ def pg_binaries() -> Path | None:
 class PostgresServer:
     """One server on a data folder of its own; `stop()` and `start()` again (an outage)."""
 
-    def __init__(self, root: Path, bin_dir: Path, owner: dict[str, object]) -> None:
+    def __init__(self, root: Path, bin_dir: Path, owner: _Owner) -> None:
         self.socket_dir = root
         self._root, self._bin, self._owner = root, bin_dir, owner
         self.process: subprocess.Popen[bytes] | None = None
@@ -89,7 +101,10 @@ class PostgresServer:
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=sink,
-                **self._owner,  # type: ignore[arg-type]
+                user=self._owner.user,
+                group=self._owner.group,
+                extra_groups=self._owner.extra_groups,
+                preexec_fn=_stops_when_parent_dies(),
             )
         _wait_ready(self, log)
 
@@ -106,11 +121,60 @@ class PostgresServer:
             process.wait()
 
 
-def _as_owner() -> dict[str, object]:
-    """Popen arguments that run a child as `nobody` when we are root (PostgreSQL's rule)."""
-    if os.geteuid() != 0:
-        return {}
-    return {"user": "nobody", "group": pwd.getpwnam("nobody").pw_gid, "extra_groups": []}
+@dataclass(frozen=True)
+class _Owner:
+    """Who PostgreSQL's processes run as: `nobody` when we are root (PostgreSQL's rule), else
+    us (all None: Popen's defaults)."""
+
+    user: str | None = None
+    group: int | None = None
+    extra_groups: list[int] | None = None
+
+    @classmethod
+    def for_postgres(cls) -> _Owner:
+        if os.geteuid() != 0:
+            return cls()
+        return cls(user="nobody", group=pwd.getpwnam("nobody").pw_gid, extra_groups=[])
+
+    @property
+    def uid(self) -> int | None:
+        return None if self.user is None else pwd.getpwnam(self.user).pw_uid
+
+
+def _stops_when_parent_dies() -> Callable[[], None]:
+    """A `preexec_fn`: in the child, between fork and exec (after setuid, which would clear
+    the setting), ask for SIGINT when the parent's thread that forked it dies, even of
+    SIGKILL."""
+    parent = os.getpid()
+
+    def in_child() -> None:
+        if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0) != 0:
+            os._exit(127)  # a server that could outlive the suite is not started
+        if os.getppid() != parent:  # the parent died before the setting took
+            os._exit(127)
+
+    return in_child
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_orphaned_folders(tmp: Path) -> None:
+    """Data folders left by a pytest that was killed (its server stopped with it)."""
+    for folder in tmp.glob(FOLDER_PREFIX + "*"):
+        try:
+            owner = int((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not one of ours, or being made right now
+        if not _alive(owner):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -120,17 +184,18 @@ def start_postgres() -> Iterator[PostgresServer]:
         raise RuntimeError(
             "no PostgreSQL binaries (initdb): scripts/install.sh installs Debian's postgresql"
         )
-    root = Path(tempfile.mkdtemp(prefix="gpupool-pg-"))
-    owner = _as_owner()
-    if owner:
-        nobody = pwd.getpwnam("nobody")
-        os.chown(root, nobody.pw_uid, nobody.pw_gid)
+    _remove_orphaned_folders(Path(tempfile.gettempdir()))
+    root = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
+    (root / OWNER_FILE).write_text(str(os.getpid()))
+    owner = _Owner.for_postgres()
+    if owner.uid is not None:
+        os.chown(root, owner.uid, owner.group if owner.group is not None else -1)
     server = PostgresServer(root, bin_dir, owner)
     try:
         pwfile = root / "pw"
         pwfile.write_text(PASSWORD + "\n")
-        if owner:
-            os.chown(pwfile, pwd.getpwnam("nobody").pw_uid, -1)
+        if owner.uid is not None:
+            os.chown(pwfile, owner.uid, -1)
         subprocess.run(
             [
                 str(bin_dir / "initdb"),
@@ -148,7 +213,10 @@ def start_postgres() -> Iterator[PostgresServer]:
             ],
             check=True,
             capture_output=True,
-            **owner,  # type: ignore[arg-type]
+            user=owner.user,
+            group=owner.group,
+            extra_groups=owner.extra_groups,
+            preexec_fn=_stops_when_parent_dies(),
         )
         server.start()
         yield server
