@@ -432,19 +432,26 @@ class CompletionsHandler:
                 except orjson.JSONEncodeError:  # nested deeper than orjson writes (254 levels)
                     raise _too_deep() from None
             governed_s = 0.0  # waited for the tenant's budget (not router overhead)
-            if self.governor is not None and signals is not None:
+            governor = self.governor
+            # `enter_now`: a tenant with nothing to enforce, a request outside any run (no
+            # wait, no rate-limit headers, no speculation)
+            if (
+                governor is not None
+                and signals is not None
+                and not governor.enter_now(ctx, signals)
+            ):
                 if waiter is not None:
                     waiter.reason = "token budget"
                 try:
                     # a known run's step may go on before the shared store's answer, which
                     # is awaited before the response's first byte (not with wait comments:
                     # they may send bytes before dispatch)
-                    governed_s = await self.governor.enter(
+                    governed_s = await governor.enter(
                         ctx, estimate, signals, speculate=waiter is None
                     )
                 finally:
-                    gp_headers.extend(self.governor.rate_headers(ctx.tenant))
-                spec = self.governor.speculation(ctx.request_id)
+                    gp_headers.extend(governor.rate_headers(ctx.tenant))
+                spec = governor.speculation(ctx.request_id)
                 if spec is not None:  # its refusal cancels this task (the engine request)
                     spec.watch(asyncio.current_task())
             if waiter is not None:

@@ -201,6 +201,10 @@ class _Tenant:
     # the other replicas' cost windows (store.url), as of the last sweep
     others_hour: WindowSum | None = None
     others_day: WindowSum | None = None
+    # nothing to enforce for a request outside any run: no bucket, no request slot, no cost
+    # cap or daily budget, no shared store (set at config load and reload: `_nothing_to_enforce`)
+    unlimited: bool = False
+    plain: StepSignals | None = None  # the signals of its requests outside any run (shared)
 
 
 class Governor:
@@ -505,6 +509,14 @@ class Governor:
                 "invalid_header",
                 param=TASK_TYPE_HEADER,
             )
+        st = self._state(tenant)
+        weight = st.limits.queue_weight
+        if st.unlimited and ctx.run_id is None and st.plain is not None:
+            # outside any run (so outside any session) the run end, the task type and the
+            # history guard nothing: the tenant's shared signals
+            if weight != 1.0:
+                ctx = dataclasses.replace(ctx, tenant_weight=ctx.tenant_weight * weight)
+            return ctx, st.plain
         messages = body.get("messages")
         signals = StepSignals(
             tenant=tenant,
@@ -512,7 +524,6 @@ class Governor:
             task_type=task_type,
             messages=messages if isinstance(messages, list) else None,
         )
-        st = self._state(tenant)
         if ctx.session_id is not None:
             runs_of = self._session(st, ctx.session_id)
             replica = self._replica
@@ -524,7 +535,6 @@ class Governor:
                 if replica is not None:  # numbered here during an outage
                     self._numbered_here(st, ctx.session_id, ctx.session_turn, number)
             ctx = dataclasses.replace(ctx, run_id=session_run_id(ctx.session_id, number))
-        weight = st.limits.queue_weight
         if weight != 1.0:
             ctx = dataclasses.replace(ctx, tenant_weight=ctx.tenant_weight * weight)
         if self._replica is not None:
@@ -599,6 +609,19 @@ class Governor:
                 replica.release(early.tenant, "requests", holder)
 
         early.task.add_done_callback(release)
+
+    def enter_now(self, ctx: RequestContext, signals: StepSignals) -> bool:
+        """`enter` for a request that has nothing to wait for or be refused by: a tenant with
+        nothing to enforce (`_Tenant.unlimited`, decided at config load and reload) and a
+        request outside any run. Counted in flight with its ticket (`finished` settles it, as
+        after `enter`); it has no rate-limit headers and no speculation. True: done, as
+        `enter` would have done it with no wait; False: nothing done, await `enter`."""
+        st = self._tenants.get(signals.tenant.name)
+        if st is None or not st.unlimited or ctx.run_id is not None:
+            return False
+        st.inflight += 1
+        self._tickets[ctx.request_id] = _Ticket(ctx.tenant, 0.0, False, None, False)
+        return True
 
     async def enter(
         self,
@@ -1616,7 +1639,7 @@ class Governor:
         (`x-gpupool-ratelimit-scope: shared` and the read's age in
         `x-gpupool-ratelimit-age-s`), else its own buckets (`scope: replica`)."""
         st = self._tenants.get(tenant)
-        if st is None:
+        if st is None or st.unlimited:  # no bucket to show
             return []
         now = self.clock()
         self._apply_daily_budget(st, now)
@@ -1768,6 +1791,7 @@ class Governor:
             st.tokens = _rebucket(st.tokens, tpm, now)
             st.requests = _rebucket(st.requests, limits.requests_per_minute, now)
             st.allowance = _rebucket(st.allowance, tpm * frac if tpm and frac else None, now)
+            self._decide_unlimited(st)
             self._export(st, now)
         if self._replica is not None:  # a parked slot would skip a lowered limit's check
             self._replica.release_parked()
@@ -1794,9 +1818,27 @@ class Governor:
                 None if tpm is None or not frac else TokenBucket(tpm * frac, tpm * frac / 60, now)
             ),
         )
+        self._decide_unlimited(st)
         self._tenants[tenant.name] = st
         self._apply_saved(st)
         return st
+
+    def _decide_unlimited(self, st: _Tenant) -> None:
+        """Whether the tenant's requests outside any run have nothing to enforce (`enter_now`):
+        no token or request bucket (nor a borrowing allowance), no request slot, no hourly
+        cost cap or daily budget, no shared store. A run's step is always governed (its
+        guards come from its class). Decided per config: `_state` and `reload` call it."""
+        lim = st.limits
+        st.unlimited = (
+            self._replica is None
+            and st.tokens is None
+            and st.requests is None
+            and st.allowance is None
+            and lim.max_concurrent_requests is None
+            and lim.cost_cap_gpu_seconds_per_hour is None
+            and lim.daily_budget_gpu_seconds is None
+        )
+        st.plain = StepSignals(tenant=st.config)
 
     def _apply_daily_budget(self, st: _Tenant, now_s: float) -> None:
         """A daily budget scales the tenant's rates by what is left of it (never below
