@@ -471,16 +471,30 @@ def _header_parameters(config: Config) -> list[Schema]:
     ]
 
 
+_REPLICA_HEADER: Schema = {
+    "description": "The router process that answered (host:pid:random), on every response: "
+    "the replica id its logs, GET /admin/pools' replica.id and the store's leases carry",
+    "schema": _STR,
+    "required": True,
+}
+
+
 def _response_headers() -> dict[str, Schema]:
     def header(description: str, schema: Schema = _STR) -> Schema:
         return {"description": description, "schema": schema}
 
     return {
+        "x-gpupool-replica": _REPLICA_HEADER,
         "x-gpupool-request-id": header("The router's id for this request"),
         "x-gpupool-pool": header("The pool that served it"),
         "x-gpupool-class": header("The class it was given"),
         "x-gpupool-priority": header("The priority it was queued with", _INT),
         "x-gpupool-instance": header("The engine instance that served it"),
+        "x-gpupool-cached-tokens": header(
+            "Prompt tokens the router expected that instance to hold in its prefix cache "
+            "(whole blocks; absent when unknown)",
+            {"type": "integer", "minimum": 0},
+        ),
         "x-gpupool-gpu-seconds": header(
             "GPU-seconds it cost (non-streaming answers)", {"type": "number", "minimum": 0}
         ),
@@ -824,7 +838,9 @@ def openapi_document(config: Config, access: OperatorAccess) -> dict[str, Any]:
         ),
         "/metrics": _get(
             "metrics",
-            "Prometheus metrics (open while no key is configured; then the admin or scrape key)",
+            "Prometheus metrics of the router process that answers (open while no key is "
+            "configured; then the admin or scrape key); each process's own on "
+            "router.metrics_port + i when set",
             {"description": "Prometheus text", "content": {"text/plain": {"schema": _STR}}},
             401,
             403,
@@ -906,15 +922,24 @@ def openapi_document(config: Config, access: OperatorAccess) -> dict[str, Any]:
     for status, description in _ERROR_DESCRIPTIONS.items():
         response = _json(_ref("Error"), description)
         if status == 405:
-            response["headers"] = {"allow": {"schema": _STR, "required": True}}
+            response["headers"] = {
+                "allow": {"schema": _STR, "required": True},
+                "x-gpupool-replica": _REPLICA_HEADER,
+            }
         elif status == 429:
-            response["headers"] = {"retry-after": {"schema": _INT, "required": True}}
+            response["headers"] = {
+                "retry-after": {"schema": _INT, "required": True},
+                "x-gpupool-replica": _REPLICA_HEADER,
+            }
         responses[f"Error{status}"] = response
     for status in _ANTHROPIC_STATUSES:
         description = _ERROR_DESCRIPTIONS.get(status, "The queue is full (overloaded)")
         response = _json(_ref("AnthropicError"), description)
         if status in (429, 529):
-            response["headers"] = {"retry-after": {"schema": _INT, "required": True}}
+            response["headers"] = {
+                "retry-after": {"schema": _INT, "required": True},
+                "x-gpupool-replica": _REPLICA_HEADER,
+            }
         responses[f"AnthropicError{status}"] = response
     return {
         "openapi": "3.1.0",
@@ -923,7 +948,11 @@ def openapi_document(config: Config, access: OperatorAccess) -> dict[str, Any]:
             "version": "1",
             "description": "An OpenAI-compatible endpoint in front of a pool of vLLM engines. "
             "Errors have OpenAI's shape; a method a path does not take answers 405 "
-            "(components.responses.Error405) and an unknown path 404.",
+            "(components.responses.Error405) and an unknown path 404. Every response, errors "
+            "and streams included, carries x-gpupool-replica: the router process that "
+            "answered. With router.metrics_port P, router process i also listens on port P+i "
+            "for /metrics, /health, /ready, /admin/* and /ui only (anything else there: 404 "
+            "not_on_this_port), so each router process is scraped on its own.",
         },
         "paths": paths,
         "components": {

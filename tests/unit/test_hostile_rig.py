@@ -31,7 +31,7 @@ from pools.launchers.base import InstanceSpec
 from pools.testing.config import REMOVE, config_for_test, default_pools
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.cli.stack import CLIENT_KEEP_ALIVE_S
+from router.cli.stack import CLIENT_KEEP_ALIVE_S, REPLICA_HEADER
 from router.gateway.app import Gateway, create_app
 from router.gateway.server import Server, ServerSettings
 
@@ -176,7 +176,8 @@ def router_server(gateway: Gateway, config: Config) -> Server:
         keep_alive_s=CLIENT_KEEP_ALIVE_S,
         max_connections=rc.max_connections,
     )
-    return Server(gateway, settings, shutdown_grace_s=1.0)
+    replica = gateway.rebalancer.replica.encode("ascii", "replace")
+    return Server(gateway, settings, shutdown_grace_s=1.0, headers=[(REPLICA_HEADER, replica)])
 
 
 @dataclass

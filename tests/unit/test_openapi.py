@@ -50,6 +50,7 @@ def test_the_router_serves_this_document(live: LiveRouter) -> None:
         "x-gpupool-run-id",
         "x-gpupool-usage",
     }
+    assert hot["responses"]["200"]["headers"]["x-gpupool-replica"]["required"] is True
     body = served["components"]["schemas"]["ChatCompletionRequest"]
     assert body["additionalProperties"] is True and body["required"] == ["model", "messages"]
     assert "Error405" in served["components"]["responses"]
