@@ -97,16 +97,20 @@ config = uvicorn.Config(app, log_level="warning", access_log=False, proxy_header
 uvloop.run(uvicorn.Server(config).serve(sockets=[sock]))
 """
 
+# as `gpupool serve` (router/cli/stack.py) starts it: with the constant header naming the
+# replica on every answer, where the checkout's server writes one (s46 on)
 _GPUPOOL_SERVER = """
-import asyncio, socket, uvloop
+import asyncio, inspect, socket, uvloop
 from router.gateway.server import Server, ServerSettings
 from benchmarks.router_overhead.servers import {app} as app
 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 sock.bind(("127.0.0.1", {port})); sock.listen(2048); sock.setblocking(False)
+replica = [(b"x-gpupool-replica", b"bench-host:12345:0123456789abcdef")]
+constant = dict(headers=replica) if "headers" in inspect.signature(Server).parameters else {{}}
 async def main():
     server = Server(app, ServerSettings(head_timeout_s=30.0, max_head_bytes=65536,
-        keep_alive_s=75.0, max_connections=4096))
+        keep_alive_s=75.0, max_connections=4096), **constant)
     await server.start(sock)
     await asyncio.Event().wait()
 uvloop.run(main())
