@@ -141,12 +141,6 @@ def _governance_problems(config: Config, tenant: TenantConfig) -> list[str]:
             f"tenants.{tenant.name}.borrow_max_frac: borrowing extends a token budget; set"
             " tokens_per_minute too (it is the base quota the fraction is of)"
         )
-    if tenant.borrow_max_frac and config.store.url is not None:
-        problems.append(
-            f"tenants.{tenant.name}.borrow_max_frac: borrowing between tenants is per router"
-            " process and stays off with a shared store (store.url): router replicas share"
-            " each tenant's own budget instead"
-        )
     tier = config.governance.tier(tenant.tier)
     engine_seqs = config.engines.max_num_seqs * config.engines.instance_count
     if tier is not None and engine_seqs and tier.max_concurrent_requests > engine_seqs:
@@ -166,8 +160,8 @@ def contract_problems(config: Config) -> list[str]:
       expected output tokens at the TPOT target) fits the class timeout;
     - each pool can hold at least one instance's worth of capacity (ceiling >= 1/instances)
       when there is more than one instance;
-    - a tenant's `borrow_max_frac` has a `tokens_per_minute` to be a fraction of, and no
-      shared store (borrowing is off there);
+    - a tenant's `borrow_max_frac` has a `tokens_per_minute` to be a fraction of (with a
+      shared store it borrows across the replicas: docs/replicas.md);
     - `router.replicas` above 1 has a PostgreSQL store and engines known at start (not the
       kubernetes or ray launchers);
     - `router.metrics_port` (+ i per router process) fits in 1-65535, apart from `router.port`

@@ -33,8 +33,11 @@ and (a run becoming active) `max_concurrent_runs`; cost caps add the other repli
 a run's step is numbered in the store (`dispatched` hands the number to the meter), and a
 session's step is mapped there to its session's run by the same statement (`prepare` names it
 with the replica's guess, `enter` takes the store's: docs/replicas.md, s45).
-The local buckets still apply (they are what a store outage falls back on). Borrowing stays
-off there (a lender's bucket is shared). Without a URL nothing of this runs.
+The local buckets still apply (they are what a store outage falls back on), but for a
+borrower's tokens, which the shared buckets decide while the store answers: its shortfall is
+borrowed from an idle tenant's shared bucket, out of its shared allowance, in one statement
+(`_borrow_shared`; no borrowing during an outage: docs/replicas.md). Without a URL nothing of
+this runs.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from pools.config import Config, TenantConfig
 from pools.periodic import Periodic
 from router.admission.estimate import Estimate
 from router.errors import BadRequest, GpupoolError, RateLimited, RunStopped
-from router.governance.borrowing import LenderView, pick_lender
+from router.governance.borrowing import IDLE_AFTER_SWEEPS, LenderView, Terms, pick_lender
 from router.governance.bucket import TokenBucket, WindowSum
 from router.governance.guards import (
     STOP_FIELDS,
@@ -187,6 +190,7 @@ class _Tenant:
     tokens: TokenBucket | None
     requests: TokenBucket | None
     allowance: TokenBucket | None = None  # what it may still borrow (borrow_max_frac)
+    shared_waiting: int = 0  # its requests waiting for its shared bucket (store.url)
     hour: WindowSum = field(default_factory=lambda: WindowSum(HOUR_S, 60))
     day: WindowSum = field(default_factory=lambda: WindowSum(DAY_S, 96))
     inflight: int = 0
@@ -242,6 +246,9 @@ class Governor:
         self._sweep_loop = Periodic(
             "gpupool-governance-sweep", self._sweep_and_save, sweep_interval_s
         )
+        # with a shared store: a lender no replica marked active for this long is idle
+        self._lender_idle_after_s = IDLE_AFTER_SWEEPS * sweep_interval_s
+        self._lends = any(t.borrow_max_frac for t in config.tenants)  # sweeps mark demand
         self._store = store
         self._wall_clock = wall_clock
         self._dirty: dict[tuple[str, str], RunState] = {}  # runs changed since the last save
@@ -398,7 +405,12 @@ class Governor:
             if st.limits.cost_cap_gpu_seconds_per_hour is not None
             or st.limits.daily_budget_gpu_seconds is not None
         ]
-        others = await replica.sync(windows)
+        busy = [  # not lenders (borrowing, with a borrower configured)
+            name
+            for name, st in self._tenants.items()
+            if self._lends and (st.inflight or st.shared_waiting or st.lock.locked())
+        ]
+        others = await replica.sync(windows, busy)
         if others is None:  # unreachable: the last windows read stay
             return
         if self._numbered_alone:  # the store answers again: what was numbered here meanwhile
@@ -747,6 +759,8 @@ class Governor:
                         name, bucket, amount, capacity=local.capacity, rate_per_s=local.rate_per_s
                     )
                 ) > 0.0:
+                    if bucket == "tokens" and await self._borrow_shared(st, amount):
+                        break
                     if self.clock() + wait > end_s:
                         per_minute = round(local.rate_per_s * 60)
                         self._refuse(
@@ -759,7 +773,11 @@ class Governor:
                         )
                     if early is not None:
                         self._drop_early(early)
-                    await asyncio.sleep(wait)
+                    st.shared_waiting += 1
+                    try:
+                        await asyncio.sleep(wait)
+                    finally:
+                        st.shared_waiting -= 1
                 if bucket == "tokens":
                     took.tokens = amount
                 else:
@@ -1309,10 +1327,19 @@ class Governor:
         `borrowing`), when the tenant may borrow and its requests bucket holds one. Returns
         whether it did."""
         tokens, allowance = st.tokens, st.allowance
-        if tokens is None or allowance is None or self._replica is not None:
+        if tokens is None or allowance is None:
             return False
         if st.requests is not None and st.requests.wait_s(1, now_s) > 0.0:
             return False
+        if self._replica is not None:
+            if self._replica.down_since_s is not None:
+                return False  # no borrowing during an outage: the own buckets as they are
+            # the shared buckets decide (the shortfall borrowed there, `_borrow_shared`); this
+            # replica's own bucket keeps counting what it spent
+            tokens.settle(0.0, need, now_s)
+            if st.requests is not None:
+                st.requests.try_reserve(1, now_s)
+            return True
         short = need - tokens.level(now_s)
         if short <= 0.0 or allowance.wait_s(short, now_s) > 0.0 or short > allowance.capacity:
             return False
@@ -1333,6 +1360,39 @@ class Governor:
             st.requests.try_reserve(1, now_s)
         self.metrics.borrowed.labels(st.config.name).inc(short)
         self.metrics.lent.labels(lender_name).inc(short)
+        return True
+
+    async def _borrow_shared(self, st: _Tenant, need: float) -> bool:
+        """With a shared store: `need` tokens whose shortfall in the tenant's shared bucket
+        is borrowed from an idle tenant's (router/governance/shared.py, `gpupool_borrow`),
+        out of its shared allowance; the rest from its lease and its own shared bucket.
+        Returns whether it did (then the request holds `need` as if taken from the lease)."""
+        replica, tokens, allowance = self._replica, st.tokens, st.allowance
+        if replica is None or tokens is None or allowance is None:
+            return False
+        name = st.config.name
+        lenders = [  # idle here; the store decides whether idle on every replica
+            (o.config.name, o.tokens.capacity, o.tokens.rate_per_s)
+            for o in self._tenants.values()
+            if o is not st
+            and o.tokens is not None
+            and not (o.inflight or o.shared_waiting or o.lock.locked())
+        ]
+        if not lenders:
+            return False
+        terms = Terms(
+            tokens.capacity,
+            tokens.rate_per_s,
+            allowance.capacity,
+            allowance.rate_per_s,
+            tuple(lenders),
+            self._lender_idle_after_s,
+        )
+        loan = await replica.borrow(name, need, terms)
+        if loan is None:
+            return False
+        self.metrics.borrowed.labels(name).inc(loan.short)
+        self.metrics.lent.labels(loan.lender).inc(loan.short)
         return True
 
     def _refuse_rate(self, st: _Tenant, reason: str, need: float, wait_s: float) -> None:
@@ -1780,6 +1840,7 @@ class Governor:
         self._task_types = dict(config.governance.task_types_s)
         self._idle_timeout_s = config.governance.run_idle_timeout_s
         self._max_wait_s = {p.name: p.queue.max_wait_s for p in config.pools}
+        self._lends = any(t.borrow_max_frac for t in config.tenants)
         for tenant in config.tenants:
             st = self._tenants.get(tenant.name)
             if st is None:

@@ -61,6 +61,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from router.errors import StoreUnavailable
+from router.governance.borrowing import Terms
 from router.governance.metrics import GovernanceMetrics
 from router.governance.runtable import MAX_ANCHORS
 from router.governance.shared import (
@@ -71,6 +72,7 @@ from router.governance.shared import (
     SESSION_STEP_SQL,
     SLOT_AND_SESSION_STEP_SQL,
     SLOT_AND_STEP_SQL,
+    Loan,
     NextStep,
     RunUsageRow,
     SessionStep,
@@ -365,6 +367,23 @@ class ReplicaBudgets:
             key = (tenant, bucket)
             self._learn(key, read.get(key) or SharedLevel(capacity, now_s, capacity, rate_per_s))
         return None
+
+    async def borrow(self, tenant: str, need: float, terms: Terms) -> Loan | None:
+        """`need` tokens with the shortfall borrowed from an idle tenant's shared bucket (one
+        statement: `SharedBudgets.borrow`), after `take` found the tenant's own short. The
+        part from the lease comes out of it here. None: not borrowed (nothing lendable, the
+        allowance spent, or the store down: no borrowing during an outage)."""
+        if self.down_since_s is not None:
+            return None
+        key, now_s = (tenant, "tokens"), self._wall()
+        lease = self.leases.get(key, 0.0)
+        try:
+            loan = await self._call(lambda: self.db.borrow(tenant, need, lease, now_s, terms))
+        except _Down:
+            return None
+        if loan is not None:
+            self.leases[key] = self.leases.get(key, 0.0) - loan.from_lease
+        return loan
 
     def give(self, tenant: str, bucket: str, amount: float) -> None:
         """Put `amount` back into the lease (negative: a request used more than it took)."""
@@ -846,12 +865,13 @@ class ReplicaBudgets:
     # ------------------------------------------------------------------ the sweep
 
     async def sync(
-        self, windows: Sequence[tuple[str, Slices, Slices]]
+        self, windows: Sequence[tuple[str, Slices, Slices]], busy: Sequence[str] = ()
     ) -> dict[str, tuple[Slices, Slices]] | None:
-        """The governance sweep's half: give back the leases (charge their debts), renew this
-        replica's slots, publish its cost windows (`(tenant, hour, day)`, unix starts) and
-        return the other replicas' (None when the store cannot be reached). The first sync
-        that gets through after an outage is its reconciliation."""
+        """The governance sweep's half: give back the leases (charge their debts), mark the
+        `busy` tenants active (a request of theirs in flight or waiting here: not lenders),
+        renew this replica's slots, publish its cost windows (`(tenant, hour, day)`, unix
+        starts) and return the other replicas' (None when the store cannot be reached). The
+        first sync that gets through after an outage is its reconciliation."""
         amounts = [(t, b, units) for (t, b), units in self.leases.items() if units != 0.0]
         for t, b, _ in amounts:
             self.leases[(t, b)] = 0.0
@@ -866,7 +886,7 @@ class ReplicaBudgets:
 
         def work() -> tuple[dict[str, tuple[Slices, Slices]], dict[tuple[str, str], SharedLevel]]:
             nonlocal settled, added
-            self.db.settle_many(amounts)  # one transaction: all of them or none
+            self.db.settle_many(amounts, busy, now_s)  # one transaction: all or none
             settled = True
             self.db.add_run_usage(rows)
             added = True

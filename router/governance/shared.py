@@ -37,6 +37,13 @@ docs/replicas.md).
   step numbered in that run, one statement (PostgreSQL: `gpupool_session_step`, migration
   10); `forget_session_run` drops an ended run's anchors (its task's next step starts a new
   run).
+- `borrow(tenant, need, lease, now_s, ...)`: borrowing between tenants across replicas
+  (migration 12): the borrower's own shared bucket gives what it holds, the shortfall comes
+  from an idle lender's shared bucket (it keeps its reserve) and out of the borrower's shared
+  allowance, in one statement (PostgreSQL: `gpupool_borrow`); the rules are
+  router/governance/borrowing.py's. `reserve_up_to` marks its tenant active
+  (`budget_buckets.active_at_s`) and `settle_many` marks the tenants a replica has requests
+  of (its sweep): a lender is idle when no mark is recent.
 - `levels(tenants, now_s)`: their `tokens` and `requests` buckets' levels refilled to `now_s`
   (`GET /v1/budget`'s read and the sweep's: docs/replicas.md).
 - `publish_windows` / cost windows: each replica's hourly and daily GPU-seconds slices, one
@@ -55,12 +62,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from router.governance.borrowing import LenderView, Terms, idle, pick_lender, split
 from router.store import Conn, Migration, Store, upsert
 
 __all__ = [
     "ACQUIRE_SLOT",
     "ACQUIRE_SLOT_SQL",
     "ADMISSION_RESERVATIONS",
+    "BORROWING",
     "COST_WINDOWS",
     "NEXT_STEP_SQL",
     "RECORD_HOME_SQL",
@@ -74,6 +83,7 @@ __all__ = [
     "SHARED_TABLES",
     "SLOT_AND_SESSION_STEP_SQL",
     "SLOT_AND_STEP_SQL",
+    "Loan",
     "NextStep",
     "RunUsageRow",
     "SessionStep",
@@ -522,6 +532,117 @@ RUN_ACTIVE = Migration(
     _run_active("REAL"),
     _run_active("DOUBLE PRECISION"),
 )
+# governance's twelfth migration: borrowing between tenants across replicas. A tenant's
+# `tokens` row gains `active_at_s`: the latest time (unix, the marking replica's clock) a
+# replica had demand of it, written by its lease top-ups (`reserve_up_to`, the upsert that
+# opens the transaction anyway) and, for the tenants with a request in flight or waiting
+# there, by each replica's governance sweep (`settle_many`). A borrower's allowance is its
+# `allowance` row (capacity `borrow_max_frac` x its tokens per minute, refilled a minute).
+# `gpupool_borrow` (PostgreSQL: one round trip) locks the borrower's allowance row (its
+# borrows on every replica are counted one after another), then its tokens row, splits the
+# need as `borrowing.split` does, and takes the shortfall from the idle lender with the most
+# to lend above its reserve (`borrowing.pick_lender`; ties: the first name), re-checked on
+# the lender's row under its lock (a lender another replica just lent from or marked active
+# is passed over for the next). Nothing: no row.
+
+
+def _refill(row: str, now: str) -> str:
+    """A `budget_buckets` row's level refilled to `now` (`refilled`'s rule, in SQL)."""
+    return (
+        f"(CASE WHEN {now} > {row}.updated_at_s THEN LEAST({row}.capacity, {row}.level"
+        f" + ({now} - {row}.updated_at_s) * {row}.rate_per_s) ELSE {row}.level END)"
+    )
+
+
+_LENDER_IDLE = "(l.active_at_s IS NULL OR l.active_at_s < p_idle_before)"
+_LENDABLE = f"{_refill('l', 'p_now')} - p_reserve_frac * l.capacity"
+_BORROW_FUNCTION = f"""
+CREATE OR REPLACE FUNCTION gpupool_borrow(
+    p_tenant TEXT, p_need DOUBLE PRECISION, p_lease DOUBLE PRECISION, p_now DOUBLE PRECISION,
+    p_capacity DOUBLE PRECISION, p_rate DOUBLE PRECISION, p_allow_capacity DOUBLE PRECISION,
+    p_allow_rate DOUBLE PRECISION, p_lenders TEXT[], p_capacities DOUBLE PRECISION[],
+    p_rates DOUBLE PRECISION[], p_idle_before DOUBLE PRECISION,
+    p_reserve_frac DOUBLE PRECISION
+) RETURNS TABLE (o_lender TEXT, o_short DOUBLE PRECISION, o_own DOUBLE PRECISION)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_allowance DOUBLE PRECISION;
+    v_own DOUBLE PRECISION;
+    v_take DOUBLE PRECISION;
+    v_short DOUBLE PRECISION;
+    v_lender TEXT;
+BEGIN
+    -- the borrower's allowance, then its own bucket (marked active: it has demand), locked
+    INSERT INTO budget_buckets AS b (tenant, bucket, level, capacity, rate_per_s, updated_at_s)
+        VALUES (p_tenant, 'allowance', p_allow_capacity, p_allow_capacity, p_allow_rate, p_now)
+        ON CONFLICT (tenant, bucket) DO UPDATE
+        SET capacity = excluded.capacity, rate_per_s = excluded.rate_per_s
+        RETURNING {_refill("b", "p_now")} INTO v_allowance;
+    INSERT INTO budget_buckets AS b (tenant, bucket, level, capacity, rate_per_s, updated_at_s,
+            active_at_s)
+        VALUES (p_tenant, 'tokens', p_capacity, p_capacity, p_rate, p_now, p_now)
+        ON CONFLICT (tenant, bucket) DO UPDATE
+        SET capacity = excluded.capacity, rate_per_s = excluded.rate_per_s,
+            active_at_s = GREATEST(b.active_at_s, excluded.active_at_s)
+        RETURNING {_refill("b", "p_now")} INTO v_own;
+    -- borrowing.split: the lease first, then the own bucket (never below 0), the rest short
+    v_take := LEAST(GREATEST(v_own, 0), p_need - LEAST(GREATEST(p_lease, 0), p_need));
+    v_short := p_need - LEAST(GREATEST(p_lease, 0), p_need) - v_take;
+    IF v_short <= 0 OR v_short > v_allowance OR v_short > p_allow_capacity THEN
+        RETURN;
+    END IF;
+    -- a lender never used has no row yet: it starts full (and idle)
+    INSERT INTO budget_buckets (tenant, bucket, level, capacity, rate_per_s, updated_at_s)
+        SELECT u.n, 'tokens', u.c, u.c, u.r, p_now
+        FROM unnest(p_lenders, p_capacities, p_rates) AS u(n, c, r)
+        ON CONFLICT (tenant, bucket) DO NOTHING;
+    FOR v_lender IN
+        SELECT l.tenant FROM budget_buckets l
+        WHERE l.bucket = 'tokens' AND l.tenant = ANY(p_lenders) AND l.tenant <> p_tenant
+            AND {_LENDER_IDLE} AND {_LENDABLE} >= v_short
+        ORDER BY {_LENDABLE} DESC, l.tenant
+    LOOP
+        -- re-checked on the row under its lock (another replica may have lent or marked it)
+        UPDATE budget_buckets AS l SET level = {_refill("l", "p_now")} - v_short,
+            updated_at_s = GREATEST(l.updated_at_s, p_now)
+            WHERE l.tenant = v_lender AND l.bucket = 'tokens' AND {_LENDER_IDLE}
+                AND {_LENDABLE} >= v_short;
+        IF FOUND THEN
+            UPDATE budget_buckets AS b SET level = {_refill("b", "p_now")} - v_take,
+                updated_at_s = GREATEST(b.updated_at_s, p_now)
+                WHERE b.tenant = p_tenant AND b.bucket = 'tokens';
+            UPDATE budget_buckets AS b SET level = {_refill("b", "p_now")} - v_short,
+                updated_at_s = GREATEST(b.updated_at_s, p_now)
+                WHERE b.tenant = p_tenant AND b.bucket = 'allowance';
+            RETURN QUERY SELECT v_lender, v_short, v_take;
+            RETURN;
+        END IF;
+    END LOOP;
+END
+$fn$
+"""
+BORROW_SQL = (  # PostgreSQL only (parameters: `SharedBudgets.borrow`'s, in order)
+    "SELECT o_lender, o_short, o_own FROM gpupool_borrow(?, ?, ?, ?, ?, ?, ?, ?,"
+    " CAST(? AS TEXT[]), CAST(? AS DOUBLE PRECISION[]), CAST(? AS DOUBLE PRECISION[]), ?, ?)"
+)
+
+
+def _borrowing(real: str) -> Callable[[Conn], None]:
+    def apply(conn: Conn) -> None:
+        conn.execute(f"ALTER TABLE budget_buckets ADD COLUMN active_at_s {real}")
+        if real != "REAL":  # PostgreSQL: the borrow's function (one statement: its body holds `;`)
+            conn.execute(_BORROW_FUNCTION)
+
+    return apply
+
+
+BORROWING = Migration(
+    "governance",
+    12,
+    "budget_buckets.active_at_s, gpupool_borrow (borrowing between tenants across replicas)",
+    _borrowing("REAL"),
+    _borrowing("DOUBLE PRECISION"),
+)
 _SESSION_COLUMNS = (
     "o_next_step AS next_step, o_home AS home, o_home_step AS home_step,"
     " o_context_tokens AS context_tokens, o_tokens AS tokens, o_gpu_seconds AS gpu_seconds,"
@@ -688,6 +809,24 @@ _SETTLE = (
     "UPDATE budget_buckets SET level = CASE WHEN level + ? > capacity THEN capacity"
     " ELSE level + ? END WHERE tenant = ? AND bucket = ?"
 )
+# a top-up's upsert, which also marks its tenant active (a lender is idle when no mark is
+# recent: migration 12)
+_CREATE_ACTIVE = (
+    "INSERT INTO budget_buckets (tenant, bucket, level, capacity, rate_per_s, updated_at_s,"
+    " active_at_s) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, bucket) DO UPDATE SET"
+    " capacity = excluded.capacity, rate_per_s = excluded.rate_per_s,"
+    " active_at_s = CASE WHEN budget_buckets.active_at_s IS NULL"
+    " OR budget_buckets.active_at_s < excluded.active_at_s THEN excluded.active_at_s"
+    " ELSE budget_buckets.active_at_s END"
+)
+# the sweep's: a lease given back (0: none) and, when the time is not NULL, the tenant marked
+# active then
+_SETTLE_AND_MARK = (
+    "UPDATE budget_buckets SET level = CASE WHEN level + ? > capacity THEN capacity"
+    " ELSE level + ? END, active_at_s = CASE WHEN CAST(? AS DOUBLE PRECISION)"
+    " > COALESCE(active_at_s, -1) THEN CAST(? AS DOUBLE PRECISION) ELSE active_at_s END"
+    " WHERE tenant = ? AND bucket = ?"
+)
 _SLOT_BUCKET = "__slots__"  # the row locked while a tenant's slots are counted
 
 
@@ -701,6 +840,18 @@ def refilled(level: float, at_s: float, capacity: float, rate_per_s: float, now_
     if now_s > at_s:
         level = min(float(capacity), level + (now_s - float(at_s)) * float(rate_per_s))
     return level
+
+
+@dataclass(frozen=True, slots=True)
+class Loan:
+    """A borrow's answer: `short` tokens from `lender`'s bucket (and out of the borrower's
+    allowance), `own` from the borrower's own shared bucket, `from_lease` from the replica's
+    lease (the caller's, subtracted by it); together the request's need."""
+
+    lender: str
+    short: float
+    own: float
+    from_lease: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -757,8 +908,11 @@ class SharedBudgets:
         it. Returns (taken, level after): taken 0.0 when refused (the level then says how
         far it is from `least`)."""
         with self.store.connection() as conn, conn.transaction():
-            # the upsert locks the row: the read and the write below are one step
-            conn.execute(_CREATE, (tenant, bucket, capacity, capacity, rate_per_s, now_s))
+            # the upsert locks the row (and marks the tenant active): the read and the write
+            # below are one step
+            conn.execute(
+                _CREATE_ACTIVE, (tenant, bucket, capacity, capacity, rate_per_s, now_s, now_s)
+            )
             level, at_s, cap, rate = conn.execute(
                 "SELECT level, updated_at_s, capacity, rate_per_s FROM budget_buckets"
                 " WHERE tenant = ? AND bucket = ?",
@@ -778,12 +932,123 @@ class SharedBudgets:
                 )
             return taken, level
 
-    def settle_many(self, amounts: Sequence[tuple[str, str, float]]) -> None:
-        """`settle` of many (tenant, bucket, given back: negative takes) in one transaction."""
-        if not amounts:
+    def settle_many(
+        self,
+        amounts: Sequence[tuple[str, str, float]],
+        active: Sequence[str] = (),
+        now_s: float | None = None,
+    ) -> None:
+        """`settle` of many (tenant, bucket, given back: negative takes) in one transaction;
+        the `active` tenants' `tokens` rows marked active at `now_s` besides (a replica's
+        demand, for borrowing). Rows are written in (tenant, bucket) order, so two replicas'
+        sweeps never wait for each other's rows in opposite orders."""
+        rows: dict[tuple[str, str], list[Any]] = {}
+        for t, b, a in amounts:
+            rows.setdefault((t, b), [0.0, None])[0] += a
+        if now_s is not None:
+            for t in active:
+                rows.setdefault((t, "tokens"), [0.0, None])[1] = now_s
+        if not rows:
             return
         with self.store.connection() as conn, conn.transaction():
-            conn.executemany(_SETTLE, [(a, a, t, b) for t, b, a in amounts])
+            conn.executemany(
+                _SETTLE_AND_MARK,
+                [(a, a, at, at, t, b) for (t, b), (a, at) in sorted(rows.items())],
+            )
+
+    def borrow(
+        self, tenant: str, need: float, lease: float, now_s: float, terms: Terms
+    ) -> Loan | None:
+        """`need` tokens for `tenant` whose lease holds `lease`: its own shared bucket gives
+        what it holds and the shortfall is borrowed from the idle lender (among
+        `terms.lenders`) with the most to lend above its reserve, out of the borrower's
+        allowance, all or nothing (router/governance/borrowing.py's rules). A lender is idle
+        when no replica marked it active in the last `terms.idle_after_s`. None: nothing
+        short, the allowance cannot hold it or no lender can. One statement on PostgreSQL;
+        SQLite, one transaction."""
+        lenders = [(n, c, r) for n, c, r in terms.lenders if n != tenant]
+        from_lease = min(max(lease, 0.0), need)
+        own_bucket = (tenant, "tokens", terms.capacity, terms.capacity, terms.rate_per_s, now_s)
+        if self.store.dialect == "postgresql":
+            with self.store.connection() as conn:
+                row = conn.execute(
+                    BORROW_SQL,
+                    (
+                        *(tenant, need, lease, now_s, terms.capacity, terms.rate_per_s),
+                        *(terms.allowance_capacity, terms.allowance_rate_per_s),
+                        *([n for n, _, _ in lenders], [c for _, c, _ in lenders]),
+                        *([r for _, _, r in lenders], now_s - terms.idle_after_s),
+                        terms.reserve_frac,
+                    ),
+                ).fetchone()
+            if row is None:
+                return None
+            return Loan(str(row[0]), float(row[1]), float(row[2]), from_lease)
+        with self.store.connection() as conn, conn.transaction():
+            cap, rate = terms.allowance_capacity, terms.allowance_rate_per_s
+            conn.execute(_CREATE_ACTIVE, (tenant, "allowance", cap, cap, rate, now_s, None))
+            conn.execute(_CREATE_ACTIVE, (*own_bucket, now_s))
+            allow_level, own_level = (
+                self._refilled_in(conn, tenant, bucket, now_s) for bucket in ("allowance", "tokens")
+            )
+            parts = split(need, lease, own_level, allow_level, cap)
+            if parts is None:
+                return None
+            conn.executemany(
+                "INSERT INTO budget_buckets (tenant, bucket, level, capacity, rate_per_s,"
+                " updated_at_s) VALUES (?, 'tokens', ?, ?, ?, ?) ON CONFLICT (tenant, bucket)"
+                " DO NOTHING",
+                [(n, c, c, r, now_s) for n, c, r in lenders],
+            )
+            views = []
+            for name in sorted(n for n, _, _ in lenders):  # ties: the first name, as in SQL
+                level, at_s, capacity, rate_per_s, active_at_s = conn.execute(
+                    "SELECT level, updated_at_s, capacity, rate_per_s, active_at_s"
+                    " FROM budget_buckets WHERE tenant = ? AND bucket = 'tokens'",
+                    (name,),
+                ).fetchone()
+                views.append(
+                    LenderView(
+                        name,
+                        refilled(level, at_s, capacity, rate_per_s, now_s),
+                        float(capacity),
+                        idle(active_at_s, now_s, terms.idle_after_s),
+                    )
+                )
+            lender = pick_lender(parts.short, views, terms.reserve_frac)
+            if lender is None:
+                return None
+            for name, bucket, amount in (
+                (lender, "tokens", parts.short),
+                (tenant, "tokens", parts.own),
+                (tenant, "allowance", parts.short),
+            ):
+                level = self._refilled_in(conn, name, bucket, now_s)
+                conn.execute(
+                    "UPDATE budget_buckets SET level = ?, updated_at_s = CASE WHEN"
+                    " updated_at_s > ? THEN updated_at_s ELSE ? END"
+                    " WHERE tenant = ? AND bucket = ?",
+                    (level - amount, now_s, now_s, name, bucket),
+                )
+            return Loan(lender, parts.short, parts.own, from_lease)
+
+    @staticmethod
+    def _refilled_in(conn: Conn, tenant: str, bucket: str, now_s: float) -> float:
+        level, at_s, cap, rate = conn.execute(
+            "SELECT level, updated_at_s, capacity, rate_per_s FROM budget_buckets"
+            " WHERE tenant = ? AND bucket = ?",
+            (tenant, bucket),
+        ).fetchone()
+        return refilled(level, at_s, cap, rate, now_s)
+
+    def active_at(self, tenant: str) -> float | None:
+        """When a replica last marked the tenant active (None: never; tests, tools)."""
+        with self.store.connection() as conn:
+            row = conn.execute(
+                "SELECT active_at_s FROM budget_buckets WHERE tenant = ? AND bucket = 'tokens'",
+                (tenant,),
+            ).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
 
     def settle(self, tenant: str, bucket: str, reserved: float, used: float) -> None:
         back = reserved - used

@@ -25,6 +25,7 @@ from pathlib import Path
 from router.governance.shared import (
     ACQUIRE_SLOT,
     ADMISSION_RESERVATIONS,
+    BORROWING,
     COST_WINDOWS,
     RUN_ACTIVE,
     RUN_COUNTERS,
@@ -108,6 +109,7 @@ MIGRATIONS = (
     SLOT_UNITS,
     SESSION_RUNS,
     RUN_ACTIVE,
+    BORROWING,
 )
 
 

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pools.config import Config, ConfigError, contract_problems
+from pools.config import Config, ConfigError
 from pools.testing.config import config_for_test, one_pool
 from router.admission.estimate import Estimate
 from router.admission.picking import RunAffinity
@@ -740,12 +740,6 @@ async def test_run_tokens_and_stops_count_across_replicas(postgres_server: Postg
             await enter(b, "g", run_id="run-2")
         assert err.value.code == "run_loop"
         assert "another router replica" in err.value.message
-
-
-def test_borrowing_is_refused_with_a_shared_store() -> None:
-    tenant = {"name": "t", "tokens_per_minute": 600, "borrow_max_frac": 0.5}
-    config = config_for_test(tenants=[tenant], store={"url": "postgresql://u@db:5432/g"})
-    assert any("borrow_max_frac" in p and "store.url" in p for p in contract_problems(config))
 
 
 # ------------------------------------------------------------------------------ outage
