@@ -966,7 +966,8 @@ class SharedBudgets:
         when no replica marked it active in the last `terms.idle_after_s`. None: nothing
         short, the allowance cannot hold it or no lender can. One statement on PostgreSQL;
         SQLite, one transaction."""
-        lenders = [(n, c, r) for n, c, r in terms.lenders if n != tenant]
+        # floats: psycopg sends a list of one type (an int among floats is refused)
+        lenders = [(n, float(c), float(r)) for n, c, r in terms.lenders if n != tenant]
         from_lease = min(max(lease, 0.0), need)
         own_bucket = (tenant, "tokens", terms.capacity, terms.capacity, terms.rate_per_s, now_s)
         if self.store.dialect == "postgresql":

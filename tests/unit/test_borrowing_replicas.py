@@ -138,7 +138,7 @@ def test_idle_means_no_mark_within_the_bound() -> None:
 # ------------------------------------------------------------------------------ the statement
 
 
-LENDERS = [("big", 1000.0, 1000 / 60), ("small", 100.0, 100 / 60), ("tie", 1000.0, 1000 / 60)]
+LENDERS = [("big", 1000.0, 1000 / 60), ("small", 100, 100 / 60), ("tie", 1000.0, 1000 / 60)]
 
 
 def test_the_borrow_statement_follows_the_rules_on_both_backends(any_store: Store) -> None:
