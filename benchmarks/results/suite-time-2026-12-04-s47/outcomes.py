@@ -1,6 +1,7 @@
 """Compare what the OpenAPI property tests found at different case counts (`openapi_counts.sh`):
 per run, the cases sent, the distinct (operation, status, error code) outcomes, the failures,
-and the router/pools lines and branches covered (coverage.py JSON), each against the first run given.
+and the router/pools lines and branches covered (coverage.py JSON), each against the first
+run given.
 
     python outcomes.py RUN_DIR [RUN_DIR ...]   # each with outcomes.jsonl and coverage.json
 """
@@ -13,11 +14,13 @@ from collections import Counter
 from pathlib import Path
 
 
-def load(run: Path) -> tuple[list[dict[str, object]], set[tuple[str, int]]]:
+def load(run: Path) -> tuple[list[dict[str, object]], set[tuple[str, str]]]:
     cases = [json.loads(line) for line in (run / "outcomes.jsonl").read_text().splitlines()]
     files = json.loads((run / "coverage.json").read_text())["files"]
-    lines = {(name, str(n)) for name, f in files.items() for n in f["executed_lines"]}
-    branches = {
+    lines: set[tuple[str, str]] = {
+        (name, str(n)) for name, f in files.items() for n in f["executed_lines"]
+    }
+    branches: set[tuple[str, str]] = {
         (name, f"{a}->{b}") for name, f in files.items() for a, b in f["executed_branches"]
     }
     return cases, lines | branches
@@ -39,7 +42,8 @@ def main(runs: list[Path]) -> None:
             f"{run.name}: {len(cases)} cases {dict(phases)}; {len(outcomes)} outcomes"
             f" ({len(outcomes - base_outcomes)} not in {runs[0].name},"
             f" {len(base_outcomes - outcomes)} of its missing); failures {dict(failures)};"
-            f" {len(lines)} lines and branches covered ({len(lines - base_lines)} not in {runs[0].name},"
+            f" {len(lines)} lines and branches covered"
+            f" ({len(lines - base_lines)} not in {runs[0].name},"
             f" {len(base_lines - lines)} of its missing)"
         )
         for o in sorted(base_outcomes - outcomes, key=str):
