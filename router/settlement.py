@@ -31,7 +31,8 @@ One exception to that order (s44): an agent step that governance sent on with no
 by the statement that commits its record (`commit_numbered`), so there the ledger comes
 before governance, which then reads the store's answer: the step's number and home, or a
 refusal (a stop or `max_steps` reached on another replica), which `settle` returns for the
-client instead of the response (the record then replaced by the refusal's in `finish`).
+client instead of the response (the record then replaced by the refusal's in `finish`);
+governance settles such a step in `finish`, after the final bytes (s47).
 When the ledger cannot take it now (another commit in flight), the step's own statement
 goes beside the record's commit (the known number), and a renumbered step's record is
 written again in `finish`.
@@ -207,7 +208,9 @@ class Settlement:
         self, outcome: RequestOutcome, step: DeferredStep
     ) -> BaseException | None:
         """Meter, the record committed with its step's number (or, when the ledger cannot
-        now, the step numbered, then the record committed), then governance."""
+        now, the step numbered, then the record committed), the store's answer read (the
+        refusal, if any). Governance settles the step in `finish`, after the final bytes:
+        nothing in them waits for it (s47: ~25 us off a step's path at c=1)."""
         governance = self.governance
         assert governance is not None
         request_id = outcome.ctx.request_id
@@ -215,7 +218,7 @@ class Settlement:
             self.accounting.meter(outcome, final_bytes_next=True)
         except Exception:
             self._failed(outcome, "meter")
-        self._ungoverned.add(request_id)  # until governance runs below (or in `finish`)
+        self._ungoverned.add(request_id)  # until governance runs in `finish`
         row: tuple[Any, ...] | None = ()
         try:
             row = await self.accounting.commit_numbered(outcome, step.sql, step.params)
@@ -235,11 +238,6 @@ class Settlement:
             refusal = step.read_row(row)
         if refusal is not None:
             _refused(outcome, refusal)
-        self._ungoverned.discard(request_id)
-        try:
-            governance.finished(outcome)
-        except Exception:
-            self._failed(outcome, "governance")
         return refusal
 
     def finish(self, outcome: RequestOutcome) -> None:
@@ -251,7 +249,7 @@ class Settlement:
         if not outcome.settled:
             self._meter_and_govern(outcome, final_bytes_next=False)
         elif self._ungoverned and outcome.ctx.request_id in self._ungoverned:
-            self._ungoverned.discard(outcome.ctx.request_id)  # cancelled while numbered
+            self._ungoverned.discard(outcome.ctx.request_id)  # numbered with its record
             if self.governance is not None:
                 try:
                     self.governance.finished(outcome)

@@ -248,11 +248,13 @@ def test_a_step_numbered_with_its_record_is_committed_before_governance_reads_it
     meter.numbered = STEP_ROW
     out = outcome()
     assert asyncio.run(settlement.settle(out)) is None
-    # the ledger before governance: its statement numbers the step
-    assert calls == ["meter", "ledger.numbered:STEP SQL", "governance.read:3:False", "governance"]
+    # the ledger before governance: its statement numbers the step; governance settles it
+    # after the final bytes (s47: nothing in them waits for it)
+    assert calls == ["meter", "ledger.numbered:STEP SQL", "governance.read:3:False"]
     calls.clear()
-    settlement.finish(out)  # governance ran once; the record as committed: not written again
-    assert "governance" not in calls and calls.count("ledger") == 1
+    settlement.finish(out)  # governance once, then the record as committed: not written again
+    assert calls[0] == "governance" and calls.count("governance") == 1
+    assert calls.count("ledger") == 1
 
 
 def test_a_step_its_record_refuses_gets_the_refusal_and_its_record_replaced() -> None:
@@ -273,6 +275,7 @@ def test_a_step_its_record_refuses_gets_the_refusal_and_its_record_replaced() ->
     assert (out.prompt_tokens, out.completion_tokens, out.gpu_seconds) == (0, 0, 0.5)
     # committed as served: `record` (AccountingObserver's) writes the refusal's over it
     assert out.committed_as == ("ok", 200) != (out.outcome, out.status)
+    assert "governance" not in calls  # after the refusal is sent
     settlement.finish(out)
     assert calls.count("governance") == 1
 
@@ -287,6 +290,6 @@ def test_a_step_the_ledger_cannot_number_now_is_numbered_beside_its_commit() -> 
     out.step_index = 3  # the known number, given at dispatch
     assert asyncio.run(settlement.settle(out)) is None  # `numbered` None: it cannot now
     assert calls == ["meter", "ledger.numbered:STEP SQL", "ledger", "governance.statement",
-                     "governance.read:5:False", "governance"]  # fmt: skip
+                     "governance.read:5:False"]  # fmt: skip
     assert step.step == 5  # renumbered: the record, committed as 3, is written again
     assert out.committed_as is None
