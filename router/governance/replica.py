@@ -642,11 +642,13 @@ class ReplicaBudgets:
         sent: asyncio.Task[list[Row]] | None = None,
         session: SessionStep | None = None,
         span_s: float = 0.0,
+        waited: bool = True,
     ) -> NextStep | None:
         """The run's next step number (and its home) from the store; None while it cannot be
         reached (the ledger then numbers the step from this replica's memory). `sent`: as
         `begin` sent it. `session`: a session's step (the store maps its run: `run`).
-        `span_s`: as `begin`'s."""
+        `span_s`: as `begin`'s. `waited`: False when nobody waits for the answer (the
+        background connection, not polled: `_statement`)."""
         if self.down_since_s is not None and sent is None:
             return None
         now_s = self._wall()
@@ -661,7 +663,7 @@ class ReplicaBudgets:
             )
 
         try:
-            got = await self._statement(sql, params, in_thread, sent=sent)
+            got = await self._statement(sql, params, in_thread, waited=waited, sent=sent)
         except _Down:
             return None
         return NextStep.from_row(got) if isinstance(got, tuple) else got
@@ -680,7 +682,9 @@ class ReplicaBudgets:
         self._background(self._number_later(tenant, run_id))
 
     async def _number_later(self, tenant: str, run_id: str) -> None:
-        await self.next_step(tenant, run_id)
+        # nobody waits for it: the background connection, not polled (s47; on the loop's it
+        # took the connection the next request's statement needs, and polled for its answer)
+        await self.next_step(tenant, run_id, waited=False)
 
     def _background(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` on the event loop, in the background (awaited at close), unless the

@@ -274,6 +274,27 @@ async def test_slots_and_step_numbers_on_the_loops_connection(
         assert await background_ready(a) - released_before == 1
 
 
+async def test_a_step_counted_later_goes_on_the_background_connection(
+    postgres_server: PostgresServer,
+) -> None:
+    """A step sent on with no statement whose record was not committed with its number is
+    counted in the store afterwards (`number_later`): nobody waits for that answer, so it
+    goes on the background connection, not polled, and the loop's connection stays free for
+    the next request's statement; the run's next step is numbered after it."""
+    url = postgres_server.create_database("replicas_number_later")
+    async with replica(shared_config(url), url, Clock(T0), "a") as a:
+        on_loop = await loop_ready(a)
+        in_background = await background_ready(a)
+        assert a._replica is not None
+        a._replica.number_later("t", "run-later")
+        await asyncio.gather(*a._replica._pending)
+        assert await loop_ready(a) == on_loop
+        assert await background_ready(a) == in_background + 1
+        outcome = await enter(a, "t", run_id="run-later")
+        a.dispatched(outcome)
+        assert outcome.step_index == 1
+
+
 async def test_a_statement_unanswered_on_the_loop_is_an_outage_at_once(
     postgres_server: PostgresServer,
 ) -> None:
