@@ -676,12 +676,12 @@ class Governor:
             if early is not None:
                 self._drop_early(early)
 
-        waited_s = await self._take_rate(st, ctx, need, now, on_wait)
+        waited_s, past_own = await self._take_rate(st, ctx, need, now, on_wait)
         shared: _SharedTake | None = None
         if self._replica is not None:
             try:
                 shared = await self._take_shared(
-                    st, ctx, need, now, early, signals if speculate else None
+                    st, ctx, need, now, early, signals if speculate else None, past_own
                 )
             except BaseException:
                 self._give_back(st, need, True, self.clock())
@@ -735,6 +735,7 @@ class Governor:
         now_s: float,
         early: _Early | None = None,
         speculate: StepSignals | None = None,
+        past_own: bool = False,
     ) -> _SharedTake:
         """Take the request's tokens and request from the shared buckets (waiting, as the
         local buckets do, while they refill within the deadline and the pool's max wait),
@@ -778,6 +779,14 @@ class Governor:
                         await asyncio.sleep(wait)
                     finally:
                         st.shared_waiting -= 1
+                if bucket == "tokens" and past_own and replica.down_since_s is not None:
+                    # the store went down as the request went past its own bucket to borrow:
+                    # no loan during an outage, its own bucket decides (it did not hold it)
+                    replica.give(name, bucket, amount)  # what `take` ran into debt
+                    own = local.level(self.clock()) + amount
+                    self._refuse_rate(
+                        st, reason, amount, max(1e-3, (amount - own) / local.rate_per_s)
+                    )
                 if bucket == "tokens":
                     took.tokens = amount
                 else:
@@ -1263,12 +1272,13 @@ class Governor:
         need: float,
         now_s: float,
         on_wait: Callable[[], None] | None = None,
-    ) -> float:
+    ) -> tuple[float, bool]:
         """Reserve `need` tokens and one request, waiting (FIFO) while the buckets refill
-        (`on_wait` called before it waits). Returns the seconds waited."""
+        (`on_wait` called before it waits). Returns the seconds waited, and whether the
+        tokens went past the own bucket to the shared buckets to borrow (`_borrow`)."""
         tokens, requests = st.tokens, st.requests
         if tokens is None and requests is None:
-            return 0.0
+            return 0.0, False
 
         def wait_s(at_s: float) -> tuple[float, str]:
             t = tokens.wait_s(need, at_s) if tokens is not None else 0.0
@@ -1284,9 +1294,9 @@ class Governor:
         wait, reason = wait_s(now_s)
         if wait == 0.0 and not st.lock.locked():
             reserve(now_s)
-            return 0.0
+            return 0.0, False
         if not st.lock.locked() and self._borrow(st, need, now_s):
-            return 0.0
+            return 0.0, self._replica is not None
         end_s = min(ctx.deadline_s, now_s + self._max_wait_s.get(ctx.pool, 0.0))
         if now_s + wait > end_s:
             self._refuse_rate(st, reason, need, wait)
@@ -1308,9 +1318,9 @@ class Governor:
                     wait, reason = wait_s(at_s)
                     if wait == 0.0:
                         reserve(at_s)
-                        return at_s - now_s
+                        return at_s - now_s, False
                     if self._borrow(st, need, at_s):
-                        return at_s - now_s
+                        return at_s - now_s, self._replica is not None
                     if at_s + wait > end_s:
                         self._refuse_rate(st, reason, need, wait)
                     st.refilled.clear()

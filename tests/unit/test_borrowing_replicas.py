@@ -276,8 +276,12 @@ async def test_no_borrowing_while_the_store_is_down(own_server: PostgresServer) 
         for _ in range(2):
             await enter(o, "x", 30)
         own_server.stop()
-        await o.sync_replicas()  # the sweep finds the store down
+        # the request that finds the store down (its top-up fails) is no loan either: its
+        # own bucket, spent, decides, and nothing is left in debt for it
+        assert await refused(o, "x", 30) == "token_rate"
         assert sample(o, "gpupool_governance_store_up") == 0
+        assert o._replica is not None and o._replica.leases.get(("x", "tokens"), 0.0) == 0.0
+        await o.sync_replicas()  # the sweep finds the store down too
         assert await refused(o, "x", 30) == "token_rate"  # its own bucket is spent: no loan
         with pytest.raises(StoreUnavailable):
             await enter(c, "x", 30)
