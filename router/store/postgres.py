@@ -35,6 +35,8 @@ from router.store.base import Conn, Rows, Store, StoreError, redact
 
 __all__ = ["PostgresStore", "redact"]
 
+POOL_FILL_S = 5.0  # the least `open` waits for the pool's first connections
+
 
 def _reason(err: psycopg.Error) -> str:
     """PostgreSQL's (or libpq's) words for a failed connection, on one line."""
@@ -134,13 +136,17 @@ class PostgresStore(Store):
             timeout=self._timeout_s,
             name="gpupool-store",
         )
+        # The server has just answered a connect: filling the pool is the same connects in the
+        # pool's threads, which a loaded machine can delay past a short `connect_timeout_s`
+        # (a bound meant for an outage), so the fill gets at least POOL_FILL_S.
+        fill_s = max(self._timeout_s, POOL_FILL_S)
         try:
-            pool.open(wait=True, timeout=self._timeout_s)
+            pool.open(wait=True, timeout=fill_s)
         except psycopg_pool.PoolTimeout as err:
             pool.close()
             raise StoreError(
                 f"the PostgreSQL store {self.name} gave no {self._min} connections within"
-                f" {self._timeout_s:g} s"
+                f" {fill_s:g} s"
             ) from err
         self._pool = pool
 

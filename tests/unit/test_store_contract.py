@@ -210,6 +210,21 @@ def test_an_unreachable_server_fails_within_the_timeout(tmp_path: Path) -> None:
         store.open()
 
 
+def test_a_short_connect_timeout_does_not_fail_the_pool_fill(
+    postgres_server: PostgresServer,
+) -> None:
+    """A `connect_timeout_s` far shorter than a connect (meant to notice an outage fast) does
+    not fail `open` while the server answers: the pool's first connections get at least
+    POOL_FILL_S (under load they took over 0.5 s and tests failed at setup)."""
+    store = PostgresStore(postgres_server.url(), password=PASSWORD, connect_timeout_s=0.0001)
+    store.open()
+    try:
+        with store.connection() as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        store.close()
+
+
 def test_a_file_that_is_not_sqlite_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "ledger.sqlite"
     path.write_bytes(b"not a database at all" * 100)
