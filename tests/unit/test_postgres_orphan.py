@@ -50,8 +50,13 @@ def test_a_sigkilled_pytest_leaves_no_postgres_running(tmp_path: Path) -> None:
     (tmp_path / "test_hold.py").write_text(HOLDER)
     seen = tmp_path / "seen"
     session = uuid.uuid4().hex  # what the child starts carries this id, and only that does
+    # the child's data folder in a temporary folder of its own, so that no other test's start
+    # sweeps it first; short (the server's socket is in it) and open to `nobody`
+    temp = Path(tempfile.mkdtemp(prefix="pg-orphan-"))
+    temp.chmod(0o755)
     env = {
         **os.environ,
+        "TMPDIR": str(temp),
         "PYTHONPATH": str(REPO),
         "PG_SEEN": str(seen),
         SESSION_ENV: session,
@@ -86,6 +91,7 @@ def test_a_sigkilled_pytest_leaves_no_postgres_running(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
     assert not left, f"outlived the killed pytest: {left}"
     # no teardown ran: the folder is there until a start sweeps it
-    assert folder.is_dir()
-    _remove_orphaned_folders(Path(tempfile.gettempdir()))
+    assert folder.parent == temp and folder.is_dir()
+    _remove_orphaned_folders(temp)
     assert not folder.exists()
+    temp.rmdir()

@@ -20,7 +20,7 @@ for i in $(seq 1 "$pairs"); do
     (cd "$wt" && find . -name __pycache__ -not -path './.venv*' -prune -exec rm -rf {} + ;
      PYTHONPATH="$wt" /usr/bin/time -f '%e %U %S' -o "$log.time" \
        .venv/bin/pytest -p no:cacheprovider "$@" > "$log" 2>&1)
-    read -r wall user sys < "$log.time"
+    read -r wall user sys < <(tail -1 "$log.time")
     echo "$side $i start $start load $load wall ${wall} cpu $(echo "$user + $sys" | bc) :: $(tail -1 "$log")"
   done
 done
