@@ -12,8 +12,9 @@ environment, so tests/conftest.py would report it if it outlived the suite.
 A pytest killed with SIGKILL runs no teardown: the server then gets SIGINT (PostgreSQL's fast
 shutdown, which ends open sessions; SIGTERM would wait for them) from the kernel when the
 thread that started it dies (`prctl(PR_SET_PDEATHSIG)`, set in the child after the switch to
-`nobody`, which would clear it). Its data folder stays behind; the next start removes the
-folders whose owner (the pid in `owner.pid`) is gone.
+`nobody`, which would clear it): one thread that lives as long as the process (`_spawn`).
+Its data folder stays behind; the next start removes the folders whose owner (the pid in
+`owner.pid`) is gone.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,7 +80,7 @@ class PostgresServer:
     def start(self) -> None:
         log = self._root / "log"
         with open(log, "ab") as sink:
-            self.process = subprocess.Popen(
+            self.process = _spawn(
                 [
                     str(self._bin / "postgres"),
                     "-D",
@@ -99,12 +102,9 @@ class PostgresServer:
                     "-c",
                     "max_connections=60",
                 ],
+                self._owner,
                 stdout=subprocess.DEVNULL,
                 stderr=sink,
-                user=self._owner.user,
-                group=self._owner.group,
-                extra_groups=self._owner.extra_groups,
-                preexec_fn=_stops_when_parent_dies(),
             )
         _wait_ready(self, log)
 
@@ -139,6 +139,29 @@ class _Owner:
     @property
     def uid(self) -> int | None:
         return None if self.user is None else pwd.getpwnam(self.user).pw_uid
+
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process, and
+# tests start and restart servers from threads that end long before the suite does
+# (`asyncio.to_thread(server.start)`: the server was stopped between two tests so). Every
+# server and initdb is forked by this one thread, which lives as long as the process.
+_spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="postgres-spawner")
+
+
+def _spawn(argv: list[str], owner: _Owner, **kwargs: Any) -> subprocess.Popen[bytes]:
+    """`Popen(argv)` as `owner`, stopped by the kernel when this process dies (SIGKILL too)."""
+
+    def popen() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            argv,
+            user=owner.user,
+            group=owner.group,
+            extra_groups=owner.extra_groups,
+            preexec_fn=_stops_when_parent_dies(),
+            **kwargs,
+        )
+
+    return _spawner.submit(popen).result()
 
 
 def _stops_when_parent_dies() -> Callable[[], None]:
@@ -196,7 +219,7 @@ def start_postgres() -> Iterator[PostgresServer]:
         pwfile.write_text(PASSWORD + "\n")
         if owner.uid is not None:
             os.chown(pwfile, owner.uid, -1)
-        subprocess.run(
+        initdb = _spawn(
             [
                 str(bin_dir / "initdb"),
                 "-D",
@@ -211,13 +234,13 @@ def start_postgres() -> Iterator[PostgresServer]:
                 "UTF8",
                 "--locale=C.UTF-8",
             ],
-            check=True,
-            capture_output=True,
-            user=owner.user,
-            group=owner.group,
-            extra_groups=owner.extra_groups,
-            preexec_fn=_stops_when_parent_dies(),
+            owner,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
+        output, _ = initdb.communicate()
+        if initdb.returncode != 0:
+            raise RuntimeError(f"initdb failed:\n{output.decode(errors='replace')[-2000:]}")
         server.start()
         yield server
     finally:

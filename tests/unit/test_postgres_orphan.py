@@ -1,6 +1,6 @@
 """A pytest killed with SIGKILL (no teardown runs) leaves no PostgreSQL server behind
 (tests/postgres.py): the server and its backends stop within seconds, and the data folder it
-leaves is removed by the next start."""
+leaves is removed by the next start; a server restarted from a thread that ends lives on."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests.conftest import SESSION_ENV, session_processes
-from tests.postgres import _remove_orphaned_folders, pg_binaries
+from tests.postgres import PASSWORD, _remove_orphaned_folders, pg_binaries, start_postgres
 
 REPO = Path(__file__).resolve().parents[2]
 GONE_WITHIN_S = 10.0
@@ -95,3 +97,16 @@ def test_a_sigkilled_pytest_leaves_no_postgres_running(tmp_path: Path) -> None:
     _remove_orphaned_folders(temp)
     assert not folder.exists()
     temp.rmdir()
+
+
+def test_a_server_restarted_from_a_thread_outlives_that_thread() -> None:
+    """PR_SET_PDEATHSIG follows the thread that forked the server: a restart from a thread that
+    then ends (`asyncio.to_thread(server.start)`) must not stop the server with it."""
+    with start_postgres() as server:
+        server.stop()
+        restart = threading.Thread(target=server.start)
+        restart.start()
+        restart.join()
+        time.sleep(0.5)  # the kernel's signal, had it been armed by that thread, comes at once
+        assert server.process is not None and server.process.poll() is None
+        psycopg.connect(server.url(), password=PASSWORD, connect_timeout=5).close()
