@@ -757,7 +757,12 @@ class Governor:
                     continue
                 while (
                     wait := await replica.take(
-                        name, bucket, amount, capacity=local.capacity, rate_per_s=local.rate_per_s
+                        name,
+                        bucket,
+                        amount,
+                        capacity=local.capacity,
+                        rate_per_s=local.rate_per_s,
+                        decides=not (bucket == "tokens" and past_own),
                     )
                 ) > 0.0:
                     if bucket == "tokens" and await self._borrow_shared(st, amount):

@@ -241,9 +241,10 @@ class ReplicaBudgets:
             else "requests its reserved chunk does not cover are refused with 503",
         )
 
-    def _outage(self, tenant: str, what: str) -> None:
+    def _outage(self, tenant: str, what: str, *, counted: bool = True) -> None:
         """A decision the database cannot make now: admit (open) or refuse (closed)."""
-        self.metrics.outage_requests.labels(tenant, self.on_outage).inc()
+        if counted:
+            self.metrics.outage_requests.labels(tenant, self.on_outage).inc()
         if self.on_outage == "closed":
             raise StoreUnavailable(
                 f"tenant {tenant!r}'s {what} are kept in the shared store, which cannot be"
@@ -255,11 +256,20 @@ class ReplicaBudgets:
     # ------------------------------------------------------------------ budgets
 
     async def take(
-        self, tenant: str, bucket: str, amount: float, *, capacity: float, rate_per_s: float
+        self,
+        tenant: str,
+        bucket: str,
+        amount: float,
+        *,
+        capacity: float,
+        rate_per_s: float,
+        decides: bool = True,
     ) -> float:
         """Take `amount` from the lease, topping it up from the shared bucket. Returns 0.0
         when taken, else the seconds until the shared bucket will hold it (nothing taken).
-        During an outage: taken on debt (open) or `StoreUnavailable` (closed)."""
+        During an outage: taken on debt (open) or `StoreUnavailable` (closed); counted as an
+        outage decision unless `decides` is false (a borrower past its own bucket: the
+        caller refuses it on that bucket instead)."""
         key = (tenant, bucket)
         if self._from_lease(key, amount):
             return 0.0
@@ -267,7 +277,7 @@ class ReplicaBudgets:
         if lock is None:
             lock = self._topping[key] = asyncio.Lock()
         async with lock:  # one top-up at a time: the others then find it in the lease
-            return await self._top_up(key, amount, capacity, rate_per_s)
+            return await self._top_up(key, amount, capacity, rate_per_s, decides)
 
     def _from_lease(self, key: tuple[str, str], amount: float) -> bool:
         held = self.leases.get(key, 0.0)
@@ -277,7 +287,12 @@ class ReplicaBudgets:
         return True
 
     async def _top_up(
-        self, key: tuple[str, str], amount: float, capacity: float, rate_per_s: float
+        self,
+        key: tuple[str, str],
+        amount: float,
+        capacity: float,
+        rate_per_s: float,
+        decides: bool = True,
     ) -> float:
         if self._from_lease(key, amount):
             return 0.0
@@ -312,7 +327,7 @@ class ReplicaBudgets:
                 self.metrics.shared_reservations.labels(tenant, bucket).inc()
                 self.leases[key] = self.leases.get(key, 0.0) + taken - amount
                 return 0.0
-        self._outage(tenant, f"{bucket} budget")
+        self._outage(tenant, f"{bucket} budget", counted=decides)
         self.leases[key] = self.leases.get(key, 0.0) - amount  # a debt, charged on reconnect
         return 0.0
 

@@ -283,6 +283,9 @@ async def test_no_borrowing_while_the_store_is_down(own_server: PostgresServer) 
         assert o._replica is not None and o._replica.leases.get(("x", "tokens"), 0.0) == 0.0
         await o.sync_replicas()  # the sweep finds the store down too
         assert await refused(o, "x", 30) == "token_rate"  # its own bucket is spent: no loan
+        # refused on its own bucket, not admitted on debt: no outage decision counted
+        outage = "gpupool_governance_outage_requests_total"
+        assert sample(o, outage, tenant="x", policy="open") == 0
         with pytest.raises(StoreUnavailable):
             await enter(c, "x", 30)
         assert borrowed(o) == borrowed(c) == 0

@@ -25,7 +25,7 @@ from router.governance import governor as governor_module
 from router.governance.governor import StepSignals
 from router.governance.store import GovernanceStore
 from router.request import RequestContext, RequestOutcome
-from router.store import PostgresStore
+from router.store import PostgresStore, StoreError
 from router.store.loop_connection import LoopConnection
 from tests.postgres import PASSWORD, PostgresServer, start_postgres
 
@@ -89,11 +89,20 @@ async def replica(
         replica_id=f"{HOLDER_PREFIX}-{name}",
     )
     REGISTRIES[id(gov)] = registry
+    failed = False
     try:
         yield gov
+    except BaseException:
+        failed = True
+        raise
     finally:
-        await gov.aclose()
-        await asyncio.to_thread(store.close)
+        try:
+            await gov.aclose()
+        except StoreError:
+            if not failed:  # else the test's own failure (its server stopped) is what to see
+                raise
+        finally:
+            await asyncio.to_thread(store.close)
 
 
 _seq = iter(range(10**9))
