@@ -138,7 +138,7 @@ async def test_a_request_that_does_not_fit_waits_and_is_served(make_rig: Any) ->
     assert rig.normal.peak_running == 1  # never both on the engine: KV would not hold them
     assert _leases(rig) == (0, 0)
     waits = rig.gateway.metrics.queue_wait.labels("normal", "normal")
-    assert waits._sum.get() > 0.2  # type: ignore[attr-defined]
+    assert waits._sum.get() > 0.2
 
 
 async def test_why_a_queued_request_waits_is_counted_once_per_reason(make_rig: Any) -> None:
@@ -154,7 +154,7 @@ async def test_why_a_queued_request_waits_is_counted_once_per_reason(make_rig: A
     for _ in range(3):  # the first still runs: each pass finds the second waiting for KV
         admitter.dispatch_once(admitter.clock())
     assert (await first).status == 200 and (await second).status == 200
-    counted = rig.gateway.metrics.admission_waits.labels("normal", "kv")._value.get()  # type: ignore[attr-defined]
+    counted = rig.gateway.metrics.admission_waits.labels("normal", "kv")._value.get()
     assert counted == 1
     assert admitter._wait_reasons == {}  # forgotten once it left the queue
 
@@ -191,7 +191,7 @@ async def test_full_queue_answers_429_with_retry_after(make_rig: Any) -> None:
     assert error["retryable"] is True and error["retry_after_seconds"] >= 1
     assert (await running).status == 200 and (await queued).status == 200
     rejected = rig.gateway.metrics.rejections.labels("normal", "queue_full")
-    assert rejected._value.get() == 1  # type: ignore[attr-defined]
+    assert rejected._value.get() == 1
 
 
 async def test_queue_timeout_is_a_429(make_rig: Any) -> None:
@@ -217,7 +217,7 @@ async def test_a_queued_client_that_leaves_never_reaches_the_engine(make_rig: An
     assert (await queued).status == 499
     assert len(rig.gateway.admitter.queues["normal"]) == 0  # left at once, not at timeout
     depth = rig.gateway.metrics.queue_depth_g.labels("normal")
-    assert depth._value.get() == 0  # type: ignore[attr-defined]  # no pump pass needed
+    assert depth._value.get() == 0  # no pump pass needed
     assert (await running).status == 200
     await asyncio.sleep(0.1)
     assert all(r.get("seed") != 4242 for r in rig.normal.requests_seen)
@@ -260,7 +260,7 @@ async def test_non_streaming_requests_record_no_ttft(make_rig: Any) -> None:
     rig = await make_rig()
     assert (await asgi_post(rig.gateway, {**CHAT, "max_tokens": 4})).status == 200
     ttft = rig.gateway.metrics.ttft.labels("normal")
-    assert ttft._sum.get() == 0  # type: ignore[attr-defined]
+    assert ttft._sum.get() == 0
     streamed = await asgi_post(rig.gateway, {**CHAT, "max_tokens": 4, "stream": True})
     assert streamed.status == 200
     count = [
@@ -288,8 +288,13 @@ async def test_openai_client_retries_a_429_and_succeeds(make_rig: Any) -> None:
     refused = await asgi_post(rig.gateway, {**CHAT, "max_tokens": 150})
     assert refused.status == 429
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=rig.gateway), base_url="http://gw")
+    # openai 3.60 takes an httpx (legacy) client at runtime (`is_legacy_httpx_async_client`),
+    # but annotates `http_client` as httpx2's only
     client = openai.AsyncOpenAI(
-        api_key="none", base_url="http://gw/v1", http_client=http, max_retries=3
+        api_key="none",
+        base_url="http://gw/v1",
+        http_client=http,  # type: ignore[arg-type]
+        max_retries=3,
     )
     reply = await client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=150
@@ -378,10 +383,10 @@ async def test_a_deadline_hit_mid_stream_is_a_timeout_not_an_engine_error(make_r
     assert (
         requests.labels("normal", "normal", "timeout", "deadline_exceeded", "chat")._value.get()
         == 1
-    )  # type: ignore[attr-defined]
+    )
     assert (
         requests.labels("normal", "normal", "engine_error", "midstream", "chat")._value.get() == 0
-    )  # type: ignore[attr-defined]
+    )
     assert _leases(rig) == (0, 0)
 
 

@@ -5,6 +5,7 @@ and the admitter's inputs to it (the time a step waited, the expected wait for i
 from __future__ import annotations
 
 import random
+from typing import TypedDict
 
 import pytest
 
@@ -45,9 +46,24 @@ def test_the_expected_wait_for_a_full_home() -> None:
     assert expected_home_wait_s(running=0, waiting_ahead=0, step_s=2.0) == pytest.approx(2.0)
 
 
+class _Step(TypedDict):
+    context_tokens: int
+    prefill_tokens_per_s: float
+
+
+class _Move(_Step):
+    dest_running: int
+    dest_pending_prefill_tokens: int
+
+
+class _Spare(_Move):
+    dest_free_slots: int
+    dest_awaited: int
+
+
 def test_the_cost_of_a_move() -> None:
     # 3,000 tokens at 6,000 tok/s: 0.5 s for the step itself
-    one = {"context_tokens": 3000, "prefill_tokens_per_s": 6000.0}
+    one: _Step = {"context_tokens": 3000, "prefill_tokens_per_s": 6000.0}
     assert move_cost_s(**one, dest_running=0) == pytest.approx(0.5)
     # one sequence decoding there stalls 0.5 s too: 1.0 s in all
     assert move_cost_s(**one, dest_running=1) == pytest.approx(1.0)
@@ -59,7 +75,7 @@ def test_the_cost_of_a_move() -> None:
 
 # 3,000 tokens at 6,000 tok/s onto an instance with one sequence decoding and 1,200 tokens of
 # prefill pending: the move costs 0.2 + 0.5 x 2 = 1.2 s
-MOVE = {
+MOVE: _Move = {
     "context_tokens": 3000,
     "prefill_tokens_per_s": 6000.0,
     "dest_running": 1,
@@ -68,7 +84,7 @@ MOVE = {
 
 
 def test_move_only_when_waiting_costs_more_than_the_move() -> None:
-    spare = {**MOVE, "dest_free_slots": 3, "dest_awaited": 0}
+    spare: _Spare = {**MOVE, "dest_free_slots": 3, "dest_awaited": 0}
     assert not move_is_faster(**spare, home_wait_s=1.1, waited_s=0.0)  # 1.1 s < 1.2 s
     assert move_is_faster(**spare, home_wait_s=1.3, waited_s=0.0)  # 1.3 s > 1.2 s
     # ski rental: waited as long as the move costs, whatever the estimate

@@ -96,8 +96,13 @@ async def test_a_waiting_stream_shows_comments_then_its_tokens(patient: Gateway)
 
 async def test_the_openai_client_reads_a_stream_with_comments(patient: Gateway) -> None:
     async with _client(patient) as http:
+        # openai 3.60 takes an httpx (legacy) client at runtime (`is_legacy_httpx_async_client`),
+        # but annotates `http_client` as httpx2's only
         client = openai.AsyncOpenAI(
-            base_url="http://gw/v1", api_key="none", http_client=http, max_retries=0
+            base_url="http://gw/v1",
+            api_key="none",
+            http_client=http,  # type: ignore[arg-type]
+            max_retries=0,
         )
         hold = asyncio.ensure_future(http.post("/v1/chat/completions", json=HOLD))
         await asyncio.sleep(0.2)
