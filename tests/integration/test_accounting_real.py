@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import RouterProcess, free_port, write_router_config
+from pools.testing.router_process import free_port
+from tests.integration.conftest import RouterProcess, write_router_config
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +38,6 @@ def keyed_router(real_engines: list, tmp_path: Path):  # type: ignore[no-untyped
         router={"ledger_flush_interval_s": 0.2},
     )
     router = RouterProcess(config, free_port(), tmp_path / "router.log")
-    router.config_path = config  # type: ignore[attr-defined]
     yield router
     if router.proc.poll() is None:
         router.stop()
@@ -184,7 +184,7 @@ def test_kill_9_after_a_flush_keeps_completed_requests(
     keyed_router.proc.send_signal(signal.SIGKILL)
     keyed_router.proc.wait(timeout=10)
     restarted = RouterProcess(
-        keyed_router.config_path,  # type: ignore[attr-defined]
+        keyed_router.config_path,
         free_port(),
         tmp_path / "router2.log",
     )

@@ -24,7 +24,8 @@ import openai
 import pytest
 
 from pools.launchers import InstanceSpec
-from tests.integration.conftest import RouterProcess, free_port, wait_for, write_router_config
+from pools.testing.router_process import free_port
+from tests.integration.conftest import RouterProcess, wait_for, write_router_config
 
 pytestmark = pytest.mark.integration
 

@@ -50,6 +50,7 @@ import yaml
 
 from benchmarks.reliability import faults
 from pools.launchers import InstanceSpec, LocalLauncher
+from pools.testing.router_process import free_port
 from router.prefix import PrefixCache
 from router.prefix.prompt import ChatPrompt
 from router.prefix.subscriber import EngineEvents
@@ -58,7 +59,6 @@ from tests.integration.conftest import (
     MODEL_DIR,
     EngineFleet,
     RouterProcess,
-    free_port,
     write_router_config,
 )
 
@@ -266,7 +266,9 @@ async def _kill_and_check_while_dead(
     watched = dataclasses.replace(setup, engines=_KillWatch(fleet, killed))
     scenario = asyncio.ensure_future(faults.engine_kill(watched, KILL_LOAD))
     try:
-        await asyncio.wait({scenario, killed}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[faults.JsonDict] | asyncio.Future[tuple[int, int]]]
+        either = {scenario, killed}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not killed.done():
             await scenario  # it ended (raised) before killing anything
             raise AssertionError("engine_kill returned without killing an engine")

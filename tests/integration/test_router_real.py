@@ -12,13 +12,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
-from tests.integration.conftest import (
-    RouterProcess,
-    free_port,
-    wait_for,
-    write_router_config,
-)
+from pools.testing.router_process import free_port
+from tests.integration.conftest import RouterProcess, wait_for, write_router_config
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +29,7 @@ TOOLS = [
         },
     }
 ]
-HELLO = [{"role": "user", "content": "hello there"}]
+HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 
 
 def _post(router_url: str, body: object, headers: dict[str, str] | None = None) -> httpx.Response:

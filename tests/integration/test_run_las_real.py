@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from pools.launchers import InstanceSpec
-from tests.integration.conftest import RouterProcess, free_port, wait_for, write_router_config
+from pools.testing.router_process import free_port
+from tests.integration.conftest import RouterProcess, wait_for, write_router_config
 
 pytestmark = pytest.mark.integration
 

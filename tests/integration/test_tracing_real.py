@@ -22,7 +22,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,9 @@ import pytest
 
 from pools.launchers import InstanceSpec
 from pools.testing.otlp_receiver import CLIENT, SERVER, OtlpReceiver, ReceivedSpan
+from pools.testing.router_process import free_port
 from router.ops.tracing.request_trace import CHILD_SPANS
-from tests.integration.conftest import (
-    EngineFleet,
-    RouterProcess,
-    free_port,
-    wait_for,
-    write_router_config,
-)
+from tests.integration.conftest import EngineFleet, RouterProcess, wait_for, write_router_config
 
 pytestmark = pytest.mark.integration
 
@@ -100,6 +95,10 @@ def _agent(trace_id: str | None, run: str, **body: Any) -> dict[str, Any]:
 def _depth(url: str) -> int:
     view = httpx.get(f"{url}/admin/pools", timeout=5).json()
     return int(view["pools"]["agent"]["queue"]["depth"])
+
+
+def _holds_trace(trace_id: str) -> Callable[[list[ReceivedSpan]], bool]:
+    return lambda spans: any(s.trace_id == trace_id for s in spans)
 
 
 def _tree(receiver: OtlpReceiver, trace_id: str, names: set[str]) -> dict[str, ReceivedSpan]:
@@ -237,7 +236,7 @@ def test_plain_chat_requests_with_a_traceparent(
             assert 0 <= took_s - waited_s < 0.05  # a loose bound, as for the agent steps
             engine = tree["gpupool.engine"]
             vllm_spans = engine_fleet.engine_spans
-            vllm_spans.wait_for(lambda spans, t=trace_id: any(s.trace_id == t for s in spans))
+            vllm_spans.wait_for(_holds_trace(trace_id))
             (vllm,) = vllm_spans.trace(trace_id)
             assert vllm.name == "llm_request" and vllm.kind == SERVER
             assert vllm.parent_span_id == engine.span_id  # the traceparent the router sent

@@ -171,7 +171,8 @@ def test_the_status_page_shows_the_live_pools_in_a_real_browser(
 
     def loaded() -> bool:
         view = httpx.get(f"{ui_router}/admin/pools", headers=admin).json()
-        return sum(i["inflight"] for i in view["instances"].values()) >= 4
+        inflight: int = sum(i["inflight"] for i in view["instances"].values())
+        return inflight >= 4
 
     with Load(ui_router) as load:
         _wait(loaded, 120, "the load to reach the engines")

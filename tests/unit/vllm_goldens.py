@@ -79,8 +79,10 @@ def compute() -> dict[str, Any]:
 
     default_seed = kv_cache_utils.DEFAULT_NONE_HASH_SEED
 
-    def chain(token_ids: list[int], size: int, seed: str) -> list[bytes]:
-        parent, out = hashing.sha256_cbor(seed), []
+    def chain(token_ids: list[int], size: int, seed: str) -> list[kv_cache_utils.BlockHash]:
+        # the first parent as vLLM's `init_none_hash` makes NONE_HASH from its seed
+        parent = kv_cache_utils.BlockHash(hashing.sha256_cbor(seed))
+        out: list[kv_cache_utils.BlockHash] = []
         for start in range(0, len(token_ids) - size + 1, size):
             parent = kv_cache_utils.hash_block_tokens(
                 hashing.sha256_cbor, parent, token_ids[start : start + size]
