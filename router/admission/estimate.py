@@ -443,7 +443,7 @@ class EstimateInput:
     min_output: int
 
 
-def _positive_int(value: Any) -> int | None:
+def _positive_int(value: object) -> int | None:
     if value is None:  # the common case: a field the body leaves out
         return None
     if isinstance(value, bool):
@@ -455,7 +455,7 @@ def _positive_int(value: Any) -> int | None:
     return None
 
 
-def _dumps(value: Any) -> str:
+def _dumps(value: object) -> str:
     try:  # as transformers' `tojson` filter renders it
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
@@ -548,7 +548,7 @@ def estimate_input(
     )
 
 
-def content_texts(content: Any, pieces: list[str]) -> None:
+def content_texts(content: object, pieces: list[str]) -> None:
     """Append the text of a message content to `pieces`: a string, or a list of parts (each a
     string or an object with `text`: OpenAI's `text` / `input_text` / `output_text`)."""
     if isinstance(content, str):
@@ -564,24 +564,24 @@ def content_texts(content: Any, pieces: list[str]) -> None:
                 pieces.append(part)
 
 
-def template_json(value: Any) -> str:
+def template_json(value: object) -> str:
     """`value` as a chat template renders it (transformers' `tojson`; "" when it cannot)."""
     return _dumps(value)
 
 
-def positive_int(value: Any) -> int | None:
+def positive_int(value: object) -> int | None:
     """A whole number above 0 (an integral float too), else None."""
     return _positive_int(value)
 
 
-def read_openai(body: Any, *, chat: bool) -> EstimateInput:
-    """A /v1/chat/completions (`chat`) or /v1/completions body's estimate input."""
+def read_openai(body: object, *, chat: bool) -> EstimateInput:
+    """A /v1/chat/completions (`chat`) or /v1/completions body's estimate input (any JSON
+    value: one that is not an object reads as an empty object)."""
     return _read(body, chat)
 
 
-def _read(body: Any, chat: bool) -> EstimateInput:
-    if not isinstance(body, dict):
-        body = {}
+def _read(value: object, chat: bool) -> EstimateInput:
+    body: dict[str, Any] = value if isinstance(value, dict) else {}
     pieces: list[str] = []
     json_pieces: list[str] = []
     n_messages = n_calls = texts = ids = 0
@@ -726,14 +726,13 @@ class TokenEstimator:
         self._model.flush()
         return dict(zip(FEATURES, self._model.theta, strict=True))
 
-    def estimate(self, body: dict[str, Any], *, chat: bool, class_name: str) -> Estimate:
-        """Estimate a /v1/chat/completions (`chat`) or /v1/completions body. Never raises."""
+    def estimate(self, body: object, *, chat: bool, class_name: str) -> Estimate:
+        """Estimate a /v1/chat/completions (`chat`) or /v1/completions body: any JSON value a
+        client sent (one that is not an object counts as an empty one). Never raises."""
         parsed = _read(body, chat)
         return self._finish(parsed, self._content(parsed), class_name)
 
-    async def estimate_async(
-        self, body: dict[str, Any], *, chat: bool, class_name: str
-    ) -> Estimate:
+    async def estimate_async(self, body: object, *, chat: bool, class_name: str) -> Estimate:
         """`estimate`, with the tokenizer's work in a worker thread when more than
         `ASYNC_TEXT_CHARS` of the body's text has not been counted before."""
         return await self.estimate_input_async(_read(body, chat), class_name=class_name)

@@ -229,7 +229,7 @@ def test_tokenizer_chat_error_falls_below_5_percent(model_dir: Path, oracle: Ora
         got = est.estimate(body, chat=True, class_name="agent")
         actual = oracle.chat(body)
         error = est.observe(got, class_name="agent", prompt_tokens=actual, completion_tokens=9)
-        assert error == pytest.approx((got.prompt_tokens - actual) / actual)
+        assert error is not None and error == pytest.approx((got.prompt_tokens - actual) / actual)
         errors.append(abs(error))
     assert max(errors[20:]) < 0.05, errors
     assert sum(errors[40:]) / 40 < 0.01
@@ -374,14 +374,15 @@ def test_short_messages_count_the_same_cold_and_warm(model_dir: Path) -> None:
         "",
         "capital Paris France",  # seen chunks, but "capital" never first
     ]
-    body = {"model": "m", "messages": [{"role": "user", "content": m} for m in short]}
+    messages = [{"role": "user", "content": m} for m in short]
+    body = {"model": "m", "messages": messages}
     warm = estimator(model_dir)
     cold = warm.estimate(body, chat=True, class_name="normal")
     again = warm.estimate(body, chat=True, class_name="normal")
     assert cold.prompt_tokens == again.prompt_tokens
     assert cold.features == again.features
     # one new first chunk among known ones: the general path again, the same total
-    body["messages"].append({"role": "user", "content": "France capital"})
+    messages.append({"role": "user", "content": "France capital"})
     grown = warm.estimate(body, chat=True, class_name="normal")
     fresh = estimator(model_dir).estimate(body, chat=True, class_name="normal")
     assert grown.features == fresh.features
@@ -543,10 +544,13 @@ def test_unreadable_tokenizer_falls_back(tmp_path: Path, caplog: pytest.LogCaptu
 
 # -- odd bodies ---------------------------------------------------------------------------------
 
-ODD_BODIES: list[Any] = [
+ODD_BODIES: list[object] = [
     None,
     [],
     "text",
+    42,
+    1.5,
+    True,
     {},
     {"messages": "hello"},
     {"messages": [None, 1, "x", {"content": 5}, {"content": [1, None, {"text": 3}]}]},
@@ -586,7 +590,7 @@ bodies = st.dictionaries(
 
 @pytest.mark.parametrize("body", ODD_BODIES, ids=range(len(ODD_BODIES)))
 @pytest.mark.parametrize("chat", [True, False])
-def test_odd_bodies_never_raise(model_dir: Path, body: Any, chat: bool) -> None:
+def test_odd_bodies_never_raise(model_dir: Path, body: object, chat: bool) -> None:
     for est in (estimator(model_dir, max_model_len_tokens=4096), estimator(None)):
         got = est.estimate(body, chat=chat, class_name="normal")
         assert got.prompt_tokens >= 0 and got.output_tokens >= 0 and got.sequences >= 1

@@ -53,7 +53,7 @@ def prompt_tokens_of(usage: dict[str, Any]) -> int:
     )
 
 
-def _blocks(content: Any, pieces: list[str], json_pieces: list[str]) -> int:
+def _blocks(content: object, pieces: list[str], json_pieces: list[str]) -> int:
     """Read a content (a string or a list of blocks) into the text and JSON pieces; returns
     the tool calls (`tool_use` blocks) it holds."""
     if isinstance(content, str):

@@ -34,12 +34,12 @@ __all__ = ["ResponsesAdapter", "json_text", "tools_json"]
 _FINAL_EVENTS = (b"response.completed", b"response.incomplete", b"response.failed")
 
 
-def json_text(value: Any) -> str:
+def json_text(value: object) -> str:
     """`value` as the JSON text a chat template renders (a string stays as it is)."""
     return value if isinstance(value, str) else template_json(value)
 
 
-def tools_json(tools: Any) -> list[str]:
+def tools_json(tools: object) -> list[str]:
     """The tools list as the template renders it (nothing when there are none)."""
     return [template_json(tools)] if isinstance(tools, list) and tools else []
 
