@@ -422,6 +422,9 @@ class CompletionsHandler:
         lease: Lease | None = None
         waiter: WaitComments | None = None
         spec: Speculation | None = None  # a run's step sent on before the store's answer
+        # what a failed attempt raised: ConnectFailed (refused), or UpstreamClosed or another
+        # OSError (reset or closed before the response head); one variable for both handlers
+        err: OSError
         if ctx.stream and wait_after_s is not None:
             waiter = WaitComments(send, gp_headers, wait_after_s, clock=self.clock)
             waiter.start()
