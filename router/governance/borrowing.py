@@ -98,7 +98,8 @@ class Terms:
 class Split:
     """Where a borrowing request's `need` comes from: `from_lease` (the replica's lease on its
     own shared bucket), `own` (its own shared bucket, all it holds) and `short` (a lender's
-    bucket and the borrower's allowance). The three sum to the need."""
+    bucket and the borrower's allowance). The three sum to the need; a lease or bucket in debt
+    gives a negative part (the loan pays the debt off)."""
 
     from_lease: float
     own: float
@@ -108,11 +109,13 @@ class Split:
 def split(
     need: float, lease: float, own_level: float, allowance_level: float, allowance_capacity: float
 ) -> Split | None:
-    """Take `need` from the lease first, then the own bucket (never below 0: a debt is not
-    paid with borrowed tokens), the rest borrowed: None when nothing is short (the own budget
-    holds it: no loan) or the allowance cannot hold the shortfall now."""
-    from_lease = min(max(lease, 0.0), need)
-    own = min(max(own_level, 0.0), need - from_lease)
+    """Take `need` from the lease first, then the own bucket, each down to 0, the rest
+    borrowed: None when nothing is short (the own budget holds it: no loan) or the allowance
+    cannot hold the shortfall now. A debt (a negative lease or level) is paid off by the loan,
+    as one router's loan pays its bucket's (its level after a loan is 0): `from_lease` or
+    `own` is then negative and `short` is `need` plus the debt."""
+    from_lease = min(lease, need)
+    own = min(own_level, need - from_lease)
     short = need - from_lease - own
     if short <= 0.0 or short > allowance_level or short > allowance_capacity:
         return None

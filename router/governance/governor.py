@@ -85,7 +85,7 @@ from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
 from router.governance.replica import ReplicaBudgets
 from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
-from router.governance.shared import SESSION_FRESH_S, NextStep, SessionStep
+from router.governance.shared import SESSION_FRESH_S, Loan, NextStep, SessionStep
 from router.governance.speculation import SPECULATE_WITHIN_S, DeferredStep, Speculation
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
@@ -162,6 +162,16 @@ class _SharedTake:
     # a session's step: the run the store numbered it in (`<session>:<n>`), when the store
     # mapped its task anchor (None: the run `prepare` gave it)
     run_id: str | None = None
+    loan: Loan | None = None  # its tokens' shortfall borrowed (given back to the lender)
+
+
+@dataclass(frozen=True, slots=True)
+class _Loan:
+    """One router's loan to a request: `short` tokens from `lender`'s bucket, out of the
+    borrower's allowance (a refusal gives them back there, `_give_back`)."""
+
+    lender: str
+    short: float
 
 
 @dataclass(eq=False, slots=True)
@@ -676,7 +686,9 @@ class Governor:
             if early is not None:
                 self._drop_early(early)
 
-        waited_s, past_own = await self._take_rate(st, ctx, need, now, on_wait)
+        waited_s, borrowed = await self._take_rate(st, ctx, need, now, on_wait)
+        past_own = borrowed is True  # to the shared buckets, to borrow there
+        loan = borrowed if isinstance(borrowed, _Loan) else None
         shared: _SharedTake | None = None
         if self._replica is not None:
             try:
@@ -684,7 +696,7 @@ class Governor:
                     st, ctx, need, now, early, signals if speculate else None, past_own
                 )
             except BaseException:
-                self._give_back(st, need, True, self.clock())
+                self._give_back(st, need, True, self.clock(), loan)
                 raise
             if shared.run_id is not None and shared.run_id != ctx.run_id:
                 # the store mapped the session's step to another run than this replica's
@@ -696,10 +708,14 @@ class Governor:
                 st, ctx, signals, now, None if shared is None else shared.home
             )
         except BaseException:
-            self._give_back(st, need, True, now)
+            self._give_back(st, need, True, now, loan)
             if shared is not None:
                 self._undo_shared(st, shared)
             raise
+        made = loan if loan is not None else None if shared is None else shared.loan
+        if made is not None:  # a loan counts once its request is admitted (a refusal gave it back)
+            self.metrics.borrowed.labels(st.config.name).inc(made.short)
+            self.metrics.lent.labels(made.lender).inc(made.short)
         if run is not None:
             if new_run:
                 if run.ended is not None:  # back after an idle timeout: active again
@@ -765,7 +781,8 @@ class Governor:
                         decides=not (bucket == "tokens" and past_own),
                     )
                 ) > 0.0:
-                    if bucket == "tokens" and await self._borrow_shared(st, amount):
+                    if bucket == "tokens" and (loan := await self._borrow_shared(st, amount)):
+                        took.loan = loan
                         break
                     if self.clock() + wait > end_s:
                         per_minute = round(local.rate_per_s * 60)
@@ -1131,7 +1148,13 @@ class Governor:
         name = st.config.name
         if took.speculation is not None and not took.speculation.resolved:
             took.speculation.closed = True  # its slot, if the answer brings one, goes back
-        replica.give(name, "tokens", took.tokens)
+        loan = took.loan
+        # a loan goes back to the lender's and the allowance's shared buckets with the
+        # leases, at the next sweep (its statement); the rest to the borrower's lease
+        replica.give(name, "tokens", took.tokens - (0.0 if loan is None else loan.short))
+        if loan is not None:
+            replica.give(loan.lender, "tokens", loan.short)
+            replica.give(name, "allowance", loan.short)
         replica.give(name, "requests", 1.0 if took.request else 0.0)
         if took.slot is not None:
             replica.release(name, "requests", took.slot)
@@ -1277,10 +1300,11 @@ class Governor:
         need: float,
         now_s: float,
         on_wait: Callable[[], None] | None = None,
-    ) -> tuple[float, bool]:
+    ) -> tuple[float, _Loan | bool]:
         """Reserve `need` tokens and one request, waiting (FIFO) while the buckets refill
-        (`on_wait` called before it waits). Returns the seconds waited, and whether the
-        tokens went past the own bucket to the shared buckets to borrow (`_borrow`)."""
+        (`on_wait` called before it waits). Returns the seconds waited, and what `_borrow`
+        did: the loan, True (the tokens went past the own bucket to the shared buckets to
+        borrow there) or False (no borrowing)."""
         tokens, requests = st.tokens, st.requests
         if tokens is None and requests is None:
             return 0.0, False
@@ -1300,8 +1324,8 @@ class Governor:
         if wait == 0.0 and not st.lock.locked():
             reserve(now_s)
             return 0.0, False
-        if not st.lock.locked() and self._borrow(st, need, now_s):
-            return 0.0, self._replica is not None
+        if not st.lock.locked() and (borrowed := self._borrow(st, need, now_s)):
+            return 0.0, borrowed
         end_s = min(ctx.deadline_s, now_s + self._max_wait_s.get(ctx.pool, 0.0))
         if now_s + wait > end_s:
             self._refuse_rate(st, reason, need, wait)
@@ -1324,8 +1348,8 @@ class Governor:
                     if wait == 0.0:
                         reserve(at_s)
                         return at_s - now_s, False
-                    if self._borrow(st, need, at_s):
-                        return at_s - now_s, self._replica is not None
+                    if borrowed := self._borrow(st, need, at_s):
+                        return at_s - now_s, borrowed
                     if at_s + wait > end_s:
                         self._refuse_rate(st, reason, need, wait)
                     st.refilled.clear()
@@ -1337,10 +1361,12 @@ class Governor:
             waiting.dec()
             self.metrics.wait_seconds.labels(reason).observe(self.clock() - now_s)
 
-    def _borrow(self, st: _Tenant, need: float, now_s: float) -> bool:
+    def _borrow(self, st: _Tenant, need: float, now_s: float) -> _Loan | bool:
         """Reserve `need` with the shortfall borrowed from an idle tenant's bucket (see
-        `borrowing`), when the tenant may borrow and its requests bucket holds one. Returns
-        whether it did."""
+        `borrowing`; a debt in the own bucket is paid off: its level after the loan is 0),
+        when the tenant may borrow and its requests bucket holds one. Returns the loan, True
+        when the shared buckets decide (store.url: the own bucket took it all) or False: not
+        borrowed."""
         tokens, allowance = st.tokens, st.allowance
         if tokens is None or allowance is None:
             return False
@@ -1373,18 +1399,17 @@ class Governor:
         tokens.settle(0.0, need - short, now_s)  # the rest (all it holds) from its own
         if st.requests is not None:
             st.requests.try_reserve(1, now_s)
-        self.metrics.borrowed.labels(st.config.name).inc(short)
-        self.metrics.lent.labels(lender_name).inc(short)
-        return True
+        return _Loan(lender_name, short)
 
-    async def _borrow_shared(self, st: _Tenant, need: float) -> bool:
+    async def _borrow_shared(self, st: _Tenant, need: float) -> Loan | None:
         """With a shared store: `need` tokens whose shortfall in the tenant's shared bucket
         is borrowed from an idle tenant's (router/governance/shared.py, `gpupool_borrow`),
         out of its shared allowance; the rest from its lease and its own shared bucket.
-        Returns whether it did (then the request holds `need` as if taken from the lease)."""
+        Returns the loan (then the request holds `need` as if taken from the lease), None:
+        not borrowed."""
         replica, tokens, allowance = self._replica, st.tokens, st.allowance
         if replica is None or tokens is None or allowance is None:
-            return False
+            return None
         name = st.config.name
         lenders = [  # idle here; the store decides whether idle on every replica
             (o.config.name, o.tokens.capacity, o.tokens.rate_per_s)
@@ -1394,7 +1419,7 @@ class Governor:
             and not (o.inflight or o.shared_waiting or o.lock.locked())
         ]
         if not lenders:
-            return False
+            return None
         terms = Terms(
             tokens.capacity,
             tokens.rate_per_s,
@@ -1403,12 +1428,7 @@ class Governor:
             tuple(lenders),
             self._lender_idle_after_s,
         )
-        loan = await replica.borrow(name, need, terms)
-        if loan is None:
-            return False
-        self.metrics.borrowed.labels(name).inc(loan.short)
-        self.metrics.lent.labels(loan.lender).inc(loan.short)
-        return True
+        return await replica.borrow(name, need, terms)
 
     def _refuse_rate(self, st: _Tenant, reason: str, need: float, wait_s: float) -> None:
         name = st.config.name
@@ -1548,12 +1568,25 @@ class Governor:
         if self.on_home is not None and ctx.session_id is None and ctx.run_key is not None:
             self.on_home(ctx.run_key, stored.home, stored.home_step, stored.context_tokens)
 
-    def _give_back(self, st: _Tenant, need: float, request: bool, now_s: float) -> None:
+    def _give_back(
+        self, st: _Tenant, need: float, request: bool, now_s: float, loan: _Loan | None = None
+    ) -> None:
+        """A request refused after it took `need` (and `request`): its own part back to its
+        bucket, a `loan`'s back to the lender's bucket and the borrower's allowance."""
+        short = 0.0 if loan is None else loan.short
         if st.tokens is not None:
-            st.tokens.settle(need, 0, now_s)
+            st.tokens.settle(need - short, 0, now_s)
         if st.requests is not None and request:
             st.requests.settle(1, 0, now_s)
         st.refilled.set()
+        if loan is None:
+            return
+        if st.allowance is not None:
+            st.allowance.settle(short, 0, now_s)
+        lender = self._tenants.get(loan.lender)
+        if lender is not None and lender.tokens is not None:
+            lender.tokens.settle(short, 0, now_s)
+            lender.refilled.set()
 
     def _check_alert(self, st: _Tenant, now_s: float) -> None:
         cap = st.limits.cost_cap_gpu_seconds_per_hour

@@ -25,6 +25,7 @@ from pathlib import Path
 from router.governance.shared import (
     ACQUIRE_SLOT,
     ADMISSION_RESERVATIONS,
+    BORROW_DEBT,
     BORROWING,
     COST_WINDOWS,
     RUN_ACTIVE,
@@ -110,6 +111,7 @@ MIGRATIONS = (
     SESSION_RUNS,
     RUN_ACTIVE,
     BORROWING,
+    BORROW_DEBT,
 )
 
 

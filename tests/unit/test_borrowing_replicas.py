@@ -14,12 +14,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from pools.config import Config, contract_problems
 from pools.testing.config import config_for_test, one_pool
 from router.admission.estimate import Estimate
 from router.errors import RateLimited, StoreUnavailable
-from router.governance import Governor
+from router.governance import GovernanceMetrics, Governor
 from router.governance.borrowing import IDLE_AFTER_SWEEPS, Split, Terms, idle, split
 from router.governance.shared import SharedBudgets
 from router.governance.store import MIGRATIONS
@@ -29,6 +30,7 @@ from tests.postgres import PostgresServer, start_postgres
 from tests.unit.test_budget_replicas import counted
 from tests.unit.test_governance_replicas import (
     PASSWORD_ENV,
+    REGISTRIES,
     T0,
     Clock,
     ctx,
@@ -42,10 +44,20 @@ IDLE_AFTER_S = IDLE_AFTER_SWEEPS * 1.0  # the governors' sweep interval is 1 s
 
 
 def borrow_config(
-    url: str, *, frac: float = 0.5, lender_tpm: int = 600, q_tpm: int | None = None, **store: object
+    url: str | None,
+    *,
+    frac: float = 0.5,
+    lender_tpm: int = 600,
+    q_tpm: int | None = None,
+    x_rpm: int | None = None,
+    **store: object,
 ) -> Config:
-    """x borrows (60 tokens a minute, `frac` of it a minute borrowed at most); l lends; q
-    never borrows (with `q_tpm`, a budget of its own: a lender too)."""
+    """x borrows (60 tokens a minute, `frac` of it a minute borrowed at most; with `x_rpm`, a
+    requests-per-minute budget); l lends; q never borrows (with `q_tpm`, a budget of its own:
+    a lender too). `url` None: one router (no store)."""
+    shared: dict[str, Any] = {}
+    if url is not None:
+        shared["store"] = {"url": url, "password_env": PASSWORD_ENV, **store}
     return config_for_test(
         pools=one_pool(queue={"max_wait_s": 0}),  # a refusal is at once (no refill wait)
         tenants=[
@@ -53,12 +65,13 @@ def borrow_config(
                 "name": "x",
                 "api_key_sha256": "0" * 64,
                 "tokens_per_minute": 60,
+                "requests_per_minute": x_rpm,
                 "borrow_max_frac": frac,
             },
             {"name": "l", "api_key_sha256": "1" * 64, "tokens_per_minute": lender_tpm},
             {"name": "q", "api_key_sha256": "2" * 64, "tokens_per_minute": q_tpm},
         ],
-        store={"url": url, "password_env": PASSWORD_ENV, **store},
+        **shared,
     )
 
 
@@ -80,11 +93,12 @@ async def enter(gov: Governor, tenant: str, tokens: int) -> RequestOutcome:
     return RequestOutcome(ctx=c, estimate=estimate)
 
 
-async def finish(gov: Governor, outcome: RequestOutcome) -> None:
+async def finish(gov: Governor, outcome: RequestOutcome, used: int | None = None) -> None:
+    """`used`: its tokens (default: as estimated, nothing given back)."""
     outcome.dispatched_at_s = outcome.ended_at_s = 1000.0
     outcome.status = 200
     assert outcome.estimate is not None
-    outcome.prompt_tokens = outcome.estimate.prompt_tokens  # as estimated: nothing given back
+    outcome.prompt_tokens = outcome.estimate.prompt_tokens if used is None else used
     outcome.completion_tokens = 0
     gov.finished(outcome)
 
@@ -115,10 +129,16 @@ def test_split_takes_the_lease_then_the_own_bucket_and_borrows_the_rest() -> Non
     assert split(30, lease=5, own_level=10, allowance_level=60, allowance_capacity=60) == Split(
         5, 10, 15
     )
-    # a debt is not paid with borrowed tokens: a negative lease or level gives nothing
+    # a debt is paid off by the loan, as one router's loan pays its bucket's: a negative
+    # lease or level is a negative part, the loan the need plus the debt
     assert split(30, lease=-5, own_level=-10, allowance_level=60, allowance_capacity=60) == (
-        Split(0, 0, 30)
+        Split(-5, -10, 45)
     )
+    assert split(30, lease=5, own_level=-10, allowance_level=60, allowance_capacity=60) == (
+        Split(5, -10, 35)
+    )
+    # the debt counts toward the allowance: 45 short of an allowance holding 40, no loan
+    assert split(30, lease=-5, own_level=-10, allowance_level=40, allowance_capacity=60) is None
     assert split(30, lease=0, own_level=30, allowance_level=60, allowance_capacity=60) is None
     assert split(30, lease=20, own_level=40, allowance_level=60, allowance_capacity=60) is None
     # the allowance holds the shortfall now, and it is not above its capacity
@@ -171,6 +191,33 @@ def test_the_borrow_statement_follows_the_rules_on_both_backends(any_store: Stor
     # the allowance (700 - 537.5 taken, refilled 3.5 s at 700/60: 203.3) bounds a loan
     assert borrow(210, now_s=T0 + 3.5) is None
     assert borrow(200, now_s=T0 + 3.5) == ("big", 200, 0)
+
+
+def test_the_borrow_statement_pays_a_debt_off_on_both_backends(any_store: Store) -> None:
+    """A borrower in debt (its own shared bucket, its replica's lease) borrows the need plus
+    the debt and its bucket ends at 0, as one router's loan leaves its bucket (s48: before,
+    both backends borrowed the need alone and left the debt)."""
+    migrate(any_store, MIGRATIONS)
+    db = SharedBudgets(any_store)
+    terms = Terms(60, 1.0, 700, 700 / 60, tuple(LENDERS), idle_after_s=3.0)
+    db.reserve("x", "tokens", 60, T0, capacity=60, rate_per_s=1.0)
+    db.settle_many([("x", "tokens", -20.0)])  # a sweep charged 20 more than it held
+    assert db.level("x", "tokens") == -20
+    loan = db.borrow("x", 30, 0.0, T0, terms)
+    assert loan is not None and (loan.lender, loan.short, loan.own, loan.from_lease) == (
+        "big",
+        50,
+        -20,
+        0,
+    )
+    assert db.level("x", "tokens") == 0 and db.level("big", "tokens") == 950
+    assert db.level("x", "allowance") == 700 - 50
+    # the lease's debt (what this replica settled above its take since its last sweep) too
+    loan = db.borrow("x", 30, -5.0, T0, terms)
+    assert loan is not None and (loan.short, loan.own, loan.from_lease) == (35, 0, -5)
+    assert db.level("tie", "tokens") == 1000 - 35  # big holds 450 above its reserve now
+    # a never-used lender's row is made when it lends, not before
+    assert db.level("small", "tokens") is None
 
 
 # ------------------------------------------------------------------------------ two replicas
@@ -257,6 +304,102 @@ async def test_the_lender_keeps_its_reserve(postgres_server: PostgresServer) -> 
         assert await level(a, "l") == 50
         assert await refused(a, "x", 1) == "token_rate"  # l is at its reserve
         assert borrowed(a) + borrowed(b) == 50
+
+
+async def test_a_borrowed_request_refused_afterwards_gives_the_loan_back_to_the_lender(
+    postgres_server: PostgresServer,
+) -> None:
+    """x borrows on a, then its requests-per-minute bucket (spent on b) refuses it: the loan
+    goes back to l's shared bucket and x's allowance with a's next sweep (its give-back
+    statement), the rest to x's own; no loan is counted (s48: before, all of it went to x's
+    own budget, l stayed 30 short and x's allowance spent)."""
+    wall = Clock(T0)
+    async with replicas(postgres_server, "borrow_refused", wall, frac=1.0, x_rpm=1) as (a, b):
+        await enter(b, "x", 60)  # x's own 60 tokens and its one request a minute, on b
+        assert await refused(a, "x", 30) == "request_rate"  # after the loan
+        assert await level(a, "l") == 600 - 30  # lent, until a's sweep
+        await a.sync_replicas()
+        assert await level(a, "l") == 600
+        assert await level(a, "x", "allowance") == 60
+        assert await level(a, "x") == 0  # none of the loan in x's own budget
+        assert borrowed(a) == 0 and lent(a) == 0
+
+
+async def test_one_routers_refused_loan_goes_back_to_the_lender() -> None:
+    """The reference, one router (no store): x waits for its bucket, borrows from l once l's
+    request ends, and is refused by its hourly cost cap (crossed by its request that ended
+    meanwhile): l's bucket and x's allowance get the loan back, x's own bucket its part
+    (s48: before, x's own bucket got all of it)."""
+    config = config_for_test(
+        pools=one_pool(queue={"max_wait_s": 60}),
+        tenants=[
+            {
+                "name": "x",
+                "api_key_sha256": "0" * 64,
+                "tokens_per_minute": 60,
+                "borrow_max_frac": 1.0,
+                "cost_cap_gpu_seconds_per_hour": 1.0,
+            },
+            {"name": "l", "api_key_sha256": "1" * 64, "tokens_per_minute": 600},
+        ],
+    )
+    registry = CollectorRegistry()
+    gov = Governor(config, GovernanceMetrics(registry), clock=Clock(1000.0))
+    REGISTRIES[id(gov)] = registry
+    first = await enter(gov, "x", 50)  # x holds 10 of its 60
+    busy = await enter(gov, "l", 10)  # l is not idle: no loan yet
+    waiting = asyncio.create_task(enter(gov, "x", 30))
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if gov._tenants["x"].lock.locked():
+            break
+    assert gov._tenants["x"].lock.locked() and not waiting.done()  # waits for its bucket
+    await finish(gov, busy)  # l idle: it may lend
+    first.gpu_seconds = 2.0  # over x's cap of 1 GPU-second an hour
+    await finish(gov, first)  # wakes x's waiter: 20 borrowed, then the cap refuses it
+    with pytest.raises(RateLimited) as err:
+        await waiting
+    assert err.value.code == "cost_cap"
+    x, lender = gov._tenants["x"], gov._tenants["l"]
+    assert x.tokens is not None and x.allowance is not None and lender.tokens is not None
+    assert lender.tokens.level(1000.0) == 600 - 10
+    assert x.allowance.level(1000.0) == 60
+    assert x.tokens.level(1000.0) == 10
+    assert borrowed(gov) == 0 and lent(gov) == 0
+
+
+async def debt_then_borrow(gov: Governor) -> None:
+    """x spends its 60 and settles 20 more (a debt), then asks for 30: one router's loan
+    pays the debt off (50 borrowed, x's bucket at 0)."""
+    await finish(gov, await enter(gov, "x", 60), used=80)
+    if gov._replica is not None:
+        await gov.sync_replicas()  # the lease's debt charged to x's shared bucket
+    await enter(gov, "x", 30)
+
+
+async def test_a_loan_pays_a_debt_off_on_replicas_as_on_one_router(
+    postgres_server: PostgresServer,
+) -> None:
+    """One router (the reference) and replicas borrow alike for a borrower in debt: the need
+    plus the debt, its budget at 0 after (s48: before, the replicas borrowed 30 and left x's
+    shared bucket at -20)."""
+    registry = CollectorRegistry()
+    one = Governor(
+        borrow_config(None, frac=1.0),
+        GovernanceMetrics(registry),
+        clock=Clock(1000.0),
+    )
+    REGISTRIES[id(one)] = registry
+    await debt_then_borrow(one)
+    x, lender = one._tenants["x"], one._tenants["l"]
+    assert x.tokens is not None and lender.tokens is not None
+    assert (borrowed(one), lender.tokens.level(1000.0), x.tokens.level(1000.0)) == (50, 550, 0)
+    wall = Clock(T0)
+    async with replicas(postgres_server, "borrow_debt", wall, frac=1.0) as (a, _):
+        await debt_then_borrow(a)
+        await a.sync_replicas()
+        assert (borrowed(a), await level(a, "l"), await level(a, "x")) == (50, 550, 0)
+        assert await level(a, "x", "allowance") == 60 - 50
 
 
 @pytest.fixture

@@ -23,9 +23,8 @@ from router.errors import RateLimited
 from router.governance import GovernanceMetrics, Governor
 from router.governance.routes import register
 from router.identity import OperatorAccess, Tenants
-from tests.postgres import PostgresServer, start_postgres
+from tests.postgres import PASSWORD, PostgresServer, start_postgres
 from tests.unit.test_governance_replicas import (
-    PASSWORD,
     PASSWORD_ENV,
     T0,
     TOKENS_PER_MINUTE,
