@@ -87,18 +87,19 @@ class WindowSum:
     """Sum of the amounts added in the last `window_s` seconds, at a resolution of
     `window_s / buckets` (an amount leaves the window up to one slice late, never early)."""
 
-    __slots__ = ("_slices", "_total", "slice_s", "window_s")
+    __slots__ = ("_slices", "_span", "_total", "slice_s", "window_s")
 
     def __init__(self, window_s: float, buckets: int = 60) -> None:
         if window_s <= 0 or buckets < 1:
             raise ValueError("window_s must be > 0 and buckets >= 1")
         self.window_s = float(window_s)
         self.slice_s = self.window_s / buckets
+        self._span = round(self.window_s / self.slice_s)  # slices in a window
         self._slices: deque[tuple[int, float]] = deque()  # (slice index, amount), oldest first
         self._total = 0.0
 
     def _expire(self, now_s: float) -> None:
-        oldest_live = math.floor(now_s / self.slice_s) - round(self.window_s / self.slice_s) + 1
+        oldest_live = math.floor(now_s / self.slice_s) - self._span + 1
         while self._slices and self._slices[0][0] < oldest_live:
             self._total -= self._slices.popleft()[1]
         if not self._slices:
@@ -107,12 +108,17 @@ class WindowSum:
     def add(self, amount: float, now_s: float) -> None:
         if amount <= 0:
             return
-        self._expire(now_s)
         index = math.floor(now_s / self.slice_s)
-        if self._slices and self._slices[-1][0] == index:
-            self._slices[-1] = (index, self._slices[-1][1] + amount)
+        slices = self._slices
+        if slices and slices[-1][0] == index:
+            # Into the current slice, with no expiry step: the oldest live index depends only
+            # on `index`, and the expiry run when this slice was opened left the oldest slice
+            # at or past it (later expiries only move it on; an append would have made another
+            # slice the last). So the step would remove nothing, and the sums stay the same.
+            slices[-1] = (index, slices[-1][1] + amount)
         else:
-            self._slices.append((index, amount))
+            self._expire(now_s)
+            slices.append((index, amount))
         self._total += amount
 
     def slices(self, now_s: float) -> list[tuple[float, float]]:
@@ -130,10 +136,9 @@ class WindowSum:
         total = self.total(now_s)
         if total < limit:
             return 0.0
-        slices_per_window = round(self.window_s / self.slice_s)
         for index, amount in self._slices:
             total -= amount
             if total < limit:
-                leaves_at_s = (index + slices_per_window) * self.slice_s
+                leaves_at_s = (index + self._span) * self.slice_s
                 return max(0.0, leaves_at_s - now_s)
         return self.window_s
