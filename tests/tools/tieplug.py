@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -44,10 +44,9 @@ def in_scope(module: str, scope: str) -> bool:
     return any(module.startswith(n + ".") for n in names if not n.startswith("-"))
 
 
-def forced_choice(
-    original: Callable[[Sequence[Any]], Any], end: int, scope: str
-) -> Callable[..., Any]:
-    """`choice` that returns `seq[end]` for a caller in `scope`."""
+def forced_choice(original: Callable[..., Any], end: int, scope: str) -> Callable[..., Any]:
+    """`choice` that returns `seq[end]` for a caller in `scope`; `original` is the unbound
+    `Random.choice(self, seq)` or the bound `random.choice(seq)`."""
 
     def choice(*args: Any) -> Any:
         seq = args[-1]  # `Random.choice(self, seq)` or the bound `random.choice(seq)`

@@ -10,13 +10,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
+from schemathesis.core.transport import Response
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     ignored_auth,
@@ -30,6 +31,9 @@ from schemathesis.specs.openapi.checks import (
 from router.identity import OperatorAccess, Tenants
 from router.ops.openapi import openapi_document
 from tests.unit.test_hostile_rig import ADMIN_KEY, LiveRouter, hostile_config, live_router
+
+if TYPE_CHECKING:  # schemathesis declares its OpenAPI case type for type checkers only
+    from schemathesis.specs.openapi.schemas import OpenApiCase
 
 # Generated (hypothesis) cases per operation, on top of schemathesis's coverage phase, which
 # runs whole: its explicit cases (boundaries, missing and mistyped fields and headers, methods
@@ -134,8 +138,8 @@ def session(live: LiveRouter) -> Iterator[requests.Session]:
 
 
 def _check(
-    case: schemathesis.Case, live: LiveRouter, session: requests.Session, tally: Tally
-) -> requests.Response:
+    case: OpenApiCase, live: LiveRouter, session: requests.Session, tally: Tally
+) -> Response:
     # the admin tenant's key opens every operation; ignored_auth retries without it
     response = case.call(
         base_url=live.url,
@@ -163,7 +167,7 @@ def _operation_test(method: str, path: str, tally: Tally) -> Callable[..., None]
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
-    def test(case: schemathesis.Case, live: LiveRouter, session: requests.Session) -> None:
+    def test(case: OpenApiCase, live: LiveRouter, session: requests.Session) -> None:
         _check(case, live, session, tally)
 
     return test  # type: ignore[no-any-return]
@@ -202,10 +206,10 @@ def explicit_test(operations: list[tuple[str, str]], tally: Tally) -> Callable[.
     return test_explicit_cases
 
 
-def _own_deadline_passed(case: schemathesis.Case, response: requests.Response) -> bool:
+def _own_deadline_passed(case: OpenApiCase, response: Response) -> bool:
     """A 504 deadline_exceeded to a request that gave itself at most SHORT_DEADLINE_MS: the
     documented answer to the client's own deadline, not a failure of the router."""
-    raw = (case.headers or {}).get("x-gpupool-deadline-ms")
+    raw = case.headers.get("x-gpupool-deadline-ms")
     try:
         deadline_ms = int(raw) if raw is not None else None
     except ValueError:

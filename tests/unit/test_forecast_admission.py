@@ -172,9 +172,9 @@ def test_the_owners_rising_forecast_stops_the_borrower_first(tmp_path: Path) -> 
     for _ in range(100):
         clock.now += 0.05
         _scrape(core, clock)
-        lease = a.admit_now(_ctx("normal", clock.now), CHAT, clock.now)
-        assert lease is not None  # the owner is served in its own half
-        held.append(lease)
+        granted = a.admit_now(_ctx("normal", clock.now), CHAT, clock.now)
+        assert granted is not None  # the owner is served in its own half
+        held.append(granted)
     state = core.fleet.get(SPEC.instance_id)
     assert state is not None
     reserve = a.reserves(state, clock.now)["normal"]

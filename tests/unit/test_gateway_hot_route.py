@@ -11,6 +11,7 @@ from typing import Any
 
 from pools.testing.config import config_for_test, even_pools
 from pools.testing.gateway import gateway_over_fakes
+from router.request import Message
 
 
 def _scope(method: str, path: str, authorization: bytes = b"Bearer k") -> dict[str, Any]:
@@ -22,7 +23,11 @@ def _scope(method: str, path: str, authorization: bytes = b"Bearer k") -> dict[s
     }
 
 
-async def _nothing() -> Any:
+async def _no_receive() -> Message:
+    raise AssertionError("not called")
+
+
+async def _no_send(message: Message) -> None:
     raise AssertionError("not called")
 
 
@@ -31,7 +36,7 @@ async def test_only_a_post_to_a_generation_endpoint_takes_the_hot_route(tmp_path
     async with gateway_over_fakes(config_for_test(tmp_path, pools=even_pools())) as rig:
         gateway = rig.gateway
         for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"):
-            coro = gateway.hot_route(_scope("POST", path), _nothing, _nothing)
+            coro = gateway.hot_route(_scope("POST", path), _no_receive, _no_send)
             assert coro is not None, path
             coro.close()  # not run here: the server would run it as the request's task
         cold = [
@@ -41,11 +46,11 @@ async def test_only_a_post_to_a_generation_endpoint_takes_the_hot_route(tmp_path
             _scope("POST", "/v1/chat/completions", basic),
         ]
         for scope in cold:
-            assert gateway.hot_route(scope, _nothing, _nothing) is None, scope
+            assert gateway.hot_route(scope, _no_receive, _no_send) is None, scope
 
 
 async def test_before_the_gateway_starts_nothing_takes_the_hot_route(tmp_path: Path) -> None:
     config = config_for_test(tmp_path, pools=even_pools())
     async with gateway_over_fakes(config, start=False) as rig:
         scope = _scope("POST", "/v1/chat/completions")
-        assert rig.gateway.hot_route(scope, _nothing, _nothing) is None
+        assert rig.gateway.hot_route(scope, _no_receive, _no_send) is None

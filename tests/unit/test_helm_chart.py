@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
-import kubernetes_validate
+import kubernetes_validate  # type: ignore[import-untyped]  # ships no type hints (no py.typed)
 import pytest
 import yaml
 

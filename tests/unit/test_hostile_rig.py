@@ -34,6 +34,7 @@ from pools.testing.serve import serve_asgi
 from router.cli.stack import CLIENT_KEEP_ALIVE_S, REPLICA_HEADER
 from router.gateway.app import Gateway, create_app
 from router.gateway.server import Server, ServerSettings
+from router.request import Message
 
 T = TypeVar("T")
 ASGIApp = Callable[..., Awaitable[None]]
@@ -223,7 +224,7 @@ async def _asgi_call(
 
     messages: list[dict[str, Any]] = []
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         messages.append(dict(message))
         if message["type"] == "http.response.body" and not message.get("more_body"):
             done.set()

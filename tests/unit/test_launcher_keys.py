@@ -17,7 +17,7 @@ import pytest
 from pools.devmodel import make_dev_model
 from pools.launchers import InstanceSpec, LocalLauncher, StaticLauncher
 from pools.launchers.engine_args import build_engine_command, engine_environ
-from pools.launchers.engine_guard import GUARD_MIDDLEWARE, EngineKeyGuard
+from pools.launchers.engine_guard import GUARD_MIDDLEWARE, EngineKeyGuard, Receive, Scope, Send
 from pools.launchers.engine_plan import HostFacts
 from pools.launchers.local import EngineProcess
 from pools.testing.config import config_for_test, deep_merge
@@ -204,7 +204,7 @@ def test_engines_are_told_to_keep_prompts_out_of_their_logs(tiny: Path, tmp_path
 # --- the guard on every path ----------------------------------------------------------------
 
 
-async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def _app(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"ok"})
 

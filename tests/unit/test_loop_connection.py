@@ -186,10 +186,15 @@ async def test_a_begun_statement_nobody_waits_for_is_not_polled(
         await conn.execute(with_spin_off, spin=False)
         task = conn.begin(with_spin_off)
         assert task is not None
-        other = asyncio.get_running_loop().create_future()
-        conn.unhurry(other)  # not the statement in flight: nothing changes
+
+        async def no_rows() -> list[tuple[Any, ...]]:
+            return []
+
+        other = asyncio.ensure_future(no_rows())  # another task, not the statement in flight:
+        conn.unhurry(other)  # nothing changes
         conn.unhurry(task)
         assert await task == [("",)]
+        assert await other == []
         assert conn.late_spins == 0  # not polled in vain: no backoff
         task = conn.begin(slow)
         assert task is not None

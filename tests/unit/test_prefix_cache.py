@@ -218,8 +218,10 @@ async def _until(events: EngineEvents, cond: Callable[[EngineEvents], bool]) -> 
             await events.wait_for(cond)
     except TimeoutError:
         i = events.index
-        state = (events.connected, i.expected_seq, i.last_live_seq, len(i.keys), i.exact)
-        state += (events.batches_received, events.replays, events.restarts)
+        state = (
+            *(events.connected, i.expected_seq, i.last_live_seq, len(i.keys), i.exact),
+            *(events.batches_received, events.replays, events.restarts),
+        )
         names = "connected, expected seq, last live seq, keys, exact, batches, replays, restarts"
         raise AssertionError(f"timed out at ({names}) = {state}") from None
 

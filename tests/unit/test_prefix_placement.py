@@ -20,7 +20,7 @@ from pools.testing.config import config_for_test, one_pool
 from pools.testing.fake_engine import FakeEngineState
 from pools.testing.gateway import gateway_over_fakes
 from router.admission.decision import CachedPrefix
-from router.admission.picking import PickRequest, RunAffinity, default_picker
+from router.admission.picking import Candidate, Picker, PickRequest, RunAffinity, default_picker
 from router.prefix.hashing import DEFAULT_SEED, chain_keys
 from router.prefix.lookup import ASYNC_CHARS, PrefixLookup
 
@@ -31,7 +31,7 @@ def _reading(kv: float) -> InstanceReading:
     return InstanceReading(0.0, kv, 0, 0, 100, 16, 0, 0, 0, 0, 0, 0, 0)
 
 
-def _picker(placement: str = "always_affinity") -> tuple[Any, list[Any], RunAffinity]:
+def _picker(placement: str = "always_affinity") -> tuple[Picker, list[Candidate], RunAffinity]:
     """Three instances e0 (KV 0 %), e1 (10 %), e2 (20 %): without a lookup e0 wins."""
     specs = [InstanceSpec(f"e{i}", f"http://e{i}", 1) for i in range(3)]
     fleet = Fleet(specs, stale_after_s=5.0, clock=lambda: 0.0)
@@ -43,7 +43,7 @@ def _picker(placement: str = "always_affinity") -> tuple[Any, list[Any], RunAffi
     return picker, cands, affinity
 
 
-def _pick(picker: Any, cands: list[Any], run: Any = None, **fields: Any) -> str:
+def _pick(picker: Picker, cands: list[Candidate], run: str | None = None, **fields: Any) -> str:
     chosen = picker.pick(PickRequest("normal", run, **fields), cands)
     assert chosen is not None
     return str(chosen.instance_id)
@@ -190,4 +190,5 @@ def test_a_full_home_gives_way_only_to_an_instance_holding_much_more(placement: 
     assert pick(richer, free_slots={"e2": 3}, awaited={"e2": 2}) is None  # others wait for e2
     # home with room: kept, however much another instance holds
     req = PickRequest("normal", "run", allowed=frozenset({"e0", "e1", "e2"}), prefix=richer)
-    assert picker.pick(req, cands).instance_id == "e1"  # type: ignore[union-attr]
+    chosen = picker.pick(req, cands)
+    assert chosen is not None and chosen.instance_id == "e1"

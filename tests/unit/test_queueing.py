@@ -17,7 +17,7 @@ def _entry(
 
 
 def _drain(queue: PoolQueue, n: int | None = None) -> list[QueueEntry]:
-    out = []
+    out: list[QueueEntry] = []
     t = 0.0
     while (e := queue.peek()) is not None and (n is None or len(out) < n):
         t += 0.1

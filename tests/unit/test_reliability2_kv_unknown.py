@@ -153,7 +153,8 @@ def test_the_fleet_says_whether_capacity_is_known() -> None:
     fleet.record_reading("a", parse_vllm_metrics(FakeEngineState().metrics_text(), 0.0))
     text = FakeEngineState(cache_config_info=False).metrics_text()
     fleet.record_reading("b", parse_vllm_metrics(text, 0.0))
-    assert (a.kv_capacity, b.kv_capacity) == ("known", "unknown")
+    # read again (mypy keeps `a.kv_capacity` narrowed to None from the assert above)
+    assert [s.kv_capacity for s in (a, b)] == ["known", "unknown"]
 
 
 def test_gpupool_top_shows_unknown_capacity() -> None:

@@ -207,8 +207,8 @@ async def test_the_metrics_listener_answers_only_the_operators_paths() -> None:
                 assert response.status_code == 200, path
                 assert response.headers["x-gpupool-replica"] == "box:4242:a1b2c3"
             for path in ("/v1/chat/completions", "/v1/models", "/metrics/x", "/admin", "/"):
-                response = await client.post(path) if path.startswith("/v1/c") else None
-                response = response or await client.get(path)
+                post = path.startswith("/v1/c")
+                response = await (client.post(path) if post else client.get(path))
                 assert response.status_code == 404, path
                 error = response.json()["error"]
                 assert error["code"] == "not_on_this_port", path

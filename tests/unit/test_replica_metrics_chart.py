@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
-import kubernetes_validate
+import kubernetes_validate  # type: ignore[import-untyped]  # ships no type hints (no py.typed)
 import pytest
 
 from tests.unit.test_helm_chart import CHART, KUBE_VERSIONS, _by_kind, _documents, _named, _render

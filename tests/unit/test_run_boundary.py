@@ -63,7 +63,7 @@ def test_the_same_words_later_in_the_conversation_are_a_new_task() -> None:
 # What Claude Code sends on /v1/messages: system reminders as text blocks, a cache marker on
 # the last block (moved to the newest message on every step), tool results as `tool_result`
 # blocks of a user message, sometimes with text blocks beside them.
-CC_TURN = {
+CC_TURN: dict[str, Any] = {  # a JSON message, as the product takes a body
     "role": "user",
     "content": [
         {"type": "text", "text": "<system-reminder>\nAs you answer ...\n</system-reminder>"},

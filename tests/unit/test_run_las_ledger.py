@@ -76,7 +76,7 @@ async def test_overlapping_steps_count_their_gap_once(tmp_path: Path) -> None:
 async def test_a_rejected_step_counts_as_queue_not_execution(tmp_path: Path) -> None:
     rejected = _step(0.0, 2.0, 2.0, "rej")  # waited its 2 s, then a 429 queue_timeout
     totals = await _totals(tmp_path, rejected, _step(3.0, 4.0, 0.0, "rej"))
-    assert (totals["queue_s"], totals["exec_s"]) == (pytest.approx(2.0), pytest.approx(1.0))
+    assert (totals["queue_s"], totals["exec_s"]) == pytest.approx((2.0, 1.0))
     assert totals["between_steps_s"] == pytest.approx(1.0)
 
 
@@ -127,10 +127,14 @@ def test_run_completion_spans_first_arrival_to_last_byte(tmp_path: Path) -> None
         now[0] = ended_s
         observer.finished(out)
     observer.finished(_outcome(None, "agent", 0.0, 1.0))  # not a run: no span
-    assert observer.run_completed("team-a", "run-a") == ("agent", pytest.approx(11.5))
+    completed = observer.run_completed("team-a", "run-a")
+    assert completed is not None
+    assert completed[0] == "agent" and completed[1] == pytest.approx(11.5)
     assert observer.run_completed("team-a", "run-a") is None  # forgotten once reported
     assert observer.run_completed("team-b", "run-b") is None  # another tenant's key
-    assert observer.run_completed("team-a", "run-b") == ("normal", pytest.approx(1.0))
+    completed = observer.run_completed("team-a", "run-b")
+    assert completed is not None
+    assert completed[0] == "normal" and completed[1] == pytest.approx(1.0)
     metrics = RouterMetrics()
     metrics.observe_run_completion("agent", 11.5)
     metrics.observe_run_completion("agent", 0.5)

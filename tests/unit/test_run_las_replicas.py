@@ -63,7 +63,7 @@ class _Waiter:
 
 
 def _config(tmp_path: Path, order: str = "run_las") -> Config:
-    queue = {"order": order}
+    queue: dict[str, object] = {"order": order}  # a pool's `queue` settings, as YAML gives them
     if order == "run_las":
         queue |= {"run_las_idle_decay_s": DECAY_S, "run_las_max_slowdown": None}
     return config_for_test(

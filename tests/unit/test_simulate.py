@@ -113,6 +113,7 @@ def test_engine_model_shares_decode_among_the_batch() -> None:
     engine.sync(engine.next_event_at_s)  # both prefilled (instantly), 10 and 20 tokens left
     t0 = engine.next_event_at_s - 10 * 0.02
     assert engine.sync(engine.next_event_at_s)[1] == [x]  # 10 tokens at 20 ms each
+    assert x.done_at_s is not None
     assert x.done_at_s == pytest.approx(t0 + 0.2, abs=1e-6)
     assert engine.next_event_at_s == pytest.approx(x.done_at_s + 10 * 0.015)  # alone: 15 ms
 

@@ -13,6 +13,7 @@ import pytest
 from pools.config import Config
 from pools.testing.config import config_for_test, one_pool
 from router.admission import picking
+from router.prefix.score import cached_prefix_scores
 from router.simulate.model import LatencyModel
 from router.simulate.prefix import EnginePrefixCache, PromptChain
 from router.simulate.prompts import PromptMaker
@@ -124,7 +125,7 @@ def test_placement_by_cached_prefix_runs_the_routers_score(
     `score_cached_prefix` scores every homeless request through `router.prefix.score`, the
     engines find far more of their prompts cached, and TTFT p90 drops."""
     scored: list[int] = []
-    real = picking.cached_prefix_scores
+    real = cached_prefix_scores  # the function `picking` calls by that name
 
     def counting(*args: Any, **kwargs: Any) -> list[float]:
         scored.append(1)

@@ -53,7 +53,8 @@ async def test_an_outage_loses_and_doubles_nothing(
         assert ledger.buffered == 4 and ledger.dropped_records == 0
         assert ledger.failed_commits >= 1
         assert buffered_metric(registry) == 4
-        assert registry.get_sample_value("gpupool_ledger_failed_commits_total") >= 1
+        failed_commits = registry.get_sample_value("gpupool_ledger_failed_commits_total")
+        assert failed_commits is not None and failed_commits >= 1
 
         own_server.start()
         ledger.submit(record(request_id="before-0", prompt_tokens=10))  # again: counted once

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -183,7 +184,7 @@ async def test_a_failing_read_is_logged_and_sampling_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     steps = _Steps()
-    calls = iter([RuntimeError("boom"), 0.5])
+    calls: Iterator[RuntimeError | float] = iter([RuntimeError("boom"), 0.5])
 
     def read() -> Reading:
         value = next(calls)

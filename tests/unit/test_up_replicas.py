@@ -16,7 +16,7 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +222,7 @@ async def _queued_at_a_killed_router_are_served(router: RouterProcess) -> None:
     assert answers == [200] * len(sent), answers
 
 
-async def _settled(tasks: list[asyncio.Future[int]], *, at_least: int) -> bool:
+async def _settled(tasks: Sequence[asyncio.Future[int]], *, at_least: int) -> bool:
     return sum(1 for t in tasks if t.done()) >= at_least
 
 
