@@ -111,6 +111,7 @@ class RequestOutcome:
     completion_tokens: int = 0
     response_started: bool = False  # the status line went to the client
     response_id: str | None = None  # a stored response's id (the Responses API)
+    response_kept: bool = True  # the engine keeps it (not `store: false`): remember its place
     # started by SSE wait comments (router/gateway/wait_comments.py); no relay has written since
     wait_stream_open: bool = False
     # accounting (router.accounting.observer)

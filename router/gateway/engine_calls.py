@@ -105,7 +105,14 @@ class EngineCalls:
                 trace.classified(tenant.name, pool, cls)
             state = self._least_busy(ctx.pool)
             status = await self._forward(
-                send, state, "POST", "/v1/messages/count_tokens", raw, stream=False, trace=trace
+                send,
+                state,
+                "POST",
+                "/v1/messages/count_tokens",
+                raw,
+                stream=False,
+                trace=trace,
+                refusal=adapter.engine_error,  # vLLM's refusals, in Anthropic's types
             )
         except GpupoolError as err:
             status, code = await _send_error(send, err, adapter), err.code
@@ -210,6 +217,7 @@ class EngineCalls:
         *,
         stream: bool,
         trace: CallTrace | None = None,
+        refusal: Callable[[int, bytes], bytes] | None = None,
     ) -> int:
         headers = {"content-type": "application/json"}
         if state.spec.api_key:
@@ -234,6 +242,8 @@ class EngineCalls:
             await send({"type": "http.response.start", "status": resp.status, "headers": out})
             if not stream:
                 body = await resp.read()
+                if refusal is not None and resp.status >= 400:
+                    body = refusal(resp.status, body)
                 if trace is not None:
                     trace.engine_ended(resp.status)
                 await send({"type": "http.response.body", "body": body})

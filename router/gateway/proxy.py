@@ -319,8 +319,9 @@ class CompletionsHandler:
             stored = await self.placement.fetch(previous)  # StoreUnavailable: 503
         if stored is None or stored.tenant != ctx.tenant:
             raise BadRequest(
-                f"previous response {previous[:80]!r} was not made through gpupool, or is "
-                "too old to be remembered; send the whole conversation as `input` instead",
+                f"previous response {previous[:80]!r} was not made through gpupool, was made "
+                "with `store: false`, or is too old to be remembered; send the whole "
+                "conversation as `input` instead",
                 "previous_response_not_found",
                 param="previous_response_id",
             )
@@ -401,6 +402,7 @@ class CompletionsHandler:
         request_id = ctx.request_id.encode()
         gp_headers = [(b"x-gpupool-request-id", request_id), *self._class_headers(ctx)]
         changed = adapter.prepare(body, ctx)
+        outcome.response_kept = adapter.stores_response(body)
         engine_priority = self._engine_priority.get(ctx.pool)
         if engine_priority is not None and "priority" not in body and adapter.engine_priority:
             body["priority"] = engine_priority  # vLLM schedules lower values first
@@ -898,7 +900,7 @@ class CompletionsHandler:
         chain is the previous response's, or starts with it. With a shared store, the write
         for the final bytes to wait for, offered to the ledger's commit of the record."""
         rid = outcome.response_id
-        if rid is None or outcome.instance_id is None:
+        if rid is None or outcome.instance_id is None or not outcome.response_kept:
             return None
         placed = self.placement.remember(
             rid,

@@ -36,11 +36,8 @@ import openai
 import pytest
 
 from pools.launchers import InstanceSpec
-from tests.integration.conftest import (
-    RouterProcess,
-    free_port,
-    write_router_config,
-)
+from pools.testing.router_process import free_port
+from tests.integration.conftest import RouterProcess, write_router_config
 
 pytestmark = pytest.mark.integration
 
@@ -153,6 +150,42 @@ def test_openai_previous_response_id_chain_of_four(target: Target) -> None:
     assert again.output_text == steps[-1].output_text
 
 
+def test_openai_responses_fields_codex_and_the_agents_sdk_send(target: Target) -> None:
+    """Found driving the SDKs by hand (s48): `store: false` (Codex's every step) is not
+    remembered, so its follow-up is refused saying why; a follow-up may leave out `input`;
+    `background` and `conversation`, which would run outside admission or lose the history,
+    are refused as the SDK's typed 400 naming the field; the SDK's own errors are typed."""
+    client = target.openai()
+    unkept = client.responses.create(
+        model=MODEL, input="Read the bug report.", store=False, max_output_tokens=2
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(
+            model=MODEL, input="Go on.", previous_response_id=unkept.id, max_output_tokens=2
+        )
+    assert refused.value.code == "previous_response_not_found"
+    assert "store: false" in refused.value.message
+    kept = client.responses.create(model=MODEL, input="Read the bug report.", max_output_tokens=2)
+    follow = client.responses.create(  # no `input`: vLLM is sent []
+        model=MODEL, previous_response_id=kept.id, max_output_tokens=2
+    )
+    assert follow.previous_response_id == kept.id and follow.usage is not None
+    assert kept.usage is not None and follow.usage.input_tokens >= kept.usage.input_tokens
+    for field, value in (("background", True), ("conversation", "conv_123")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(
+                model=MODEL, input="hi", max_output_tokens=2, extra_body={field: value}
+            )
+        assert err.value.param == field and err.value.code == "invalid_field"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.responses.create(model="nope", input="hi", stream=True)
+    with pytest.raises(openai.BadRequestError, match="prompt is too long"):
+        client.responses.create(model=MODEL, input="word " * 50_000)
+    wrong = openai.OpenAI(base_url=f"{target.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.responses.create(model=MODEL, input="hi")
+
+
 # --- the OpenAI Agents SDK: its default model speaks Responses --------------------------------
 
 
@@ -236,7 +269,7 @@ def test_anthropic_messages_create_and_count_tokens(target: Target) -> None:
 
 def test_anthropic_messages_stream_tool_use_then_tool_result(target: Target) -> None:
     client = target.anthropic()
-    task: dict[str, Any] = {"role": "user", "content": "Run the tests."}
+    task: anthropic.types.MessageParam = {"role": "user", "content": "Run the tests."}
     with client.messages.stream(
         model=MODEL,
         messages=[task],
@@ -252,18 +285,22 @@ def test_anthropic_messages_stream_tool_use_then_tool_result(target: Target) -> 
     (block,) = call.content
     assert block.type == "tool_use" and block.name == "run_tests" and block.input == {}
 
+    history: list[anthropic.types.MessageParam] = [
+        task,
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": block.id, "name": block.name, "input": block.input}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "3 passed"}],
+        },
+    ]
     with client.messages.stream(
         model=MODEL,
-        messages=[
-            task,
-            {"role": "assistant", "content": [block.model_dump(exclude_none=True)]},
-            {
-                "role": "user",
-                "content": [
-                    {"type": "tool_result", "tool_use_id": block.id, "content": "3 passed"}
-                ],
-            },
-        ],
+        messages=history,
         tools=[RUN_TESTS_TOOL],  # type: ignore[list-item]
         max_tokens=8,
     ) as stream:
@@ -273,6 +310,45 @@ def test_anthropic_messages_stream_tool_use_then_tool_result(target: Target) -> 
     assert answer.stop_reason in ("max_tokens", "end_turn")
     # the tool call and its result reached the engine's prompt
     assert answer.usage.input_tokens > call.usage.input_tokens
+
+
+def test_anthropic_refusals_are_the_sdks_typed_errors_in_anthropics_types(
+    target: Target,
+) -> None:
+    """Each refusal arrives as the SDK's own error class with an Anthropic error type: a
+    `system` role inside `messages` (vLLM would serve it), an unknown model, a prompt over
+    the context on messages and on count_tokens (vLLM's refusal there, rewritten), a wrong
+    key."""
+    client = target.anthropic(x_api_key=True)
+
+    def error_type(err: anthropic.APIStatusError) -> object:
+        body = err.body
+        return body.get("error", {}).get("type") if isinstance(body, dict) else None
+
+    with pytest.raises(anthropic.BadRequestError) as role:
+        client.messages.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": "x"}],
+            max_tokens=2,
+        )
+    assert "messages.0.role" in role.value.message
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(
+            model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert error_type(missing.value) == "not_found_error"
+    long: list[anthropic.types.MessageParam] = [{"role": "user", "content": "word " * 50_000}]
+    with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
+        client.messages.create(model=MODEL, messages=long, max_tokens=2)
+    with pytest.raises(anthropic.BadRequestError) as counted:
+        client.messages.count_tokens(model=MODEL, messages=long)
+    assert error_type(counted.value) == "invalid_request_error"
+    wrong = anthropic.Anthropic(base_url=target.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as denied:
+        wrong.messages.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert error_type(denied.value) == "authentication_error"
 
 
 # --- LangChain ---------------------------------------------------------------------------------

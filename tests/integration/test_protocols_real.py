@@ -21,11 +21,8 @@ import pytest
 import yaml
 
 from pools.launchers import InstanceSpec
-from tests.integration.conftest import (
-    RouterProcess,
-    free_port,
-    write_router_config,
-)
+from pools.testing.router_process import free_port
+from tests.integration.conftest import RouterProcess, write_router_config
 
 RESPONSES = {"model": "tiny", "input": "Say hello.", "max_output_tokens": 8}
 MESSAGES = {

@@ -183,6 +183,26 @@ async def test_messages_errors_use_anthropics_shape(
         assert rig.seen() == 0
 
 
+async def test_messages_roles_other_than_user_and_assistant_are_refused(rig: Rig) -> None:
+    """vLLM serves a `system` (or any) role inside `messages`; Anthropic's API refuses it, and
+    a client porting an OpenAI history should learn so, not get a silently different prompt."""
+    cases: list[Any] = [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "hi"}, {"content": "no role"}],
+        ["hi"],
+    ]
+    for index, messages in zip((0, 1, 0), cases, strict=True):
+        resp = await rig.client.post("/v1/messages", json={**MESSAGES, "messages": messages})
+        assert resp.status_code == 400, resp.text
+        payload = resp.json()
+        assert payload["error"]["type"] == "invalid_request_error"
+        assert f"messages.{index}.role" in payload["error"]["message"]
+    assert rig.seen() == 0
+    turns = [*MESSAGES["messages"], {"role": "assistant", "content": "ok"}]  # type: ignore[misc]
+    ok = await rig.client.post("/v1/messages", json={**MESSAGES, "messages": turns})
+    assert ok.status_code == 200, ok.text
+
+
 def test_anthropic_statuses_for_capacity_errors() -> None:
     full = CapacityExceeded("queue is full", "queue_full", retry_after_s=2.5)
     assert anthropic_status(full) == 529
@@ -280,8 +300,8 @@ def test_first_token_detection_per_protocol() -> None:
     assert not responses.is_first_token(b"event: response.created\ndata: {}\n\n")
     messages = MessagesAdapter()
     for kind in ("text_delta", "input_json_delta", "thinking_delta"):
-        event = f'event: content_block_delta\ndata: {{"delta":{{"type":"{kind}"}}}}\n\n'
-        assert messages.is_first_token(event.encode())
+        text = f'event: content_block_delta\ndata: {{"delta":{{"type":"{kind}"}}}}\n\n'
+        assert messages.is_first_token(text.encode())
     sig = b'event: content_block_delta\ndata: {"delta":{"type":"signature_delta"}}\n\n'
     assert not messages.is_first_token(sig)
 
@@ -423,6 +443,70 @@ async def test_a_previous_response_whose_engine_is_gone_or_restarted_is_a_400(ri
     )
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "previous_response_not_found"
     assert rig.seen() == seen
+
+
+async def test_a_follow_up_may_leave_out_input_as_the_responses_api_allows(rig: Rig) -> None:
+    """`input` is optional with `previous_response_id` (what OpenAI documents); vLLM requires
+    it, so the router sends an empty list rather than pass on vLLM's validation error."""
+    first = await _respond(rig)
+    follow = await rig.client.post(
+        "/v1/responses",
+        json={"model": "tiny", "previous_response_id": first.json()["id"], "max_output_tokens": 2},
+    )
+    assert follow.status_code == 200, follow.text
+    assert follow.headers["x-gpupool-instance"] == first.headers["x-gpupool-instance"]
+    engine = rig.state_of(first.headers["x-gpupool-instance"])
+    assert engine.requests_seen[-1]["input"] == []
+    # the stored conversation is the prompt: more than the empty input's tokens
+    assert follow.json()["usage"]["input_tokens"] > first.json()["usage"]["input_tokens"]
+
+
+async def test_a_response_made_with_store_false_is_not_remembered(rig: Rig) -> None:
+    """vLLM keeps no `store: false` response, so the router records no place for it: a
+    follow-up is refused before any engine, saying why, and a GET is a 404 (Codex sends
+    `store: false` on every step: no placement row per step with a shared store either)."""
+    first = await rig.client.post("/v1/responses", json={**RESPONSES, "store": False})
+    assert first.status_code == 200, first.text
+    rid = first.json()["id"]
+    seen = rig.seen()
+    follow = await rig.client.post("/v1/responses", json={**RESPONSES, "previous_response_id": rid})
+    assert follow.status_code == 400, follow.text
+    error = follow.json()["error"]
+    assert error["code"] == "previous_response_not_found" and "store: false" in error["message"]
+    got = await rig.client.get(f"/v1/responses/{rid}")
+    assert got.status_code == 404 and got.json()["error"]["code"] == "response_not_found"
+    assert rig.seen() == seen
+    # `store: true` (the default) is remembered as before, streamed too
+    kept = await rig.client.post("/v1/responses", json={**RESPONSES, "store": True, "stream": True})
+    kept_id = orjson.loads(kept.content.split(b"data: ", 1)[1].split(b"\n", 1)[0])["response"]["id"]
+    again = await rig.client.post(
+        "/v1/responses", json={**RESPONSES, "previous_response_id": kept_id}
+    )
+    assert again.status_code == 200, again.text
+    unkept = await rig.client.post(
+        "/v1/responses", json={**RESPONSES, "store": False, "stream": True}
+    )
+    unkept_id = orjson.loads(unkept.content.split(b"data: ", 1)[1].split(b"\n", 1)[0])
+    refused = await rig.client.post(
+        "/v1/responses",
+        json={**RESPONSES, "previous_response_id": unkept_id["response"]["id"]},
+    )
+    assert refused.status_code == 400, refused.text
+
+
+async def test_background_and_conversation_are_refused_before_any_engine(rig: Rig) -> None:
+    """`background: true` would have vLLM answer `queued` and generate afterwards, outside
+    admission and accounting; `conversation` vLLM ignores (the history would be lost): both
+    are a 400 naming the field, not silently served."""
+    for field, value in (("background", True), ("conversation", "conv_123")):
+        resp = await rig.client.post("/v1/responses", json={**RESPONSES, field: value})
+        assert resp.status_code == 400, (field, resp.text)
+        error = resp.json()["error"]
+        assert error["code"] == "invalid_field" and error["param"] == field
+        assert field in error["message"]
+    plain = await rig.client.post("/v1/responses", json={**RESPONSES, "background": False})
+    assert plain.status_code == 200
+    assert rig.seen() == 1
 
 
 async def test_a_follow_up_waits_for_its_busy_engine_rather_than_go_elsewhere(rig: Rig) -> None:

@@ -15,7 +15,8 @@ only what an adapter knows:
 - on a whole body: `body_usage`;
 - errors: `error_response` (status, body, headers) and `error_event` (a started stream's
   last event), each in the protocol's own shape; the statuses come from `router.errors`;
-- `response_id(...)`: the id a stateful response is stored under (responses only).
+- `response_id(...)`: the id a stateful response is stored under (responses only), and
+  `stores_response(body)`: whether the engine keeps it (not with `store: false`).
 
 Adapters hold no per-request state: one instance of each serves every request.
 """
@@ -98,6 +99,11 @@ class ProtocolAdapter:
 
     def is_final_event(self, event: bytes) -> bool:
         raise NotImplementedError
+
+    def stores_response(self, body: dict[str, Any]) -> bool:
+        """Whether the engine keeps the response to `body` for follow-ups, so the router
+        remembers where it is (responses without `store: false` only)."""
+        return False
 
     def response_id(self, event: bytes) -> str | None:
         """The stored response's id when `event` announces it (responses only)."""

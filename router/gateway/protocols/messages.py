@@ -2,7 +2,8 @@
 
 - Body: `model`, `max_tokens` (required), `messages` (each `content` a string or a list of
   blocks: `text`, `tool_use` with `name` / `input`, `tool_result` with `content`, `thinking`),
-  `system` (a string or text blocks), `tools`, `stream`.
+  `system` (a string or text blocks), `tools`, `stream`. A message's `role` must be `user` or
+  `assistant` (vLLM takes any; Anthropic's API refuses the rest with 400).
 - Stream: SSE events of an `event:` line and a `data:` line. The first generated token is the
   first `content_block_delta` of a `text_delta`, `input_json_delta` or `thinking_delta`; the
   prompt tokens are in `message_start`'s `message.usage` and again, with the output tokens, in
@@ -96,6 +97,16 @@ class MessagesAdapter(ProtocolAdapter):
             raise BadRequest(
                 "'messages' must be a non-empty list", "missing_field", param="messages"
             )
+        for i, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role != "user" and role != "assistant":
+                # vLLM takes any role; Anthropic's API (and a `system` turn there) refuses it
+                raise BadRequest(
+                    f"messages.{i}.role must be 'user' or 'assistant' (got {str(role)[:40]!r}); "
+                    "a system prompt goes in the top-level 'system' field",
+                    "invalid_field",
+                    param=f"messages.{i}.role",
+                )
         if "max_tokens" not in body:
             raise BadRequest(
                 "missing required field 'max_tokens'", "missing_field", param="max_tokens"

@@ -3,7 +3,11 @@
 - Body: `model`, `input` (a string or a list of items: messages whose `content` is a string or
   a list of parts with `text`, `function_call` with `name` / `arguments`,
   `function_call_output` with `output`, `reasoning` with `content` / `summary` parts),
-  `instructions`, `tools`, `max_output_tokens`, `previous_response_id`, `stream`.
+  `instructions`, `tools`, `max_output_tokens`, `previous_response_id` (then `input` may be
+  left out: vLLM is sent `[]`), `store` (`false`: the router does not remember where the
+  response is, as the engine does not keep it), `stream`. Refused with 400 `invalid_field`:
+  `background: true` (vLLM would generate after answering `queued`, outside admission and
+  accounting) and `conversation` (vLLM ignores it: the history would be lost silently).
 - Stream: SSE events of an `event:` line and a `data:` line. The first generated token is the
   first `*.delta` event (`response.output_text.delta`, `response.function_call_arguments.delta`,
   `response.reasoning_text.delta`, ...); the usage (`input_tokens`, `output_tokens`) is in the
@@ -51,6 +55,24 @@ class ResponsesAdapter(ProtocolAdapter):
     stateful = True
 
     def validate(self, body: dict[str, Any]) -> None:
+        if body.get("background"):
+            # vLLM answers `queued` at once and generates after the response: its KV and
+            # tokens would escape admission, governance and accounting
+            raise BadRequest(
+                "'background' responses are not served by gpupool (their work would run "
+                "outside admission and accounting); send the request with `stream: true` "
+                "instead",
+                "invalid_field",
+                param="background",
+            )
+        if body.get("conversation") is not None:
+            # vLLM ignores it: the response would silently lose the conversation's history
+            raise BadRequest(
+                "'conversation' is not served by gpupool (no Conversations API): send the "
+                "history as `input`, or chain responses with `previous_response_id`",
+                "invalid_field",
+                param="conversation",
+            )
         value = body.get("input")
         if value is None and body.get("previous_response_id") is None:
             raise BadRequest("missing required field 'input'", "missing_field", param="input")
@@ -69,6 +91,17 @@ class ResponsesAdapter(ProtocolAdapter):
                 "invalid_field",
                 param="max_output_tokens",
             )
+
+    def prepare(self, body: dict[str, Any], ctx: RequestContext) -> bool:
+        """A follow-up without `input` (optional in the Responses API) asks vLLM, which
+        requires it, for an empty one."""
+        if "input" in body:
+            return False
+        body["input"] = []
+        return True
+
+    def stores_response(self, body: dict[str, Any]) -> bool:
+        return body.get("store") is not False
 
     def estimate_input(self, body: dict[str, Any]) -> EstimateInput:
         pieces: list[str] = []
