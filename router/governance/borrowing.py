@@ -23,18 +23,15 @@ lease top-ups and, while it has a request of it in flight or waiting, every gove
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
     "IDLE_AFTER_SWEEPS",
-    "LENDER_CANDIDATES",
     "LENDER_RESERVE_FRAC",
     "LenderView",
     "Split",
     "Terms",
-    "candidates",
     "idle",
     "lendable",
     "pick_lender",
@@ -46,9 +43,6 @@ LENDER_RESERVE_FRAC = 0.5  # of its bucket a lender always keeps for itself
 # idle (one sweep is the longest a replica's demand goes unmarked; the rest covers a sweep's
 # statements and the replicas' clocks differing)
 IDLE_AFTER_SWEEPS = 3
-# with a shared store: the lenders a borrow's statement weighs first (the largest buckets);
-# the rest only when one of them might lend more than all of these (`candidates`)
-LENDER_CANDIDATES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,24 +76,6 @@ def idle(active_at_s: float | None, now_s: float, idle_after_s: float) -> bool:
     """A tenant last marked active at `active_at_s` (None: never) is idle at `now_s` when
     that is more than `idle_after_s` ago (shared store: the replicas' marks)."""
     return active_at_s is None or active_at_s < now_s - idle_after_s
-
-
-def candidates(
-    lenders: Sequence[tuple[str, float, float]],
-    first: int,
-    reserve_frac: float = LENDER_RESERVE_FRAC,
-) -> tuple[list[tuple[str, float, float]], tuple[float, str] | None]:
-    """The `first` lenders (name, capacity, rate_per_s) by capacity (largest first, ties: the
-    first name), and the bound on the others: what the first left out could lend at most (a
-    full bucket above its reserve) and its name; None when none is left out. A lender left
-    out never lends more than the bound (its capacity is at most that one's; at equal
-    capacity its name comes later), so the best of the first that reaches the bound (or
-    equals it with an earlier name) is the best of all (`pick_lender`'s choice)."""
-    if len(lenders) <= first:
-        return list(lenders), None
-    ranked = heapq.nsmallest(first + 1, lenders, key=lambda lender: (-lender[1], lender[0]))
-    name, capacity, _ = ranked[first]
-    return ranked[:first], (capacity - reserve_frac * capacity, name)  # as `lendable`'s SQL
 
 
 @dataclass(frozen=True, slots=True)

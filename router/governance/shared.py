@@ -63,15 +63,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.governance.borrowing import (
-    LENDER_CANDIDATES,
-    LenderView,
-    Terms,
-    candidates,
-    idle,
-    pick_lender,
-    split,
-)
+from router.governance.borrowing import LenderView, Terms, idle, pick_lender, split
 from router.store import Conn, Migration, Store, upsert
 
 __all__ = [
@@ -574,7 +566,7 @@ CREATE OR REPLACE FUNCTION gpupool_borrow(
     p_capacity DOUBLE PRECISION, p_rate DOUBLE PRECISION, p_allow_capacity DOUBLE PRECISION,
     p_allow_rate DOUBLE PRECISION, p_lenders TEXT[], p_capacities DOUBLE PRECISION[],
     p_rates DOUBLE PRECISION[], p_idle_before DOUBLE PRECISION,
-    p_reserve_frac DOUBLE PRECISION, p_bound DOUBLE PRECISION, p_bound_name TEXT
+    p_reserve_frac DOUBLE PRECISION
 ) RETURNS TABLE (o_lender TEXT, o_short DOUBLE PRECISION, o_own DOUBLE PRECISION)
 LANGUAGE plpgsql AS $fn$
 DECLARE
@@ -587,7 +579,6 @@ DECLARE
     v_missing BOOLEAN;
     v_cap DOUBLE PRECISION;
     v_rate DOUBLE PRECISION;
-    v_lendable DOUBLE PRECISION;
 BEGIN
     -- the borrower's allowance, then its own bucket (marked active: it has demand), locked
     INSERT INTO budget_buckets AS b (tenant, bucket, level, capacity, rate_per_s, updated_at_s)
@@ -610,24 +601,16 @@ BEGIN
     IF v_short <= 0 OR v_short > v_allowance OR v_short > p_allow_capacity THEN
         RETURN;
     END IF;
-    -- the candidates joined to their rows (`tenant = ANY(p_lenders)` compared every row with
-    -- every name); a lender never used has no row yet: it starts full (and idle), its row
-    -- made only if it lends
-    FOR v_lender, v_missing, v_cap, v_rate, v_lendable IN
-        SELECT u.n, l.tenant IS NULL, u.c, u.r, {_CANDIDATE}
+    -- the candidates joined to their rows (a hash join: one pass over each, where
+    -- `tenant = ANY(p_lenders)` compared every row with every name); a lender never used has
+    -- no row yet: it starts full (and idle), its row made only if it lends
+    FOR v_lender, v_missing, v_cap, v_rate IN
+        SELECT u.n, l.tenant IS NULL, u.c, u.r
         FROM unnest(p_lenders, p_capacities, p_rates) AS u(n, c, r)
         LEFT JOIN budget_buckets l ON l.tenant = u.n AND l.bucket = 'tokens'
         WHERE u.n <> p_tenant AND {_LENDER_IDLE} AND {_CANDIDATE} >= v_short
-        ORDER BY 5 DESC, u.n COLLATE "C"
+        ORDER BY {_CANDIDATE} DESC, u.n
     LOOP
-        -- p_bound: the candidates passed are the first by capacity (`borrowing.candidates`);
-        -- one left out may lend up to p_bound (p_bound_name first among those): when it
-        -- would come first, a row with no lender asks the caller for every candidate
-        IF p_bound IS NOT NULL AND (v_lendable < p_bound OR (v_lendable = p_bound
-                AND v_lender COLLATE "C" > p_bound_name COLLATE "C")) THEN
-            RETURN QUERY SELECT NULL::TEXT, v_short, v_take;
-            RETURN;
-        END IF;
         IF v_missing THEN
             INSERT INTO budget_buckets (tenant, bucket, level, capacity, rate_per_s,
                 updated_at_s) VALUES (v_lender, 'tokens', v_cap, v_cap, v_rate, p_now)
@@ -649,31 +632,12 @@ BEGIN
             RETURN;
         END IF;
     END LOOP;
-    IF p_bound IS NOT NULL AND p_bound >= v_short THEN  -- none passed lends: one left out may
-        RETURN QUERY SELECT NULL::TEXT, v_short, v_take;
-    END IF;
 END
-$fn$
-"""
-# migration 12's arguments (routers before s48): every candidate passed, no bound
-_BORROW_ALL_FUNCTION = """
-CREATE OR REPLACE FUNCTION gpupool_borrow(
-    p_tenant TEXT, p_need DOUBLE PRECISION, p_lease DOUBLE PRECISION, p_now DOUBLE PRECISION,
-    p_capacity DOUBLE PRECISION, p_rate DOUBLE PRECISION, p_allow_capacity DOUBLE PRECISION,
-    p_allow_rate DOUBLE PRECISION, p_lenders TEXT[], p_capacities DOUBLE PRECISION[],
-    p_rates DOUBLE PRECISION[], p_idle_before DOUBLE PRECISION,
-    p_reserve_frac DOUBLE PRECISION
-) RETURNS TABLE (o_lender TEXT, o_short DOUBLE PRECISION, o_own DOUBLE PRECISION)
-LANGUAGE sql AS $fn$
-    SELECT * FROM gpupool_borrow(p_tenant, p_need, p_lease, p_now, p_capacity, p_rate,
-        p_allow_capacity, p_allow_rate, p_lenders, p_capacities, p_rates, p_idle_before,
-        p_reserve_frac, CAST(NULL AS DOUBLE PRECISION), CAST(NULL AS TEXT))
 $fn$
 """
 BORROW_SQL = (  # PostgreSQL only (parameters: `SharedBudgets.borrow`'s, in order)
     "SELECT o_lender, o_short, o_own FROM gpupool_borrow(?, ?, ?, ?, ?, ?, ?, ?,"
-    " CAST(? AS TEXT[]), CAST(? AS DOUBLE PRECISION[]), CAST(? AS DOUBLE PRECISION[]), ?, ?,"
-    " CAST(? AS DOUBLE PRECISION), CAST(? AS TEXT))"
+    " CAST(? AS TEXT[]), CAST(? AS DOUBLE PRECISION[]), CAST(? AS DOUBLE PRECISION[]), ?, ?)"
 )
 
 
@@ -681,7 +645,7 @@ def _borrowing(real: str) -> Callable[[Conn], None]:
     def apply(conn: Conn) -> None:
         conn.execute(f"ALTER TABLE budget_buckets ADD COLUMN active_at_s {real}")
         if real != "REAL":  # PostgreSQL: the borrow's function (one statement: its body holds `;`)
-            _borrow_function(conn)
+            conn.execute(_BORROW_FUNCTION)
 
     return apply
 
@@ -693,26 +657,22 @@ BORROWING = Migration(
     _borrowing("REAL"),
     _borrowing("DOUBLE PRECISION"),
 )
-# governance's thirteenth migration (s48): `gpupool_borrow` replaced. A debt in the
-# borrower's lease or own bucket is paid off by the loan, as one router's is
-# (`borrowing.split`); the candidate lenders are joined to their rows (where every row was
-# compared with every name: `= ANY`), a never-used lender's row made only when it lends; and
-# it takes a bound (two more arguments): the caller passes the first `LENDER_CANDIDATES` by
-# capacity, and what the first left out could lend at most (`borrowing.candidates`), so a
-# borrow's work does not grow with the tenants (12 ms a borrow with 1,000 before, s48). The
-# thirteen-argument form (routers before s48) calls it with no bound. Migration 12 installs
-# the same (current) functions on a fresh database; a database at 12 gets them here.
+# governance's thirteenth migration (s48): `gpupool_borrow` replaced (same arguments and
+# answer): a debt in the borrower's lease or own bucket is paid off by the loan, as one
+# router's is (`borrowing.split`), and the candidate lenders are joined to their rows instead
+# of every row compared with every name (`= ANY`: 12 ms a borrow with 1,000 tenants, s48), a
+# never-used lender's row made only when it lends. Migration 12 installs the same (current)
+# body on a fresh database; a database at 12 gets it here.
 
 
 def _borrow_function(conn: Conn) -> None:
     conn.execute(_BORROW_FUNCTION)
-    conn.execute(_BORROW_ALL_FUNCTION)
 
 
 BORROW_DEBT = Migration(
     "governance",
     13,
-    "gpupool_borrow: a debt paid off by the loan (one router's rule), the first candidates",
+    "gpupool_borrow: a debt paid off by the loan (one router's rule), candidates joined",
     lambda conn: None,
     _borrow_function,
 )
@@ -1056,13 +1016,20 @@ class SharedBudgets:
         from_lease = min(lease, need)  # negative: the lease's debt, paid off by the loan
         own_bucket = (tenant, "tokens", terms.capacity, terms.capacity, terms.rate_per_s, now_s)
         if self.store.dialect == "postgresql":
-            # the first candidates by capacity, then (only when one left out might lend
-            # more) every candidate: the same lender as one pass over all of them
-            first, bound = candidates(lenders, LENDER_CANDIDATES, terms.reserve_frac)
-            row = self._borrow_pg(tenant, need, lease, now_s, terms, first, bound)
-            if row is not None and row[0] is None:
-                row = self._borrow_pg(tenant, need, lease, now_s, terms, lenders, None)
-            if row is None or row[0] is None:
+            with self.store.connection() as conn:
+                row = conn.execute(
+                    BORROW_SQL,
+                    (
+                        *(tenant, need, lease, now_s, terms.capacity, terms.rate_per_s),
+                        *(terms.allowance_capacity, terms.allowance_rate_per_s),
+                        _pg_array([_quoted(n) for n, _, _ in lenders]),
+                        _pg_array([repr(c) for _, c, _ in lenders]),
+                        _pg_array([repr(r) for _, _, r in lenders]),
+                        now_s - terms.idle_after_s,
+                        terms.reserve_frac,
+                    ),
+                ).fetchone()
+            if row is None:
                 return None
             return Loan(str(row[0]), float(row[1]), float(row[2]), from_lease)
         with self.store.connection() as conn, conn.transaction():
@@ -1117,33 +1084,6 @@ class SharedBudgets:
                     (level - amount, now_s, now_s, name, bucket),
                 )
             return Loan(lender, parts.short, parts.own, from_lease)
-
-    def _borrow_pg(
-        self,
-        tenant: str,
-        need: float,
-        lease: float,
-        now_s: float,
-        terms: Terms,
-        lenders: Sequence[tuple[str, float, float]],
-        bound: tuple[float, str] | None,
-    ) -> tuple[Any, ...] | None:
-        """`gpupool_borrow` over `lenders` (`bound`: what one left out could lend at most,
-        and its name); its row (lender NULL: ask again with every candidate) or None."""
-        with self.store.connection() as conn:
-            row: tuple[Any, ...] | None = conn.execute(
-                BORROW_SQL,
-                (
-                    *(tenant, need, lease, now_s, terms.capacity, terms.rate_per_s),
-                    *(terms.allowance_capacity, terms.allowance_rate_per_s),
-                    _pg_array([_quoted(n) for n, _, _ in lenders]),
-                    _pg_array([repr(c) for _, c, _ in lenders]),
-                    _pg_array([repr(r) for _, _, r in lenders]),
-                    *(now_s - terms.idle_after_s, terms.reserve_frac),
-                    *((None, None) if bound is None else bound),
-                ),
-            ).fetchone()
-        return row
 
     @staticmethod
     def _refilled_in(conn: Conn, tenant: str, bucket: str, now_s: float) -> float:

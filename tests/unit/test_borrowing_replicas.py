@@ -21,21 +21,13 @@ from pools.testing.config import config_for_test, one_pool
 from router.admission.estimate import Estimate
 from router.errors import RateLimited, StoreUnavailable
 from router.governance import GovernanceMetrics, Governor
-from router.governance.borrowing import (
-    IDLE_AFTER_SWEEPS,
-    LENDER_CANDIDATES,
-    Split,
-    Terms,
-    candidates,
-    idle,
-    split,
-)
+from router.governance.borrowing import IDLE_AFTER_SWEEPS, Split, Terms, idle, split
 from router.governance.shared import SharedBudgets
 from router.governance.store import MIGRATIONS
 from router.request import RequestOutcome
 from router.store import Store, migrate
 from tests.postgres import PostgresServer, start_postgres
-from tests.unit.test_budget_replicas import connections, counted
+from tests.unit.test_budget_replicas import counted
 from tests.unit.test_governance_replicas import (
     PASSWORD_ENV,
     REGISTRIES,
@@ -156,13 +148,6 @@ def test_split_takes_the_lease_then_the_own_bucket_and_borrows_the_rest() -> Non
     )
 
 
-def test_candidates_are_the_largest_buckets_and_the_bound_the_next_ones_most() -> None:
-    lenders = [("c", 100.0, 1.0), ("a", 300.0, 1.0), ("b", 300.0, 1.0), ("d", 50.0, 1.0)]
-    assert candidates(lenders, 2) == ([("a", 300.0, 1.0), ("b", 300.0, 1.0)], (50.0, "c"))
-    assert candidates(lenders, 1) == ([("a", 300.0, 1.0)], (150.0, "b"))  # ties: the name
-    assert candidates(lenders, 4) == (lenders, None)  # nobody left out: no bound
-
-
 def test_idle_means_no_mark_within_the_bound() -> None:
     assert idle(None, T0, 3.0)  # never marked
     assert idle(T0 - 3.5, T0, 3.0)
@@ -206,46 +191,6 @@ def test_the_borrow_statement_follows_the_rules_on_both_backends(any_store: Stor
     # the allowance (700 - 537.5 taken, refilled 3.5 s at 700/60: 203.3) bounds a loan
     assert borrow(210, now_s=T0 + 3.5) is None
     assert borrow(200, now_s=T0 + 3.5) == ("big", 200, 0)
-
-
-def test_the_borrow_statement_weighs_the_largest_lenders_first_on_both_backends(
-    any_store: Store,
-) -> None:
-    """More lenders than `LENDER_CANDIDATES` (PostgreSQL: the statement is sent the largest
-    16 and a bound, then every lender when one left out might lend more): the lender is the
-    one with the most to lend of all, as with every lender weighed at once (SQLite)."""
-    migrate(any_store, MIGRATIONS)
-    db = SharedBudgets(any_store)
-    assert LENDER_CANDIDATES == 16
-    # m00..m19 hold 100..2000 (lend 50..1000): m04..m19 are weighed first, m03 is the bound
-    sized = tuple((f"m{i:02d}", 100.0 * (i + 1), 1e-9) for i in range(20))
-    # e00..e16 hold 1000 each: e00..e15 are weighed first, e16 is the bound (a tie)
-    equal = tuple((f"e{i:02d}", 1000.0, 1e-9) for i in range(17))
-
-    def borrow(lenders: tuple[tuple[str, float, float], ...], now_s: float = T0) -> str | None:
-        terms = Terms(60, 1e-9, 1e6, 1e6 / 60, lenders, idle_after_s=3.0)
-        loan = db.borrow("x", 10, 0.0, now_s, terms)
-        assert loan is None or loan.short + loan.own == pytest.approx(10)  # x's refills ~0
-        return None if loan is None else loan.lender
-
-    def busy(lenders: tuple[tuple[str, float, float], ...]) -> None:
-        for name, capacity, rate_per_s in lenders:  # a top-up's mark (it takes nothing here)
-            db.reserve_up_to(name, "tokens", 0.0, 0.0, T0, capacity=capacity, rate_per_s=rate_per_s)
-
-    db.reserve("x", "tokens", 60, T0, capacity=60, rate_per_s=1e-9)  # x holds nothing
-    with connections(any_store) as sent:
-        assert borrow(sized) == "m19"  # PostgreSQL: one statement, 16 candidates
-    assert sent[0] == 1
-    busy(sized[4:])
-    with connections(any_store) as sent:
-        assert borrow(sized) == "m03"  # the largest 16 busy: the one left out that lends most
-    assert borrow(equal) == "e00"  # all alike: the first name, from the first 16
-    assert borrow(equal) == "e01"  # e00 lent 10
-    # PostgreSQL: the first 16 could not lend, one left out could: every candidate then
-    assert sent[0] == (2 if any_store.dialect == "postgresql" else 1)
-    busy(equal[1:16])
-    assert borrow(equal) == "e16"  # 500 above its reserve, where e00 has 490
-    assert borrow(sized, now_s=T0 + 3.5) == "m19"  # the marks are old: idle again
 
 
 def test_the_borrow_statement_pays_a_debt_off_on_both_backends(any_store: Store) -> None:

@@ -23,7 +23,6 @@ from router.errors import RateLimited
 from router.governance import GovernanceMetrics, Governor
 from router.governance.routes import register
 from router.identity import OperatorAccess, Tenants
-from router.store import Store
 from tests.postgres import PASSWORD, PostgresServer, start_postgres
 from tests.unit.test_governance_replicas import (
     PASSWORD_ENV,
@@ -164,13 +163,7 @@ async def test_headers_on_the_next_response_show_at_most_what_is_left(
 def counted(gov: Governor) -> Iterator[list[int]]:
     """Count the connections the replica's store hands out (each call of SharedBudgets)."""
     assert gov._replica is not None
-    with connections(gov._replica.db.store) as count:
-        yield count
-
-
-@contextmanager
-def connections(store: Store) -> Iterator[list[int]]:
-    """Count the connections `store` hands out."""
+    store = gov._replica.db.store
     real = store.connection
     count = [0]
 
