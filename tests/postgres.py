@@ -15,6 +15,15 @@ thread that started it dies (`prctl(PR_SET_PDEATHSIG)`, set in the child after t
 `nobody`, which would clear it): one thread that lives as long as the process (`_spawn`).
 Its data folder stays behind; the next start removes the folders whose owner (the pid in
 `owner.pid`) is gone.
+
+Under xdist the server is a worker's child, and a SIGKILLed controller left the worker running
+its test for ~16 s (execnet sees the lost channel at once, waits 5 s, sends itself a SIGINT
+that did not end a test asleep in the main thread, and calls `os._exit` 10 s after that). So
+a worker that starts a server also watches its controller (`_watch_controller`: its parent
+pid, every `WATCH_INTERVAL_S`): once it is gone, the watch stops the worker's servers, removes
+their data folders, interrupts the main thread (SIGINT to that thread, so pytest unwinds and
+the other fixtures' teardowns stop what they started), and ends the worker if it is still
+there `WATCH_EXIT_GRACE_S` later.
 """
 
 from __future__ import annotations
@@ -26,7 +35,9 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +57,10 @@ FOLDER_PREFIX = "gpupool-pg-"
 OWNER_FILE = "owner.pid"  # the pid of the process that made the folder
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child only calls it
+WATCH_INTERVAL_S = 0.5  # how often an xdist worker holding a server checks its controller
+WATCH_STOP_S = 3.0  # for its servers' fast shutdown, then SIGKILL
+WATCH_EXIT_GRACE_S = 10.0  # for the worker's own teardowns after the interrupt
+WATCH_EXIT_CODE = 70  # a worker ended by the watch (EX_SOFTWARE: its controller died)
 
 
 def pg_binaries() -> Path | None:
@@ -108,14 +123,15 @@ class PostgresServer:
             )
         _wait_ready(self, log)
 
-    def stop(self) -> None:
-        """Fast shutdown (open sessions are ended), as a database restart would."""
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Fast shutdown (open sessions are ended), as a database restart would; SIGKILL after
+        `timeout_s`."""
         process, self.process = self.process, None
         if process is None:
             return
         process.send_signal(signal.SIGINT)
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -200,6 +216,58 @@ def _remove_orphaned_folders(tmp: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+# The controller of an xdist worker is the parent it was started by: taken when the worker
+# imports this module (at collection, before any test), so a controller that dies before a
+# server starts is still seen as gone. (worker pid, controller pid); None outside a worker.
+_worker = (os.getpid(), os.getppid()) if os.environ.get("PYTEST_XDIST_WORKER") else None
+_servers: set[PostgresServer] = set()  # started by start_postgres and not yet torn down
+_watch_lock = threading.Lock()
+_watch: threading.Thread | None = None
+
+
+def _watch_controller_once() -> None:
+    """In an xdist worker, start the watch of its controller (once per process; not in a
+    process forked from the worker, whose parent is the worker)."""
+    global _watch
+    if _worker is None or _worker[0] != os.getpid():
+        return
+    with _watch_lock:
+        if _watch is None:
+            _watch = threading.Thread(
+                target=_watch_controller,
+                args=(_worker[1], WATCH_INTERVAL_S),
+                name="postgres-controller-watch",
+                daemon=True,
+            )
+            _watch.start()
+
+
+def _watch_controller(controller: int, interval_s: float) -> None:
+    """When this process's parent is no longer `controller` (it died: the worker was handed
+    to init or a subreaper), stop this process's servers, remove their folders, interrupt the
+    main thread and, after `WATCH_EXIT_GRACE_S`, exit."""
+    while os.getppid() == controller:
+        time.sleep(interval_s)
+    print(
+        f"tests/postgres.py: xdist controller {controller} gone; stopping"
+        f" {len(_servers)} PostgreSQL server(s) and ending worker {os.getpid()}",
+        file=sys.stderr,
+        flush=True,
+    )
+    servers = list(_servers)
+    for server in servers:
+        if (process := server.process) is not None:
+            process.send_signal(signal.SIGINT)  # all at once, then wait for each
+    for server in servers:
+        server.stop(timeout_s=WATCH_STOP_S)
+        shutil.rmtree(server.socket_dir, ignore_errors=True)
+    main = threading.main_thread().ident
+    if main is not None:  # KeyboardInterrupt there: pytest runs the teardowns and ends
+        signal.pthread_kill(main, signal.SIGINT)
+    time.sleep(WATCH_EXIT_GRACE_S)
+    os._exit(WATCH_EXIT_CODE)
+
+
 @contextlib.contextmanager
 def start_postgres() -> Iterator[PostgresServer]:
     bin_dir = pg_binaries()
@@ -214,6 +282,8 @@ def start_postgres() -> Iterator[PostgresServer]:
     if owner.uid is not None:
         os.chown(root, owner.uid, owner.group if owner.group is not None else -1)
     server = PostgresServer(root, bin_dir, owner)
+    _servers.add(server)
+    _watch_controller_once()
     try:
         pwfile = root / "pw"
         pwfile.write_text(PASSWORD + "\n")
@@ -245,6 +315,7 @@ def start_postgres() -> Iterator[PostgresServer]:
         yield server
     finally:
         server.stop()
+        _servers.discard(server)
         shutil.rmtree(root, ignore_errors=True)
 
 

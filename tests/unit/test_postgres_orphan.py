@@ -1,11 +1,14 @@
 """A pytest killed with SIGKILL (no teardown runs) leaves no PostgreSQL server behind
 (tests/postgres.py): the server and its backends stop within seconds, and the data folder it
-leaves is removed by the next start; a server restarted from a thread that ends lives on."""
+leaves is removed by the next start; under xdist, a SIGKILLed controller's worker stops its
+server, removes its folder and exits within seconds too; a server restarted from a thread that
+ends lives on."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +16,8 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
@@ -23,12 +28,22 @@ from tests.postgres import PASSWORD, _remove_orphaned_folders, pg_binaries, star
 
 REPO = Path(__file__).resolve().parents[2]
 GONE_WITHIN_S = 10.0
+# a worker notices its controller gone within WATCH_INTERVAL_S (0.5 s) and stops its server in
+# ~0.2 s; without the watch it ran on for ~16 s (until execnet noticed the lost channel)
+XDIST_GONE_WITHIN_S = 5.0
 
 HOLDER = """
 import os, time
 from pathlib import Path
 
-def test_hold(postgres_server):
+import pytest
+
+@pytest.fixture
+def torn_down():  # stands for what a test starts beside the server (a router, an engine)
+    yield
+    Path(os.environ["PG_SEEN"] + ".teardown").write_text("ran")
+
+def test_hold(postgres_server, torn_down):
     assert postgres_server.process is not None  # and it answers: tests/postgres.py waited
     Path(os.environ["PG_SEEN"]).write_text(
         f"{postgres_server.process.pid} {postgres_server.socket_dir}"
@@ -48,7 +63,24 @@ def _wait_for(path: Path, child: subprocess.Popen[bytes], timeout_s: float) -> s
     return path.read_text()
 
 
-def test_a_sigkilled_pytest_leaves_no_postgres_running(tmp_path: Path) -> None:
+@dataclass
+class _Holder:
+    """A pytest (`child`) whose test holds `postgres_server` (`server`, its postmaster's pid,
+    in `folder`, under `temp`); everything it starts carries `session` in its environment;
+    `torn_down` exists once the test's other fixture was torn down."""
+
+    child: subprocess.Popen[bytes]
+    session: str
+    temp: Path
+    server: int
+    folder: Path
+    torn_down: Path
+
+
+@contextlib.contextmanager
+def _holding_pytest(tmp_path: Path, *pytest_args: str) -> Iterator[_Holder]:
+    """A pytest started with `pytest_args` and a test that holds a server, once the server
+    answers; killed at the end if still running, and its temporary folder removed."""
     (tmp_path / "test_hold.py").write_text(HOLDER)
     seen = tmp_path / "seen"
     session = uuid.uuid4().hex  # what the child starts carries this id, and only that does
@@ -65,9 +97,9 @@ def test_a_sigkilled_pytest_leaves_no_postgres_running(tmp_path: Path) -> None:
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
     }
     env.pop("PYTEST_XDIST_WORKER", None)
-    pytest_args = ["-q", "-p", "tests.postgres", "-p", "no:cacheprovider", "-c", os.devnull]
+    args = ["-q", "-p", "tests.postgres", "-p", "no:cacheprovider", "-c", os.devnull, *pytest_args]
     child = subprocess.Popen(
-        [sys.executable, "-m", "pytest", *pytest_args, "--rootdir", str(tmp_path), "test_hold.py"],
+        [sys.executable, "-m", "pytest", *args, "--rootdir", str(tmp_path), "test_hold.py"],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -75,28 +107,83 @@ def test_a_sigkilled_pytest_leaves_no_postgres_running(tmp_path: Path) -> None:
     )
     try:
         pid_text, folder_text = _wait_for(seen, child, timeout_s=60).split(" ", 1)
-        server, folder = int(pid_text), Path(folder_text)
-        running = session_processes(session)
-        assert server in running and "postgres" in running[server], running
-        assert len(running) >= 2, running  # the postmaster and its background processes
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=10)
+        torn_down = seen.with_name(seen.name + ".teardown")
+        yield _Holder(child, session, temp, int(pid_text), Path(folder_text), torn_down)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while (left := session_processes(session)) and time.monotonic() < deadline:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _left_after(session: str, timeout_s: float, also: tuple[int, ...] = ()) -> dict[int, str]:
+    """The processes carrying `session`, and those of `also` (pids), still alive after
+    `timeout_s` (killed, not to outlive this test either)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := _alive(session, also)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid in left:  # not to outlive this test either
+    for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    assert not left, f"outlived the killed pytest: {left}"
-    # no teardown ran: the folder is there until a start sweeps it
-    assert folder.parent == temp and folder.is_dir()
-    _remove_orphaned_folders(temp)
-    assert not folder.exists()
-    temp.rmdir()
+    return left
+
+
+def test_a_sigkilled_pytest_leaves_no_postgres_running(tmp_path: Path) -> None:
+    with _holding_pytest(tmp_path) as held:
+        running = session_processes(held.session)
+        assert held.server in running and "postgres" in running[held.server], running
+        assert len(running) >= 2, running  # the postmaster and its background processes
+        held.child.send_signal(signal.SIGKILL)
+        held.child.wait(timeout=10)
+        left = _left_after(held.session, GONE_WITHIN_S)
+        assert not left, f"outlived the killed pytest: {left}"
+        # no teardown ran: the folder is there until a start sweeps it
+        assert not held.torn_down.exists()
+        assert held.folder.parent == held.temp and held.folder.is_dir()
+        _remove_orphaned_folders(held.temp)
+        assert not held.folder.exists()
+        held.temp.rmdir()  # nothing else was left there
+
+
+def test_a_sigkilled_xdist_controller_leaves_no_worker_or_postgres_running(
+    tmp_path: Path,
+) -> None:
+    """`pytest -n 1`: the server is the worker's child; `kill -9` of the controller. The
+    worker's watch (tests/postgres.py) stops the server, removes its folder and interrupts the
+    test, whose other fixture is torn down; the worker ends, all within XDIST_GONE_WITHIN_S."""
+    with _holding_pytest(tmp_path, "-p", "xdist.plugin", "-n", "1") as held:
+        # the worker is not found by its environment: xdist's process title overwrites it
+        worker = _parent(held.server)
+        assert worker != held.child.pid and _parent(worker) == held.child.pid
+        running = _alive(held.session, (worker,))
+        assert {held.child.pid, worker, held.server} <= running.keys(), running
+        held.child.send_signal(signal.SIGKILL)
+        held.child.wait(timeout=10)
+        killed_at = time.monotonic()
+        left = _left_after(held.session, XDIST_GONE_WITHIN_S, also=(worker,))
+        took_s = time.monotonic() - killed_at
+        assert not left, f"outlived the killed controller by {XDIST_GONE_WITHIN_S:g} s: {left}"
+        print(f"worker and server gone {took_s:.2f} s after the controller's kill -9")
+        assert not held.folder.exists()  # the watch removed it
+        assert held.torn_down.read_text() == "ran"
+
+
+def _alive(session: str, pids: tuple[int, ...]) -> dict[int, str]:
+    alive = session_processes(session)
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone
+            if _stat(pid)[0] != "Z":
+                alive[pid] = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:200]
+    return alive
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command: state, parent, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _parent(pid: int) -> int:
+    return int(_stat(pid)[1])
 
 
 def test_a_server_restarted_from_a_thread_outlives_that_thread() -> None:
