@@ -216,7 +216,7 @@ class _Tenant:
     others_hour: WindowSum | None = None
     others_day: WindowSum | None = None
     # nothing to enforce for a request outside any run: no bucket, no request slot, no cost
-    # cap or daily budget, no shared store (set at config load and reload: `_nothing_to_enforce`)
+    # cap or daily budget (set at config load and reload: `_decide_unlimited`)
     unlimited: bool = False
     plain: StepSignals | None = None  # the signals of its requests outside any run (shared)
 
@@ -533,8 +533,9 @@ class Governor:
             )
         st = self._state(tenant)
         weight = st.limits.queue_weight
-        if st.unlimited and ctx.run_id is None and st.plain is not None:
-            # outside any run (so outside any session) the run end, the task type and the
+        if st.unlimited and ctx.run_id is None and ctx.session_id is None and st.plain is not None:
+            # outside any run and any session (classify gives a session's step a run id; a
+            # context made otherwise is mapped below) the run end, the task type and the
             # history guard nothing: the tenant's shared signals
             if weight != 1.0:
                 ctx = dataclasses.replace(ctx, tenant_weight=ctx.tenant_weight * weight)
@@ -1935,12 +1936,17 @@ class Governor:
     def _decide_unlimited(self, st: _Tenant) -> None:
         """Whether the tenant's requests outside any run have nothing to enforce (`enter_now`):
         no token or request bucket (nor a borrowing allowance), no request slot, no hourly
-        cost cap or daily budget, no shared store. A run's step is always governed (its
-        guards come from its class). Decided per config: `_state` and `reload` call it."""
+        cost cap or daily budget. A run's step is always governed (its guards come from its
+        class). Decided per config: `_state` and `reload` call it.
+
+        A shared store (store.url) changes nothing here: for such a request `enter` takes
+        nothing from it (no bucket to take from, hence no lease and nothing an outage policy
+        refuses; no request slot, the store's only in-flight count; no run to number or
+        speculate on), and what the replicas share of the tenant, its cost windows, is kept
+        by `finished` and published by the sweep once a cap or budget needs it."""
         lim = st.limits
         st.unlimited = (
-            self._replica is None
-            and st.tokens is None
+            st.tokens is None
             and st.requests is None
             and st.allowance is None
             and lim.max_concurrent_requests is None

@@ -2,11 +2,13 @@
 run pass `Governor.enter_now` (decided once per tenant config, at load and at reload) and skip
 `enter`'s checks, and still leave what others read: in flight, the cost windows, the settled
 tokens. A tenant with limits, a run's step and a reload that adds a limit are governed as
-before, at once. The governor on a fake clock; the last tests through the router over a fake
-engine served over real HTTP."""
+before, at once. With a shared store (store.url, s48) such a request takes the same fast
+path: two governors on a real PostgreSQL, as two replicas. The governor on a fake clock; the
+last tests through the router over a fake engine served over real HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,16 @@ from router.admission.estimate import Estimate
 from router.errors import BadRequest, RateLimited, RunStopped
 from router.governance import GovernanceMetrics, Governor, StepSignals
 from router.request import RequestContext, RequestOutcome
-from tests.unit.test_governance_replicas import Clock, ctx
+from tests.postgres import PASSWORD, PostgresServer
+from tests.unit.test_governance_replicas import (
+    PASSWORD_ENV,
+    T0,
+    Clock,
+    background_ready,
+    ctx,
+    loop_ready,
+    replica,
+)
 from tests.unit.test_governance_router import _body
 
 ESTIMATE = Estimate(prompt_tokens=40, output_tokens=20, source="heuristic")
@@ -75,6 +86,19 @@ def test_an_unknown_task_type_is_refused_for_a_tenant_without_limits_too() -> No
     gov = Governor(config(OPEN), GovernanceMetrics(CollectorRegistry()), clock=clock)
     with pytest.raises(BadRequest):
         prepared(gov, "open", clock, **{"x-gpupool-task-type": "no-such-task"})
+
+
+def test_a_sessions_step_is_mapped_to_its_run_for_a_tenant_without_limits() -> None:
+    """A context with a session and no run id yet (classify always gives one; a caller that
+    does not) is still mapped to its session's run, not taken for a plain request."""
+    clock = Clock(1000.0)
+    gov = Governor(config(OPEN), GovernanceMetrics(CollectorRegistry()), clock=clock)
+    tenant = gov.config.tenants[0]
+    c = dataclasses.replace(ctx("open"), session_id="sess", session_turn="task-1")
+    c, signals = gov.prepare(c, tenant, {}, {"messages": []})
+    assert c.run_id == "sess:1"
+    assert signals is not gov._tenants["open"].plain
+    assert not gov.enter_now(c, signals)
 
 
 async def test_a_tenant_with_limits_is_still_enforced() -> None:
@@ -148,6 +172,92 @@ async def test_a_reload_that_adds_a_limit_takes_effect_at_once(
     gov.reload(config(OPEN))  # and removed again: the fast path is back
     c2, signals2 = prepared(gov, "open", clock)
     assert gov.enter_now(c2, signals2)
+
+
+# ------------------------------------------------------------------------------ a shared store
+
+
+def shared(url: str, **limits: Any) -> Config:
+    return config(
+        {**OPEN, **limits},
+        LIMITED,
+        store={"url": url, "password_env": PASSWORD_ENV},
+    )
+
+
+@pytest.fixture
+def _store_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+
+
+@pytest.mark.usefixtures("_store_password")
+async def test_with_a_shared_store_a_tenant_without_limits_passes_without_a_statement(
+    postgres_server: PostgresServer,
+) -> None:
+    """`enter` would take nothing from the store for it (no bucket, no slot, no run): the
+    fast path, with no statement on either of the replica's connections and no rate-limit
+    headers (before s48: `enter`, ~26 us, and a scope header with no limit to label); a
+    limited tenant beside it still takes from the shared bucket."""
+    url = postgres_server.create_database("unlimited_shared_fast")
+    async with replica(shared(url), url, Clock(T0), "a") as a:
+        clock = a.clock
+        assert isinstance(clock, Clock)
+        on_loop, in_background = await loop_ready(a), await background_ready(a)
+        for _ in range(3):
+            c, signals = prepared(a, "open", clock)
+            assert a.enter_now(c, signals)
+            assert a._tenants["open"].inflight == 1
+            assert a.rate_headers("open") == []
+            assert a.speculation(c.request_id) is None
+            finish(a, c, clock, gpu_s=0.5)
+        assert a._tenants["open"].inflight == 0
+        assert a._tenants["open"].hour.total(clock()) == pytest.approx(1.5)
+        assert a._replica is not None
+        await asyncio.gather(*a._replica._pending)
+        assert await loop_ready(a) == on_loop
+        assert await background_ready(a) == in_background
+        assert a._replica.leases == {}  # nothing taken, nothing to give back
+
+        c, signals = prepared(a, "limited", clock)
+        assert not a.enter_now(c, signals)
+        await a.enter(c, ESTIMATE, signals)  # 60 of its 100 tokens, from the shared bucket
+        assert ("limited", "tokens") in a._replica.leases  # a lease taken from the store
+        assert dict(a.rate_headers("limited"))[b"x-gpupool-ratelimit-scope"] == b"shared"
+
+
+@pytest.mark.usefixtures("_store_password")
+async def test_with_a_shared_store_the_fast_paths_cost_reaches_a_cap_added_later(
+    postgres_server: PostgresServer,
+) -> None:
+    """What the replicas share of such a tenant is its cost windows: the GPU-seconds its
+    requests took on the fast path on one replica are published once a cap needs them, and
+    refuse its next request on the other replica; removing the cap brings the fast path back
+    on both."""
+    url = postgres_server.create_database("unlimited_shared_cap")
+    wall = Clock(T0)
+    async with replica(shared(url), url, wall, "a") as a, replica(shared(url), url, wall, "b") as b:
+        clock = a.clock
+        assert isinstance(clock, Clock)
+        c, signals = prepared(a, "open", clock)
+        assert a.enter_now(c, signals)
+        finish(a, c, clock, gpu_s=12.0)
+
+        capped = shared(url, cost_cap_gpu_seconds_per_hour=10)
+        a.reload(capped)
+        b.reload(capped)
+        await a.sync_replicas()  # a publishes its windows (a cap needs them now)
+        await b.sync_replicas()  # b reads them
+        c, signals = prepared(b, "open", clock)
+        assert not b.enter_now(c, signals)
+        with pytest.raises(RateLimited) as refused:
+            await b.enter(c, ESTIMATE, signals)
+        assert refused.value.code == "cost_cap"
+
+        for gov in (a, b):
+            gov.reload(shared(url))
+            c, signals = prepared(gov, "open", clock)
+            assert gov.enter_now(c, signals)
+            finish(gov, c, clock)
 
 
 # ------------------------------------------------------------------------------ the router
