@@ -31,7 +31,7 @@ from typing import Any
 HUGE = 1e12
 
 
-def child(url: str, calls: int, counts: list[int]) -> dict[str, Any]:
+def child(url: str, calls: int, counts: list[int], equal: bool = False) -> dict[str, Any]:
     from router.governance.borrowing import Terms
     from router.governance.shared import SharedBudgets
     from router.governance.store import MIGRATIONS
@@ -75,7 +75,9 @@ def child(url: str, calls: int, counts: list[int]) -> dict[str, Any]:
                 names = [f"t{i:05d}" for i in range(n)]
                 # capacities differ, so the lender with the most to lend is one of them; the
                 # rates are ~0: a lender lent from falls behind the next
-                lenders = tuple((name, 1e6 + i, 1e-6) for i, name in enumerate(names))
+                lenders = tuple(
+                    (name, 1e6 + (0 if equal else i), 1e-6) for i, name in enumerate(names)
+                )
                 with store.connection() as conn, conn.transaction():
                     conn.executemany(
                         "INSERT INTO budget_buckets (tenant, bucket, level, capacity,"
@@ -94,9 +96,10 @@ def child(url: str, calls: int, counts: list[int]) -> dict[str, Any]:
         store.close()
 
 
-def _run_child(checkout: Path, url: str, calls: int, tenants: str) -> dict[str, Any]:
+def _run_child(checkout: Path, url: str, calls: int, tenants: str, equal: bool) -> dict[str, Any]:
     """One child's JSON answer (the last line it prints), run on `checkout`'s code."""
     command = [sys.executable, __file__, "--child-url", url, "--calls", str(calls)]
+    command += ["--equal"] if equal else []
     answer = subprocess.check_output(
         [*command, "--tenants", tenants],
         env={**os.environ, "PYTHONPATH": str(checkout)},
@@ -113,11 +116,12 @@ def main() -> None:
     parser.add_argument("--tenants", default="3,300,1000")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--equal", action="store_true", help="every lender's bucket alike")
     parser.add_argument("--child-url")
     args = parser.parse_args()
     counts = sorted(int(n) for n in args.tenants.split(","))
     if args.child_url:
-        print(json.dumps(child(args.child_url, args.calls, counts)))
+        print(json.dumps(child(args.child_url, args.calls, counts, args.equal)))
         return
     trees = [(t.partition("=")[0], Path(t.partition("=")[2])) for t in args.tree]
     if not trees:
@@ -130,7 +134,7 @@ def main() -> None:
             order = trees[r % len(trees) :] + trees[: r % len(trees)]
             for name, checkout in order:
                 url = server.create_database(f"borrow_cost_{r}_{name}")
-                result = _run_child(checkout, url, args.calls, args.tenants)
+                result = _run_child(checkout, url, args.calls, args.tenants, args.equal)
                 print(json.dumps({"round": r, "side": name, **result}), flush=True)
                 rows.append((r, name, result))
     print("\nround side     " + "   ".join(f"N={n} p50 (p10-p90)" for n in counts))
