@@ -7,11 +7,13 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from pools.launchers import InstanceSpec
 from pools.testing.router_process import free_port
 from tests.integration.conftest import RouterProcess, write_router_config
 
@@ -30,7 +32,7 @@ def _auth(who: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def keyed_router(real_engines: list, tmp_path: Path):  # type: ignore[no-untyped-def,type-arg]
+def keyed_router(real_engines: list[InstanceSpec], tmp_path: Path) -> Iterator[RouterProcess]:
     config = write_router_config(
         tmp_path / "gpupool.yaml",
         [e.url for e in real_engines],

@@ -56,7 +56,8 @@ async def test_the_router_follows_real_engines_in_and_out(
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    api_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    assert isinstance(site._server, asyncio.Server)  # started: the listening server
+    api_port = site._server.sockets[0].getsockname()[1]
 
     k8s = KubernetesEnginesConfig(
         services=(SERVICE,),

@@ -14,6 +14,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from pools.launchers import InstanceSpec
 from pools.testing.router_process import free_port
 from tests.integration.conftest import RouterProcess, wait_for, write_router_config
 
@@ -140,7 +141,7 @@ def test_bad_inputs_get_clear_openai_errors(router_url: str) -> None:
     )
 
 
-def test_api_keys_map_to_tenants(real_engines: list, tmp_path: Path) -> None:  # type: ignore[type-arg]
+def test_api_keys_map_to_tenants(real_engines: list[InstanceSpec], tmp_path: Path) -> None:
     config = write_router_config(
         tmp_path / "keys.yaml",
         [e.url for e in real_engines],
@@ -171,7 +172,9 @@ def _engine_running(url: str) -> float:
     )
 
 
-def test_client_disconnect_frees_the_engine(router_url: str, real_engines: list) -> None:  # type: ignore[type-arg]
+def test_client_disconnect_frees_the_engine(
+    router_url: str, real_engines: list[InstanceSpec]
+) -> None:
     by_id = {e.instance_id: e.url for e in real_engines}
     body = {
         "model": "tiny",

@@ -11,7 +11,7 @@ from pools.fleet import Fleet
 from pools.launchers.base import InstanceSpec
 from pools.telemetry import InstanceReading
 from pools.testing.config import config_for_test
-from router.admission.picking import PickRequest, RunAffinity, default_picker
+from router.admission.picking import Candidate, Picker, PickRequest, RunAffinity, default_picker
 from router.errors import BadRequest, ClassNotAllowed, Unauthorized
 from router.gateway.classify import classify, run_identity
 from router.identity import Tenants
@@ -113,6 +113,12 @@ class Clock:
         return self.now
 
 
+def _picked(picker: Picker, req: PickRequest, cands: list[Candidate]) -> str:
+    chosen = picker.pick(req, cands)
+    assert chosen is not None, req
+    return chosen.instance_id
+
+
 def _fleet(clock: Clock) -> Fleet:
     specs = [InstanceSpec(f"e{i}", f"http://e{i}", 1) for i in range(3)]
     fleet = Fleet(specs, stale_after_s=5.0, unhealthy_after=2, clock=clock)
@@ -128,11 +134,11 @@ def test_picker_prefers_headroom_and_affinity_and_skips_unhealthy() -> None:
     picker = default_picker(fleet, affinity, random.Random(0))
     alloc = plan_allocation(fleet.capacity_gpus(), {"normal": 1.0})
     cands = picker.candidates(alloc, "normal")
-    assert picker.pick(PickRequest("normal", None), cands).instance_id == "e0"  # type: ignore[union-attr]
+    assert _picked(picker, PickRequest("normal", None), cands) == "e0"
     affinity.record("run", "e2")
-    assert picker.pick(PickRequest("normal", "run"), cands).instance_id == "e2"  # type: ignore[union-attr]
+    assert _picked(picker, PickRequest("normal", "run"), cands) == "e2"
     fleet.record_failure("e2", "refused", immediate=True)
-    assert picker.pick(PickRequest("normal", "run"), cands).instance_id == "e0"  # type: ignore[union-attr]
+    assert _picked(picker, PickRequest("normal", "run"), cands) == "e0"
     assert picker.pick(PickRequest("normal", None, frozenset({"e0", "e1"})), cands) is None
 
 
@@ -163,10 +169,7 @@ def test_ties_are_broken_at_random_but_reproducibly() -> None:
     def picks(seed: int) -> list[str]:
         picker = default_picker(fleet, RunAffinity(), random.Random(seed))
         cands = picker.candidates(alloc, "normal")
-        return [
-            picker.pick(PickRequest("normal", None), cands).instance_id  # type: ignore[union-attr]
-            for _ in range(20)
-        ]
+        return [_picked(picker, PickRequest("normal", None), cands) for _ in range(20)]
 
     assert picks(1) == picks(1)
     assert len(set(picks(1))) > 1

@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from pools.config import ConfigError
+from pools.config import Config, ConfigError
 from pools.testing.config import config_for_test, even_pools
 from router.errors import BadRequest
 from router.gateway.classify import classify
+from router.request import RequestContext
 
 BODY: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -24,7 +25,9 @@ def _config(**extra: Any) -> Any:
     return config_for_test(tenants=tenants, **extra)
 
 
-def _ctx(config: Any, tenant: str, headers: dict[str, str], body: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+def _ctx(
+    config: Config, tenant: str, headers: dict[str, str], body: dict[str, Any] | None = None
+) -> RequestContext:
     t = next(x for x in config.tenants if x.name == tenant)
     return classify(headers, body or dict(BODY), t, config, request_id="r", now_s=0.0)
 

@@ -44,7 +44,8 @@ def test_default_config_is_valid_and_consistent() -> None:
     assert config.engines.launcher == "local" and config.engines.local.count == 3
     assert [p.name for p in config.pools] == ["agent", "normal"]
     assert contract_problems(config) == []
-    assert config.pool_for_class("agent").name == "agent"  # type: ignore[union-attr]
+    agent = config.pool_for_class("agent")
+    assert agent is not None and agent.name == "agent"
     assert config.classification.default_class == "normal"
 
 

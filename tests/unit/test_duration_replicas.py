@@ -147,7 +147,9 @@ def shared_active_s(gov: Governor, run_id: str) -> float:
 def one_router_refusal(run_id: str, limit_s: float, message: str) -> str:
     """The refusal one router gives the run at the active time `message` states (check_step's
     own words), to compare a refusal across replicas with."""
-    shown = float(re.search(r"active (\d+) s", message).group(1))  # type: ignore[union-attr]
+    found = re.search(r"active (\d+) s", message)
+    assert found is not None, message
+    shown = float(found.group(1))
     limits = RunGuardsConfig(max_steps=None, max_duration_s=limit_s)
     state = RunState(run_id, 0.0, 0.0, limits, active_s=max(shown, limit_s))
     state.settings["max_duration_s"] = SETTING

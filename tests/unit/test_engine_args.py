@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from pools.config import ConfigError, ObservabilityConfig, default_config, parse_config
+from pools.config import (
+    ConfigError,
+    LocalEnginesConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    default_config,
+    parse_config,
+)
 from pools.devmodel import make_dev_model
 from pools.launchers.engine_args import EngineTraces, build_engine_command
 
@@ -31,7 +38,7 @@ ALL_FLAGS = frozenset(
 )
 
 
-def _configs(tmp_path: Path):  # type: ignore[no-untyped-def]
+def _configs(tmp_path: Path) -> tuple[ModelConfig, LocalEnginesConfig]:
     config = default_config()
     model = dataclasses.replace(config.model, path=make_dev_model(tmp_path / "tiny"))
     return model, config.engines.local

@@ -117,13 +117,15 @@ def test_forecast_lends_the_idle_half_less_the_owners_forecast(tmp_path: Path) -
     a = core.admitter
     # the router's first minute, chat unmeasured: its whole unused half is kept
     assert len(_fill(a, "agent", AGENT, 0.0)) == 4
-    for lease in list(core.fleet.get(SPEC.instance_id).leases):  # type: ignore[union-attr]
+    state = core.fleet.get(SPEC.instance_id)
+    assert state is not None
+    for lease in list(state.leases):
         lease.release()
     _chat_minute(core, clock)
     # chat measured: 2/s x 0.5 s = 1 in flight on average, the model's p99 4 sequences of 2
     # blocks; it was never seen holding more than one: the peak (2) + one sequence (2) - the
     # none it holds now = 4 blocks and 1 + 1 - 0 = 2 slots are kept
-    reserves = a.reserves(core.fleet.get(SPEC.instance_id), clock.now)  # type: ignore[arg-type]
+    reserves = a.reserves(state, clock.now)
     assert (reserves["normal"].forecast.blocks, reserves["normal"].forecast.slots) == (8, 4)
     assert (reserves["normal"].blocks, reserves["normal"].slots) == (4.0, 2)
     # the agent pool may use 949.05 - 4 = 945 blocks: 9 sequences of 100

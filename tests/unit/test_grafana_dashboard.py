@@ -204,7 +204,9 @@ def test_variables_filter_every_series_that_has_their_label(
         var = variables[name]
         assert var["multi"] and var["includeAll"] and var["allValue"] == ".*", name
         query = var["query"]["query"]
-        metric, label = re.fullmatch(r"label_values\(([^,]+), (\w+)\)", query).groups()  # type: ignore[union-attr]
+        parsed = re.fullmatch(r"label_values\(([^,]+), (\w+)\)", query)
+        assert parsed is not None, query
+        metric, label = parsed.groups()
         source = vllm if metric.startswith("vllm:") else router
         assert source.knows(metric), query
         if not metric.startswith("vllm:"):

@@ -144,7 +144,8 @@ async def api() -> AsyncIterator[tuple[FakeApi, str]]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    assert isinstance(site._server, asyncio.Server)  # started: the listening server
+    port = site._server.sockets[0].getsockname()[1]
     yield fake, f"http://127.0.0.1:{port}"
     await runner.cleanup()
 

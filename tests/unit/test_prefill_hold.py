@@ -188,7 +188,9 @@ def test_serial_lets_one_long_agent_prefill_run_at_a_time(tmp_path: Path) -> Non
     # without serial, a second long agent prefill starts beside the first
     clock = Clock()
     core = _core(tmp_path, clock, prefill_hold_min_tokens=512)
-    core.fleet.get(SPEC.instance_id).prefill_tokens_per_s = 10_000.0  # type: ignore[union-attr]
+    state = core.fleet.get(SPEC.instance_id)
+    assert state is not None
+    state.prefill_tokens_per_s = 10_000.0
     a = core.admitter
     assert a.admit_now(_ctx("agent", 0.0), long_agent, 0.0) is not None
     assert a.admit_now(_ctx("agent", 0.0), long_agent, 0.0) is not None

@@ -17,20 +17,22 @@ import psycopg
 import pytest
 
 from pools.allocation import plan_moves
+from pools.config import Config
+from pools.fleet import InstanceState
 from pools.testing.config import config_for_test
 from router.cli.commands.pools import _format_rebalancer
 from router.core import build_core
 from router.rebalancer.rebalancer import Rebalancer
 from router.rebalancer.store import DecisionLog
 from router.store import PostgresStore
-from router.store.leader import leadership_for
+from router.store.leader import AdvisoryLockLeader, leadership_for
 from tests.postgres import PASSWORD, PostgresServer
 from tests.unit.test_rebalance_shell import SHARES, SPECS, Clock, finished
 
 DEADLINE_S = 30.0
 
 
-def config(url: str, loop_s: float | None = None) -> object:
+def config(url: str, loop_s: float | None = None) -> Config:
     """Ticks driven by the test, or (`loop_s`) the loop running every `loop_s`."""
     return config_for_test(
         pools=SHARES,
@@ -60,7 +62,7 @@ async def replica(
     await asyncio.to_thread(store.open)
     try:
         core = build_core(
-            config(url, loop_s),  # type: ignore[arg-type]
+            config(url, loop_s),
             list(SPECS),
             clock,
             random.Random(0),
@@ -77,6 +79,18 @@ async def replica(
             await rb.aclose()
     finally:
         await asyncio.to_thread(store.close)
+
+
+async def check_now(rb: Rebalancer) -> None:
+    """The replica's leader election checks now (PostgreSQL's: an advisory lock)."""
+    assert isinstance(rb.leadership, AdvisoryLockLeader)
+    await rb.leadership.check()
+
+
+def _state(rb: Rebalancer, instance_id: str) -> InstanceState:
+    state = rb.fleet.get(instance_id)
+    assert state is not None, instance_id
+    return state
 
 
 async def until(condition: Callable[[], Awaitable[bool]]) -> None:
@@ -100,7 +114,7 @@ async def test_one_decides_the_other_follows_and_takes_over(
 
         await until(a_leads)
         async with replica(url, clock, "b", check_s=0.05) as b:
-            await b.leadership.check()  # type: ignore[attr-defined]
+            await check_now(b)
             assert not b.leadership.leading
             assert b.view()["leader"] == {
                 "replica": "b",
@@ -149,7 +163,7 @@ async def test_one_decides_the_other_follows_and_takes_over(
 
             await until(b_leads)
             assert b.metrics.rebalancer_leader._value.get() == 1
-            await a.leadership.check()  # type: ignore[attr-defined]
+            await check_now(a)
             assert not a.leadership.leading and a.leadership.leader == "b"
             assert a.metrics.rebalancer_leader._value.get() == 0
             # the new leader decides from the shared ratio, which the old one now follows
@@ -211,7 +225,7 @@ async def test_an_instance_moved_through_either_replica_is_the_one_every_replica
             for who, by, to_pool in (("follower", b, "agent"), ("leader", a, "normal")):
                 from_pool = "normal" if to_pool == "agent" else "agent"
                 for r in (a, b):  # a sequence of the old pool runs there on each replica
-                    r.fleet.get(moved).running_by_pool[from_pool] = 1  # type: ignore[union-attr]
+                    _state(r, moved).running_by_pool[from_pool] = 1
                 await by.move_instance("sre", moved, to_pool)
                 for r in (a, b):
                     await r.sync()
@@ -221,7 +235,7 @@ async def test_an_instance_moved_through_either_replica_is_the_one_every_replica
                     drain = current.draining[moved]
                     assert (drain.from_pool, drain.to_pool) == (from_pool, to_pool)
                 for r in (a, b):  # each replica's own sequence ends: its drain ends
-                    r.fleet.get(moved).running_by_pool[from_pool] = 0  # type: ignore[union-attr]
+                    _state(r, moved).running_by_pool[from_pool] = 0
                     r.check_drains()
                     assert r.pool_map.current.draining == {}
                     assert dict(r.pool_map.current.fracs[moved]) == {to_pool: 1.0}
