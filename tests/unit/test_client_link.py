@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -107,8 +108,9 @@ async def _whole_stream(live: LiveRouter, body: dict[str, object], pause_s: floa
     return raw
 
 
-def _events(body: bytes) -> list[dict[str, object] | str]:
-    out: list[dict[str, object] | str] = []
+def _events(body: bytes) -> list[dict[str, Any] | str]:
+    """The stream's events: each `data:` JSON object, and "[DONE]"."""
+    out: list[dict[str, Any] | str] = []
     for event in body.split(b"\n\n"):
         if event.startswith(b"data: [DONE]"):
             out.append("[DONE]")
@@ -134,12 +136,12 @@ def test_a_stream_reaches_its_client_whole(tmp_path: Path, usage: bool, pause_s:
     events = _events(data)
     assert events[-1] == "[DONE]"
     chunks = [e for e in events[:-1] if isinstance(e, dict) and e.get("choices")]
-    assert "".join(str(c["choices"][0]["delta"].get("content", "")) for c in chunks) == (  # type: ignore[index]
+    assert "".join(str(c["choices"][0]["delta"].get("content", "")) for c in chunks) == (
         " tok" * 1500
     )
     usages = [e for e in events[:-1] if isinstance(e, dict) and not e.get("choices")]
     if usage:
-        assert len(usages) == 1 and usages[0]["usage"]["completion_tokens"] == 1500  # type: ignore[index]
+        assert len(usages) == 1 and usages[0]["usage"]["completion_tokens"] == 1500
         assert events[-2] is usages[0]
     else:
         assert usages == []

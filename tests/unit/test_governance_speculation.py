@@ -63,8 +63,9 @@ def two_stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple
     else:
         server: PostgresServer = request.getfixturevalue("postgres_server")
         url = server.create_database(f"speculation_{next(_databases)}")
-        stores = tuple(  # type: ignore[assignment]
-            PostgresStore(url, password=PASSWORD, connect_timeout_s=0.5) for _ in range(2)
+        stores = (
+            PostgresStore(url, password=PASSWORD, connect_timeout_s=0.5),
+            PostgresStore(url, password=PASSWORD, connect_timeout_s=0.5),
         )
     for store in stores:
         store.open()

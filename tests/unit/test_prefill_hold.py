@@ -109,9 +109,9 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
     assert config.admission.prefill_hold_min_tokens == "auto"
 
 
-def _held_seconds(core: object) -> tuple[float, float]:
+def _held_seconds(core: Core) -> tuple[float, float]:
     """(count, sum) of gpupool_prefill_hold_seconds for the agent pool."""
-    metric = core.metrics.prefill_held.labels("agent")  # type: ignore[attr-defined]
+    metric = core.metrics.prefill_held.labels("agent")
     samples = {s.name: s.value for m in metric.collect() for s in m.samples}
     return samples["gpupool_prefill_hold_seconds_count"], samples[
         "gpupool_prefill_hold_seconds_sum"

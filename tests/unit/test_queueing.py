@@ -16,6 +16,12 @@ def _entry(
     )
 
 
+def _pop_first(queue: PoolQueue, now_s: float) -> None:
+    first = queue.peek()
+    assert first is not None
+    queue.pop(first, now_s)
+
+
 def _drain(queue: PoolQueue, n: int | None = None) -> list[QueueEntry]:
     out: list[QueueEntry] = []
     t = 0.0
@@ -109,7 +115,7 @@ def test_drain_rate_and_expected_wait() -> None:
     t = 0.0
     for _ in range(60):
         t += 0.5  # two dispatches per second
-        q.pop(q.peek(), t)  # type: ignore[arg-type]
+        _pop_first(q, t)
     assert q.drain_rate_per_s(t) == pytest.approx(2.0, rel=0.1)
     assert q.expected_wait_s(10, t, default_s=0) == pytest.approx(5.0, rel=0.1)
     # nothing dispatched for a while: the rate falls instead of promising 2/s
@@ -121,5 +127,5 @@ def test_drain_rate_and_expected_wait() -> None:
     for _ in range(5):
         burst.push(_entry())
     for _ in range(5):
-        burst.pop(burst.peek(), 100.0)  # type: ignore[arg-type]
+        _pop_first(burst, 100.0)
     assert burst.drain_rate_per_s(101.0) == pytest.approx(5.0)

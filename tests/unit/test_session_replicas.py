@@ -134,7 +134,8 @@ async def test_a_replica_that_did_not_see_a_sessions_runs_takes_the_stores_numbe
     # the governor's own run state follows the store's run (guards, GET /v1/budget)
     active = {r["run_id"]: r["steps"] for r in a.budget(tenant_of(a, "t").tenant)["active_runs"]}
     assert active[f"{SESSION}:2"] == 2  # step 0 on b, step 1 here: the store's count
-    assert f"{SESSION}:2" in a.session("t", SESSION)["runs"]  # type: ignore[index]
+    session = a.session("t", SESSION)
+    assert session is not None and f"{SESSION}:2" in session["runs"]
 
 
 async def test_new_tasks_on_two_replicas_at_once_get_distinct_runs_and_one_task_one_run(
