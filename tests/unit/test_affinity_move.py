@@ -5,7 +5,8 @@ and the admitter's inputs to it (the time a step waited, the expected wait for i
 from __future__ import annotations
 
 import random
-from typing import TypedDict
+from collections.abc import Mapping
+from typing import TypedDict, Unpack
 
 import pytest
 
@@ -144,8 +145,18 @@ def _rig(placement: str) -> tuple[Picker, RunAffinity, list[Candidate], Fleet]:
     return picker, affinity, picker.candidates(alloc, "agent"), fleet
 
 
-def _pick(picker: Picker, cands: list[Candidate], **kw: object) -> str | None:
-    chosen = picker.pick(PickRequest("agent", "run", **kw), cands)  # type: ignore[arg-type]
+class _PickFields(TypedDict, total=False):  # PickRequest's fields these tests set
+    exclude: frozenset[str]
+    allowed: frozenset[str] | None
+    waited_s: float
+    home_wait_s: float | None
+    now_s: float | None
+    free_slots: Mapping[str, int] | None
+    awaited: Mapping[str, int] | None
+
+
+def _pick(picker: Picker, cands: list[Candidate], **kw: Unpack[_PickFields]) -> str | None:
+    chosen = picker.pick(PickRequest("agent", "run", **kw), cands)
     return None if chosen is None else chosen.instance_id
 
 
