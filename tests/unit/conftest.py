@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import pytest
 
@@ -17,10 +18,14 @@ __all__ = ["any_store", "fresh_postgres_store", "postgres_server"]
 _databases = itertools.count()
 
 
-def fresh_postgres_store(server: PostgresServer, **kwargs: object) -> PostgresStore:
+class StoreOptions(TypedDict, total=False):  # PostgresStore's that the tests set
+    connect_timeout_s: float
+
+
+def fresh_postgres_store(server: PostgresServer, **options: Unpack[StoreOptions]) -> PostgresStore:
     """A store on a database of its own (not opened)."""
     url = server.create_database(f"t{next(_databases)}")
-    return PostgresStore(url, password=PASSWORD, **kwargs)  # type: ignore[arg-type]
+    return PostgresStore(url, password=PASSWORD, **options)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import pytest
 
@@ -22,8 +23,12 @@ from tests.unit.ledger_records import T0, record
 DAY_S = 86_400.0
 
 
-def _ledger(store: Store, **kwargs: object) -> Ledger:
-    return Ledger(store, clock=lambda: T0 + 10.0, **kwargs)  # type: ignore[arg-type]
+class _LedgerOptions(TypedDict, total=False):  # Ledger's that these tests set
+    durable: bool
+
+
+def _ledger(store: Store, **options: Unpack[_LedgerOptions]) -> Ledger:
+    return Ledger(store, clock=lambda: T0 + 10.0, **options)
 
 
 async def test_the_ledger_writes_and_reads_the_same_on_both(any_store: Store) -> None:
