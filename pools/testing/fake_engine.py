@@ -253,6 +253,13 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
         max_tokens = int(
             body.get("max_tokens") or body.get("max_completion_tokens") or st.default_max_tokens
         )
+        if max_tokens > st.max_model_len_tokens:  # vLLM 0.32 refuses it, whatever the prompt
+            msg = (
+                f"max_tokens={max_tokens} cannot be greater than max_model_len="
+                f"{st.max_model_len_tokens}. Please request fewer output tokens."
+            )
+            await respond(send, 400, _error_body(msg, "BadRequestError", 400, "max_tokens"))
+            return
         blocks = math.ceil((prompt_tokens + max_tokens) / st.block_size)
         st.running += 1
         st.peak_running = max(st.peak_running, st.running)
@@ -421,12 +428,21 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
             if responses
             else fp.messages_prompt_tokens(body)
         )
-        limit = body.get("max_output_tokens") if responses else body.get("max_tokens")
+        field = "max_output_tokens" if responses else "max_tokens"
+        limit = body.get(field)
         output = limit if isinstance(limit, int) and limit > 0 else st.default_max_tokens
-        if prompt + output > st.max_model_len_tokens:
+        if output > st.max_model_len_tokens:  # vLLM 0.32 refuses it, whatever the prompt
+            msg = (
+                f"{field}={output} cannot be greater than max_model_len="
+                f"{st.max_model_len_tokens}. Please request fewer output tokens."
+            )
+            await respond(send, *fp.too_long(msg, anthropic=not responses))
+            return
+        if prompt >= st.max_model_len_tokens:
             msg = f"This model's maximum context length is {st.max_model_len_tokens} tokens."
             await respond(send, *fp.too_long(msg, anthropic=not responses))
             return
+        output = min(output, st.max_model_len_tokens - prompt)  # stops at the context's end
         failure = st.take_failure()
         if await _failed(send, failure):
             return

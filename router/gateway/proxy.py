@@ -24,7 +24,8 @@ Proxy rules:
   the usage event is stripped again when the client did not ask for it;
 - a request that can never be served answers 400 before admission: its prompt alone over the
   model's context (`context_length_exceeded`; an output limit past the context's end is
-  served as vLLM serves it, stopping there), its sequence over every
+  served as vLLM serves it, stopping there; one over the whole context, which vLLM refuses,
+  is lowered to it first), its sequence over every
   instance's whole KV cache (`kv_capacity_exceeded`), a `previous_response_id` the router
   does not know or whose engine is gone (`previous_response_not_found`);
 - a follow-up response (`previous_response_id`) goes only to the instance that stored the
@@ -402,6 +403,9 @@ class CompletionsHandler:
         request_id = ctx.request_id.encode()
         gp_headers = [(b"x-gpupool-request-id", request_id), *self._class_headers(ctx)]
         changed = adapter.prepare(body, ctx)
+        max_len = self.estimator.max_model_len_tokens
+        if max_len is not None and adapter.clamp_output(body, max_len):
+            changed = True  # vLLM refuses a limit over the context, served clamped
         outcome.response_kept = adapter.stores_response(body)
         engine_priority = self._engine_priority.get(ctx.pool)
         if engine_priority is not None and "priority" not in body and adapter.engine_priority:

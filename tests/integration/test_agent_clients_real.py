@@ -351,6 +351,34 @@ def test_anthropic_refusals_are_the_sdks_typed_errors_in_anthropics_types(
     assert error_type(denied.value) == "authentication_error"
 
 
+def test_an_output_limit_over_the_context_is_served_as_claude_code_asks_it(
+    target: Target,
+) -> None:
+    """Claude Code asks for max_tokens 32,000 whatever the model; vLLM refuses any limit over
+    max_model_len (4,096 here) with a 400, so the router lowers it to the context and the
+    request is served (stop sequences, or a schema, end the dev model's output at once)."""
+    client = target.anthropic()
+    with client.messages.stream(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Why does the build fail?"}],
+        max_tokens=32_000,
+        stop_sequences=[" ", "1", "2", "e"],  # vLLM takes at most 4
+        extra_body={"temperature": 0},  # this SDK's typed arguments have no temperature
+    ) as stream:
+        reply = stream.get_final_message()
+    assert reply.stop_reason in ("stop_sequence", "end_turn", "max_tokens")
+    assert reply.usage.output_tokens < 4096
+    answer = target.openai().responses.create(
+        model=MODEL,
+        input="Say nothing.",
+        max_output_tokens=32_000,
+        text={
+            "format": {"type": "json_schema", "name": "empty", "schema": NO_ARGS, "strict": True}
+        },
+    )
+    assert json.loads(answer.output_text) == {} and answer.status == "completed"
+
+
 # --- LangChain ---------------------------------------------------------------------------------
 
 

@@ -106,11 +106,12 @@ EXPLICIT = [
         400,
         "previous_response_not_found",
     ),
-    # the engine's own 400 (the fake engine's limit), passed through in OpenAI's shape
+    # the engine's own 400 (the fake engine's limit, vLLM's), passed through in OpenAI's shape:
+    # an integer limit over the context is lowered to it by the router, a float one is not
     Explicit(
         "POST",
         "/v1/chat/completions",
-        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**5},
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e5},
         400,
         400,
     ),

@@ -359,6 +359,28 @@ async def test_context_length_exceeded_on_every_endpoint_before_admission(rig: R
     assert rig.seen() == 2
 
 
+async def test_an_output_limit_over_the_whole_context_is_lowered_to_it(rig: Rig) -> None:
+    """vLLM 0.32 refuses an output limit above max_model_len on every endpoint (400 "cannot
+    be greater than max_model_len", found with Claude Code's max_tokens 32,000 on a 4,096
+    model) but serves one that only overruns what the prompt leaves: the router lowers the
+    first to the context, so both are served, stopping at the context's end."""
+    max_len = rig.gateway.estimator.max_model_len_tokens
+    assert max_len is not None
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("/v1/messages", MESSAGES, "max_tokens"),
+        ("/v1/chat/completions", CHAT, "max_tokens"),
+        ("/v1/chat/completions", CHAT, "max_completion_tokens"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi"}, "max_tokens"),
+        ("/v1/responses", RESPONSES, "max_output_tokens"),
+    ]
+    for path, body, field in cases:
+        for asked, sent in ((32_000, max_len), (max_len, max_len), (7, 7)):
+            resp = await rig.client.post(path, json={**body, field: asked})
+            assert resp.status_code == 200, (path, field, resp.text)
+            engine = rig.state_of(resp.headers["x-gpupool-instance"])
+            assert engine.requests_seen[-1][field] == sent, (path, field, asked)
+
+
 async def test_a_sequence_over_every_instances_kv_cache_is_a_400(tmp_path: Path) -> None:
     """It fits the model's context but no instance's whole KV cache: never a 429 to retry."""
     async with make_rig(tmp_path, num_gpu_blocks=64) as rig:  # 64 blocks of 16 tokens, ~1000

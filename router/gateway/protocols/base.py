@@ -8,6 +8,7 @@ only what an adapter knows:
 - `estimate_input(body)`: the text, tool JSON and output limit the estimate counts;
 - `prepare(body, ctx)`: what the router asks of the engine on top of the client's body
   (`stream_options.include_usage` for chat and completions); True when it changed the body;
+  `clamp_output(body, max_model_len)`: an output limit over the context lowered to it;
 - on a stream, per SSE event (bytes ending in a blank line): `is_first_token` (a generated
   text, tool-call argument or reasoning delta), `usage_event` (read the usage into the
   outcome; may rewrite or drop the event), `is_final_event` (the event after which the
@@ -69,6 +70,7 @@ class ProtocolAdapter:
     final_markers: ClassVar[tuple[bytes, ...]] = ()
     engine_priority: ClassVar[bool] = True  # the engine reads the body's `priority`
     stateful: ClassVar[bool] = False  # `previous_response_id` continues a stored response
+    output_limit_fields: ClassVar[tuple[str, ...]] = ("max_tokens",)  # the output limits
 
     def validate(self, body: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -99,6 +101,19 @@ class ProtocolAdapter:
 
     def is_final_event(self, event: bytes) -> bool:
         raise NotImplementedError
+
+    def clamp_output(self, body: dict[str, Any], max_model_len: int) -> bool:
+        """Lower an output limit over the model's context to the context; True when it did.
+        vLLM refuses a limit above `max_model_len` (400) but serves one that only overruns
+        what the prompt leaves, stopping at the context's end: every limit is served that way
+        (Claude Code asks for max_tokens 32,000 whatever the model)."""
+        changed = False
+        for field in self.output_limit_fields:
+            value = body.get(field)
+            if type(value) is int and value > max_model_len:
+                body[field] = max_model_len
+                changed = True
+        return changed
 
     def stores_response(self, body: dict[str, Any]) -> bool:
         """Whether the engine keeps the response to `body` for follow-ups, so the router

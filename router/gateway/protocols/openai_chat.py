@@ -92,6 +92,7 @@ class ChatAdapter(_OpenAIGeneration):
     name = "chat"
     path = "/v1/chat/completions"
     chat = True
+    output_limit_fields = ("max_tokens", "max_completion_tokens")
 
     def validate(self, body: dict[str, Any]) -> None:
         messages = body.get("messages")

@@ -53,6 +53,7 @@ class ResponsesAdapter(ProtocolAdapter):
     final_markers = _FINAL_EVENTS
     path = "/v1/responses"
     stateful = True
+    output_limit_fields = ("max_output_tokens",)
 
     def validate(self, body: dict[str, Any]) -> None:
         if body.get("background"):
