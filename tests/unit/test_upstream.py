@@ -16,7 +16,7 @@ import uvloop
 
 from pools.testing.fake_engine import FakeEngineState, make_fake_engine
 from pools.testing.serve import serve_asgi
-from router.gateway.upstream import ConnectFailed, Upstream, UpstreamClosed
+from router.gateway.upstream import ConnectFailed, Upstream, UpstreamClosed, _Conn, _Origin
 
 _HEADERS = [("content-type", "application/json")]
 
@@ -329,23 +329,28 @@ test_a_shorter_deadline_on_a_reused_connection = _on_both_loops(
 )
 
 
+class _Recording(Upstream):
+    """An upstream client that keeps the connections it makes (a subclass: no patching)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conns: list[_Conn] = []
+        self.connected = asyncio.Event()
+
+    async def _connect(self, origin: _Origin, connect_s: float) -> _Conn:
+        self.conns.append(await super()._connect(origin, connect_s))
+        self.connected.set()
+        return self.conns[-1]
+
+
 async def _timer_before_a_later_deadline() -> None:
     """The connection's timer, firing before the deadline of the exchange it finds (a later
     one than it was armed for), re-arms for it and fails nothing; at the deadline it fails
     the exchange with TimeoutError and drops the connection."""
     state = FakeEngineState(failure="hang", fail_next=-1)
     async with serve_asgi(make_fake_engine(state)) as url:
-        client = Upstream()
-        conns: list[Any] = []
-        connected = asyncio.Event()
-        connect = client._connect
-
-        async def recording(*args: Any) -> Any:
-            conns.append(await connect(*args))
-            connected.set()
-            return conns[-1]
-
-        client._connect = recording  # type: ignore[method-assign]
+        client = _Recording()
+        conns, connected = client.conns, client.connected
         loop = asyncio.get_running_loop()
         post = asyncio.ensure_future(
             client.post(
