@@ -2013,10 +2013,11 @@ def _slot_ids(st: _Tenant) -> set[str]:
 
 
 def _window(own: WindowSum, others: WindowSum | None, now_s: float) -> WindowSum:
-    """A tenant's cost window: its own, or with the other replicas' slices (store.url)."""
+    """A tenant's cost window: its own, or with the other replicas' slices (store.url), in
+    time order (`wait_below_s` reads the oldest first)."""
     if others is None:
         return own
     merged = WindowSum(own.window_s, round(own.window_s / own.slice_s))
-    for start, amount in (*own.slices(now_s), *others.slices(now_s)):
+    for start, amount in sorted((*own.slices(now_s), *others.slices(now_s))):
         merged.add(amount, start)
     return merged

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.governance.bucket import WindowSum
+from router.governance.governor import _window
 
 WINDOW_S = 3600.0
 BUCKETS = 60
@@ -149,3 +150,19 @@ def test_a_merged_window_added_out_of_order_matches(
     for start, amount in w.slices(now):
         by_start[start] = by_start.get(start, 0.0) + amount
     assert sorted(by_start.items()) == naive.slices(now)
+
+
+def test_the_governors_merged_window_waits_for_the_oldest_slice_first() -> None:
+    """A cost cap's Retry-After across replicas (`governor._window`): the own window's recent
+    slice and another replica's old one, merged; the sum drops below the cap when the old
+    one leaves (in 120 s), as the naive window says, not when the recent one does (~1 h)."""
+    now = 10 * WINDOW_S
+    own, others, naive = WindowSum(WINDOW_S, BUCKETS), WindowSum(WINDOW_S, BUCKETS), NaiveWindow()
+    for window, at_s, amount in ((own, now - 60.0, 2.0), (others, now - WINDOW_S + 120.0, 8.0)):
+        window.add(amount, at_s)
+        naive.add(amount, at_s)
+    merged = _window(own, others, now)
+    assert merged.total(now) == naive.total(now) == 10.0
+    assert merged.slices(now) == naive.slices(now)
+    for cap in (5.0, 9.0):  # 9: the recent slice alone would bring it below, but leaves last
+        assert merged.wait_below_s(cap, now) == naive.wait_below_s(cap, now) == 120.0
