@@ -203,7 +203,10 @@ def test_a_full_queue_answers_429_with_retry_after(
 ) -> None:
     rig = _start(tmp_path, real_engines, max_depth=1)
     try:
-        first, a = _in_thread(rig.post, _body("c"))
+        # the first holds the engine ~4x longer than one request: the queue must still be full
+        # when the third arrives (at 256 tokens the first ended ~1.1 s after it started, and on
+        # a loaded machine the polls below once took 0.7 s of that: the third was queued, 200)
+        first, a = _in_thread(rig.post, _body("c", max_tokens=4 * MAX_TOKENS))
         wait_for(lambda: _inflight(rig) == 1 or a)
         assert not a, a
         second, b = _in_thread(rig.post, _body("d"))
