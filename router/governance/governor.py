@@ -55,7 +55,7 @@ from typing import Any
 from pools.config import Config, TenantConfig
 from pools.periodic import Periodic
 from router.admission.estimate import Estimate
-from router.errors import BadRequest, GpupoolError, RateLimited, RunStopped
+from router.errors import BadRequest, GpupoolError, RateLimited, RunStopped, StoreUnavailable
 from router.governance.borrowing import IDLE_AFTER_SWEEPS, LenderView, Terms, pick_lender
 from router.governance.bucket import TokenBucket, WindowSum
 from router.governance.guards import (
@@ -85,7 +85,7 @@ from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
 from router.governance.replica import ReplicaBudgets
 from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
-from router.governance.shared import SESSION_FRESH_S, Loan, NextStep, SessionStep
+from router.governance.shared import SESSION_FRESH_S, HeldRun, Loan, NextStep, SessionStep
 from router.governance.speculation import SPECULATE_WITHIN_S, DeferredStep, Speculation
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
@@ -188,9 +188,32 @@ class _Early:
     # a session's step numbered in the run this replica knows (else the store's mapping
     # decides its run, and it cannot go on before the answer)
     pinned: bool = False
+    # its run is held here (`_Lease`): only its slot was asked for, the step numbered here
+    held: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Lease:
+    """A run this replica holds (store.run_lease, docs/replicas.md s48): it numbers the run's
+    steps from `next_step` until `until_s` (its clock, from before the statement that took or
+    renewed the lease: the database's expiry is later), and its sweep writes `next_step`."""
+
+    until_s: float
+    next_step: int
+    seen_s: float  # its latest step here (the sweep lets a run unseen for long go)
+
+    def take(self, now_s: float) -> int:
+        step, self.next_step, self.seen_s = self.next_step, self.next_step + 1, now_s
+        return step
 
 
 EARLY_TTL_S = 10.0  # an early take nobody claimed (a request cancelled before `enter`)
+# a run's lease lasts this many sweeps from its last renewal; this replica stops numbering
+# from memory this fraction of a sweep before that (its clock may run faster than the
+# database's by that much over one lease)
+LEASE_SWEEPS = 2.0
+LEASE_MARGIN_SWEEPS = 0.25
+LEASE_POLL_SWEEPS = 0.25  # a step whose run another replica holds asks again this often
 
 
 @dataclass(eq=False)
@@ -252,7 +275,13 @@ class Governor:
         self._early: dict[str, _Early] = {}  # request id -> its slot and step under way
         # the ledger numbers a known run's step with its record's commit (PostgreSQL; set by
         # router/settlement.py): such a step sends no statement of its own (`_fold`)
-        self.fold_steps = False
+        self._fold_steps = False
+        # the runs this replica holds (store.run_lease, on with `fold_steps`: the ledger is
+        # in the store's database): (tenant, run id) -> its lease
+        self._leases: dict[tuple[str, str], _Lease] = {}
+        self._lease_s = LEASE_SWEEPS * sweep_interval_s
+        self._lease_margin_s = LEASE_MARGIN_SWEEPS * sweep_interval_s
+        self._lease_poll_s = LEASE_POLL_SWEEPS * sweep_interval_s
         self._sweep_loop = Periodic(
             "gpupool-governance-sweep", self._sweep_and_save, sweep_interval_s
         )
@@ -288,6 +317,22 @@ class Governor:
         for tenant in config.tenants:
             self._state(tenant)
 
+    @property
+    def fold_steps(self) -> bool:
+        return self._fold_steps
+
+    @fold_steps.setter
+    def fold_steps(self, value: bool) -> None:
+        """Set by router/settlement.py: the ledger numbers steps in the store's database
+        (PostgreSQL, durable). With `store.run_lease` that also turns the run leases on."""
+        self._fold_steps = value
+        replica = self._replica
+        if replica is not None:
+            lease = (
+                value and self.config.store.run_lease and replica.db.store.dialect == ("postgresql")
+            )
+            replica.run_lease_s = self._lease_s if lease else None
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
@@ -309,6 +354,7 @@ class Governor:
         if early:  # their slots' releases start before the replica leaves
             await asyncio.gather(*early, return_exceptions=True)
         if self._replica is not None:  # its leases and slots back before the last save
+            await self._release_leases()
             await self._replica.aclose()
         if self._store is not None:
             await self.save()
@@ -321,6 +367,7 @@ class Governor:
         self.sweep()
         if self._replica is not None:
             await self.sync_replicas()
+            await self.write_leases()
         await self.save()
 
     # ------------------------------------------------------------------ durability
@@ -434,6 +481,93 @@ class Governor:
                 for window, slices in ((st.others_hour, hour_day[0]), (st.others_day, hour_day[1])):
                     for start, amount in slices:
                         window.add(amount, self._mono(start))
+
+    async def write_leases(self) -> None:
+        """The runs this replica holds, written once (their next step number) with their
+        leases renewed; a run unseen for `SPECULATE_WITHIN_S` (or ended) let go. What the
+        answer says: another replica's stop (the run stops here: its next step is refused),
+        another replica wanting the run (handed over now: written and let go), or the lease
+        lost (it ran out and another replica took the run: its next step here goes to the
+        store)."""
+        replica = self._replica
+        if replica is None or not self._leases:
+            return
+        now = self.clock()  # before the statement: the database's renewal is later
+        renew: list[tuple[tuple[str, str], _Lease]] = []
+        rows = []
+        for key, lease in list(self._leases.items()):
+            st = self._tenants.get(key[0])
+            run = None if st is None else st.runs.get(key[1])
+            if run is None or run.ended is not None or now - lease.seen_s > SPECULATE_WITHIN_S:
+                del self._leases[key]  # no step numbered here from now on
+                rows.append(HeldRun(*key, lease.next_step, release=True))
+            else:
+                renew.append((key, lease))
+        released = len(rows)
+        rows += [HeldRun(*key, lease.next_step) for key, lease in renew]
+        answers = await replica.write_held(rows)
+        if answers is None:  # the store cannot be reached: the leases run out here
+            return
+        handed = []
+        for (key, lease), answer in zip(renew, answers[released:], strict=True):
+            if self._leases.get(key) is not lease:
+                continue
+            if answer is None:  # lost: it ran out and another replica took the run
+                del self._leases[key]
+                continue
+            lease.until_s = now + self._lease_s
+            stop_code, wanted = answer
+            st = self._tenants[key[0]]
+            run = st.runs.get(key[1])
+            if stop_code is not None and run is not None:  # an operator's or another replica's
+                stop = self._stored_stop(run, stop_code)
+                if stop is not None:
+                    self._stop(st, run, stop, self.clock())
+            if wanted:  # another replica has a step of it: written and let go now
+                del self._leases[key]
+                handed.append(HeldRun(*key, lease.next_step, release=True))
+        if handed:
+            await replica.write_held(handed)
+
+    async def _release_leases(self) -> None:
+        """Leaving: every run this replica holds written and let go."""
+        replica = self._replica
+        if replica is None or not self._leases:
+            return
+        rows = [HeldRun(*key, lease.next_step, release=True) for key, lease in self._leases.items()]
+        self._leases.clear()
+        await replica.write_held(rows)
+
+    def _held(self, st: _Tenant, ctx: RequestContext) -> _Lease | None:
+        """The lease of the request's run when this replica holds it now (its next step is
+        numbered here, from memory), else None. A session's runs are never held."""
+        if not self._leases or ctx.run_id is None or ctx.session_id is not None:
+            return None
+        lease = self._leases.get((st.config.name, ctx.run_id))
+        replica = self._replica
+        if lease is None or replica is None or replica.down_since_s is not None:
+            return None
+        if self.clock() >= lease.until_s - self._lease_margin_s:
+            return None  # running out: its sweep renews it, else the store numbers the step
+        return lease
+
+    async def _wait_held(self, st: _Tenant, ctx: RequestContext, end_s: float) -> None:
+        """The request's run is held by another replica's lease: ask the holder to hand it
+        over (it does at its next sweep), then wait a little before asking the store again.
+        Raises 503 `run_held` once past `end_s` (the holder neither handed it over nor let
+        its lease run out: it cannot reach the store, or a clock is off)."""
+        replica = self._replica
+        assert replica is not None and ctx.run_id is not None
+        self.metrics.lease_moves.inc()
+        replica.want_held(st.config.name, ctx.run_id)
+        if self.clock() + self._lease_poll_s > end_s:
+            raise StoreUnavailable(
+                f"run {ctx.run_id[:64]!r} is held by another router replica, which did not"
+                " hand it over in time; retry",
+                "run_held",
+                retry_after_s=self._lease_s,
+            )
+        await asyncio.sleep(self._lease_poll_s)
 
     def _restore(
         self, tenants: list[TenantRow], runs: list[RunRow], sessions: Sequence[SessionRow] = ()
@@ -576,6 +710,11 @@ class Governor:
             return None
         if fold and self._foldable(st, ctx) is not None:
             return None
+        if self._held(st, ctx) is not None:  # numbered here: its slot only, if any
+            if limit is None:
+                return None
+            task = replica.begin(st.config.name, ctx.request_id, limit, None)
+            return _Early(st.config.name, task, self.clock(), held=True)
         session, pinned = self._session_step(st, ctx)
         span_s = self._span(st, ctx.run_id)
         task = replica.begin(st.config.name, ctx.request_id, limit, ctx.run_id, session, span_s)
@@ -814,27 +953,44 @@ class Governor:
                     took.tokens = amount
                 else:
                     took.request = True
-            if early is None or early.dropped:
-                if speculate is not None and self._fold(st, ctx, took):
+            lease_end_s = self.clock() + self._lease_s + self._lease_poll_s
+            while True:
+                held = self._held(st, ctx)
+                if early is not None and not early.dropped and early.held != (held is not None):
+                    self._drop_early(early)  # the run was taken or let go since `prepare`
+                    early = None
+                if held is not None:  # numbered here, now (a refusal below leaves a gap)
+                    took.step = held.take(self.clock())
+                    self.metrics.lease_steps.inc()
+                if early is None or early.dropped:
+                    if held is None and speculate is not None and self._fold(st, ctx, took):
+                        return took
+                    early = self._begin(st, ctx, fold=False)
+                if (
+                    held is None
+                    and speculate is not None
+                    and early is not None
+                    and (spec := self._speculate(st, ctx, early, took, speculate)) is not None
+                ):
+                    took.speculation = spec
                     return took
-                early = self._begin(st, ctx, fold=False)
-            if (
-                speculate is not None
-                and early is not None
-                and (spec := self._speculate(st, ctx, early, took, speculate)) is not None
-            ):
-                took.speculation = spec
-                return took
-            admitted, stored = True, None
-            if early is not None:
-                try:  # shielded: a request cancelled while it waits gives the slot back
-                    admitted, took.slot, stored = await asyncio.shield(early.task)
-                except BaseException:
-                    self._drop_early(early)
-                    raise
-                early.claimed = True
-            if not admitted:
-                raise self._slot_refusal(st)
+                admitted, stored = True, None
+                if early is not None:
+                    try:  # shielded: a request cancelled while it waits gives the slot back
+                        admitted, took.slot, stored = await asyncio.shield(early.task)
+                    except BaseException:
+                        self._drop_early(early)
+                        raise
+                    early.claimed = True
+                if not admitted:
+                    raise self._slot_refusal(st)
+                if stored is None or not stored.held_elsewhere:
+                    break
+                if took.slot is not None:  # given back while the step waits for its run
+                    replica.release(name, "requests", took.slot)
+                    took.slot = None
+                early = None
+                await self._wait_held(st, ctx, min(ctx.deadline_s, lease_end_s))
             run_limit = st.limits.max_concurrent_runs
             slot_id = ctx.session_id or ctx.run_id
             if slot_id is not None and run_limit is not None and slot_id not in _slot_ids(st):
@@ -849,9 +1005,16 @@ class Governor:
                         " to go idle",
                         1.0,
                     )
-            if ctx.run_id is not None:
+            if ctx.run_id is not None and held is None:
                 took.home = stored
                 took.step = None if stored is None else stored.step
+                if stored is not None and ctx.session_id is None and replica.run_lease_s:
+                    # the statement made this replica the run's holder: its next steps here
+                    # are numbered from memory (a step seen at `enter`'s send time, or later)
+                    assert early is not None
+                    self._leases[(name, ctx.run_id)] = _Lease(
+                        early.started_s + self._lease_s, stored.step + 1, self.clock()
+                    )
                 if stored is not None:  # a session's: the run its task maps to, learned
                     mapped = self._session_answer(st, ctx, stored)
                     if early is not None and not early.pinned:  # and the step's run
@@ -911,6 +1074,9 @@ class Governor:
             or run.ended is not None
             or replica.down_since_s is not None
             or self.clock() - run.last_seen_s > SPECULATE_WITHIN_S
+            # under leases a run's steps here are numbered from memory while it holds the
+            # run, else by the store's statement awaited (it may find the run held)
+            or (replica.run_lease_s is not None and ctx.session_id is None)
         ):
             return None
         max_steps = run.limits.max_steps
@@ -1235,8 +1401,13 @@ class Governor:
         run.gpu_seconds = max(run.gpu_seconds, stored.gpu_seconds + pending_gpu_s)
         touch(run, now_s, self._idle_timeout_s)
         run.active_s = max(run.active_s, stored.active_s)
-        code = stored.stop_code
-        if code is None or run.stopped is not None:
+        return None if stored.stop_code is None else self._stored_stop(run, stored.stop_code)
+
+    @staticmethod
+    def _stored_stop(run: RunState, code: str) -> Stop | None:
+        """The stop another replica's guard (or an operator) wrote for the run in the store
+        (`code`), unless the run is stopped here already."""
+        if run.stopped is not None:
             return None
         setting = run.setting(STOP_FIELDS[code]) if code in STOP_FIELDS else None
         return Stop(
