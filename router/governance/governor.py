@@ -85,7 +85,14 @@ from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
 from router.governance.replica import ReplicaBudgets
 from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
-from router.governance.shared import SESSION_FRESH_S, HeldRun, Loan, NextStep, SessionStep
+from router.governance.shared import (
+    SESSION_FRESH_S,
+    HeldRun,
+    Loan,
+    NextStep,
+    SessionStep,
+    leasable,
+)
 from router.governance.speculation import SPECULATE_WITHIN_S, DeferredStep, Speculation
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
@@ -541,7 +548,7 @@ class Governor:
     def _held(self, st: _Tenant, ctx: RequestContext) -> _Lease | None:
         """The lease of the request's run when this replica holds it now (its next step is
         numbered here, from memory), else None. A session's runs are never held."""
-        if not self._leases or ctx.run_id is None or ctx.session_id is not None:
+        if not self._leases or ctx.run_id is None:
             return None
         lease = self._leases.get((st.config.name, ctx.run_id))
         replica = self._replica
@@ -1008,7 +1015,7 @@ class Governor:
             if ctx.run_id is not None and held is None:
                 took.home = stored
                 took.step = None if stored is None else stored.step
-                if stored is not None and ctx.session_id is None and replica.run_lease_s:
+                if stored is not None and replica.run_lease_s and _leased(ctx):
                     # the statement made this replica the run's holder: its next steps here
                     # are numbered from memory (a step seen at `enter`'s send time, or later)
                     assert early is not None
@@ -1076,7 +1083,7 @@ class Governor:
             or self.clock() - run.last_seen_s > SPECULATE_WITHIN_S
             # under leases a run's steps here are numbered from memory while it holds the
             # run, else by the store's statement awaited (it may find the run held)
-            or (replica.run_lease_s is not None and ctx.session_id is None)
+            or (replica.run_lease_s is not None and _leased(ctx))
         ):
             return None
         max_steps = run.limits.max_steps
@@ -2175,6 +2182,12 @@ def _own_run(outcome: RequestOutcome, ticket: _Ticket) -> None:
     run = ticket.run
     if run is not None and outcome.ctx.run_id != run.run_id:
         outcome.ctx = dataclasses.replace(outcome.ctx, run_id=run.run_id)
+
+
+def _leased(ctx: RequestContext) -> bool:
+    """Whether the request's run is numbered under leases when they are on (not a
+    session's: `shared.leasable`)."""
+    return ctx.session_id is None and ctx.run_id is not None and leasable(ctx.run_id)
 
 
 def _slot_ids(st: _Tenant) -> set[str]:

@@ -84,6 +84,7 @@ from router.governance.shared import (
     SharedLevel,
     Slices,
     Stretch,
+    leasable,
 )
 from router.store import Store, StoreError
 from router.store.leader import new_replica_id
@@ -508,7 +509,7 @@ class ReplicaBudgets:
         """The statement that numbers a run's step: `NEXT_STEP_SQL`, or for a session's step
         `SESSION_STEP_SQL` (its run mapped by the store); either counts its active time."""
         stretch = Stretch(span_s, self.idle_timeout_s)
-        if session is None and self.run_lease_s is not None:
+        if session is None and self.run_lease_s is not None and leasable(run_id):
             span, idle = stretch.params()
             return LEASE_STEP_SQL, (
                 tenant,
@@ -535,7 +536,7 @@ class ReplicaBudgets:
         """A request's slot and its run's step in one statement."""
         _, step = self._step_sql(tenant, run_id, session, now_s, span_s)
         both = SLOT_AND_STEP_SQL if session is None else SLOT_AND_SESSION_STEP_SQL
-        if session is None and self.run_lease_s is not None:
+        if session is None and self.run_lease_s is not None and leasable(run_id):
             both = SLOT_AND_LEASE_STEP_SQL
         return both, (*slot_params, *step)
 
@@ -696,7 +697,7 @@ class ReplicaBudgets:
         lease_s = self.run_lease_s
 
         def in_thread() -> NextStep:
-            if session is None and lease_s is not None:
+            if session is None and lease_s is not None and leasable(run_id):
                 return self.db.lease_step(tenant, run_id, now_s, self.replica, lease_s, stretch)
             if session is None:
                 return self.db.next_step(tenant, run_id, now_s, stretch)

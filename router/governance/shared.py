@@ -99,6 +99,7 @@ __all__ = [
     "SharedBudgets",
     "SharedLevel",
     "Stretch",
+    "leasable",
     "refilled",
 ]
 
@@ -907,6 +908,14 @@ class NextStep:
 
 
 HELD_ELSEWHERE = NextStep(-1, held_elsewhere=True)
+
+
+def leasable(run_id: str) -> bool:
+    """Whether a run may be held under a lease: not one shaped as a session's run
+    (`<session>:<n>`, numbered by `gpupool_session_step`, which knows no lease; an explicit
+    run id of that shape is numbered as without leases)."""
+    _, colon, number = run_id.rpartition(":")
+    return not (colon and number.isdigit())
 
 
 @dataclass(frozen=True, slots=True)
