@@ -170,6 +170,7 @@ class _SharedTake:
     # mapped its task anchor (None: the run `prepare` gave it)
     run_id: str | None = None
     loan: Loan | None = None  # its tokens' shortfall borrowed (given back to the lender)
+    leased: bool = False  # numbered from its run's lease here (`_Lease`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +209,12 @@ class _Lease:
     until_s: float
     next_step: int
     seen_s: float  # its latest step here (the sweep lets a run unseen for long go)
+    # the latest step answered here since the sweep's last write: (instance, step, tokens),
+    # the run's home, written by the sweep (not a statement per step)
+    home: tuple[str, int, int] | None = None
+
+    def row(self, key: tuple[str, str], release: bool = False) -> HeldRun:
+        return HeldRun(key[0], key[1], self.next_step, release, self.home)
 
     def take(self, now_s: float) -> int:
         step, self.next_step, self.seen_s = self.next_step, self.next_step + 1, now_s
@@ -507,20 +514,26 @@ class Governor:
             run = None if st is None else st.runs.get(key[1])
             if run is None or run.ended is not None or now - lease.seen_s > SPECULATE_WITHIN_S:
                 del self._leases[key]  # no step numbered here from now on
-                rows.append(HeldRun(*key, lease.next_step, release=True))
+                rows.append(lease.row(key, release=True))
             else:
                 renew.append((key, lease))
         released = len(rows)
-        rows += [HeldRun(*key, lease.next_step) for key, lease in renew]
+        rows += [lease.row(key) for key, lease in renew]
         answers = await replica.write_held(rows)
         if answers is None:  # the store cannot be reached: the leases run out here
             return
         handed = []
-        for (key, lease), answer in zip(renew, answers[released:], strict=True):
+        for (key, lease), row, answer in zip(
+            renew, rows[released:], answers[released:], strict=True
+        ):
+            if lease.home == row.home:  # written (a step answered since stays for the next)
+                lease.home = None
             if self._leases.get(key) is not lease:
                 continue
             if answer is None:  # lost: it ran out and another replica took the run
                 del self._leases[key]
+                if row.home is not None:  # its home as for a step numbered in the store
+                    replica.record_home(key[0], key[1], *row.home)
                 continue
             lease.until_s = now + self._lease_s
             stop_code, wanted = answer
@@ -532,7 +545,7 @@ class Governor:
                     self._stop(st, run, stop, self.clock())
             if wanted:  # another replica has a step of it: written and let go now
                 del self._leases[key]
-                handed.append(HeldRun(*key, lease.next_step, release=True))
+                handed.append(lease.row(key, release=True))
         if handed:
             await replica.write_held(handed)
 
@@ -541,7 +554,7 @@ class Governor:
         replica = self._replica
         if replica is None or not self._leases:
             return
-        rows = [HeldRun(*key, lease.next_step, release=True) for key, lease in self._leases.items()]
+        rows = [lease.row(key, release=True) for key, lease in self._leases.items()]
         self._leases.clear()
         await replica.write_held(rows)
 
@@ -968,6 +981,7 @@ class Governor:
                     early = None
                 if held is not None:  # numbered here, now (a refusal below leaves a gap)
                     took.step = held.take(self.clock())
+                    took.leased = True
                     self.metrics.lease_steps.inc()
                 if early is None or early.dropped:
                     if held is None and speculate is not None and self._fold(st, ctx, took):
@@ -1715,10 +1729,15 @@ class Governor:
                     ticket.tenant, run_id, used, outcome.gpu_seconds, ended_s=now, span_s=span_s
                 )
             if outcome.outcome == "ok" and home and step is not None and run_id and alone:
-                stored = None if took.home is None else took.home.home
-                self._replica.record_home(
-                    ticket.tenant, run_id, home, step, used, stored_home=stored
-                )
+                lease = self._leases.get((ticket.tenant, run_id)) if took.leased else None
+                if lease is not None:  # held here: the sweep writes it
+                    if lease.home is None or lease.home[1] < step:
+                        lease.home = (home, step, used)
+                else:
+                    stored = None if took.home is None else took.home.home
+                    self._replica.record_home(
+                        ticket.tenant, run_id, home, step, used, stored_home=stored
+                    )
         gpu_s = outcome.gpu_seconds
         st.hour.add(gpu_s, now)
         st.day.add(gpu_s, now)

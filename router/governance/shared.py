@@ -416,12 +416,18 @@ SLOT_AND_LEASE_STEP_SQL = (
     )
     + ") SELECT slot.ok, step.* FROM slot LEFT JOIN step ON TRUE"
 )
-# the holder's sweep: the run's next number, the lease renewed (or released: holder and
+# the holder's sweep: the run's next number, its home (the latest step answered here, as
+# RECORD_HOME_SQL writes it; NULL: none since), the lease renewed (or released: holder and
 # wanted cleared); its stop code (an operator's or a guard's on another replica) and whether
 # another replica wants it. No row: the lease was lost (it expired and another took it).
-# Parameters: next_step, release, release, lease_s, release, tenant, run id, holder.
+# Parameters: next_step, (home step, home step, then each of home, home step, context
+# tokens), release, release, lease_s, release, tenant, run id, holder.
+_NEWER_HOME = "(CAST(? AS BIGINT) IS NOT NULL AND (home_step IS NULL OR home_step < ?))"
 WRITE_HELD_SQL = (
     "UPDATE run_steps SET next_step = ?,"
+    f" home = CASE WHEN {_NEWER_HOME} THEN ? ELSE home END,"
+    f" home_step = CASE WHEN {_NEWER_HOME} THEN ? ELSE home_step END,"
+    f" context_tokens = CASE WHEN {_NEWER_HOME} THEN ? ELSE context_tokens END,"
     " holder = CASE WHEN ? THEN NULL ELSE holder END,"
     f" held_until_s = CASE WHEN ? THEN NULL ELSE {_PG_NOW} + CAST(? AS DOUBLE PRECISION) END,"
     " wanted_at_s = CASE WHEN ? THEN NULL ELSE wanted_at_s END"
@@ -928,10 +934,15 @@ class HeldRun:
     run_id: str
     next_step: int
     release: bool = False
+    # the run's latest step answered here since the last write: (instance, step, its prompt
+    # + completion tokens), for its home on any replica (None: none)
+    home: tuple[str, int, int] | None = None
 
     def params(self, holder: str, lease_s: float) -> tuple[object, ...]:
         r = self.release
-        return (self.next_step, r, r, lease_s, r, self.tenant, self.run_id, holder)
+        home, step, context = (None, None, None) if self.home is None else self.home
+        homes = (step, step, home, step, step, step, step, step, context)
+        return (self.next_step, *homes, r, r, lease_s, r, self.tenant, self.run_id, holder)
 
 
 Slices = list[tuple[float, float]]  # (unix start, GPU-seconds), oldest first

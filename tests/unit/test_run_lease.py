@@ -154,6 +154,16 @@ def row(store: Store, run_id: str) -> tuple[int, str | None]:
     return int(got[0]), got[1]
 
 
+def home(store: Store, run_id: str) -> tuple[str | None, int | None]:
+    """The run's home as stored: (instance, the step it answered)."""
+    with store.connection() as conn:
+        got = conn.execute(
+            "SELECT home, home_step FROM run_steps WHERE tenant = 'g' AND run_id = ?", (run_id,)
+        ).fetchone()
+    assert got is not None
+    return got[0], None if got[1] is None else int(got[1])
+
+
 def record(store: Store, run_id: str, step_index: int) -> None:
     """The ledger's record of a step (what the holder's ledger commits with its number)."""
     with store.connection() as conn:
@@ -172,11 +182,14 @@ def record(store: Store, run_id: str, step_index: int) -> None:
 async def test_a_run_that_stays_is_numbered_from_memory(two_stores: tuple[Store, Store]) -> None:
     async with replicas(two_stores) as (a, _):
         assert [await step(a, "run-1") for _ in range(5)] == [0, 1, 2, 3, 4]
-        # only the first step was numbered in the store; the others from a's memory
+        # only the first step was numbered in the store; the others from a's memory, their
+        # homes kept for the sweep (the first's written as without the lease)
         assert row(two_stores[0], "run-1") == (1, "lease-0")
+        assert home(two_stores[0], "run-1") == ("engine-0", 0)
         assert a.counted("run_lease_steps") == 4
         await a.gov.write_leases()  # the sweep: the row written once
         assert row(two_stores[0], "run-1") == (5, "lease-0")
+        assert home(two_stores[0], "run-1") == ("engine-0", 4)
         assert await step(a, "run-1") == 5
 
 
