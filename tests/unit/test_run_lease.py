@@ -51,6 +51,8 @@ def config(**store: object) -> Config:
         pools=one_pool(queue={"max_wait_s": 0}),
         tenants=[
             {"name": "g", "api_key_sha256": "0" * 64, "run_guards": {"max_steps": MAX_STEPS}},
+            # free: 2 requests in flight, 1 run active (a slot statement for every request)
+            {"name": "s", "api_key_sha256": "1" * 64, "tier": "free"},
         ],
         store={
             "url": "postgresql://gpupool@localhost/unused",
@@ -113,22 +115,23 @@ async def replicas(
             await r.gov.aclose()
 
 
-def ctx(run_id: str) -> RequestContext:
+def ctx(run_id: str, tenant: str = "g") -> RequestContext:
     """A step's context on the real monotonic clock (the replicas' tests' `ctx` is on a
     fake one)."""
     now = time.monotonic()
-    return dataclasses.replace(replica_ctx("g", run_id), deadline_s=now + 30.0, received_at_s=now)
+    c = replica_ctx(tenant, run_id)
+    return dataclasses.replace(c, deadline_s=now + 30.0, received_at_s=now)
 
 
-def signals(gov: Governor) -> StepSignals:
-    return StepSignals(tenant=gov.config.tenants[0])
+def signals(gov: Governor, tenant: str = "g") -> StepSignals:
+    return StepSignals(tenant=next(t for t in gov.config.tenants if t.name == tenant))
 
 
-async def step(r: Replica, run_id: str) -> int:
+async def step(r: Replica, run_id: str, tenant: str = "g") -> int:
     """A whole step (entered, dispatched, served): the number the ledger records, with its
     record committed there (as the ledger commits it before the response's final bytes)."""
-    c = ctx(run_id)
-    await r.gov.enter(c, ESTIMATE, signals(r.gov))
+    c = ctx(run_id, tenant)
+    await r.gov.enter(c, ESTIMATE, signals(r.gov, tenant))
     outcome = RequestOutcome(ctx=c, estimate=ESTIMATE, instance_id="engine-0")
     outcome.dispatched_at_s = time.monotonic()
     r.gov.dispatched(outcome)
@@ -138,20 +141,32 @@ async def step(r: Replica, run_id: str) -> int:
     r.gov.finished(outcome)
     replica = r.gov._replica
     assert replica is not None
+    replica.release_parked()  # as when no request takes its slot within HANDOVER_S
     await asyncio.gather(*replica._pending)
     assert outcome.step_index is not None
     await asyncio.to_thread(record, r.db.store, run_id, outcome.step_index)
     return outcome.step_index
 
 
-def row(store: Store, run_id: str) -> tuple[int, str | None]:
+def row(store: Store, run_id: str, tenant: str = "g") -> tuple[int, str | None]:
     """The run's row: (next_step, holder)."""
     with store.connection() as conn:
         got = conn.execute(
-            "SELECT next_step, holder FROM run_steps WHERE tenant = 'g' AND run_id = ?", (run_id,)
+            "SELECT next_step, holder FROM run_steps WHERE tenant = ? AND run_id = ?",
+            (tenant, run_id),
         ).fetchone()
     assert got is not None
     return int(got[0]), got[1]
+
+
+def slots(store: Store, tenant: str) -> int:
+    """The tenant's request slots held now on any replica."""
+    with store.connection() as conn:
+        got = conn.execute(
+            "SELECT COUNT(*) FROM concurrency_slots WHERE tenant = ?", (f"{tenant}/requests",)
+        ).fetchone()
+    assert got is not None
+    return int(got[0])
 
 
 def home(store: Store, run_id: str) -> tuple[str | None, int | None]:
@@ -287,3 +302,17 @@ def test_the_lease_statements_on_a_real_server(two_stores: tuple[Store, Store]) 
     time.sleep(0.2)  # b's lease runs out (b died)
     assert a.lease_step("g", "r", now, "A", 5.0, Stretch()).step == 10
     assert row(two_stores[0], "r") == (11, "A")
+
+
+async def test_a_tiers_held_run_takes_only_its_slot_and_gives_it_back_while_it_waits(
+    two_stores: tuple[Store, Store],
+) -> None:
+    async with replicas(two_stores) as (a, b):
+        assert [await step(a, "run-s", "s") for _ in range(3)] == [0, 1, 2]
+        assert row(two_stores[0], "run-s", "s") == (1, "lease-0")  # slots only after step 0
+        moved = asyncio.ensure_future(step(b, "run-s", "s"))
+        await asyncio.sleep(SWEEP_S)
+        assert not moved.done()
+        assert slots(two_stores[0], "s") == 0  # b's request slot given back while it waits
+        await a.gov.write_leases()
+        assert await moved == 3
