@@ -571,14 +571,15 @@ class Governor:
             return None  # running out: its sweep renews it, else the store numbers the step
         return lease
 
-    async def _wait_held(self, st: _Tenant, ctx: RequestContext, end_s: float) -> None:
+    async def _wait_held(self, st: _Tenant, ctx: RequestContext, end_s: float, first: bool) -> None:
         """The request's run is held by another replica's lease: ask the holder to hand it
         over (it does at its next sweep), then wait a little before asking the store again.
         Raises 503 `run_held` once past `end_s` (the holder neither handed it over nor let
         its lease run out: it cannot reach the store, or a clock is off)."""
         replica = self._replica
         assert replica is not None and ctx.run_id is not None
-        self.metrics.lease_moves.inc()
+        if first:  # a step that waits, counted once
+            self.metrics.lease_moves.inc()
         replica.want_held(st.config.name, ctx.run_id)
         if self.clock() + self._lease_poll_s > end_s:
             raise StoreUnavailable(
@@ -974,6 +975,7 @@ class Governor:
                 else:
                     took.request = True
             lease_end_s = self.clock() + self._lease_s + self._lease_poll_s
+            waits = 0
             while True:
                 held = self._held(st, ctx)
                 if early is not None and not early.dropped and early.held != (held is not None):
@@ -1011,7 +1013,8 @@ class Governor:
                     replica.release(name, "requests", took.slot)
                     took.slot = None
                 early = None
-                await self._wait_held(st, ctx, min(ctx.deadline_s, lease_end_s))
+                await self._wait_held(st, ctx, min(ctx.deadline_s, lease_end_s), waits == 0)
+                waits += 1
             run_limit = st.limits.max_concurrent_runs
             slot_id = ctx.session_id or ctx.run_id
             if slot_id is not None and run_limit is not None and slot_id not in _slot_ids(st):
