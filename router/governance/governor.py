@@ -342,9 +342,8 @@ class Governor:
         self._fold_steps = value
         replica = self._replica
         if replica is not None:
-            lease = (
-                value and self.config.store.run_lease and replica.db.store.dialect == ("postgresql")
-            )
+            postgres = replica.db.store.dialect == "postgresql"
+            lease = value and self.config.store.run_lease and postgres
             replica.run_lease_s = self._lease_s if lease else None
 
     # ------------------------------------------------------------------ lifecycle
@@ -566,6 +565,8 @@ class Governor:
         lease = self._leases.get((st.config.name, ctx.run_id))
         replica = self._replica
         if lease is None or replica is None or replica.down_since_s is not None:
+            return None
+        if ctx.run_id not in st.runs:  # forgotten here (its guards' counts with it): the store
             return None
         if self.clock() >= lease.until_s - self._lease_margin_s:
             return None  # running out: its sweep renews it, else the store numbers the step
