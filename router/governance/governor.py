@@ -228,6 +228,7 @@ EARLY_TTL_S = 10.0  # an early take nobody claimed (a request cancelled before `
 LEASE_SWEEPS = 2.0
 LEASE_MARGIN_SWEEPS = 0.25
 LEASE_POLL_SWEEPS = 0.25  # a step whose run another replica holds asks again this often
+LEASE_FIRST_POLL_S = 0.005  # at first sooner: 5 ms, doubling up to the above
 
 
 @dataclass(eq=False)
@@ -296,6 +297,8 @@ class Governor:
         self._lease_s = LEASE_SWEEPS * sweep_interval_s
         self._lease_margin_s = LEASE_MARGIN_SWEEPS * sweep_interval_s
         self._lease_poll_s = LEASE_POLL_SWEEPS * sweep_interval_s
+        # the notifications of another replica asking for a run held here (`listen`)
+        self._listener: asyncio.Task[None] | None = None
         self._sweep_loop = Periodic(
             "gpupool-governance-sweep", self._sweep_and_save, sweep_interval_s
         )
@@ -357,9 +360,32 @@ class Governor:
             tenants, runs = await asyncio.to_thread(self._store.load)
             sessions = await asyncio.to_thread(self._store.load_sessions)
             self._restore(tenants, runs, sessions)
+        self.listen()
         self._sweep_loop.start()
 
+    def listen(self) -> None:
+        """Under leases: hand a run over as soon as another replica asks for it (a
+        notification), not at the next sweep (`start` calls it)."""
+        replica = self._replica
+        if replica is None or replica.run_lease_s is None or self._listener is not None:
+            return
+        self._listener = asyncio.get_running_loop().create_task(
+            replica.listen_wanted(self._wanted), name="gpupool-run-lease-listener"
+        )
+
+    def _wanted(self, tenant: str, run_id: str) -> None:
+        """Another replica asked for a run: written and let go now, if held here."""
+        lease = self._leases.pop((tenant, run_id), None)
+        if lease is not None and self._replica is not None:
+            self.metrics.lease_handovers.inc()
+            self._replica.hand_over([lease.row((tenant, run_id), release=True)])
+
     async def aclose(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+            self._listener = None
         await self._sweep_loop.aclose()
         early = [e.task for e in self._early.values()]
         for request_id in list(self._early):
@@ -572,24 +598,27 @@ class Governor:
             return None  # running out: its sweep renews it, else the store numbers the step
         return lease
 
-    async def _wait_held(self, st: _Tenant, ctx: RequestContext, end_s: float, first: bool) -> None:
+    async def _wait_held(self, st: _Tenant, ctx: RequestContext, end_s: float, waits: int) -> None:
         """The request's run is held by another replica's lease: ask the holder to hand it
         over (it does at its next sweep), then wait a little before asking the store again.
         Raises 503 `run_held` once past `end_s` (the holder neither handed it over nor let
         its lease run out: it cannot reach the store, or a clock is off)."""
         replica = self._replica
         assert replica is not None and ctx.run_id is not None
-        if first:  # a step that waits, counted once
+        if waits == 0:  # a step that waits, counted once
             self.metrics.lease_moves.inc()
         replica.want_held(st.config.name, ctx.run_id)
-        if self.clock() + self._lease_poll_s > end_s:
+        # the holder answers a notification within a round trip or two: ask again soon, then
+        # every quarter sweep (its sweep reads the mark when the notification is lost)
+        wait_s = min(self._lease_poll_s, LEASE_FIRST_POLL_S * 2**waits)
+        if self.clock() + wait_s > end_s:
             raise StoreUnavailable(
                 f"run {ctx.run_id[:64]!r} is held by another router replica, which did not"
                 " hand it over in time; retry",
                 "run_held",
                 retry_after_s=self._lease_s,
             )
-        await asyncio.sleep(self._lease_poll_s)
+        await asyncio.sleep(wait_s)
 
     def _restore(
         self, tenants: list[TenantRow], runs: list[RunRow], sessions: Sequence[SessionRow] = ()
@@ -1014,7 +1043,7 @@ class Governor:
                     replica.release(name, "requests", took.slot)
                     took.slot = None
                 early = None
-                await self._wait_held(st, ctx, min(ctx.deadline_s, lease_end_s), waits == 0)
+                await self._wait_held(st, ctx, min(ctx.deadline_s, lease_end_s), waits)
                 waits += 1
             run_limit = st.limits.max_concurrent_runs
             slot_id = ctx.session_id or ctx.run_id

@@ -175,6 +175,12 @@ class GovernanceMetrics:
             " (store.run_lease: no statement for the step)",
             registry=r,
         )
+        self.lease_handovers = Counter(
+            "gpupool_governance_run_lease_handovers_total",
+            "Runs this replica held and handed over at once when another replica asked for"
+            " them (a notification; else at the next sweep)",
+            registry=r,
+        )
         self.lease_moves = Counter(
             "gpupool_governance_run_lease_moves_total",
             "Agent steps that found their run held by another replica's lease and waited for"

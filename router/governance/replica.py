@@ -67,6 +67,8 @@ from router.governance.runtable import MAX_ANCHORS
 from router.governance.shared import (
     ACQUIRE_SLOT_SQL,
     HELD_ELSEWHERE,
+    LEASE_CHANNEL,
+    LEASE_SEPARATOR,
     LEASE_STEP_SQL,
     NEXT_STEP_SQL,
     RECORD_HOME_SQL,
@@ -729,6 +731,41 @@ class ReplicaBudgets:
     def want_held(self, tenant: str, run_id: str) -> None:
         """Ask the holder of the run to hand it over at its next sweep (background)."""
         self._background(self._want_held(tenant, run_id))
+
+    def hand_over(self, runs: Sequence[HeldRun]) -> None:
+        """Write and let go the runs another replica asked for, now (background)."""
+        self._background(self._hand_over(runs))
+
+    async def _hand_over(self, runs: Sequence[HeldRun]) -> None:
+        await self.write_held(runs)
+
+    async def listen_wanted(self, on_wanted: Callable[[str, str], None]) -> None:
+        """Until cancelled: the notifications of another replica asking for a run this
+        replica holds (`WANT_HELD_SQL`), each as `on_wanted(tenant, run id)`, on a connection
+        of its own (PostgreSQL; reconnected a second after it fails: the sweep reads the
+        row's mark meanwhile)."""
+        from router.store import PostgresStore
+
+        store = self.db.store
+        if not isinstance(store, PostgresStore):
+            return
+        while True:
+            try:
+                conn = await store.connect_async("gpupool-run-lease")
+                try:
+                    await conn.execute(f"LISTEN {LEASE_CHANNEL}")
+                    async for note in conn.notifies():
+                        holder, _, rest = note.payload.partition(LEASE_SEPARATOR)
+                        tenant, _, run_id = rest.partition(LEASE_SEPARATOR)
+                        if holder == self.replica:
+                            on_wanted(tenant, run_id)
+                finally:
+                    await conn.close()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # the connection failed: the sweep's reads stand in
+                log.warning("the run leases' listener stopped (%s); reconnecting", err)
+            await asyncio.sleep(1.0)
 
     async def _want_held(self, tenant: str, run_id: str) -> None:
         with contextlib.suppress(_Down):  # recorded: the lease runs out instead

@@ -74,6 +74,8 @@ __all__ = [
     "BORROW_DEBT",
     "COST_WINDOWS",
     "HELD_ELSEWHERE",
+    "LEASE_CHANNEL",
+    "LEASE_SEPARATOR",
     "LEASE_STEP_SQL",
     "NEXT_STEP_SQL",
     "RECORD_HOME_SQL",
@@ -434,10 +436,16 @@ WRITE_HELD_SQL = (
     " WHERE tenant = ? AND run_id = ? AND holder = ?"
     " RETURNING stop_code, wanted_at_s IS NOT NULL"
 )
-# a replica with a step of a run another holds: ask the holder to hand it over
+# a replica with a step of a run another holds: ask the holder to hand it over, marked on
+# the row (read by the holder's sweep) and told at once (a notification on LEASE_CHANNEL,
+# `<holder> US <tenant> US <run id>`, US the unit separator, read by its listener)
+LEASE_CHANNEL = "gpupool_run_lease"
+LEASE_SEPARATOR = "\x1f"
 WANT_HELD_SQL = (
-    f"UPDATE run_steps SET wanted_at_s = {_PG_NOW}"
-    " WHERE tenant = ? AND run_id = ? AND holder IS NOT NULL"
+    f"WITH w AS (UPDATE run_steps SET wanted_at_s = {_PG_NOW}"
+    " WHERE tenant = ? AND run_id = ? AND holder IS NOT NULL RETURNING holder, tenant, run_id)"
+    f" SELECT pg_notify('{LEASE_CHANNEL}', holder || chr(31) || tenant || chr(31) || run_id)"
+    " FROM w"
 )
 SESSION_FRESH_S = 10.0  # a session's rows rewritten by a step only when older than this
 # governance's tenth migration: a session's runs numbered across replicas. One row per

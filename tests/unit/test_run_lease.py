@@ -316,3 +316,19 @@ async def test_a_tiers_held_run_takes_only_its_slot_and_gives_it_back_while_it_w
         assert slots(two_stores[0], "s") == 0  # b's request slot given back while it waits
         await a.gov.write_leases()
         assert await moved == 3
+
+
+async def test_a_holder_that_listens_hands_the_run_over_at_once(
+    two_stores: tuple[Store, Store],
+) -> None:
+    async with replicas(two_stores) as (a, b):
+        a.gov.listen()  # as `start` does
+        await asyncio.sleep(0.1)  # its LISTEN in place
+        assert [await step(a, "run-1") for _ in range(3)] == [0, 1, 2]
+        started = time.monotonic()
+        assert await step(b, "run-1") == 3  # no sweep of a's: its listener handed it over
+        assert time.monotonic() - started < SWEEP_S  # before a's sweep would have
+        assert a.counted("run_lease_handovers") == 1
+        assert b.counted("run_lease_moves") == 1
+        assert row(two_stores[0], "run-1")[1] == "lease-1"
+        assert await step(b, "run-1") == 4  # held by b now: from its memory
