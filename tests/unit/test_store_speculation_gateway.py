@@ -325,9 +325,9 @@ async def test_a_held_runs_steps_carry_their_numbers_in_the_ledger_across_a_move
     postgres_server: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`store.run_lease` on: router a takes steps 0, 1, 2 (1 and 2 numbered from its memory:
-    the run's row still says 1), then router b takes the next step (it waits for a's sweep to
-    hand the run over) and a the one after (it waits for b's): the ledger holds 0..4, each
-    once, whichever router served it."""
+    the run's row still says 1), then router b takes the next step (it waits for a to hand
+    the run over: its listener, or its sweep) and a the one after (b hands it back): the
+    ledger holds 0..4, each once, whichever router served it."""
     url = postgres_server.create_database("speculation_lease")
     monkeypatch.setenv(ENV, PASSWORD)
     config = _config(tmp_path, url, run_lease=True)
