@@ -47,7 +47,10 @@ PostgreSQL router's agent steps sent on before the store's answer
 them waited for it at the response (`..._speculated_awaited_total`; none before s43), and
 those numbered with their ledger record's commit instead
 (`gpupool_governance_step_numbered_at_commit_total`; since s44 every known run's
-non-streaming step without a tier, so all of the later `agent` steps).
+non-streaming step without a tier, so all of the later `agent` steps), and since s48 those
+numbered from the run's lease (`gpupool_governance_run_lease_steps_total`: with
+`store.run_lease`, the later `agent` steps instead) and the steps that waited for another
+replica's lease (`..._run_lease_moves_total`).
 The router processes, the engine and PostgreSQL share the machine's CPUs with this client,
 as a small deployment would.
 """
@@ -274,6 +277,11 @@ async def _measure(
 SPECULATED = "gpupool_governance_step_speculated_total"
 AWAITED = "gpupool_governance_step_speculated_awaited_total"  # since s43
 NUMBERED = "gpupool_governance_step_numbered_at_commit_total"  # since s44
+# since s48 (store.run_lease): steps numbered from the holder's memory, and moves waited for
+LEASED = {
+    "gpupool_governance_run_lease_steps_total": "numbered from the run's lease",
+    "gpupool_governance_run_lease_moves_total": "waited for another replica's lease",
+}
 
 
 async def _speculated(urls: dict[str, str]) -> dict[str, dict[str, float]]:
@@ -298,6 +306,8 @@ async def _speculated(urls: dict[str, str]) -> dict[str, dict[str, float]]:
                     labels, _, value = line.rpartition(" ")
                     outcome = labels.partition('outcome="')[2].partition('"')[0]
                     out[store][f"numbered with the record: {outcome}"] = float(value)
+                elif (name := line.partition(" ")[0]) in LEASED:
+                    out[store][LEASED[name]] = float(line.rpartition(" ")[2])
     return out
 
 

@@ -1085,7 +1085,13 @@ def _url_from_env(data: Any) -> Any:
 
 
 # the store settings that only a shared (PostgreSQL) store reads
-_SHARED_ONLY = ("budgets_on_outage", "budget_chunk_frac", "slot_lease_s", "admission_interval_s")
+_SHARED_ONLY = (
+    "budgets_on_outage",
+    "budget_chunk_frac",
+    "slot_lease_s",
+    "admission_interval_s",
+    "run_lease",
+)
 
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
@@ -1128,6 +1134,12 @@ class StoreConfig:
     # this often; their admission subtracts them (router/admission/shared_reservations.py). 0:
     # not shared, each replica admits by its own reservations and the engines' measured use
     admission_interval_s: float = Field(default=0.1, ge=0, le=1)
+    # a run's numbering under a lease (docs/replicas.md, s48): the replica that numbers a
+    # run's step in the database holds the run for 2 governance sweeps, renewed each sweep,
+    # and numbers its next steps from memory (no statement per step); a step of it on another
+    # replica waits for the hand-over (up to 1 sweep; 2 when the holder died). Off behind a
+    # balancer that sends each request to another replica (every step would wait)
+    run_lease: StrictBool = True
     # read from `password_env` at load (the document may not set it)
     password: str | None = dataclasses.field(default=None, repr=False)
 

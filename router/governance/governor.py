@@ -55,7 +55,7 @@ from typing import Any
 from pools.config import Config, TenantConfig
 from pools.periodic import Periodic
 from router.admission.estimate import Estimate
-from router.errors import BadRequest, GpupoolError, RateLimited, RunStopped
+from router.errors import BadRequest, GpupoolError, RateLimited, RunStopped, StoreUnavailable
 from router.governance.borrowing import IDLE_AFTER_SWEEPS, LenderView, Terms, pick_lender
 from router.governance.bucket import TokenBucket, WindowSum
 from router.governance.guards import (
@@ -85,7 +85,14 @@ from router.governance.loops import repeated_tool_call
 from router.governance.metrics import GovernanceMetrics
 from router.governance.replica import ReplicaBudgets
 from router.governance.runtable import SessionRuns, runs_to_forget, session_run_id
-from router.governance.shared import SESSION_FRESH_S, Loan, NextStep, SessionStep
+from router.governance.shared import (
+    SESSION_FRESH_S,
+    HeldRun,
+    Loan,
+    NextStep,
+    SessionStep,
+    leasable,
+)
 from router.governance.speculation import SPECULATE_WITHIN_S, DeferredStep, Speculation
 from router.governance.store import GovernanceStore, RunRow, SessionRow, TenantRow
 from router.request import RequestContext, RequestOutcome
@@ -163,6 +170,7 @@ class _SharedTake:
     # mapped its task anchor (None: the run `prepare` gave it)
     run_id: str | None = None
     loan: Loan | None = None  # its tokens' shortfall borrowed (given back to the lender)
+    leased: bool = False  # numbered from its run's lease here (`_Lease`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +196,39 @@ class _Early:
     # a session's step numbered in the run this replica knows (else the store's mapping
     # decides its run, and it cannot go on before the answer)
     pinned: bool = False
+    # its run is held here (`_Lease`): only its slot was asked for, the step numbered here
+    held: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Lease:
+    """A run this replica holds (store.run_lease, docs/replicas.md s48): it numbers the run's
+    steps from `next_step` until `until_s` (its clock, from before the statement that took or
+    renewed the lease: the database's expiry is later), and its sweep writes `next_step`."""
+
+    until_s: float
+    next_step: int
+    seen_s: float  # its latest step here (the sweep lets a run unseen for long go)
+    # the latest step answered here since the sweep's last write: (instance, step, tokens),
+    # the run's home, written by the sweep (not a statement per step)
+    home: tuple[str, int, int] | None = None
+
+    def row(self, key: tuple[str, str], release: bool = False) -> HeldRun:
+        return HeldRun(key[0], key[1], self.next_step, release, self.home)
+
+    def take(self, now_s: float) -> int:
+        step, self.next_step, self.seen_s = self.next_step, self.next_step + 1, now_s
+        return step
 
 
 EARLY_TTL_S = 10.0  # an early take nobody claimed (a request cancelled before `enter`)
+# a run's lease lasts this many sweeps from its last renewal; this replica stops numbering
+# from memory this fraction of a sweep before that (its clock may run faster than the
+# database's by that much over one lease)
+LEASE_SWEEPS = 2.0
+LEASE_MARGIN_SWEEPS = 0.25
+LEASE_POLL_SWEEPS = 0.25  # a step whose run another replica holds asks again this often
+LEASE_FIRST_POLL_S = 0.005  # at first sooner: 5 ms, doubling up to the above
 
 
 @dataclass(eq=False)
@@ -252,7 +290,15 @@ class Governor:
         self._early: dict[str, _Early] = {}  # request id -> its slot and step under way
         # the ledger numbers a known run's step with its record's commit (PostgreSQL; set by
         # router/settlement.py): such a step sends no statement of its own (`_fold`)
-        self.fold_steps = False
+        self._fold_steps = False
+        # the runs this replica holds (store.run_lease, on with `fold_steps`: the ledger is
+        # in the store's database): (tenant, run id) -> its lease
+        self._leases: dict[tuple[str, str], _Lease] = {}
+        self._lease_s = LEASE_SWEEPS * sweep_interval_s
+        self._lease_margin_s = LEASE_MARGIN_SWEEPS * sweep_interval_s
+        self._lease_poll_s = LEASE_POLL_SWEEPS * sweep_interval_s
+        # the notifications of another replica asking for a run held here (`listen`)
+        self._listener: asyncio.Task[None] | None = None
         self._sweep_loop = Periodic(
             "gpupool-governance-sweep", self._sweep_and_save, sweep_interval_s
         )
@@ -288,6 +334,21 @@ class Governor:
         for tenant in config.tenants:
             self._state(tenant)
 
+    @property
+    def fold_steps(self) -> bool:
+        return self._fold_steps
+
+    @fold_steps.setter
+    def fold_steps(self, value: bool) -> None:
+        """Set by router/settlement.py: the ledger numbers steps in the store's database
+        (PostgreSQL, durable). With `store.run_lease` that also turns the run leases on."""
+        self._fold_steps = value
+        replica = self._replica
+        if replica is not None:
+            postgres = replica.db.store.dialect == "postgresql"
+            lease = value and self.config.store.run_lease and postgres
+            replica.run_lease_s = self._lease_s if lease else None
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
@@ -299,9 +360,32 @@ class Governor:
             tenants, runs = await asyncio.to_thread(self._store.load)
             sessions = await asyncio.to_thread(self._store.load_sessions)
             self._restore(tenants, runs, sessions)
+        self.listen()
         self._sweep_loop.start()
 
+    def listen(self) -> None:
+        """Under leases: hand a run over as soon as another replica asks for it (a
+        notification), not at the next sweep (`start` calls it)."""
+        replica = self._replica
+        if replica is None or replica.run_lease_s is None or self._listener is not None:
+            return
+        self._listener = asyncio.get_running_loop().create_task(
+            replica.listen_wanted(self._wanted), name="gpupool-run-lease-listener"
+        )
+
+    def _wanted(self, tenant: str, run_id: str) -> None:
+        """Another replica asked for a run: written and let go now, if held here."""
+        lease = self._leases.pop((tenant, run_id), None)
+        if lease is not None and self._replica is not None:
+            self.metrics.lease_handovers.inc()
+            self._replica.hand_over([lease.row((tenant, run_id), release=True)])
+
     async def aclose(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+            self._listener = None
         await self._sweep_loop.aclose()
         early = [e.task for e in self._early.values()]
         for request_id in list(self._early):
@@ -309,6 +393,7 @@ class Governor:
         if early:  # their slots' releases start before the replica leaves
             await asyncio.gather(*early, return_exceptions=True)
         if self._replica is not None:  # its leases and slots back before the last save
+            await self._release_leases()
             await self._replica.aclose()
         if self._store is not None:
             await self.save()
@@ -321,6 +406,7 @@ class Governor:
         self.sweep()
         if self._replica is not None:
             await self.sync_replicas()
+            await self.write_leases()
         await self.save()
 
     # ------------------------------------------------------------------ durability
@@ -434,6 +520,105 @@ class Governor:
                 for window, slices in ((st.others_hour, hour_day[0]), (st.others_day, hour_day[1])):
                     for start, amount in slices:
                         window.add(amount, self._mono(start))
+
+    async def write_leases(self) -> None:
+        """The runs this replica holds, written once (their next step number) with their
+        leases renewed; a run unseen for `SPECULATE_WITHIN_S` (or ended) let go. What the
+        answer says: another replica's stop (the run stops here: its next step is refused),
+        another replica wanting the run (handed over now: written and let go), or the lease
+        lost (it ran out and another replica took the run: its next step here goes to the
+        store)."""
+        replica = self._replica
+        if replica is None or not self._leases:
+            return
+        now = self.clock()  # before the statement: the database's renewal is later
+        renew: list[tuple[tuple[str, str], _Lease]] = []
+        rows = []
+        for key, lease in list(self._leases.items()):
+            st = self._tenants.get(key[0])
+            run = None if st is None else st.runs.get(key[1])
+            if run is None or run.ended is not None or now - lease.seen_s > SPECULATE_WITHIN_S:
+                del self._leases[key]  # no step numbered here from now on
+                rows.append(lease.row(key, release=True))
+            else:
+                renew.append((key, lease))
+        released = len(rows)
+        rows += [lease.row(key) for key, lease in renew]
+        answers = await replica.write_held(rows)
+        if answers is None:  # the store cannot be reached: the leases run out here
+            return
+        handed = []
+        for (key, lease), row, answer in zip(
+            renew, rows[released:], answers[released:], strict=True
+        ):
+            if lease.home == row.home:  # written (a step answered since stays for the next)
+                lease.home = None
+            if self._leases.get(key) is not lease:
+                continue
+            if answer is None:  # lost: it ran out and another replica took the run
+                del self._leases[key]
+                if row.home is not None:  # its home as for a step numbered in the store
+                    replica.record_home(key[0], key[1], *row.home)
+                continue
+            lease.until_s = now + self._lease_s
+            stop_code, wanted = answer
+            st = self._tenants[key[0]]
+            run = st.runs.get(key[1])
+            if stop_code is not None and run is not None:  # an operator's or another replica's
+                stop = self._stored_stop(run, stop_code)
+                if stop is not None:
+                    self._stop(st, run, stop, self.clock())
+            if wanted:  # another replica has a step of it: written and let go now
+                del self._leases[key]
+                handed.append(lease.row(key, release=True))
+        if handed:
+            await replica.write_held(handed)
+
+    async def _release_leases(self) -> None:
+        """Leaving: every run this replica holds written and let go."""
+        replica = self._replica
+        if replica is None or not self._leases:
+            return
+        rows = [lease.row(key, release=True) for key, lease in self._leases.items()]
+        self._leases.clear()
+        await replica.write_held(rows)
+
+    def _held(self, st: _Tenant, ctx: RequestContext) -> _Lease | None:
+        """The lease of the request's run when this replica holds it now (its next step is
+        numbered here, from memory), else None. A session's runs are never held."""
+        if not self._leases or ctx.run_id is None:
+            return None
+        lease = self._leases.get((st.config.name, ctx.run_id))
+        replica = self._replica
+        if lease is None or replica is None or replica.down_since_s is not None:
+            return None
+        if ctx.run_id not in st.runs:  # forgotten here (its guards' counts with it): the store
+            return None
+        if self.clock() >= lease.until_s - self._lease_margin_s:
+            return None  # running out: its sweep renews it, else the store numbers the step
+        return lease
+
+    async def _wait_held(self, st: _Tenant, ctx: RequestContext, end_s: float, waits: int) -> None:
+        """The request's run is held by another replica's lease: ask the holder to hand it
+        over (it does at its next sweep), then wait a little before asking the store again.
+        Raises 503 `run_held` once past `end_s` (the holder neither handed it over nor let
+        its lease run out: it cannot reach the store, or a clock is off)."""
+        replica = self._replica
+        assert replica is not None and ctx.run_id is not None
+        if waits == 0:  # a step that waits, counted once
+            self.metrics.lease_moves.inc()
+        replica.want_held(st.config.name, ctx.run_id)
+        # the holder answers a notification within a round trip or two: ask again soon, then
+        # every quarter sweep (its sweep reads the mark when the notification is lost)
+        wait_s = min(self._lease_poll_s, LEASE_FIRST_POLL_S * 2**waits)
+        if self.clock() + wait_s > end_s:
+            raise StoreUnavailable(
+                f"run {ctx.run_id[:64]!r} is held by another router replica, which did not"
+                " hand it over in time; retry",
+                "run_held",
+                retry_after_s=self._lease_s,
+            )
+        await asyncio.sleep(wait_s)
 
     def _restore(
         self, tenants: list[TenantRow], runs: list[RunRow], sessions: Sequence[SessionRow] = ()
@@ -576,6 +761,11 @@ class Governor:
             return None
         if fold and self._foldable(st, ctx) is not None:
             return None
+        if self._held(st, ctx) is not None:  # numbered here: its slot only, if any
+            if limit is None:
+                return None
+            task = replica.begin(st.config.name, ctx.request_id, limit, None)
+            return _Early(st.config.name, task, self.clock(), held=True)
         session, pinned = self._session_step(st, ctx)
         span_s = self._span(st, ctx.run_id)
         task = replica.begin(st.config.name, ctx.request_id, limit, ctx.run_id, session, span_s)
@@ -814,27 +1004,47 @@ class Governor:
                     took.tokens = amount
                 else:
                     took.request = True
-            if early is None or early.dropped:
-                if speculate is not None and self._fold(st, ctx, took):
+            lease_end_s = self.clock() + self._lease_s + self._lease_poll_s
+            waits = 0
+            while True:
+                held = self._held(st, ctx)
+                if early is not None and not early.dropped and early.held != (held is not None):
+                    self._drop_early(early)  # the run was taken or let go since `prepare`
+                    early = None
+                if held is not None:  # numbered here, now (a refusal below leaves a gap)
+                    took.step = held.take(self.clock())
+                    took.leased = True
+                    self.metrics.lease_steps.inc()
+                if early is None or early.dropped:
+                    if held is None and speculate is not None and self._fold(st, ctx, took):
+                        return took
+                    early = self._begin(st, ctx, fold=False)
+                if (
+                    held is None
+                    and speculate is not None
+                    and early is not None
+                    and (spec := self._speculate(st, ctx, early, took, speculate)) is not None
+                ):
+                    took.speculation = spec
                     return took
-                early = self._begin(st, ctx, fold=False)
-            if (
-                speculate is not None
-                and early is not None
-                and (spec := self._speculate(st, ctx, early, took, speculate)) is not None
-            ):
-                took.speculation = spec
-                return took
-            admitted, stored = True, None
-            if early is not None:
-                try:  # shielded: a request cancelled while it waits gives the slot back
-                    admitted, took.slot, stored = await asyncio.shield(early.task)
-                except BaseException:
-                    self._drop_early(early)
-                    raise
-                early.claimed = True
-            if not admitted:
-                raise self._slot_refusal(st)
+                admitted, stored = True, None
+                if early is not None:
+                    try:  # shielded: a request cancelled while it waits gives the slot back
+                        admitted, took.slot, stored = await asyncio.shield(early.task)
+                    except BaseException:
+                        self._drop_early(early)
+                        raise
+                    early.claimed = True
+                if not admitted:
+                    raise self._slot_refusal(st)
+                if stored is None or not stored.held_elsewhere:
+                    break
+                if took.slot is not None:  # given back while the step waits for its run
+                    replica.release(name, "requests", took.slot)
+                    took.slot = None
+                early = None
+                await self._wait_held(st, ctx, min(ctx.deadline_s, lease_end_s), waits)
+                waits += 1
             run_limit = st.limits.max_concurrent_runs
             slot_id = ctx.session_id or ctx.run_id
             if slot_id is not None and run_limit is not None and slot_id not in _slot_ids(st):
@@ -849,9 +1059,16 @@ class Governor:
                         " to go idle",
                         1.0,
                     )
-            if ctx.run_id is not None:
+            if ctx.run_id is not None and held is None:
                 took.home = stored
                 took.step = None if stored is None else stored.step
+                if stored is not None and replica.run_lease_s and _leased(ctx):
+                    # the statement made this replica the run's holder: its next steps here
+                    # are numbered from memory (a step seen at `enter`'s send time, or later)
+                    assert early is not None
+                    self._leases[(name, ctx.run_id)] = _Lease(
+                        early.started_s + self._lease_s, stored.step + 1, self.clock()
+                    )
                 if stored is not None:  # a session's: the run its task maps to, learned
                     mapped = self._session_answer(st, ctx, stored)
                     if early is not None and not early.pinned:  # and the step's run
@@ -911,6 +1128,9 @@ class Governor:
             or run.ended is not None
             or replica.down_since_s is not None
             or self.clock() - run.last_seen_s > SPECULATE_WITHIN_S
+            # under leases a run's steps here are numbered from memory while it holds the
+            # run, else by the store's statement awaited (it may find the run held)
+            or (replica.run_lease_s is not None and _leased(ctx))
         ):
             return None
         max_steps = run.limits.max_steps
@@ -1235,8 +1455,13 @@ class Governor:
         run.gpu_seconds = max(run.gpu_seconds, stored.gpu_seconds + pending_gpu_s)
         touch(run, now_s, self._idle_timeout_s)
         run.active_s = max(run.active_s, stored.active_s)
-        code = stored.stop_code
-        if code is None or run.stopped is not None:
+        return None if stored.stop_code is None else self._stored_stop(run, stored.stop_code)
+
+    @staticmethod
+    def _stored_stop(run: RunState, code: str) -> Stop | None:
+        """The stop another replica's guard (or an operator) wrote for the run in the store
+        (`code`), unless the run is stopped here already."""
+        if run.stopped is not None:
             return None
         setting = run.setting(STOP_FIELDS[code]) if code in STOP_FIELDS else None
         return Stop(
@@ -1537,10 +1762,15 @@ class Governor:
                     ticket.tenant, run_id, used, outcome.gpu_seconds, ended_s=now, span_s=span_s
                 )
             if outcome.outcome == "ok" and home and step is not None and run_id and alone:
-                stored = None if took.home is None else took.home.home
-                self._replica.record_home(
-                    ticket.tenant, run_id, home, step, used, stored_home=stored
-                )
+                lease = self._leases.get((ticket.tenant, run_id)) if took.leased else None
+                if lease is not None:  # held here: the sweep writes it
+                    if lease.home is None or lease.home[1] < step:
+                        lease.home = (home, step, used)
+                else:
+                    stored = None if took.home is None else took.home.home
+                    self._replica.record_home(
+                        ticket.tenant, run_id, home, step, used, stored_home=stored
+                    )
         gpu_s = outcome.gpu_seconds
         st.hour.add(gpu_s, now)
         st.day.add(gpu_s, now)
@@ -2004,6 +2234,12 @@ def _own_run(outcome: RequestOutcome, ticket: _Ticket) -> None:
     run = ticket.run
     if run is not None and outcome.ctx.run_id != run.run_id:
         outcome.ctx = dataclasses.replace(outcome.ctx, run_id=run.run_id)
+
+
+def _leased(ctx: RequestContext) -> bool:
+    """Whether the request's run is numbered under leases when they are on (not a
+    session's: `shared.leasable`)."""
+    return ctx.session_id is None and ctx.run_id is not None and leasable(ctx.run_id)
 
 
 def _slot_ids(st: _Tenant) -> set[str]:

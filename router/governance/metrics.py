@@ -169,6 +169,25 @@ class GovernanceMetrics:
             ["outcome"],
             registry=r,
         )
+        self.lease_steps = Counter(
+            "gpupool_governance_run_lease_steps_total",
+            "Agent steps this replica numbered from its memory while it held the run's lease"
+            " (store.run_lease: no statement for the step)",
+            registry=r,
+        )
+        self.lease_handovers = Counter(
+            "gpupool_governance_run_lease_handovers_total",
+            "Runs this replica held and handed over at once when another replica asked for"
+            " them (a notification; else at the next sweep)",
+            registry=r,
+        )
+        self.lease_moves = Counter(
+            "gpupool_governance_run_lease_moves_total",
+            "Agent steps that found their run held by another replica's lease and waited for"
+            " it to hand the run over (at its next sweep) or for the lease to run out; many:"
+            " a balancer that moves each request (turn store.run_lease off)",
+            registry=r,
+        )
 
     def tenant(self, name: str) -> TenantSeries:
         """`name`'s per-request series (tenants come from the config: the cache is bounded)."""

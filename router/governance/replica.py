@@ -66,12 +66,18 @@ from router.governance.metrics import GovernanceMetrics
 from router.governance.runtable import MAX_ANCHORS
 from router.governance.shared import (
     ACQUIRE_SLOT_SQL,
+    HELD_ELSEWHERE,
+    LEASE_CHANNEL,
+    LEASE_SEPARATOR,
+    LEASE_STEP_SQL,
     NEXT_STEP_SQL,
     RECORD_HOME_SQL,
     RELEASE_SLOT_SQL,
     SESSION_STEP_SQL,
+    SLOT_AND_LEASE_STEP_SQL,
     SLOT_AND_SESSION_STEP_SQL,
     SLOT_AND_STEP_SQL,
+    HeldRun,
     Loan,
     NextStep,
     RunUsageRow,
@@ -80,6 +86,7 @@ from router.governance.shared import (
     SharedLevel,
     Slices,
     Stretch,
+    leasable,
 )
 from router.store import Store, StoreError
 from router.store.leader import new_replica_id
@@ -164,6 +171,10 @@ class ReplicaBudgets:
         # (at c=1 one request in 5-20 did) and take the thread path
         self._loop_background: LoopConnection | None = None
         self.read_timeout_s = READ_TIMEOUT_S  # GET /v1/budget's read of the shared levels
+        # a run's numbering under a lease (PostgreSQL, set by the governor): a run's step
+        # numbered in the store (not a session's) makes this replica its holder for this long
+        # (`LEASE_STEP_SQL`); None: no leases, `NEXT_STEP_SQL`
+        self.run_lease_s: float | None = None
         if store.dialect == "postgresql":
             from router.store import PostgresStore
             from router.store.loop_connection import LoopConnection
@@ -500,6 +511,17 @@ class ReplicaBudgets:
         """The statement that numbers a run's step: `NEXT_STEP_SQL`, or for a session's step
         `SESSION_STEP_SQL` (its run mapped by the store); either counts its active time."""
         stretch = Stretch(span_s, self.idle_timeout_s)
+        if session is None and self.run_lease_s is not None and leasable(run_id):
+            span, idle = stretch.params()
+            return LEASE_STEP_SQL, (
+                tenant,
+                run_id,
+                now_s,
+                span,
+                self.replica,
+                self.run_lease_s,
+                idle,
+            )
         if session is None:
             return NEXT_STEP_SQL, (tenant, run_id, now_s, *stretch.params())
         return SESSION_STEP_SQL, session.params(tenant, now_s, MAX_ANCHORS, stretch)
@@ -516,6 +538,8 @@ class ReplicaBudgets:
         """A request's slot and its run's step in one statement."""
         _, step = self._step_sql(tenant, run_id, session, now_s, span_s)
         both = SLOT_AND_STEP_SQL if session is None else SLOT_AND_SESSION_STEP_SQL
+        if session is None and self.run_lease_s is not None and leasable(run_id):
+            both = SLOT_AND_LEASE_STEP_SQL
         return both, (*slot_params, *step)
 
     def _slot_params(
@@ -561,6 +585,8 @@ class ReplicaBudgets:
         ok, *step = rows[0]
         if not ok:
             return False, None, None
+        if step[0] is None:  # the slot granted, the run held by another replica's lease
+            return True, self.holder(request_id), HELD_ELSEWHERE
         return True, self.holder(request_id), NextStep.from_row(step)
 
     async def _handed_over(
@@ -670,7 +696,11 @@ class ReplicaBudgets:
         sql, params = self._step_sql(tenant, run_id, session, now_s, span_s)
         stretch = Stretch(span_s, self.idle_timeout_s)
 
+        lease_s = self.run_lease_s
+
         def in_thread() -> NextStep:
+            if session is None and lease_s is not None and leasable(run_id):
+                return self.db.lease_step(tenant, run_id, now_s, self.replica, lease_s, stretch)
             if session is None:
                 return self.db.next_step(tenant, run_id, now_s, stretch)
             return self.db.session_step(
@@ -681,7 +711,65 @@ class ReplicaBudgets:
             got = await self._statement(sql, params, in_thread, waited=waited, sent=sent)
         except _Down:
             return None
+        if got == ():  # no row: a live lease holds the run (`LEASE_STEP_SQL`)
+            return HELD_ELSEWHERE
         return NextStep.from_row(got) if isinstance(got, tuple) else got
+
+    async def write_held(
+        self, runs: Sequence[HeldRun]
+    ) -> list[tuple[str | None, bool] | None] | None:
+        """The sweep's write of the runs this replica holds (`SharedBudgets.write_held`);
+        None when the store cannot be reached (the leases then run out here)."""
+        lease_s = self.run_lease_s
+        if not runs or lease_s is None:
+            return []
+        try:
+            return await self._call(lambda: self.db.write_held(self.replica, lease_s, runs))
+        except _Down:
+            return None
+
+    def want_held(self, tenant: str, run_id: str) -> None:
+        """Ask the holder of the run to hand it over at its next sweep (background)."""
+        self._background(self._want_held(tenant, run_id))
+
+    def hand_over(self, runs: Sequence[HeldRun]) -> None:
+        """Write and let go the runs another replica asked for, now (background)."""
+        self._background(self._hand_over(runs))
+
+    async def _hand_over(self, runs: Sequence[HeldRun]) -> None:
+        await self.write_held(runs)
+
+    async def listen_wanted(self, on_wanted: Callable[[str, str], None]) -> None:
+        """Until cancelled: the notifications of another replica asking for a run this
+        replica holds (`WANT_HELD_SQL`), each as `on_wanted(tenant, run id)`, on a connection
+        of its own (PostgreSQL; reconnected a second after it fails: the sweep reads the
+        row's mark meanwhile)."""
+        from router.store import PostgresStore
+
+        store = self.db.store
+        if not isinstance(store, PostgresStore):
+            return
+        while True:
+            try:
+                conn = await store.connect_async("gpupool-run-lease")
+                try:
+                    await conn.execute(f"LISTEN {LEASE_CHANNEL}")
+                    async for note in conn.notifies():
+                        holder, _, rest = note.payload.partition(LEASE_SEPARATOR)
+                        tenant, _, run_id = rest.partition(LEASE_SEPARATOR)
+                        if holder == self.replica:
+                            on_wanted(tenant, run_id)
+                finally:
+                    await conn.close()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # the connection failed: the sweep's reads stand in
+                log.warning("the run leases' listener stopped (%s); reconnecting", err)
+            await asyncio.sleep(1.0)
+
+    async def _want_held(self, tenant: str, run_id: str) -> None:
+        with contextlib.suppress(_Down):  # recorded: the lease runs out instead
+            await self._call(lambda: self.db.want_held(tenant, run_id))
 
     def step_statement(
         self, tenant: str, run_id: str, session: SessionStep | None = None, span_s: float = 0.0

@@ -73,18 +73,27 @@ __all__ = [
     "BORROWING",
     "BORROW_DEBT",
     "COST_WINDOWS",
+    "HELD_ELSEWHERE",
+    "LEASE_CHANNEL",
+    "LEASE_SEPARATOR",
+    "LEASE_STEP_SQL",
     "NEXT_STEP_SQL",
     "RECORD_HOME_SQL",
     "RELEASE_SLOT_SQL",
     "RUN_ACTIVE",
     "RUN_COUNTERS",
     "RUN_HOMES",
+    "RUN_LEASE",
     "RUN_STEPS",
     "SESSION_RUNS",
     "SESSION_STEP_SQL",
     "SHARED_TABLES",
+    "SLOT_AND_LEASE_STEP_SQL",
     "SLOT_AND_SESSION_STEP_SQL",
     "SLOT_AND_STEP_SQL",
+    "WANT_HELD_SQL",
+    "WRITE_HELD_SQL",
+    "HeldRun",
     "Loan",
     "NextStep",
     "RunUsageRow",
@@ -92,6 +101,7 @@ __all__ = [
     "SharedBudgets",
     "SharedLevel",
     "Stretch",
+    "leasable",
     "refilled",
 ]
 
@@ -346,6 +356,96 @@ SLOT_AND_STEP_SQL = (
         "CAST(? AS DOUBLE PRECISION)",
     )
     + ") SELECT slot.ok, step.* FROM slot LEFT JOIN step ON TRUE"
+)
+# governance's fourteenth migration: a run's numbering under a lease (docs/replicas.md, s48).
+# `holder` (a replica id) numbers the run's steps from its memory until `held_until_s` (the
+# database's clock), and its sweep writes `next_step` and renews; `wanted_at_s`: another
+# replica has a step of the run and asks the holder to hand it over (at its next sweep).
+_RUN_LEASE = """
+ALTER TABLE run_steps ADD COLUMN holder TEXT;
+ALTER TABLE run_steps ADD COLUMN held_until_s {real};
+ALTER TABLE run_steps ADD COLUMN wanted_at_s {real}
+"""
+RUN_LEASE = _migration(14, "run_steps holder, held_until_s, wanted_at_s (run leases)", _RUN_LEASE)
+_PG_NOW = _DB_NOW["postgresql"]
+# a lease taken over after it expired (its holder died or was cut off): its steps numbered
+# since its last sweep are in the ledger only (the same database: the lease is on only when
+# the ledger numbers steps with the store, router/settlement.py), so the count goes on past
+# the highest number recorded there (a number is never given twice; gaps are possible)
+_AFTER_LEDGER = (
+    "GREATEST(run_steps.next_step, (SELECT COALESCE(MAX(r.step_index), -1) + 1 FROM requests r"
+    " WHERE r.run_id = excluded.run_id AND r.tenant = excluded.tenant))"
+)
+
+
+def _lease_upsert(values: str) -> str:
+    """The step's upsert under leases (PostgreSQL): `values` gives (tenant, run id, updated at,
+    span, holder, lease seconds); it numbers the step only when the run is not held or its
+    lease expired, and makes `holder` (None: nobody) its holder for `lease seconds` from now.
+    A run held by a live lease (another replica's, or this replica's own while its sweep
+    hands it over): no row."""
+    added = _active_added(
+        "excluded.event_at_s",
+        "excluded.active_s",
+        "CAST(? AS DOUBLE PRECISION)",
+        "run_steps.event_at_s",
+    )
+    return (
+        "INSERT INTO run_steps (tenant, run_id, next_step, updated_at_s, active_s, event_at_s,"
+        f" holder, held_until_s) {values.format(now=_PG_NOW)}"
+        " ON CONFLICT (tenant, run_id) DO UPDATE SET next_step = (CASE WHEN run_steps.holder"
+        f" IS NULL THEN run_steps.next_step ELSE {_AFTER_LEDGER} END) + 1,"
+        f" updated_at_s = excluded.updated_at_s, active_s = run_steps.active_s + {added},"
+        f" event_at_s = {_latest('excluded.event_at_s', 'run_steps.event_at_s')},"
+        " holder = excluded.holder, held_until_s = excluded.held_until_s, wanted_at_s = NULL"
+        f" WHERE run_steps.holder IS NULL OR run_steps.held_until_s < {_PG_NOW}"
+        f"{_STEP_RETURNING}"
+    )
+
+
+# NEXT_STEP_SQL under leases (parameters: tenant, run id, now (unix), span_s, holder or None,
+# lease_s or None, idle_s)
+LEASE_STEP_SQL = _lease_upsert(
+    "VALUES (?, ?, 1, ?, ?, {now}, CAST(? AS TEXT), {now} + CAST(? AS DOUBLE PRECISION))"
+)
+# SLOT_AND_STEP_SQL under leases: the slot granted and the run held elsewhere: step's NULLs
+SLOT_AND_LEASE_STEP_SQL = (
+    "WITH slot AS (SELECT gpupool_acquire_unit_slot(?, ?, ?, ?, ?, ?) AS ok), step AS ("
+    + _lease_upsert(
+        "SELECT CAST(? AS TEXT), CAST(? AS TEXT), 1, CAST(? AS DOUBLE PRECISION),"
+        " CAST(? AS DOUBLE PRECISION), {now}, CAST(? AS TEXT),"
+        " {now} + CAST(? AS DOUBLE PRECISION) FROM slot WHERE ok"
+    )
+    + ") SELECT slot.ok, step.* FROM slot LEFT JOIN step ON TRUE"
+)
+# the holder's sweep: the run's next number, its home (the latest step answered here, as
+# RECORD_HOME_SQL writes it; NULL: none since), the lease renewed (or released: holder and
+# wanted cleared); its stop code (an operator's or a guard's on another replica) and whether
+# another replica wants it. No row: the lease was lost (it expired and another took it).
+# Parameters: next_step, (home step, home step, then each of home, home step, context
+# tokens), release, release, lease_s, release, tenant, run id, holder.
+_NEWER_HOME = "(CAST(? AS BIGINT) IS NOT NULL AND (home_step IS NULL OR home_step < ?))"
+WRITE_HELD_SQL = (
+    "UPDATE run_steps SET next_step = ?,"
+    f" home = CASE WHEN {_NEWER_HOME} THEN ? ELSE home END,"
+    f" home_step = CASE WHEN {_NEWER_HOME} THEN ? ELSE home_step END,"
+    f" context_tokens = CASE WHEN {_NEWER_HOME} THEN ? ELSE context_tokens END,"
+    " holder = CASE WHEN ? THEN NULL ELSE holder END,"
+    f" held_until_s = CASE WHEN ? THEN NULL ELSE {_PG_NOW} + CAST(? AS DOUBLE PRECISION) END,"
+    " wanted_at_s = CASE WHEN ? THEN NULL ELSE wanted_at_s END"
+    " WHERE tenant = ? AND run_id = ? AND holder = ?"
+    " RETURNING stop_code, wanted_at_s IS NOT NULL"
+)
+# a replica with a step of a run another holds: ask the holder to hand it over, marked on
+# the row (read by the holder's sweep) and told at once (a notification on LEASE_CHANNEL,
+# `<holder> US <tenant> US <run id>`, US the unit separator, read by its listener)
+LEASE_CHANNEL = "gpupool_run_lease"
+LEASE_SEPARATOR = "\x1f"
+WANT_HELD_SQL = (
+    f"WITH w AS (UPDATE run_steps SET wanted_at_s = {_PG_NOW}"
+    " WHERE tenant = ? AND run_id = ? AND holder IS NOT NULL RETURNING holder, tenant, run_id)"
+    f" SELECT pg_notify('{LEASE_CHANNEL}', holder || chr(31) || tenant || chr(31) || run_id)"
+    " FROM w"
 )
 SESSION_FRESH_S = 10.0  # a session's rows rewritten by a step only when older than this
 # governance's tenth migration: a session's runs numbered across replicas. One row per
@@ -801,6 +901,8 @@ class NextStep:
     active_s: float = 0.0
     # a session's step (`SESSION_STEP_SQL`): the run its task anchor maps to in the store
     run: int | None = None
+    # not numbered: another replica's lease holds the run (`LEASE_STEP_SQL`: no row)
+    held_elsewhere: bool = False
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> NextStep:
@@ -817,6 +919,38 @@ class NextStep:
             float(active or 0.0),
             int(run[0]) if run and run[0] is not None else None,
         )
+
+
+HELD_ELSEWHERE = NextStep(-1, held_elsewhere=True)
+
+
+def leasable(run_id: str) -> bool:
+    """Whether a run may be held under a lease: not one shaped as a session's run
+    (`<session>:<n>`, numbered by `gpupool_session_step`, which knows no lease; an explicit
+    run id of that shape is numbered as without leases)."""
+    _, colon, number = run_id.rpartition(":")
+    return not (colon and number.isdigit())
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRun:
+    """A run this replica holds, as its sweep writes it (`write_held`): the next step number
+    (its count), and whether it lets the run go (`release`) or renews its lease for
+    `lease_s`."""
+
+    tenant: str
+    run_id: str
+    next_step: int
+    release: bool = False
+    # the run's latest step answered here since the last write: (instance, step, its prompt
+    # + completion tokens), for its home on any replica (None: none)
+    home: tuple[str, int, int] | None = None
+
+    def params(self, holder: str, lease_s: float) -> tuple[object, ...]:
+        r = self.release
+        home, step, context = (None, None, None) if self.home is None else self.home
+        homes = (step, step, home, step, step, step, step, step, context)
+        return (self.next_step, *homes, r, r, lease_s, r, self.tenant, self.run_id, holder)
 
 
 Slices = list[tuple[float, float]]  # (unix start, GPU-seconds), oldest first
@@ -1242,6 +1376,44 @@ class SharedBudgets:
         with self.store.connection() as conn:
             row = conn.execute(sql, (tenant, run_id, now_s, *stretch.params())).fetchone()
         return NextStep.from_row(row)
+
+    def lease_step(
+        self,
+        tenant: str,
+        run_id: str,
+        now_s: float,
+        holder: str | None,
+        lease_s: float | None,
+        stretch: Stretch = NO_STRETCH,
+    ) -> NextStep:
+        """`next_step` under leases (PostgreSQL): numbered only when no live lease holds the
+        run (`HELD_ELSEWHERE` otherwise), and then held by `holder` for `lease_s` (None:
+        by nobody)."""
+        span_s, idle_s = stretch.params()
+        params = (tenant, run_id, now_s, span_s, holder, lease_s, idle_s)
+        with self.store.connection() as conn:
+            row = conn.execute(LEASE_STEP_SQL, params).fetchone()
+        return HELD_ELSEWHERE if row is None else NextStep.from_row(row)
+
+    def write_held(
+        self, holder: str, lease_s: float, runs: Sequence[HeldRun]
+    ) -> list[tuple[str | None, bool] | None]:
+        """The holder's sweep (one transaction): each held run's count written and its lease
+        renewed or released. Per run: (its stop code, another replica wants it), or None
+        when the lease was lost (it expired and another replica took the run)."""
+        answers: list[tuple[str | None, bool] | None] = []
+        if not runs:
+            return answers
+        with self.store.connection() as conn, conn.transaction():
+            for run in runs:
+                row = conn.execute(WRITE_HELD_SQL, run.params(holder, lease_s)).fetchone()
+                answers.append(None if row is None else (row[0], bool(row[1])))
+        return answers
+
+    def want_held(self, tenant: str, run_id: str) -> None:
+        """Ask the run's holder to hand it over at its next sweep."""
+        with self.store.connection() as conn:
+            conn.execute(WANT_HELD_SQL, (tenant, run_id))
 
     def session_step(
         self,

@@ -31,6 +31,7 @@ from router.governance.shared import (
     RUN_ACTIVE,
     RUN_COUNTERS,
     RUN_HOMES,
+    RUN_LEASE,
     RUN_STEPS,
     SESSION_RUNS,
     SHARED_TABLES,
@@ -112,6 +113,7 @@ MIGRATIONS = (
     RUN_ACTIVE,
     BORROWING,
     BORROW_DEBT,
+    RUN_LEASE,
 )
 
 

@@ -51,7 +51,7 @@ async def test_a_router_on_postgres_shares_its_ledger_with_the_next(
     try:
         assert applied_versions(store) == {
             "ledger": 1,
-            "governance": 13,
+            "governance": 14,
             "rebalancer": 4,
             "responses": 1,
         }

@@ -39,12 +39,15 @@ RUN = "run-1"
 KEY = ("default", RUN)  # the run's key in a router's run table (tenant, run id)
 
 
-def _config(tmp_path: Path, url: str) -> Config:
+def _config(tmp_path: Path, url: str, *, run_lease: bool = False) -> Config:
+    """Two routers' config; `run_lease` off by default: these tests are of the steps a
+    replica knows without holding their run (s41, s44), the path with `store.run_lease` off
+    (tests/unit/test_run_lease.py has the lease's)."""
     return config_for_test(
         tmp_path,
         pools=one_pool(),
         router={"ledger_path": REMOVE},
-        store={"url": url, "password_env": ENV},
+        store={"url": url, "password_env": ENV, "run_lease": run_lease},
     )
 
 
@@ -294,7 +297,7 @@ async def test_a_sessions_steps_on_two_routers_are_one_run_numbered_with_their_r
     store maps its anchor in the same statement)."""
     url = postgres_server.create_database("speculation_session")
     monkeypatch.setenv(ENV, PASSWORD)
-    config = _config(tmp_path, url)
+    config = _config(tmp_path, url, run_lease=True)  # a session's runs are never held
 
     async def session_step(client: httpx.AsyncClient, task: str) -> httpx.Response:
         body = {**BODY, "messages": [{"role": "user", "content": task}]}
@@ -316,3 +319,27 @@ async def test_a_sessions_steps_on_two_routers_are_one_run_numbered_with_their_r
         " ORDER BY started_at_s, request_id",
     )
     assert rows == [("S:1", 0), *(("S:2", n) for n in range(4))]
+
+
+async def test_a_held_runs_steps_carry_their_numbers_in_the_ledger_across_a_move(
+    postgres_server: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`store.run_lease` on: router a takes steps 0, 1, 2 (1 and 2 numbered from its memory:
+    the run's row still says 1), then router b takes the next step (it waits for a to hand
+    the run over: its listener, or its sweep) and a the one after (b hands it back): the
+    ledger holds 0..4, each once, whichever router served it."""
+    url = postgres_server.create_database("speculation_lease")
+    monkeypatch.setenv(ENV, PASSWORD)
+    config = _config(tmp_path, url, run_lease=True)
+    async with gateway_over_fakes(config) as a, another_router(a, config) as (_, b_client):
+        for _ in range(3):
+            assert (await post(a.client)).status_code == 200
+        assert (
+            query(url, "SELECT next_step, holder FROM run_steps WHERE run_id = ?", (RUN,))[0][0]
+            == 1
+        )
+        assert (await post(b_client)).status_code == 200
+        assert (await post(a.client)).status_code == 200
+        page = (await b_client.get("/metrics")).text
+        assert re.search(r"^gpupool_governance_run_lease_moves_total (\S+)$", page, re.M)
+    assert [(step, status) for _, step, status, _, _ in ledger(url)] == [(n, 200) for n in range(5)]
