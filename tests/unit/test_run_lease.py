@@ -40,7 +40,10 @@ from tests.unit.test_governance_replicas import ctx as replica_ctx
 
 PASSWORD_ENV = "GPUPOOL_TEST_STORE_PASSWORD"
 ESTIMATE = Estimate(prompt_tokens=6, output_tokens=4, source="heuristic")
-SWEEP_S = 0.2  # the lease: 2 sweeps (0.4 s)
+# the lease: 2 sweeps (1 s); a step waiting for another replica's run answers run_held after
+# 2.25 sweeps, so every wait here ends a sweep before that (0.2 s was too short on a loaded
+# machine, s49)
+SWEEP_S = 0.5
 MAX_STEPS = 6
 _seq = itertools.count()
 _databases = itertools.count()
@@ -231,7 +234,7 @@ async def test_a_run_moving_waits_for_the_holders_sweep_and_goes_on(
         assert row(two_stores[0], "run-1")[1] == "lease-1"
         assert await step(b, "run-1") == 4  # b holds it now: from its memory
         back = asyncio.ensure_future(step(a, "run-1"))
-        await asyncio.sleep(2 * SWEEP_S)
+        await asyncio.sleep(SWEEP_S)
         await b.gov.write_leases()
         assert await back == 5
         assert row(two_stores[0], "run-1") == (6, "lease-0")
@@ -246,7 +249,7 @@ async def test_max_steps_is_exact_under_the_lease_and_after_a_move(
             await step(a, "run-1")
         assert stop.value.code == "run_steps"
         other = asyncio.ensure_future(step(b, "run-1"))
-        await asyncio.sleep(2 * SWEEP_S)
+        await asyncio.sleep(SWEEP_S)
         await a.gov.write_leases()  # a's stop ends the run here: written and let go
         with pytest.raises(RunStopped) as stop:
             await other
@@ -311,9 +314,14 @@ async def test_a_tiers_held_run_takes_only_its_slot_and_gives_it_back_while_it_w
         assert [await step(a, "run-s", "s") for _ in range(3)] == [0, 1, 2]
         assert row(two_stores[0], "run-s", "s") == (1, "lease-0")  # slots only after step 0
         moved = asyncio.ensure_future(step(b, "run-s", "s"))
-        await asyncio.sleep(SWEEP_S)
+        await asyncio.sleep(SWEEP_S / 4)  # b asked for the run and waits
+        waited = time.monotonic() + SWEEP_S / 2  # well before run_held
+        # b's request slot given back while it waits
+        while await asyncio.to_thread(slots, two_stores[0], "s") != 0:
+            assert time.monotonic() < waited, "b kept its request slot while it waited"
+            assert not moved.done()
+            await asyncio.sleep(0.02)
         assert not moved.done()
-        assert slots(two_stores[0], "s") == 0  # b's request slot given back while it waits
         await a.gov.write_leases()
         assert await moved == 3
 
