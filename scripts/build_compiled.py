@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -39,6 +38,7 @@ def _load_hook() -> ModuleType:
 
 _compiled = _load_hook()
 CACHE_DIR = ROOT / "build" / "mypyc-cache"  # mypy's cache for the build, apart from .mypy_cache
+WORK_DIR = ROOT / "build" / "mypyc-work"  # the generated C and objects, kept between builds
 
 
 def build(jobs: int, opt_level: int) -> None:
@@ -52,39 +52,40 @@ def build(jobs: int, opt_level: int) -> None:
         for m in closure
     }
     out = _compiled.BUILD_DIR
-    with tempfile.TemporaryDirectory(prefix="gpupool-mypyc-") as tmp:
-        os.chdir(ROOT)  # mypyc reads pyproject.toml's [tool.mypy] from here
-        started = time.monotonic()
-        # one group (the modules call each other natively), given as `separate` so mypyc runs
-        # mypy incrementally on its own cache (build/mypyc-cache): a rebuild after an edit
-        # re-checks only what changed, where a cold build type-checks the whole closure
-        extensions = mypycify(
-            [*paths, "--cache-dir", str(CACHE_DIR)],
-            group_name=_compiled.GROUP,
-            target_dir=str(Path(tmp) / "c"),
-            multi_file=True,
-            separate=[(paths, _compiled.GROUP)],
-            opt_level=str(opt_level),
-        )
-        print(f"build_compiled: mypy + C generation {time.monotonic() - started:.0f} s")
-        started = time.monotonic()
-        dist = Distribution({"name": "gpupool-compiled", "ext_modules": extensions})
-        cmd = dist.get_command_obj("build_ext")
-        cmd.build_lib = str(Path(tmp) / "lib")
-        cmd.build_temp = str(Path(tmp) / "obj")
-        cmd.parallel = jobs
-        dist.run_command("build_ext")
-        print(
-            f"build_compiled: C compile ({jobs} jobs, -O{opt_level})",
-            f"{time.monotonic() - started:.0f} s",
-        )
-        files = {ext.name: cmd.get_ext_filename(ext.name) for ext in extensions}
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        for rel in files.values():
-            (out / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(Path(tmp) / "lib" / rel, out / rel)
+    # the generated C and its objects are kept (one tree per gcc level: setuptools rebuilds an
+    # object by its timestamps only), so gcc recompiles only the C files mypyc rewrote
+    work = WORK_DIR / f"O{opt_level}"
+    work.mkdir(parents=True, exist_ok=True)
+    os.chdir(ROOT)  # mypyc reads pyproject.toml's [tool.mypy] from here
+    started = time.monotonic()
+    # one group (the modules call each other natively), given as `separate` so mypyc runs mypy
+    # incrementally on its own cache (build/mypyc-cache): a rebuild after an edit re-checks
+    # what changed, where a cold build type-checks the whole closure and its libraries
+    extensions = mypycify(
+        [*paths, "--cache-dir", str(CACHE_DIR)],
+        group_name=_compiled.GROUP,
+        target_dir=str(work / "c"),
+        multi_file=True,
+        separate=[(paths, _compiled.GROUP)],
+        opt_level=str(opt_level),
+    )
+    print(f"build_compiled: mypy + C generation {time.monotonic() - started:.0f} s")
+    started = time.monotonic()
+    dist = Distribution({"name": "gpupool-compiled", "ext_modules": extensions})
+    cmd = dist.get_command_obj("build_ext")
+    cmd.build_lib = str(work / "lib")
+    cmd.build_temp = str(work / "obj")
+    cmd.parallel = jobs
+    dist.run_command("build_ext")
+    took = time.monotonic() - started
+    print(f"build_compiled: C compile ({jobs} jobs, -O{opt_level}) {took:.0f} s")
+    files = {ext.name: cmd.get_ext_filename(ext.name) for ext in extensions}
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for rel in files.values():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(work / "lib" / rel, out / rel)
     manifest = {
         "python": sys.implementation.cache_tag,
         "modules": list(_compiled.MODULES),
