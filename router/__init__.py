@@ -20,3 +20,7 @@ Must not import `benchmarks`. Layering, enforced by tests/unit/test_layering.py:
 imports `gateway` (nothing imports `cli`); the features and the shared modules import neither
 `gateway`, `cli`, `core` nor `simulate`.
 """
+
+from router._compiled import install as _install_compiled
+
+_install_compiled()  # the mypyc build of the hot modules, when current (router/_compiled.py)

@@ -46,7 +46,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from router.admission.estimate import TokenEstimator
+from router.admission.estimate import Estimate
 from router.admission.picking import RunAffinity
 from router.errors import GpupoolError
 from router.governance import RunEnd
@@ -55,7 +55,7 @@ from router.metrics import RouterMetrics
 from router.request import RequestObserver, RequestOutcome
 from router.runtable import RunTable
 
-__all__ = ["ORDER", "Governance", "Meter", "RunEndLog", "Settlement", "outcome_of"]
+__all__ = ["ORDER", "Governance", "Learner", "Meter", "RunEndLog", "Settlement", "outcome_of"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,20 @@ class RunEndLog(Protocol):
     ) -> None: ...
 
 
+class Learner(Protocol):
+    """What settlement needs of the token estimator (router.admission.estimate.TokenEstimator):
+    a Protocol, so a compiled build accepts any object that learns from usage."""
+
+    def observe(
+        self,
+        estimate: Estimate,
+        *,
+        class_name: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> float | None: ...
+
+
 class Governance(Protocol):
     """What settlement needs of the governor (router.governance.Governor)."""
 
@@ -125,7 +139,7 @@ class Settlement:
         governance: Governance | None,
         ledger: RunEndLog,
         runs: RunTable,
-        estimator: TokenEstimator,
+        estimator: Learner,
         affinity: RunAffinity,
         metrics: RouterMetrics,
         signals: RequestObserver,

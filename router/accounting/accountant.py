@@ -31,6 +31,8 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from router.admission.queueing import RunUsage
 from router.runtable import RunRecord, RunTable
 
@@ -48,10 +50,12 @@ __all__ = [
 UNALLOCATED_POOL = "unallocated"
 
 
+@mypyc_attr(native_class=False)  # its subclass below cannot be native
 class AccountingError(ValueError):
     """A call the accountant cannot honour (bad numbers, unknown or duplicate instance)."""
 
 
+@mypyc_attr(native_class=False)  # mypyc: no native class with two builtin bases
 class UnknownInstanceError(AccountingError, KeyError):
     """No instance with this id is registered."""
 

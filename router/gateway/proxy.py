@@ -46,13 +46,13 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from pools.config import Config
+from pools.config import Config, TenantConfig
 from pools.fleet import Fleet, Lease
 from router.admission.admitter import Admitter
 from router.admission.estimate import Estimate, TokenEstimator
@@ -76,7 +76,7 @@ from router.gateway.response_placement import (
 from router.gateway.upstream import ConnectFailed, Response, Upstream
 from router.gateway.wait_comments import HEADER as WAIT_COMMENTS_HEADER
 from router.gateway.wait_comments import WaitComments, wait_comments_after_s
-from router.governance import Governor, StepSignals
+from router.governance import StepSignals
 from router.governance.speculation import Speculation
 from router.identity import Tenants
 from router.metrics import RouterMetrics
@@ -95,7 +95,13 @@ from router.settlement import outcome_of as _outcome_of
 if TYPE_CHECKING:
     from router.ops.tracing.tracer import Tracing
 
-__all__ = ["CompletionsHandler", "parse_request_body", "read_request_body", "request_headers"]
+__all__ = [
+    "CompletionsHandler",
+    "RequestGovernor",
+    "parse_request_body",
+    "read_request_body",
+    "request_headers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +114,36 @@ _CLASS_HEADERS_KEPT = 1024  # (pool, class, priority) header sets kept encoded
 
 def request_headers(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+class RequestGovernor(Protocol):
+    """What the request path needs of the governor (router.governance.Governor): a Protocol,
+    so a compiled build accepts any object with these methods."""
+
+    def prepare(
+        self,
+        ctx: RequestContext,
+        tenant: TenantConfig,
+        headers: Mapping[str, str],
+        body: dict[str, Any],
+    ) -> tuple[RequestContext, StepSignals]: ...
+
+    def abandon(self, request_id: str) -> None: ...
+
+    def rate_headers(self, tenant: str) -> list[tuple[bytes, bytes]]: ...
+
+    def enter_now(self, ctx: RequestContext, signals: StepSignals) -> bool: ...
+
+    async def enter(
+        self,
+        ctx: RequestContext,
+        estimate: Estimate,
+        signals: StepSignals,
+        *,
+        speculate: bool = False,
+    ) -> float: ...
+
+    def speculation(self, request_id: str) -> Speculation | None: ...
 
 
 class CompletionsHandler:
@@ -125,7 +161,7 @@ class CompletionsHandler:
         upstream: Upstream,
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
-        governor: Governor | None = None,
+        governor: RequestGovernor | None = None,
         placement: ResponsePlacement | None = None,
         tracing: Tracing | None = None,
         prefix_lookup: PrefixLookup | None = None,
@@ -919,6 +955,12 @@ class CompletionsHandler:
         return placed
 
 
+class _StreamWriter(Protocol):
+    """What `_Splice` needs of a ClientLink (a Protocol: a compiled build takes any writer)."""
+
+    def write_more(self, body: bytes) -> bool: ...
+
+
 class _Splice:
     """A stream's relay while no event needs reading, run in the engine connection's callback
     (`Response.splice`): each chunk's complete events go straight to the client as they came
@@ -930,7 +972,7 @@ class _Splice:
     __slots__ = ("_client", "_has_final", "_marker", "pending")
 
     def __init__(
-        self, client: ClientLink, marker: bytes, has_final: Callable[[bytes], object]
+        self, client: _StreamWriter, marker: bytes, has_final: Callable[[bytes], object]
     ) -> None:
         self._client = client
         self._marker = marker

@@ -36,16 +36,19 @@ from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 __all__ = ["ConnectFailed", "Response", "Upstream", "UpstreamClosed"]
 
 _HIGH_WATER_BYTES = 256 * 1024  # unread response bytes before the engine's socket pauses
 
 
+@mypyc_attr(native_class=False)  # mypyc: no native subclass of ConnectionError
 class UpstreamClosed(ConnectionError):
     """The connection failed or closed before the response was complete."""
 
 
+@mypyc_attr(native_class=False)
 class ConnectFailed(UpstreamClosed):
     """No connection: refused, unreachable or over the connect timeout. Nothing was sent."""
 
@@ -82,7 +85,7 @@ class Response:
         self.content_type: str | None = None
         self._chunks: list[bytes] = []
         self._size = 0
-        self._high_water: float = _HIGH_WATER_BYTES  # read() lifts it: a whole body is wanted
+        self._high_water = float(_HIGH_WATER_BYTES)  # read() lifts it: a whole body is wanted
         self._done = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -318,6 +321,8 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
+# the tests subclass it (a recording client); calls from compiled code stay native
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Upstream:
     """Pooled HTTP/1.1 connections to the engines, per origin; idle ones are closed after
     `keepalive_s`. `aclose()` closes them all."""

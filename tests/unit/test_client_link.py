@@ -162,7 +162,7 @@ class _Client:
 
 def test_a_splice_writes_whole_events_and_declines_what_needs_reading() -> None:
     client = _Client()
-    splice = _Splice(client, b'"usage"', _final_finder((b"data: [DONE]",)))  # type: ignore[arg-type]
+    splice = _Splice(client, b'"usage"', _final_finder((b"data: [DONE]",)))
     assert splice(b"data: a\n\ndata: b")  # the whole event goes, the half is held
     assert splice(b"b\n\n")
     assert splice(b"data: c")  # no whole event: nothing written

@@ -125,7 +125,7 @@ def rig(calls: Calls) -> tuple[Settlement, RunAffinity, FakeLedger, RunTable]:
         governance=FakeGovernance(calls),
         ledger=ledger,
         runs=runs,
-        estimator=FakeEstimator(calls),  # type: ignore[arg-type]
+        estimator=FakeEstimator(calls),
         affinity=affinity,
         metrics=RouterMetrics(),
         signals=FakeLearner(calls, "signals"),
