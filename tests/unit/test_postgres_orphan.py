@@ -158,11 +158,6 @@ def test_a_sigkilled_pytest_leaves_no_postgres_running(tmp_path: Path) -> None:
         held.temp.rmdir()  # nothing else was left there
 
 
-@pytest.mark.skip(
-    reason="failed in the full unit suite in three CI runs in a row (s49: the worker's interrupt"
-    " did not end it, its teardown did not run), while it passes alone, with -n 1, with CI=true"
-    " and beside other files tried; cause not found (closing note s49)"
-)
 def test_a_sigkilled_xdist_controller_leaves_no_worker_or_postgres_running(
     tmp_path: Path,
 ) -> None:
@@ -182,7 +177,10 @@ def test_a_sigkilled_xdist_controller_leaves_no_worker_or_postgres_running(
         # environment): stopped by the watch at once
         left = _left_after(held.session, XDIST_GONE_WITHIN_S, but=(worker,))
         assert not left, f"outlived the killed controller by {XDIST_GONE_WITHIN_S:g} s: {left}"
-        assert not held.folder.exists()  # the watch removed it
+        # the watch removes the folder once it has reaped the server, which this test may see
+        # gone first (a zombie carries no environment): polled, not asserted at once (the
+        # assertion lost that race in CI under the full suite's load, s49)
+        assert _removed(held.folder, killed_at + XDIST_GONE_WITHIN_S), "the watch left the folder"
         # the worker: its interrupted test's teardowns run and it ends, usually within ~0.5 s;
         # in two CI runs under the full suite's load (s49) it was still there after 5 s (why is
         # not known: the interrupt lost, or pytest's end slow); the watch's exit ends it after
@@ -193,6 +191,13 @@ def test_a_sigkilled_xdist_controller_leaves_no_worker_or_postgres_running(
         print(f"server gone, worker gone {took_s:.2f} s after the controller's kill -9")
         if took_s < WATCH_EXIT_GRACE_S:  # ended by the interrupt, not by the watch's exit
             assert held.torn_down.read_text() == "ran"
+
+
+def _removed(folder: Path, deadline: float) -> bool:
+    """Whether `folder` is gone by the monotonic `deadline`."""
+    while folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not folder.exists()
 
 
 def _alive(session: str, pids: tuple[int, ...]) -> dict[int, str]:
