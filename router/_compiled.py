@@ -28,10 +28,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-# not router.gateway.server (with http_protocol, so that ClientLink is native and mypyc drops its
-# __slots__): it imports then, but its httptools callbacks failed 9 unit tests (s49)
 # what mypyc compiles: the request path's pure work (admission, estimation, governance,
-# classification, settlement, accounting), each listed module checked by mypy --strict.
+# classification, settlement, accounting) and the HTTP server it runs in (the server's protocol,
+# its exchanges and `ClientLink`), each listed module checked by mypy --strict.
 MODULES = (
     "router.admission.admitter",
     "router.admission.decision",
@@ -46,6 +45,8 @@ MODULES = (
     "router.settlement",
     "router.gateway.classify",
     "router.gateway.proxy",
+    "router.gateway.server",
+    "router.gateway.http_protocol",
     "router.gateway.upstream",
     "router.accounting.accountant",
     "router.accounting.observer",

@@ -55,6 +55,7 @@ import collections
 import functools
 import http
 import logging
+import operator
 import re
 import socket
 import time
@@ -67,6 +68,11 @@ from typing import Any
 import httptools
 
 from router.gateway.http_protocol import _OVERLOADED, CLIENT_LINK, ClientLink, _error, _error_body
+
+# httptools' parsed URL's `query`: None when the URL has none ("/v1/models?", "/a#frag"), where
+# its stub says bytes. Read untyped, so that the compiled module (mypyc checks a constant
+# `getattr` against the stub too) does not refuse the None.
+_url_query: Callable[[object], bytes | None] = operator.attrgetter("query")
 
 __all__ = ["PathListener", "Server", "ServerSettings", "StartupFailed"]
 
@@ -552,7 +558,7 @@ class _Connection(asyncio.Protocol):
             path = url.decode("ascii")
         else:
             parsed = httptools.parse_url(url)
-            raw_path, query = parsed.path, parsed.query or b""
+            raw_path, query = parsed.path, _url_query(parsed) or b""
             path = raw_path.decode("ascii")
             if "%" in path:
                 path = urllib.parse.unquote(path)
