@@ -29,8 +29,11 @@ from pathlib import Path
 from types import ModuleType
 
 # what mypyc compiles: the request path's pure work (admission, estimation, governance,
-# classification, settlement, accounting) and the HTTP server it runs in (the server's protocol,
-# its exchanges and `ClientLink`), each listed module checked by mypy --strict.
+# classification, settlement, accounting), the HTTP server it runs in (the server's protocol,
+# its exchanges and `ClientLink`) and what a request calls beside them (the ledger's commit on
+# the loop, the metrics, tenants, the rebalancer's signals, the fleet's leases), each listed
+# module checked by mypy --strict. Not router.gateway.app: FastAPI reads its endpoints'
+# signatures, which a compiled function does not carry (s50: every FastAPI route failed).
 MODULES = (
     "router.admission.admitter",
     "router.admission.decision",
@@ -50,6 +53,14 @@ MODULES = (
     "router.gateway.upstream",
     "router.accounting.accountant",
     "router.accounting.observer",
+    "router.accounting.ledger_loop",
+    "router.gateway.wait_comments",
+    "router.gateway.protocols.openai_chat",
+    "router.metrics",
+    "router.identity",
+    "router.rebalancer.rebalancer",
+    "pools.fleet",
+    "pools.operating_point",
 )
 GROUP = "gpupool"  # mypyc's shared library: `gpupool__mypyc`
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
