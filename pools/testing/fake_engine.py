@@ -101,6 +101,9 @@ class FakeEngineState:
     # False: /metrics has no vllm:cache_config_info (an older vLLM, a proxy, another server)
     cache_config_info: bool = True
     reasoning_tokens: int = 0  # reasoning deltas before the output (a reasoning parser's)
+    # merged into every chat/completions usage it reports, streamed or whole: an engine whose
+    # counts are not counts ({"prompt_tokens": "many"}), for the router's guards
+    usage_override: dict[str, Any] = field(default_factory=dict)
     # while set to an unset event, chat and completions requests hold their sequence (and its
     # KV blocks) before generating, until it is set: a test's "engine busy" without a timer
     gate: asyncio.Event | None = None
@@ -297,6 +300,7 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
             "prompt_tokens": prompt_tokens,
             "completion_tokens": max_tokens,
             "total_tokens": prompt_tokens + max_tokens,
+            **st.usage_override,
         }
         if chat:
             choice: dict[str, Any] = {
@@ -380,6 +384,7 @@ def make_fake_engine(state: FakeEngineState | None = None) -> Callable[..., Awai
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": generated,
                 "total_tokens": prompt_tokens + generated,
+                **st.usage_override,
             }
             data = {
                 "id": cid,

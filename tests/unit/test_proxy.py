@@ -275,3 +275,41 @@ async def test_connection_reset_before_the_answer_is_retried(tmp_path: Path) -> 
             assert resp.json()["error"]["code"] == "engine_unreachable"
         await gateway.aclose()
     server.close()
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"prompt_tokens": "many", "completion_tokens": [3]},
+        {"prompt_tokens": float("inf"), "completion_tokens": {"n": 3}},
+        {"prompt_tokens": -5, "completion_tokens": "3"},
+    ],
+)
+@pytest.mark.parametrize("stream", [True, False])
+async def test_usage_counts_that_are_not_counts_lose_nothing(
+    rig: Rig, odd: dict[str, Any], stream: bool
+) -> None:
+    """An engine's usage whose counts are not counts: the client's answer is whole, as the
+    engine sent it (the stream to its [DONE]), and the record is settled with what could be
+    read (a digit string read as its number, anything else as 0)."""
+    for state in rig.states:
+        state.usage_override = dict(odd)
+    run_id = f"odd-usage-{stream}-{len(str(odd))}"
+    resp = await rig.client.post(
+        "/v1/chat/completions",
+        json={**BODY, "stream": stream, "stream_options": {"include_usage": True}}
+        if stream
+        else BODY,
+        headers={"x-gpupool-run-id": run_id},
+    )
+    assert resp.status_code == 200, resp.text
+    if stream:
+        assert resp.content.endswith(b"data: [DONE]\n\n")
+        assert resp.content.count(b'"usage"') == 1  # asked for, passed on
+    else:
+        assert "usage" in resp.json()
+    await rig.gateway.ledger.flush()
+    run = (await rig.client.get(f"/v1/runs/{run_id}")).json()
+    (record,) = run["requests"]
+    completion = 3 if odd["completion_tokens"] == "3" else 0
+    assert (record["prompt_tokens"], record["completion_tokens"]) == (0, completion), record

@@ -24,6 +24,7 @@ Adapters hold no per-request state: one instance of each serves every request.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -33,7 +34,23 @@ from router.admission.estimate import EstimateInput
 from router.errors import GpupoolError
 from router.request import RequestContext, RequestOutcome
 
-__all__ = ["Extras", "ProtocolAdapter", "sse_data", "sse_event_name"]
+__all__ = ["Extras", "ProtocolAdapter", "sse_data", "sse_event_name", "token_count"]
+
+
+def token_count(value: object) -> int:
+    """A token count from an engine's usage: an int (a bool as 0 or 1), a finite float's whole
+    part, or a string of digits; a negative as 0; anything else (absent, null, a word, a list,
+    infinity, NaN) 0. An engine's odd usage must not cut the client's answer nor fail the
+    settlement (a negative count is refused by the counters it feeds)."""
+    if isinstance(value, int):
+        return max(value, 0)
+    if isinstance(value, float):
+        return max(int(value), 0) if math.isfinite(value) else 0
+    if isinstance(value, str):
+        text = value.strip()
+        return int(text) if text.isascii() and text.isdigit() else 0
+    return 0
+
 
 Extras = Callable[[], dict[str, Any]]
 
@@ -131,7 +148,7 @@ class ProtocolAdapter:
         usage = data.get("usage")
         if not isinstance(usage, dict):
             return None
-        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        return token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
 
     def add_body_usage(self, data: dict[str, Any], extra: dict[str, Any]) -> bool:
         """Add `extra` to a whole response's usage; False when it has none."""

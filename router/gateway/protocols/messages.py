@@ -22,7 +22,13 @@ import orjson
 
 from router.admission.estimate import EstimateInput, estimate_input, positive_int
 from router.errors import BadRequest, GpupoolError, anthropic_body, anthropic_status
-from router.gateway.protocols.base import Extras, ProtocolAdapter, sse_data, sse_event_name
+from router.gateway.protocols.base import (
+    Extras,
+    ProtocolAdapter,
+    sse_data,
+    sse_event_name,
+    token_count,
+)
 from router.gateway.protocols.responses import json_text, tools_json
 from router.request import RequestContext, RequestOutcome
 
@@ -49,7 +55,7 @@ def prompt_tokens_of(usage: dict[str, Any]) -> int:
     """All prompt tokens of an Anthropic usage: `input_tokens` plus the cache reads and
     writes it leaves out."""
     return sum(
-        int(usage.get(key) or 0)
+        token_count(usage.get(key))
         for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
     )
 
@@ -175,7 +181,7 @@ class MessagesAdapter(ProtocolAdapter):
             outcome.prompt_tokens = prompt
         if name == b"message_start":
             return event
-        outcome.completion_tokens = int(usage.get("output_tokens") or 0)
+        outcome.completion_tokens = token_count(usage.get("output_tokens"))
         if not ctx.want_gpu_usage or not (extra := extras()):
             return event
         usage.update(extra)
@@ -187,7 +193,7 @@ class MessagesAdapter(ProtocolAdapter):
         usage = data.get("usage")
         if not isinstance(usage, dict):
             return None
-        return prompt_tokens_of(usage), int(usage.get("output_tokens") or 0)
+        return prompt_tokens_of(usage), token_count(usage.get("output_tokens"))
 
     # -- errors ----------------------------------------------------------------------------
 

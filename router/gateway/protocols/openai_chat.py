@@ -15,7 +15,7 @@ import orjson
 
 from router.admission.estimate import EstimateInput, read_openai
 from router.errors import BadRequest
-from router.gateway.protocols.base import Extras, ProtocolAdapter, sse_data
+from router.gateway.protocols.base import Extras, ProtocolAdapter, sse_data, token_count
 from router.request import RequestContext, RequestOutcome
 
 __all__ = ["ChatAdapter", "CompletionsAdapter"]
@@ -73,8 +73,8 @@ class _OpenAIGeneration(ProtocolAdapter):
         if data is None or not isinstance(data.get("usage"), dict):
             return event
         usage = data["usage"]
-        outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
+        outcome.prompt_tokens = token_count(usage.get("prompt_tokens"))
+        outcome.completion_tokens = token_count(usage.get("completion_tokens"))
         if data.get("choices"):
             return event  # continuous usage stats on a content event: keep it
         if not (ctx.client_wants_usage or ctx.want_gpu_usage):

@@ -30,7 +30,13 @@ from router.admission.estimate import (
     template_json,
 )
 from router.errors import BadRequest, GpupoolError
-from router.gateway.protocols.base import Extras, ProtocolAdapter, sse_data, sse_event_name
+from router.gateway.protocols.base import (
+    Extras,
+    ProtocolAdapter,
+    sse_data,
+    sse_event_name,
+    token_count,
+)
 from router.request import RequestContext, RequestOutcome
 
 __all__ = ["ResponsesAdapter", "json_text", "tools_json"]
@@ -188,15 +194,15 @@ class ResponsesAdapter(ProtocolAdapter):
         usage = response.get("usage")
         if not isinstance(usage, dict):
             return False
-        outcome.prompt_tokens = int(usage.get("input_tokens") or 0)
-        outcome.completion_tokens = int(usage.get("output_tokens") or 0)
+        outcome.prompt_tokens = token_count(usage.get("input_tokens"))
+        outcome.completion_tokens = token_count(usage.get("output_tokens"))
         return True
 
     def body_usage(self, data: dict[str, Any]) -> tuple[int, int] | None:
         usage = data.get("usage")
         if not isinstance(usage, dict):
             return None
-        return int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
+        return token_count(usage.get("input_tokens")), token_count(usage.get("output_tokens"))
 
     def body_response_id(self, data: dict[str, Any]) -> str | None:
         rid = data.get("id")
