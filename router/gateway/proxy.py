@@ -793,12 +793,9 @@ class CompletionsHandler:
         except orjson.JSONDecodeError:
             data = None
         if isinstance(data, dict):
-            try:
-                tokens = adapter.body_usage(data)
-                if tokens is not None:
-                    outcome.prompt_tokens, outcome.completion_tokens = tokens
-            except (TypeError, ValueError):
-                pass
+            tokens = adapter.body_usage(data)  # odd counts read as 0 (protocols' token_count)
+            if tokens is not None:
+                outcome.prompt_tokens, outcome.completion_tokens = tokens
             outcome.response_id = adapter.body_response_id(data)
         extra = self.settlement.usage_extra(outcome)
         extra_headers = [(_extra_header(key), str(value).encode()) for key, value in extra.items()]
