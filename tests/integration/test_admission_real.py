@@ -282,12 +282,17 @@ def test_a_deadline_shorter_than_one_engine_step_is_refused_not_timed_out(
     # needs one decode step; once the router has measured the engine's TPOT, a 1 ms deadline
     # is refused up front (429), not left to pass at the engine (504)
     normal_id = _normal_id(admitted)
-    # long enough to span scrapes: a sequence running at a scrape gives a TPOT sample
-    assert admitted.post(_body("j")).status_code == 200
-    wait_for(
-        lambda: admitted.pool_view()["instances"][normal_id]["operating_point"]["samples"] > 0,
-        timeout_s=10,
-    )
+
+    def sampled() -> bool:
+        """A sequence running across a scrape gives a TPOT sample; one request of 256 tokens
+        can finish between two scrapes on a fast CPU (s50: no sample in 10 s after a lone
+        request), so another is served until a scrape has seen one running."""
+        if admitted.pool_view()["instances"][normal_id]["operating_point"]["samples"] > 0:
+            return True
+        assert admitted.post(_body("j")).status_code == 200
+        return False
+
+    wait_for(sampled, timeout_s=30)
     short = {**_body("k"), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     prompt_before = _engine_metric(admitted.engine_url, "vllm:prompt_tokens_total")
     reply = admitted.post(short, headers={"x-gpupool-deadline-ms": "1"})
